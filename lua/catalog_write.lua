@@ -1,0 +1,70 @@
+-- tollgate catalog write: one plan or client put or deleted, atomically, with its checks.
+--
+-- KEYS[1] plans   (hash: name -> "<rev> <json>")
+-- KEYS[2] clients (hash: id -> "<rev> <json>")
+-- KEYS[3] keys    (hash: "sha256:<hex>" -> client id; no plaintext key is ever stored)
+-- KEYS[4] users   (hash: plan name -> number of clients on it)
+-- KEYS[5] version (counter, bumped by every write)
+-- KEYS[6] changes (stream; entry id "<version>-0", fields kind, id: the change feed)
+-- All six share the {catalog} hash tag, so this is one Redis Cluster slot.
+--
+-- ARGV[1] kind: 'plan' | 'client'     ARGV[2] op: 'put' | 'delete'
+-- ARGV[3] id                          ARGV[4] condition: 'any' | 'absent' | <rev>
+-- ARGV[5] json (put)                  ARGV[6] the client's plan (client put)
+-- ARGV[7..] the client's key hashes (client put)
+--
+-- Returns { status, rev, detail }: status 'ok' (rev = the new version, detail = the old
+-- json or false), or a refusal ('exists', 'stale', 'missing', 'unknown_plan',
+-- 'plan_in_use', 'key_conflict') that wrote nothing.
+
+local kind, op, id, cond = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local entities = KEYS[1]
+if kind == 'client' then entities = KEYS[2] end
+
+local old = redis.call('HGET', entities, id)
+local old_rev, old_json = 0, false
+if old then
+  local sp = string.find(old, ' ', 1, true)
+  old_rev = tonumber(string.sub(old, 1, sp - 1))
+  old_json = string.sub(old, sp + 1)
+end
+
+if cond == 'absent' then
+  if old then return { 'exists', old_rev, old_json } end
+elseif cond ~= 'any' then
+  if not old then return { 'missing', 0, false } end
+  if old_rev ~= tonumber(cond) then return { 'stale', old_rev, old_json } end
+end
+
+local function unlink_client(json)
+  local c = cjson.decode(json)
+  for _, k in ipairs(c.keys or {}) do redis.call('HDEL', KEYS[3], k.hash) end
+  redis.call('HINCRBY', KEYS[4], c.plan, -1)
+end
+
+if op == 'delete' then
+  if not old then return { 'missing', 0, false } end
+  if kind == 'plan' then
+    if tonumber(redis.call('HGET', KEYS[4], id) or '0') > 0 then
+      return { 'plan_in_use', old_rev, old_json }
+    end
+  else
+    unlink_client(old_json)
+  end
+  redis.call('HDEL', entities, id)
+elseif kind == 'client' then
+  local plan = ARGV[6]
+  if redis.call('HEXISTS', KEYS[1], plan) == 0 then return { 'unknown_plan', 0, plan } end
+  for i = 7, #ARGV do
+    local owner = redis.call('HGET', KEYS[3], ARGV[i])
+    if owner and owner ~= id then return { 'key_conflict', 0, ARGV[i] } end
+  end
+  if old then unlink_client(old_json) end
+  for i = 7, #ARGV do redis.call('HSET', KEYS[3], ARGV[i], id) end
+  redis.call('HINCRBY', KEYS[4], plan, 1)
+end
+
+local v = redis.call('INCR', KEYS[5])
+if op ~= 'delete' then redis.call('HSET', entities, id, v .. ' ' .. ARGV[5]) end
+redis.call('XADD', KEYS[6], 'MAXLEN', '~', 100000, v .. '-0', 'kind', kind, 'id', id)
+return { 'ok', v, old_json }

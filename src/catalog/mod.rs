@@ -1,0 +1,271 @@
+//! The catalog of plans and clients: stored in the [`Store`], mirrored in every gateway's
+//! memory. The request path reads only the mirror ([`Catalog::by_key`]); a background task
+//! follows the store's change feed and applies what changed, at most `refresh_ms` late.
+
+mod records;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use dashmap::DashMap;
+use secrecy::ExposeSecret;
+
+pub use records::{
+    CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition, KeyRecord, PlanRecord,
+    Shards, Versioned, WriteOutcome,
+};
+
+use crate::configuration::Settings;
+use crate::domain::{ClientId, KeyHash, Mode, Plan, PlanName};
+use crate::store::{Keys, Store, StoreError};
+
+/// A plan's current limits, shared by every client on it so a plan edit is one store.
+pub struct PlanSlot {
+    pub name: PlanName,
+    limits: ArcSwap<Plan>,
+}
+
+impl PlanSlot {
+    pub fn limits(&self) -> Plan {
+        **self.limits.load()
+    }
+}
+
+/// What the request path needs to know about a client, resolved ahead of time.
+pub struct ClientEntry {
+    pub id: ClientId,
+    pub plan: Arc<PlanSlot>,
+    pub mode: Mode,
+    /// The Redis key of the client's bucket, built once.
+    pub bucket_key: Box<str>,
+    pub record: ClientRecord,
+}
+
+/// The in-memory mirror of the catalog.
+pub struct Catalog {
+    plans: DashMap<PlanName, Arc<PlanSlot>>,
+    clients: DashMap<ClientId, Arc<ClientEntry>>,
+    keys: DashMap<KeyHash, Arc<ClientEntry>>,
+    version: AtomicU64,
+    default_mode: Mode,
+    key_names: Keys,
+}
+
+impl Catalog {
+    pub fn new(default_mode: Mode, key_names: Keys) -> Catalog {
+        Catalog {
+            plans: DashMap::new(),
+            clients: DashMap::new(),
+            keys: DashMap::new(),
+            version: AtomicU64::new(0),
+            default_mode,
+            key_names,
+        }
+    }
+
+    /// The client an API key belongs to. No I/O.
+    pub fn by_key(&self, hash: &KeyHash) -> Option<Arc<ClientEntry>> {
+        self.keys.get(hash).map(|e| Arc::clone(e.value()))
+    }
+
+    pub fn client(&self, id: &ClientId) -> Option<Arc<ClientEntry>> {
+        self.clients.get(id).map(|e| Arc::clone(e.value()))
+    }
+
+    pub fn plan(&self, name: &PlanName) -> Option<Plan> {
+        self.plans.get(name).map(|p| p.limits())
+    }
+
+    /// The store version this mirror reflects.
+    pub fn version(&self) -> u64 {
+        self.version.load(Ordering::Acquire)
+    }
+
+    /// Follows the store until this mirror is current.
+    pub async fn refresh(&self, store: &Store) -> Result<(), StoreError> {
+        loop {
+            match store.catalog_changes(self.version()).await? {
+                CatalogChanges::Unchanged => return Ok(()),
+                CatalogChanges::Reload(dump) => {
+                    self.replace(dump);
+                    return Ok(());
+                }
+                CatalogChanges::Delta {
+                    version,
+                    plans,
+                    clients,
+                    more,
+                } => {
+                    for (name, rec) in plans {
+                        self.apply_plan(name, rec.map(|r| r.value));
+                    }
+                    for (id, rec) in clients {
+                        self.apply_client(id, rec.map(|r| r.value));
+                    }
+                    self.version.store(version, Ordering::Release);
+                    if !more {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Replaces the whole mirror with a dump.
+    fn replace(&self, dump: CatalogDump) {
+        let plan_names: std::collections::HashSet<_> =
+            dump.plans.iter().map(|p| p.value.name.clone()).collect();
+        let client_ids: std::collections::HashSet<_> =
+            dump.clients.iter().map(|c| c.value.id.clone()).collect();
+        for p in dump.plans {
+            self.apply_plan(p.value.name.clone(), Some(p.value));
+        }
+        for c in dump.clients {
+            self.apply_client(c.value.id.clone(), Some(c.value));
+        }
+        let gone: Vec<ClientId> = self
+            .clients
+            .iter()
+            .map(|e| e.key().clone())
+            .filter(|id| !client_ids.contains(id))
+            .collect();
+        for id in gone {
+            self.apply_client(id, None);
+        }
+        self.plans.retain(|name, _| plan_names.contains(name));
+        self.version.store(dump.version, Ordering::Release);
+    }
+
+    fn apply_plan(&self, name: PlanName, rec: Option<PlanRecord>) {
+        let Some(rec) = rec else {
+            self.plans.remove(&name);
+            return;
+        };
+        let limits = match rec.plan() {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(plan = %name, error = %e, "invalid plan in the store ignored");
+                return;
+            }
+        };
+        match self.plans.get(&name) {
+            Some(slot) => slot.limits.store(Arc::new(limits)),
+            None => {
+                self.plans.insert(
+                    name.clone(),
+                    Arc::new(PlanSlot {
+                        name,
+                        limits: ArcSwap::from_pointee(limits),
+                    }),
+                );
+            }
+        }
+    }
+
+    fn apply_client(&self, id: ClientId, rec: Option<ClientRecord>) {
+        if let Some((_, old)) = self.clients.remove(&id) {
+            for k in &old.record.keys {
+                self.keys
+                    .remove_if(&k.hash, |_, entry| Arc::ptr_eq(entry, &old));
+            }
+        }
+        let Some(rec) = rec else { return };
+        let Some(plan) = self.plans.get(&rec.plan).map(|p| Arc::clone(p.value())) else {
+            tracing::warn!(client = %id, plan = %rec.plan, "client on an unknown plan ignored");
+            return;
+        };
+        let entry = Arc::new(ClientEntry {
+            bucket_key: self.key_names.bucket(&id).into_boxed_str(),
+            mode: rec.mode.unwrap_or(self.default_mode),
+            id: id.clone(),
+            plan,
+            record: rec,
+        });
+        for k in &entry.record.keys {
+            self.keys.insert(k.hash, Arc::clone(&entry));
+        }
+        self.clients.insert(id, entry);
+    }
+
+    /// Follows the store every `period` until the process ends.
+    pub fn spawn_refresh(self: &Arc<Self>, store: Store, period: Duration) {
+        let catalog = Arc::clone(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut failing = false;
+            loop {
+                tick.tick().await;
+                match catalog.refresh(&store).await {
+                    Ok(()) if failing => {
+                        failing = false;
+                        tracing::info!("catalog refresh recovered");
+                    }
+                    Ok(()) => {}
+                    Err(e) if !failing => {
+                        failing = true;
+                        tracing::warn!(error = %e, "catalog refresh failed; serving the last known catalog");
+                    }
+                    Err(_) => {}
+                }
+            }
+        });
+    }
+}
+
+/// Creates the plans and clients declared in the settings that the store lacks. Existing
+/// ones (perhaps edited through the admin API since) are left as they are.
+pub async fn seed(store: &Store, settings: &Settings) -> anyhow::Result<()> {
+    for p in &settings.catalog.plans {
+        let rec = PlanRecord {
+            name: PlanName::parse(&p.name)?,
+            capacity: p.capacity,
+            rate: p.rate,
+            description: p.description.clone(),
+        };
+        store
+            .catalog_write(&CatalogWrite::PutPlan(rec, Condition::Absent))
+            .await?;
+    }
+    for c in &settings.catalog.clients {
+        let mut keys: Vec<KeyRecord> = c
+            .keys
+            .iter()
+            .map(|k| KeyRecord::new(KeyHash::of(k.expose_secret())))
+            .collect();
+        for h in &c.key_hashes {
+            keys.push(KeyRecord::new(h.parse().map_err(anyhow::Error::msg)?));
+        }
+        let rec = ClientRecord {
+            id: ClientId::parse(&c.id)?,
+            plan: PlanName::parse(&c.plan)?,
+            mode: c
+                .mode
+                .as_deref()
+                .map(str::parse)
+                .transpose()
+                .map_err(anyhow::Error::msg)?,
+            shards: None,
+            keys,
+        };
+        match store
+            .catalog_write(&CatalogWrite::PutClient(rec, Condition::Absent))
+            .await?
+        {
+            WriteOutcome::Written { .. } | WriteOutcome::Exists => {}
+            WriteOutcome::UnknownPlan => anyhow::bail!(
+                "catalog.clients: client {:?} is on plan {:?}, which does not exist",
+                c.id,
+                c.plan
+            ),
+            WriteOutcome::KeyConflict => anyhow::bail!(
+                "catalog.clients: a key of client {:?} already belongs to another client",
+                c.id
+            ),
+            other => anyhow::bail!("catalog.clients: client {:?}: {other:?}", c.id),
+        }
+    }
+    Ok(())
+}

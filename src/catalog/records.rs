@@ -1,0 +1,156 @@
+//! What the catalog stores: plans and clients, as JSON records with a revision each.
+
+use serde::{Deserialize, Serialize};
+
+use crate::domain::{ClientId, KeyHash, Mode, Plan, PlanError, PlanName, Region};
+
+/// A plan as stored (and, later, as the admin API shows it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlanRecord {
+    pub name: PlanName,
+    pub capacity: f64,
+    pub rate: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+}
+
+impl PlanRecord {
+    pub fn plan(&self) -> Result<Plan, PlanError> {
+        Plan::new(self.capacity, self.rate)
+    }
+}
+
+/// Regions a hot client's bucket is sharded over.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Shards {
+    pub regions: Vec<Region>,
+}
+
+/// One of a client's API keys: only its hash is kept.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KeyRecord {
+    pub key_id: String,
+    pub hash: KeyHash,
+    /// Unix seconds.
+    pub created_at: u64,
+}
+
+impl KeyRecord {
+    pub fn new(hash: KeyHash) -> KeyRecord {
+        KeyRecord {
+            key_id: hash.key_id(),
+            hash,
+            created_at: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+        }
+    }
+}
+
+/// A client as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClientRecord {
+    pub id: ClientId,
+    pub plan: PlanName,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<Mode>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shards: Option<Shards>,
+    #[serde(default)]
+    pub keys: Vec<KeyRecord>,
+}
+
+/// A record and the catalog version that last wrote it (its ETag).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Versioned<T> {
+    pub rev: u64,
+    pub value: T,
+}
+
+/// The whole catalog, read at `version` or later.
+#[derive(Debug, Clone, Default)]
+pub struct CatalogDump {
+    pub version: u64,
+    pub plans: Vec<Versioned<PlanRecord>>,
+    pub clients: Vec<Versioned<ClientRecord>>,
+}
+
+/// What changed after a version.
+#[derive(Debug, Clone)]
+pub enum CatalogChanges {
+    Unchanged,
+    /// The named records changed (`None`: deleted); `more` when the feed has further entries.
+    Delta {
+        version: u64,
+        plans: Vec<(PlanName, Option<Versioned<PlanRecord>>)>,
+        clients: Vec<(ClientId, Option<Versioned<ClientRecord>>)>,
+        more: bool,
+    },
+    /// The feed no longer reaches back that far: start over from everything.
+    Reload(CatalogDump),
+}
+
+/// Preconditions of a write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Condition {
+    Any,
+    /// Only if the record does not exist yet.
+    Absent,
+    /// Only if the record is at this revision (`If-Match`).
+    Rev(u64),
+}
+
+/// One atomic catalog change.
+#[derive(Debug, Clone)]
+pub enum CatalogWrite {
+    PutPlan(PlanRecord, Condition),
+    DeletePlan(PlanName, Condition),
+    PutClient(ClientRecord, Condition),
+    DeleteClient(ClientId, Condition),
+}
+
+/// What a write did. Every refusal wrote nothing.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WriteOutcome {
+    /// Written at version `rev`; `before` is the previous JSON, if there was a record.
+    Written {
+        rev: u64,
+        before: Option<String>,
+    },
+    Exists,
+    Stale {
+        current: u64,
+    },
+    Missing,
+    UnknownPlan,
+    PlanInUse,
+    KeyConflict,
+}
+
+impl CatalogWrite {
+    pub(crate) fn kind(&self) -> &'static str {
+        match self {
+            CatalogWrite::PutPlan(..) | CatalogWrite::DeletePlan(..) => "plan",
+            CatalogWrite::PutClient(..) | CatalogWrite::DeleteClient(..) => "client",
+        }
+    }
+
+    pub(crate) fn id(&self) -> &str {
+        match self {
+            CatalogWrite::PutPlan(p, _) => p.name.as_str(),
+            CatalogWrite::DeletePlan(n, _) => n.as_str(),
+            CatalogWrite::PutClient(c, _) => c.id.as_str(),
+            CatalogWrite::DeleteClient(i, _) => i.as_str(),
+        }
+    }
+
+    pub(crate) fn condition(&self) -> Condition {
+        match self {
+            CatalogWrite::PutPlan(_, c)
+            | CatalogWrite::DeletePlan(_, c)
+            | CatalogWrite::PutClient(_, c)
+            | CatalogWrite::DeleteClient(_, c) => *c,
+        }
+    }
+}

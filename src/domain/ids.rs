@@ -1,0 +1,134 @@
+use std::fmt;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+/// Why an identifier was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("must be 1-{max} characters of A-Z a-z 0-9 - _ . (got {got:?})")]
+pub struct IdError {
+    max: usize,
+    got: String,
+}
+
+/// Identifiers share one charset. It excludes `{`, `}` and `:` so an id can sit inside a
+/// Redis Cluster hash tag (`{client}`) or beside a region (`{client:eu}`) unambiguously.
+fn check(s: &str, max: usize) -> Result<(), IdError> {
+    let ok = !s.is_empty()
+        && s.len() <= max
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(IdError {
+            max,
+            got: s.chars().take(80).collect(),
+        })
+    }
+}
+
+macro_rules! id_type {
+    ($(#[$doc:meta])* $name:ident, $max:expr) => {
+        $(#[$doc])*
+        #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[serde(try_from = "String", into = "String")]
+        pub struct $name(Arc<str>);
+
+        impl $name {
+            /// Longest accepted id, in bytes.
+            pub const MAX_LEN: usize = $max;
+
+            pub fn parse(s: &str) -> Result<Self, IdError> {
+                check(s, $max)?;
+                Ok(Self(Arc::from(s)))
+            }
+
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl TryFrom<String> for $name {
+            type Error = IdError;
+            fn try_from(s: String) -> Result<Self, IdError> {
+                Self::parse(&s)
+            }
+        }
+
+        impl From<$name> for String {
+            fn from(id: $name) -> String {
+                id.0.to_string()
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{:?}", &*self.0)
+            }
+        }
+
+        impl AsRef<str> for $name {
+            fn as_ref(&self) -> &str {
+                &self.0
+            }
+        }
+    };
+}
+
+id_type!(
+    /// A client of the gateway (an account); its API keys map to it.
+    ClientId,
+    128
+);
+id_type!(
+    /// The name of a plan (capacity, rate).
+    PlanName,
+    64
+);
+id_type!(
+    /// A deployment region, e.g. `eu-west`.
+    Region,
+    32
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_of_the_documented_charset_are_accepted() {
+        for s in ["acme", "a", "ACME-01_x.y", &"a".repeat(128)] {
+            assert!(ClientId::parse(s).is_ok(), "{s}");
+        }
+    }
+
+    #[test]
+    fn ids_that_could_break_a_key_or_a_log_are_refused() {
+        for s in [
+            "",
+            "a b",
+            "a{b",
+            "a}b",
+            "a:b",
+            "é",
+            "a\nb",
+            &"a".repeat(129),
+        ] {
+            assert!(ClientId::parse(s).is_err(), "{s:?}");
+        }
+        assert!(Region::parse(&"r".repeat(33)).is_err());
+    }
+
+    #[test]
+    fn ids_deserialize_through_parse() {
+        assert!(serde_json::from_str::<PlanName>("\"gold\"").is_ok());
+        assert!(serde_json::from_str::<PlanName>("\"go ld\"").is_err());
+    }
+}

@@ -1,0 +1,24 @@
+//! tollgate: an API gateway that enforces one token bucket per client, once, at the edge.
+//!
+//! How the pieces fit, in request order:
+//! - [`proxy::guard`] (middleware) hashes the API key and finds the client in the
+//!   [`catalog`] mirror (memory only), picks the route, and asks the [`limiter`] for a
+//!   decision: one atomic call into the [`store`] (a Redis script, or the same arithmetic
+//!   in process), bounded by `redis.timeout_ms`, failing open past it.
+//! - Denied requests are answered `429` by the gateway; admitted ones reach
+//!   [`proxy::forward`], which streams them to one replica with awc.
+//! - [`startup::Application`] wires it together from [`configuration::Settings`].
+
+pub mod catalog;
+pub mod cli;
+pub mod configuration;
+pub mod domain;
+pub mod error;
+pub mod limiter;
+pub mod metrics;
+pub mod ops;
+pub mod proxy;
+pub mod startup;
+pub mod state;
+pub mod store;
+pub mod telemetry;

@@ -1,0 +1,156 @@
+//! The token bucket arithmetic, once. `lua/bucket.lua` performs the same operations in
+//! the same order, so the embedded store and Redis decide identically.
+
+use crate::domain::Plan;
+
+/// What a bucket stores between requests.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BucketState {
+    /// Tokens left after the last take.
+    pub tokens: f64,
+    /// When they were counted, in microseconds on the store's clock.
+    pub ts_us: u64,
+}
+
+/// The answer to one take.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Verdict {
+    pub allowed: bool,
+    /// Tokens left after this take (or, if denied, after refilling).
+    pub tokens: f64,
+    /// Until `cost` tokens exist: zero when allowed, `None` when the cost can never be
+    /// met (it exceeds the bucket's capacity).
+    pub wait_us: Option<u64>,
+}
+
+/// Refills the bucket up to `now_us`, then takes `cost` tokens if it holds that many.
+/// A bucket seen for the first time (`state == None`) starts full.
+pub fn take(
+    state: Option<BucketState>,
+    now_us: u64,
+    plan: Plan,
+    cost: f64,
+) -> (BucketState, Verdict) {
+    let cap = plan.capacity();
+    let rate = plan.rate();
+    let (tokens, ts) = match state {
+        Some(s) => (s.tokens, s.ts_us),
+        None => (cap, now_us),
+    };
+    let elapsed = now_us.saturating_sub(ts) as f64;
+    let mut tokens = cap.min(tokens + elapsed * rate / 1_000_000.0);
+
+    let verdict = if tokens >= cost {
+        tokens -= cost;
+        Verdict {
+            allowed: true,
+            tokens,
+            wait_us: Some(0),
+        }
+    } else if cost > cap {
+        Verdict {
+            allowed: false,
+            tokens,
+            wait_us: None,
+        }
+    } else {
+        Verdict {
+            allowed: false,
+            tokens,
+            wait_us: Some(((cost - tokens) / rate * 1_000_000.0).ceil() as u64),
+        }
+    };
+    (
+        BucketState {
+            tokens,
+            ts_us: now_us,
+        },
+        verdict,
+    )
+}
+
+/// How long an untouched bucket needs to be full again: after that it can be forgotten,
+/// since a missing bucket starts full. One second of slack, as in the script.
+pub fn idle_expiry_ms(plan: Plan, tokens: f64) -> u64 {
+    ((plan.capacity() - tokens) / plan.rate() * 1000.0).ceil() as u64 + 1000
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(capacity: f64, rate: f64) -> Plan {
+        Plan::new(capacity, rate).unwrap()
+    }
+
+    #[test]
+    fn a_new_bucket_starts_full_and_admits_exactly_its_capacity() {
+        let p = plan(5.0, 1.0);
+        let mut state = None;
+        let mut admitted = 0;
+        for _ in 0..10 {
+            let (s, v) = take(state, 1_000, p, 1.0);
+            state = Some(s);
+            admitted += v.allowed as u32;
+        }
+        assert_eq!(admitted, 5);
+    }
+
+    #[test]
+    fn tokens_refill_at_the_rate_and_never_past_capacity() {
+        let p = plan(10.0, 2.0);
+        let (s, _) = take(None, 0, p, 10.0);
+        assert_eq!(s.tokens, 0.0);
+        let (s, v) = take(Some(s), 1_500_000, p, 0.0);
+        assert_eq!(v.tokens, 3.0);
+        let (_, v) = take(Some(s), 1_000_000_000, p, 0.0);
+        assert_eq!(v.tokens, 10.0);
+    }
+
+    #[test]
+    fn a_denied_take_says_exactly_how_long_to_wait() {
+        let p = plan(2.0, 4.0);
+        let (s, _) = take(None, 0, p, 2.0);
+        let (s, v) = take(Some(s), 0, p, 1.0);
+        assert!(!v.allowed);
+        assert_eq!(v.wait_us, Some(250_000));
+        // Waiting exactly that long is enough.
+        let (_, v) = take(Some(s), 250_000, p, 1.0);
+        assert!(v.allowed);
+    }
+
+    #[test]
+    fn a_cost_above_capacity_can_never_be_met() {
+        let (_, v) = take(None, 0, plan(2.0, 1.0), 3.0);
+        assert!(!v.allowed);
+        assert_eq!(v.wait_us, None);
+    }
+
+    #[test]
+    fn a_clock_that_goes_backwards_refills_nothing() {
+        let p = plan(2.0, 1.0);
+        let (s, _) = take(None, 10_000_000, p, 2.0);
+        let (_, v) = take(Some(s), 5_000_000, p, 1.0);
+        assert!(!v.allowed);
+    }
+
+    #[test]
+    fn an_empty_bucket_expires_once_it_would_be_full() {
+        assert_eq!(idle_expiry_ms(plan(10.0, 5.0), 0.0), 3_000);
+        assert_eq!(idle_expiry_ms(plan(10.0, 5.0), 10.0), 1_000);
+    }
+
+    #[test]
+    fn admitted_over_a_long_run_is_capacity_plus_rate_times_time() {
+        // 1,000 requests/s against 100 + 50/s for 10 s: exactly 600 admitted.
+        let p = plan(100.0, 50.0);
+        let mut state = None;
+        let mut admitted = 0;
+        for i in 0..=10_000u64 {
+            let (s, v) = take(state, i * 1_000, p, 1.0);
+            state = Some(s);
+            admitted += v.allowed as u32;
+        }
+        assert_eq!(admitted, 600);
+    }
+}

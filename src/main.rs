@@ -1,0 +1,42 @@
+use clap::Parser;
+use tollgate::cli::{Cli, Command};
+use tollgate::configuration::{Settings, SettingsError};
+use tollgate::startup::Application;
+
+/// Exit code for a configuration that cannot start.
+const BAD_CONFIG: i32 = 2;
+
+#[tokio::main]
+async fn main() {
+    let cli = Cli::parse();
+    tollgate::telemetry::init();
+    let settings = match Settings::load(&cli.config) {
+        Ok(s) => s,
+        Err(SettingsError::Invalid(problems)) => {
+            for p in problems {
+                eprintln!("tollgate: invalid configuration: {p}");
+            }
+            std::process::exit(BAD_CONFIG);
+        }
+        Err(e) => {
+            eprintln!("tollgate: invalid configuration: {e}");
+            std::process::exit(BAD_CONFIG);
+        }
+    };
+    match cli.command.unwrap_or(Command::Serve) {
+        Command::Serve => {
+            let app = match Application::build(settings).await {
+                Ok(app) => app,
+                Err(e) => {
+                    eprintln!("tollgate: cannot start: {e:#}");
+                    std::process::exit(BAD_CONFIG);
+                }
+            };
+            if let Err(e) = app.run_until_stopped().await {
+                eprintln!("tollgate: {e}");
+                std::process::exit(1);
+            }
+            tracing::info!("stopped");
+        }
+    }
+}

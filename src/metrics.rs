@@ -1,0 +1,141 @@
+//! Prometheus metrics: plain atomics on the request path, rendered as text on scrape.
+//! No label carries a client id or an API key.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+use dashmap::DashMap;
+
+use crate::limiter::Outcome;
+
+/// Upper bounds (seconds) of the decision-time histogram.
+const BUCKETS: [f64; 10] = [
+    0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.1, 1.0,
+];
+
+const OUTCOMES: [&str; 6] = [
+    "allowed",
+    "denied",
+    "shadow_denied",
+    "fail_open",
+    "safety_denied",
+    "unknown_key",
+];
+
+#[derive(Default)]
+pub struct Metrics {
+    decisions: [AtomicU64; OUTCOMES.len()],
+    fail_open: AtomicU64,
+    limiter_buckets: [AtomicU64; BUCKETS.len()],
+    limiter_count: AtomicU64,
+    limiter_sum_ns: AtomicU64,
+    upstream: DashMap<(String, &'static str), AtomicU64>,
+}
+
+impl Metrics {
+    pub fn record_decision(&self, outcome: Outcome, took: Duration) {
+        self.count_outcome(outcome.label());
+        if outcome == Outcome::FailOpen {
+            self.fail_open.fetch_add(1, Relaxed);
+        }
+        let secs = took.as_secs_f64();
+        if let Some(i) = BUCKETS.iter().position(|b| secs <= *b) {
+            self.limiter_buckets[i].fetch_add(1, Relaxed);
+        }
+        self.limiter_count.fetch_add(1, Relaxed);
+        self.limiter_sum_ns
+            .fetch_add(took.as_nanos() as u64, Relaxed);
+    }
+
+    /// Counts a decision outcome by its label (`unknown_key` has no limiter decision).
+    pub fn count_outcome(&self, label: &str) {
+        if let Some(i) = OUTCOMES.iter().position(|o| *o == label) {
+            self.decisions[i].fetch_add(1, Relaxed);
+        }
+    }
+
+    pub fn fail_open_total(&self) -> u64 {
+        self.fail_open.load(Relaxed)
+    }
+
+    pub fn record_upstream(&self, service: &str, status: u16) {
+        let class = match status {
+            100..=199 => "1xx",
+            200..=299 => "2xx",
+            300..=399 => "3xx",
+            400..=499 => "4xx",
+            _ => "5xx",
+        };
+        if let Some(c) = self.upstream.get(&(service.to_string(), class)) {
+            c.fetch_add(1, Relaxed);
+            return;
+        }
+        self.upstream
+            .entry((service.to_string(), class))
+            .or_default()
+            .fetch_add(1, Relaxed);
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::with_capacity(4096);
+        let _ = writeln!(
+            out,
+            "# HELP tollgate_decisions_total Limiter decisions by outcome."
+        );
+        let _ = writeln!(out, "# TYPE tollgate_decisions_total counter");
+        for (i, o) in OUTCOMES.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "tollgate_decisions_total{{outcome=\"{o}\"}} {}",
+                self.decisions[i].load(Relaxed)
+            );
+        }
+        let _ = writeln!(out, "# HELP tollgate_fail_open_total Requests admitted because the store did not answer in time.");
+        let _ = writeln!(out, "# TYPE tollgate_fail_open_total counter");
+        let _ = writeln!(out, "tollgate_fail_open_total {}", self.fail_open_total());
+        let _ = writeln!(
+            out,
+            "# HELP tollgate_limiter_seconds Time to decide one request."
+        );
+        let _ = writeln!(out, "# TYPE tollgate_limiter_seconds histogram");
+        let mut cumulative = 0;
+        for (i, b) in BUCKETS.iter().enumerate() {
+            cumulative += self.limiter_buckets[i].load(Relaxed);
+            let _ = writeln!(
+                out,
+                "tollgate_limiter_seconds_bucket{{le=\"{b}\"}} {cumulative}"
+            );
+        }
+        let count = self.limiter_count.load(Relaxed);
+        let _ = writeln!(
+            out,
+            "tollgate_limiter_seconds_bucket{{le=\"+Inf\"}} {count}"
+        );
+        let _ = writeln!(
+            out,
+            "tollgate_limiter_seconds_sum {}",
+            self.limiter_sum_ns.load(Relaxed) as f64 / 1e9
+        );
+        let _ = writeln!(out, "tollgate_limiter_seconds_count {count}");
+        let _ = writeln!(
+            out,
+            "# HELP tollgate_upstream_requests_total Responses from upstream services."
+        );
+        let _ = writeln!(out, "# TYPE tollgate_upstream_requests_total counter");
+        let mut rows: Vec<_> = self
+            .upstream
+            .iter()
+            .map(|e| (e.key().clone(), e.value().load(Relaxed)))
+            .collect();
+        rows.sort();
+        for ((service, class), n) in rows {
+            let _ = writeln!(
+                out,
+                "tollgate_upstream_requests_total{{service=\"{service}\",status_class=\"{class}\"}} {n}"
+            );
+        }
+        out
+    }
+}

@@ -1,0 +1,173 @@
+//! Forwarding an admitted request to one replica with awc, bodies streamed both ways.
+
+use std::cell::Cell;
+use std::rc::Rc;
+use std::time::Duration;
+
+use actix_web::http::header::HeaderValue;
+use actix_web::{web, HttpMessage, HttpRequest, HttpResponse};
+use awc::error::{ConnectError, SendRequestError};
+use bytes::Bytes;
+use futures_util::StreamExt;
+
+use super::headers::{
+    connection_headers, forwardable, response_headers, Origin, RequestId, X_CLIENT_ID,
+    X_FORWARDED_FOR, X_FORWARDED_HOST, X_FORWARDED_PROTO, X_REQUEST_ID,
+};
+use super::Admitted;
+use crate::error::ApiError;
+use crate::state::AppState;
+
+/// One awc client per worker: its connection pool keeps upstream connections alive.
+pub fn upstream_client() -> awc::Client {
+    awc::Client::builder()
+        .no_default_headers()
+        .disable_redirects()
+        .timeout(Duration::from_secs(3600))
+        .connector(
+            awc::Connector::new()
+                .limit(4096)
+                .timeout(Duration::from_secs(5))
+                .conn_keep_alive(Duration::from_secs(30)),
+        )
+        .finish()
+}
+
+/// Sends the request on to a replica of its route and streams the answer back.
+#[tracing::instrument(name = "forward", skip_all, fields(service, upstream))]
+pub async fn forward(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+    client: web::Data<awc::Client>,
+) -> Result<HttpResponse, ApiError> {
+    let admitted = req
+        .extensions()
+        .get::<Admitted>()
+        .cloned()
+        .ok_or_else(|| ApiError::Internal(anyhow::anyhow!("forward without an admission")))?;
+    let route = &admitted.route;
+    let upstream = route.pick();
+    let span = tracing::Span::current();
+    span.record("service", &*route.service);
+    span.record("upstream", upstream.base());
+
+    let path = req
+        .uri()
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/");
+    let mut out = client
+        .request(req.method().clone(), format!("{}{}", upstream.base(), path))
+        .timeout(route.timeout)
+        .no_decompress();
+
+    let listed = connection_headers(req.headers());
+    for (name, value) in req.headers() {
+        if forwardable(name, &state.api_key_header, &listed) {
+            out = out.append_header((name.clone(), value.clone()));
+        }
+    }
+    let origin = Origin::of(
+        req.headers(),
+        req.peer_addr().map(|a| a.ip()),
+        req.connection_info().scheme(),
+        &state.trusted_proxies,
+    );
+    let client_id = HeaderValue::from_str(admitted.client.id.as_str())
+        .map_err(|e| ApiError::Internal(e.into()))?;
+    out = out
+        .insert_header((X_CLIENT_ID.clone(), client_id))
+        .insert_header((X_FORWARDED_FOR.clone(), origin.x_forwarded_for.clone()))
+        .insert_header((X_FORWARDED_PROTO.clone(), origin.proto.clone()))
+        .insert_header((actix_web::http::header::FORWARDED, origin.forwarded()));
+    if let Some(host) = &origin.host {
+        out = out.insert_header((X_FORWARDED_HOST.clone(), host.clone()));
+    }
+    if let Some(id) = req.extensions().get::<RequestId>() {
+        out = out.insert_header((X_REQUEST_ID.clone(), id.0.clone()));
+    }
+
+    let declared_len = req
+        .headers()
+        .get(actix_web::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let chunked = req
+        .headers()
+        .contains_key(actix_web::http::header::TRANSFER_ENCODING);
+    let too_large = Rc::new(Cell::new(false));
+    let result = match (declared_len, chunked) {
+        (Some(len), _) if len > 0 => {
+            let body = limited(payload, state.max_body_bytes, too_large.clone());
+            out.send_body(actix_web::body::SizedStream::new(len, body))
+                .await
+        }
+        (_, true) => {
+            out.send_stream(limited(payload, state.max_body_bytes, too_large.clone()))
+                .await
+        }
+        _ => out.send().await,
+    };
+    let upstream_res = match result {
+        Ok(r) => r,
+        Err(e) => {
+            if too_large.get() {
+                return Err(ApiError::PayloadTooLarge(state.max_body_bytes));
+            }
+            let err = match e {
+                SendRequestError::Timeout | SendRequestError::Connect(ConnectError::Timeout) => {
+                    ApiError::GatewayTimeout
+                }
+                _ => ApiError::BadGateway,
+            };
+            tracing::warn!(service = %route.service, upstream = upstream.base(), error = %e, "upstream failed");
+            state
+                .metrics
+                .record_upstream(&route.service, err_status(&err));
+            return Err(err);
+        }
+    };
+
+    let status = upstream_res.status();
+    state
+        .metrics
+        .record_upstream(&route.service, status.as_u16());
+    let mut resp = HttpResponse::build(status);
+    for (name, value) in response_headers(upstream_res.headers()) {
+        if name != actix_web::http::header::CONTENT_LENGTH {
+            resp.append_header((name.clone(), value.clone()));
+        }
+    }
+    let len = upstream_res
+        .headers()
+        .get(actix_web::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    Ok(match len {
+        Some(len) => resp.body(actix_web::body::SizedStream::new(len, upstream_res)),
+        None => resp.streaming(upstream_res),
+    })
+}
+
+fn err_status(e: &ApiError) -> u16 {
+    actix_web::ResponseError::status_code(e).as_u16()
+}
+
+/// The request body, cut off with an error once it passes `max` bytes.
+fn limited(
+    payload: web::Payload,
+    max: u64,
+    too_large: Rc<Cell<bool>>,
+) -> impl futures_util::Stream<Item = Result<Bytes, actix_web::error::PayloadError>> + 'static {
+    let mut seen: u64 = 0;
+    payload.map(move |chunk| {
+        let chunk = chunk?;
+        seen += chunk.len() as u64;
+        if seen > max {
+            too_large.set(true);
+            return Err(actix_web::error::PayloadError::Overflow);
+        }
+        Ok(chunk)
+    })
+}

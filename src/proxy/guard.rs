@@ -1,0 +1,101 @@
+//! The limiter middleware: API key → client → route → decision, before any upstream call.
+
+use std::sync::Arc;
+
+use actix_web::body::{BoxBody, MessageBody};
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::http::header;
+use actix_web::middleware::Next;
+use actix_web::{web, HttpMessage, ResponseError};
+
+use super::Route;
+use crate::catalog::ClientEntry;
+use crate::domain::KeyHash;
+use crate::error::ApiError;
+use crate::limiter::RateLimitHeaders;
+use crate::state::AppState;
+
+/// What the guard hands the forwarder for an admitted request.
+#[derive(Clone)]
+pub struct Admitted {
+    pub client: Arc<ClientEntry>,
+    pub route: Arc<Route>,
+}
+
+/// Decides a request: `401` for a missing or unknown key (no store call), `404` without a
+/// route, `413` for a declared body over the limit, `429` when the bucket is empty. All
+/// before a token is spent or a service is called. Admitted requests go on to the
+/// forwarder, and every answer carries the client's rate-limit headers.
+#[tracing::instrument(name = "guard", skip_all, fields(client_id = tracing::field::Empty))]
+pub async fn guard(
+    req: ServiceRequest,
+    next: Next<impl MessageBody + 'static>,
+) -> Result<ServiceResponse<BoxBody>, actix_web::Error> {
+    let state = req
+        .app_data::<web::Data<AppState>>()
+        .expect("AppState is registered")
+        .clone();
+
+    let client = req
+        .headers()
+        .get(&state.api_key_header)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|key| state.catalog.by_key(&KeyHash::of(key)));
+    let Some(client) = client else {
+        state.metrics.count_outcome("unknown_key");
+        return Ok(reject(
+            req,
+            ApiError::MissingKey(state.api_key_header.to_string()),
+            None,
+        ));
+    };
+    tracing::Span::current().record("client_id", client.id.as_str());
+
+    let Some(route) = state.routes.find(req.path()).cloned() else {
+        return Ok(reject(req, ApiError::NoRoute, None));
+    };
+    let declared_len = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared_len.is_some_and(|n| n > state.max_body_bytes) {
+        return Ok(reject(
+            req,
+            ApiError::PayloadTooLarge(state.max_body_bytes),
+            None,
+        ));
+    }
+
+    let decision = state.limiter.decide(&client, route.cost).await;
+    let rl = RateLimitHeaders::new(&client.plan.name, &decision);
+    if !decision.outcome.forwards() {
+        let err = match decision.verdict.and_then(|v| v.wait_us) {
+            Some(wait_us) => ApiError::RateLimited {
+                retry_after_ms: wait_us.div_ceil(1000),
+                // Whole seconds, rounded up, at least 1: a retry after this long finds
+                // the tokens, and it is never more than a second pessimistic.
+                retry_after_s: wait_us.div_ceil(1_000_000).max(1),
+            },
+            None => ApiError::CostExceedsCapacity,
+        };
+        return Ok(reject(req, err, Some(rl)));
+    }
+
+    req.extensions_mut().insert(Admitted { client, route });
+    let mut res = next.call(req).await?.map_into_boxed_body();
+    rl.apply(res.headers_mut());
+    Ok(res)
+}
+
+fn reject(
+    req: ServiceRequest,
+    err: ApiError,
+    rl: Option<RateLimitHeaders>,
+) -> ServiceResponse<BoxBody> {
+    let mut resp = err.error_response();
+    if let Some(rl) = rl {
+        rl.apply(resp.headers_mut());
+    }
+    req.into_response(resp)
+}

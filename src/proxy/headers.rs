@@ -1,0 +1,257 @@
+//! Request ids, hop-by-hop headers and the `X-Forwarded-*` / `Forwarded` fields.
+
+use std::net::IpAddr;
+
+use actix_web::body::MessageBody;
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use actix_web::middleware::Next;
+use actix_web::HttpMessage;
+use ipnet::IpNet;
+
+pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+pub static X_CLIENT_ID: HeaderName = HeaderName::from_static("x-client-id");
+pub static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+pub static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+pub static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+
+/// The request's id: the client's `x-request-id` when it is sane, else a new UUID.
+#[derive(Clone, Debug)]
+pub struct RequestId(pub HeaderValue);
+
+fn acceptable_request_id(v: &HeaderValue) -> bool {
+    let b = v.as_bytes();
+    !b.is_empty()
+        && b.len() <= 128
+        && b.iter()
+            .all(|c| c.is_ascii_alphanumeric() || b"-_.:/+=".contains(c))
+}
+
+/// Middleware: settles the request id before anything logs, and echoes it in the response.
+pub async fn request_id(
+    req: ServiceRequest,
+    next: Next<impl MessageBody + 'static>,
+) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+    let id = req
+        .headers()
+        .get(&X_REQUEST_ID)
+        .filter(|v| acceptable_request_id(v))
+        .cloned()
+        .unwrap_or_else(|| {
+            HeaderValue::from_str(&uuid::Uuid::new_v4().to_string())
+                .expect("a UUID is a valid header value")
+        });
+    req.extensions_mut().insert(RequestId(id.clone()));
+    let mut res = next.call(req).await?;
+    res.headers_mut().insert(X_REQUEST_ID.clone(), id);
+    Ok(res)
+}
+
+/// Headers that describe one connection, not the message (RFC 9110 §7.6.1), plus those
+/// the gateway sets itself.
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "proxy-connection"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+    )
+}
+
+/// Names listed in the `Connection` header are hop-by-hop too.
+fn connection_listed(headers: &HeaderMap) -> Vec<HeaderName> {
+    headers
+        .get_all(header::CONNECTION)
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect()
+}
+
+/// The headers of a response to pass back to the client.
+pub fn response_headers<'a>(
+    headers: &'a HeaderMap,
+) -> impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)> + 'a {
+    let listed = connection_listed(headers);
+    headers
+        .iter()
+        .filter(move |(n, _)| !is_hop_by_hop(n) && !listed.contains(n))
+}
+
+/// Who sent the request, as far as the gateway can trust it.
+pub struct Origin {
+    /// The client's address: the peer, or the nearest untrusted hop in `X-Forwarded-For`
+    /// when the peer is a trusted proxy.
+    pub client_ip: Option<IpAddr>,
+    pub x_forwarded_for: String,
+    pub proto: String,
+    pub host: Option<String>,
+}
+
+impl Origin {
+    pub fn of(
+        headers: &HeaderMap,
+        peer: Option<IpAddr>,
+        scheme: &str,
+        trusted: &[IpNet],
+    ) -> Origin {
+        let is_trusted = |ip: &IpAddr| trusted.iter().any(|n| n.contains(ip));
+        let peer_trusted = peer.as_ref().is_some_and(is_trusted);
+        let peer_text = peer
+            .map(|p| p.to_string())
+            .unwrap_or_else(|| "unknown".into());
+        let host = headers
+            .get(header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .map(str::to_string);
+        if !peer_trusted {
+            return Origin {
+                client_ip: peer,
+                x_forwarded_for: peer_text,
+                proto: scheme.to_string(),
+                host,
+            };
+        }
+        let prior: Vec<String> = headers
+            .get_all(&X_FORWARDED_FOR)
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+            .collect();
+        // Walk from the nearest hop back; the first untrusted address is the client.
+        let client_ip = prior
+            .iter()
+            .rev()
+            .filter_map(|s| s.parse::<IpAddr>().ok())
+            .find(|ip| !is_trusted(ip))
+            .or(peer);
+        let proto = headers
+            .get(&X_FORWARDED_PROTO)
+            .and_then(|v| v.to_str().ok())
+            .filter(|p| matches!(*p, "http" | "https"))
+            .unwrap_or(scheme)
+            .to_string();
+        let host = headers
+            .get(&X_FORWARDED_HOST)
+            .and_then(|h| h.to_str().ok())
+            .map(str::to_string)
+            .or(host);
+        let mut xff = prior.join(", ");
+        if !xff.is_empty() {
+            xff.push_str(", ");
+        }
+        xff.push_str(&peer_text);
+        Origin {
+            client_ip,
+            x_forwarded_for: xff,
+            proto,
+            host,
+        }
+    }
+
+    /// The RFC 7239 `Forwarded` value for this hop.
+    pub fn forwarded(&self) -> String {
+        let for_ = match self.client_ip {
+            Some(IpAddr::V6(ip)) => format!("\"[{ip}]\""),
+            Some(ip) => ip.to_string(),
+            None => "unknown".into(),
+        };
+        let mut v = format!("for={for_};proto={}", self.proto);
+        if let Some(h) = self.host.as_deref().filter(|h| {
+            h.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-.:[]".contains(&b))
+        }) {
+            v.push_str(";host=\"");
+            v.push_str(h);
+            v.push('"');
+        }
+        v
+    }
+}
+
+/// Whether a request header is passed on to the upstream unchanged.
+pub fn forwardable(name: &HeaderName, api_key_header: &HeaderName, listed: &[HeaderName]) -> bool {
+    !(is_hop_by_hop(name)
+        || listed.contains(name)
+        || name == api_key_header
+        || name == header::HOST
+        || name == header::CONTENT_LENGTH
+        || name == header::FORWARDED
+        || name == X_FORWARDED_FOR
+        || name == X_FORWARDED_PROTO
+        || name == X_FORWARDED_HOST
+        || name == X_CLIENT_ID
+        || name == X_REQUEST_ID)
+}
+
+/// Request headers the gateway drops because they describe the client's connection.
+pub fn connection_headers(headers: &HeaderMap) -> Vec<HeaderName> {
+    connection_listed(headers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
+        }
+        h
+    }
+
+    #[test]
+    fn an_untrusted_peer_cannot_claim_another_address() {
+        let h = headers(&[("x-forwarded-for", "6.6.6.6")]);
+        let o = Origin::of(&h, Some("10.0.0.9".parse().unwrap()), "http", &[]);
+        assert_eq!(o.x_forwarded_for, "10.0.0.9");
+        assert_eq!(o.client_ip, Some("10.0.0.9".parse().unwrap()));
+    }
+
+    #[test]
+    fn a_trusted_proxy_chain_is_extended_and_its_client_believed() {
+        let h = headers(&[
+            ("x-forwarded-for", "1.2.3.4, 10.0.0.2"),
+            ("x-forwarded-proto", "https"),
+        ]);
+        let trusted = ["10.0.0.0/8".parse().unwrap()];
+        let o = Origin::of(&h, Some("10.0.0.9".parse().unwrap()), "http", &trusted);
+        assert_eq!(o.x_forwarded_for, "1.2.3.4, 10.0.0.2, 10.0.0.9");
+        assert_eq!(o.client_ip, Some("1.2.3.4".parse().unwrap()));
+        assert_eq!(o.proto, "https");
+        assert_eq!(o.forwarded(), "for=1.2.3.4;proto=https");
+    }
+
+    #[test]
+    fn hop_by_hop_and_connection_listed_headers_are_dropped() {
+        let h = headers(&[
+            ("connection", "x-secret-hop"),
+            ("x-secret-hop", "1"),
+            ("x-keep", "1"),
+        ]);
+        let names: Vec<_> = response_headers(&h)
+            .map(|(n, _)| n.as_str().to_string())
+            .collect();
+        assert_eq!(names, vec!["x-keep"]);
+    }
+
+    #[test]
+    fn odd_request_ids_are_replaced() {
+        assert!(acceptable_request_id(&HeaderValue::from_static("abc-123")));
+        assert!(!acceptable_request_id(&HeaderValue::from_static("a b")));
+        assert!(!acceptable_request_id(
+            &HeaderValue::from_str(&"a".repeat(129)).unwrap()
+        ));
+    }
+}

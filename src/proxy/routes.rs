@@ -1,0 +1,167 @@
+//! Routes: path prefix → service → replicas, longest prefix first, round-robin.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::configuration::RouteSettings;
+
+/// One upstream replica: scheme and authority, to which the request's path is appended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Upstream {
+    base: String,
+}
+
+impl Upstream {
+    /// `http://host[:port]`, with no path, query or credentials.
+    pub fn parse(s: &str) -> Result<Upstream, String> {
+        let uri: actix_web::http::Uri = s
+            .parse()
+            .map_err(|_| format!("{s:?} is not a URL like http://127.0.0.1:9001"))?;
+        if uri.scheme_str() != Some("http") {
+            return Err(format!(
+                "{s:?}: only http:// upstreams are supported (TLS is terminated before them)"
+            ));
+        }
+        let authority = uri
+            .authority()
+            .filter(|a| !a.as_str().contains('@'))
+            .ok_or_else(|| format!("{s:?} needs a host and no credentials"))?;
+        if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+            return Err(format!("{s:?} must not have a path or query"));
+        }
+        Ok(Upstream {
+            base: format!("http://{authority}"),
+        })
+    }
+
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+}
+
+/// A service and how to reach it.
+#[derive(Debug)]
+pub struct Route {
+    pub service: Arc<str>,
+    pub prefix: String,
+    pub upstreams: Vec<Upstream>,
+    pub cost: f64,
+    pub timeout: Duration,
+    next: AtomicUsize,
+}
+
+impl Route {
+    /// The next replica, round-robin.
+    pub fn pick(&self) -> &Upstream {
+        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        &self.upstreams[i % self.upstreams.len()]
+    }
+
+    fn matches(&self, path: &str) -> bool {
+        match path.strip_prefix(self.prefix.as_str()) {
+            Some(rest) => self.prefix.ends_with('/') || rest.is_empty() || rest.starts_with('/'),
+            None => false,
+        }
+    }
+}
+
+/// Routes ordered longest prefix first.
+#[derive(Debug, Default)]
+pub struct RouteTable {
+    routes: Vec<Arc<Route>>,
+}
+
+impl RouteTable {
+    /// From validated settings.
+    pub fn new(settings: &[RouteSettings]) -> RouteTable {
+        let mut routes: Vec<Arc<Route>> = settings
+            .iter()
+            .map(|r| {
+                Arc::new(Route {
+                    service: Arc::from(r.service.as_str()),
+                    prefix: r.prefix.clone(),
+                    upstreams: r
+                        .upstreams
+                        .iter()
+                        .filter_map(|u| Upstream::parse(u).ok())
+                        .collect(),
+                    cost: r.cost,
+                    timeout: Duration::from_millis(r.timeout_ms),
+                    next: AtomicUsize::new(0),
+                })
+            })
+            .filter(|r| !r.upstreams.is_empty())
+            .collect();
+        routes.sort_by_key(|r| std::cmp::Reverse(r.prefix.len()));
+        RouteTable { routes }
+    }
+
+    /// The route with the longest prefix that matches `path` on a segment boundary.
+    pub fn find(&self, path: &str) -> Option<&Arc<Route>> {
+        self.routes.iter().find(|r| r.matches(path))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(prefixes: &[&str]) -> RouteTable {
+        RouteTable::new(
+            &prefixes
+                .iter()
+                .map(|p| RouteSettings {
+                    service: p.trim_matches('/').replace('/', "-"),
+                    prefix: p.to_string(),
+                    upstreams: vec!["http://127.0.0.1:1".into(), "http://127.0.0.1:2".into()],
+                    cost: 1.0,
+                    timeout_ms: 1000,
+                })
+                .collect::<Vec<_>>(),
+        )
+    }
+
+    #[test]
+    fn the_longest_prefix_wins_on_segment_boundaries() {
+        let t = table(&["/", "/orders", "/orders/archive"]);
+        assert_eq!(
+            t.find("/orders/archive/1").unwrap().prefix,
+            "/orders/archive"
+        );
+        assert_eq!(t.find("/orders/1").unwrap().prefix, "/orders");
+        assert_eq!(t.find("/orders").unwrap().prefix, "/orders");
+        assert_eq!(t.find("/ordersx").unwrap().prefix, "/");
+    }
+
+    #[test]
+    fn no_match_without_a_root_route() {
+        let t = table(&["/orders"]);
+        assert!(t.find("/billing").is_none());
+        assert!(t.find("/ordersx").is_none());
+    }
+
+    #[test]
+    fn replicas_take_turns() {
+        let t = table(&["/a"]);
+        let r = t.find("/a").unwrap();
+        let picks: Vec<_> = (0..4).map(|_| r.pick().base().to_string()).collect();
+        assert_eq!(picks[0], picks[2]);
+        assert_ne!(picks[0], picks[1]);
+    }
+
+    #[test]
+    fn upstreams_must_be_plain_http_origins() {
+        assert!(Upstream::parse("http://127.0.0.1:9001").is_ok());
+        assert!(Upstream::parse("http://svc.internal").is_ok());
+        for bad in [
+            "ftp://x",
+            "http://x/path",
+            "http://u:p@x",
+            "127.0.0.1:9001",
+            "http://x?q=1",
+        ] {
+            assert!(Upstream::parse(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,230 @@
+//! The one entry point: [`Application::build`] binds, seeds and mirrors the catalog,
+//! spawns background tasks, and [`Application::run_until_stopped`] serves until SIGTERM.
+//! `main` and the integration tests use the same path.
+
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix_web::dev::{Server, ServerHandle};
+use actix_web::http::header::HeaderName;
+use actix_web::middleware::from_fn;
+use actix_web::{web, App, HttpServer};
+use anyhow::Context;
+use tracing_actix_web::TracingLogger;
+
+use crate::catalog::{self, Catalog};
+use crate::configuration::Settings;
+use crate::limiter::Limiter;
+use crate::metrics::Metrics;
+use crate::proxy::{self, RouteTable};
+use crate::state::AppState;
+use crate::store::{EmbeddedStore, Keys, RedisStore, Store};
+use crate::{ops, telemetry};
+
+pub struct Application {
+    port: u16,
+    admin_port: Option<u16>,
+    servers: Vec<Server>,
+    state: web::Data<AppState>,
+}
+
+impl Application {
+    pub async fn build(settings: Settings) -> anyhow::Result<Application> {
+        let metrics = Arc::new(Metrics::default());
+        let keys = Keys::new(&settings.redis.key_prefix);
+        let store = open_store(&settings, &keys)?;
+        let catalog = Arc::new(Catalog::new(settings.default_mode(), keys));
+        prepare_store(&store, &catalog, &settings).await?;
+        catalog.spawn_refresh(
+            store.clone(),
+            Duration::from_millis(settings.catalog.refresh_ms),
+        );
+        if let Store::Embedded(e) = &store {
+            spawn_evictor(Arc::clone(e));
+        }
+
+        let state = web::Data::new(AppState {
+            catalog,
+            limiter: Limiter::new(
+                store.clone(),
+                Duration::from_millis(settings.redis.timeout_ms),
+                Arc::clone(&metrics),
+            ),
+            store: store.clone(),
+            routes: RouteTable::new(&settings.routes),
+            metrics,
+            api_key_header: HeaderName::from_bytes(settings.server.api_key_header.as_bytes())
+                .context("server.api_key_header")?,
+            trusted_proxies: settings.trusted_proxies(),
+            max_body_bytes: settings.server.max_body_bytes,
+        });
+
+        let listener = TcpListener::bind(&settings.server.listen)
+            .with_context(|| format!("server.listen: cannot bind {}", settings.server.listen))?;
+        let port = listener.local_addr()?.port();
+        let separate_admin = !settings.server.admin_listen.is_empty();
+
+        let mut servers = Vec::new();
+        let data = state.clone();
+        let main = HttpServer::new(move || {
+            App::new()
+                .wrap(TracingLogger::<telemetry::RequestSpan>::new())
+                .wrap(from_fn(proxy::request_id))
+                .app_data(data.clone())
+                .app_data(web::Data::new(proxy::upstream_client()))
+                .configure(ops::configure)
+                .configure(|cfg| {
+                    if !separate_admin {
+                        ops::configure_metrics(cfg);
+                    }
+                })
+                .service(
+                    web::scope("")
+                        .wrap(from_fn(proxy::guard))
+                        .default_service(web::to(proxy::forward)),
+                )
+        });
+        let main = main
+            .shutdown_timeout(settings.server.shutdown_timeout_s)
+            .backlog(4096);
+        let main = if settings.server.workers > 0 {
+            main.workers(settings.server.workers)
+        } else {
+            main
+        };
+        servers.push(main.listen(listener)?.run());
+
+        let mut admin_port = None;
+        if separate_admin {
+            let listener = TcpListener::bind(&settings.server.admin_listen).with_context(|| {
+                format!(
+                    "server.admin_listen: cannot bind {}",
+                    settings.server.admin_listen
+                )
+            })?;
+            admin_port = Some(listener.local_addr()?.port());
+            let data = state.clone();
+            let admin = HttpServer::new(move || {
+                App::new()
+                    .wrap(TracingLogger::<telemetry::RequestSpan>::new())
+                    .wrap(from_fn(proxy::request_id))
+                    .app_data(data.clone())
+                    .configure(ops::configure)
+                    .configure(ops::configure_metrics)
+            })
+            .workers(1)
+            .shutdown_timeout(settings.server.shutdown_timeout_s);
+            servers.push(admin.listen(listener)?.run());
+        }
+
+        tracing::info!(
+            listen = %format!("{}:{port}", host_of(&settings.server.listen)),
+            admin_port = ?admin_port,
+            store = %store.describe(),
+            region = %settings.server.region,
+            "tollgate started"
+        );
+        if matches!(store, Store::Embedded(_)) {
+            tracing::info!(
+                file = %settings.catalog.file.display(),
+                "embedded store: buckets live in this process, so limits hold for this single instance only"
+            );
+        }
+        Ok(Application {
+            port,
+            admin_port,
+            servers,
+            state,
+        })
+    }
+
+    /// The port the proxy listens on (useful with port 0).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The admin listener's port, when `server.admin_listen` is set.
+    pub fn admin_port(&self) -> Option<u16> {
+        self.admin_port
+    }
+
+    /// Handles to stop the servers gracefully.
+    pub fn handles(&self) -> Vec<ServerHandle> {
+        self.servers.iter().map(|s| s.handle()).collect()
+    }
+
+    pub fn state(&self) -> web::Data<AppState> {
+        self.state.clone()
+    }
+
+    /// Serves until SIGTERM/SIGINT (or a handle's stop), then lets in-flight requests finish.
+    pub async fn run_until_stopped(self) -> std::io::Result<()> {
+        futures_util::future::try_join_all(self.servers).await?;
+        Ok(())
+    }
+}
+
+fn host_of(listen: &str) -> &str {
+    listen.rsplit_once(':').map(|(h, _)| h).unwrap_or(listen)
+}
+
+fn open_store(settings: &Settings, keys: &Keys) -> anyhow::Result<Store> {
+    if settings.uses_embedded_store() {
+        let store = EmbeddedStore::open(&settings.catalog.file).context("catalog.file")?;
+        return Ok(Store::Embedded(Arc::new(store)));
+    }
+    if !settings.redis.cluster_nodes.is_empty() {
+        anyhow::bail!("redis.cluster_nodes: Redis Cluster is not supported yet; use redis.url");
+    }
+    let store = RedisStore::connect(&settings.redis.url, settings.redis.pool_size, keys.clone())
+        .context("redis.url")?;
+    Ok(Store::Redis(Arc::new(store)))
+}
+
+/// Loads scripts, seeds the declared catalog and mirrors it. A Redis that is down at start
+/// does not stop the gateway (it fails open); this is retried in the background instead.
+async fn prepare_store(
+    store: &Store,
+    catalog: &Arc<Catalog>,
+    settings: &Settings,
+) -> anyhow::Result<()> {
+    async fn attempt(store: &Store, catalog: &Catalog, settings: &Settings) -> anyhow::Result<()> {
+        if let Store::Redis(r) = store {
+            r.load_scripts().await?;
+        }
+        catalog::seed(store, settings).await?;
+        catalog.refresh(store).await?;
+        Ok(())
+    }
+    match attempt(store, catalog, settings).await {
+        Ok(()) => Ok(()),
+        Err(e) if matches!(store, Store::Embedded(_)) => Err(e),
+        Err(e) if e.downcast_ref::<crate::store::StoreError>().is_none() => Err(e),
+        Err(e) => {
+            tracing::warn!(error = %e, "store unavailable at start; failing open and retrying");
+            let (store, catalog, settings) = (store.clone(), Arc::clone(catalog), settings.clone());
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    if attempt(&store, &catalog, &settings).await.is_ok() {
+                        tracing::info!("store reachable; catalog seeded and mirrored");
+                        return;
+                    }
+                }
+            });
+            Ok(())
+        }
+    }
+}
+
+/// Forgets idle embedded buckets every few seconds, so memory tracks active clients.
+fn spawn_evictor(store: Arc<EmbeddedStore>) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tick.tick().await;
+            store.evict_idle();
+        }
+    });
+}

@@ -1,0 +1,23 @@
+//! What every handler shares: built once by `Application::build`, cloned into workers.
+
+use std::sync::Arc;
+
+use actix_web::http::header::HeaderName;
+use ipnet::IpNet;
+
+use crate::catalog::Catalog;
+use crate::limiter::Limiter;
+use crate::metrics::Metrics;
+use crate::proxy::RouteTable;
+use crate::store::Store;
+
+pub struct AppState {
+    pub catalog: Arc<Catalog>,
+    pub limiter: Limiter,
+    pub store: Store,
+    pub routes: RouteTable,
+    pub metrics: Arc<Metrics>,
+    pub api_key_header: HeaderName,
+    pub trusted_proxies: Vec<IpNet>,
+    pub max_body_bytes: u64,
+}

@@ -1,0 +1,446 @@
+//! The embedded store: buckets in process memory, the catalog in a JSON file. For one
+//! gateway instance only (buckets are not shared), and the zero-dependency default.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::hash::BuildHasher;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+
+use super::StoreError;
+use crate::catalog::{
+    CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition, PlanRecord, Versioned,
+    WriteOutcome,
+};
+use crate::domain::{ClientId, KeyHash, Plan, PlanName};
+use crate::limiter::{bucket, BucketState, Verdict};
+
+const SHARDS: usize = 64;
+const FEED_LEN: usize = 10_000;
+
+struct Slot {
+    state: BucketState,
+    /// Once the clock passes this, the bucket would be full and can be forgotten.
+    expires_us: u64,
+}
+
+type Shard = Mutex<HashMap<Box<str>, Slot>>;
+
+/// Buckets and catalog of a single instance.
+pub struct EmbeddedStore {
+    shards: Box<[Shard]>,
+    hasher: std::collections::hash_map::RandomState,
+    epoch: Instant,
+    catalog: Mutex<FileCatalog>,
+}
+
+impl EmbeddedStore {
+    /// Opens (or creates) the catalog file.
+    pub fn open(file: &Path) -> Result<EmbeddedStore, StoreError> {
+        Ok(EmbeddedStore {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            hasher: Default::default(),
+            epoch: Instant::now(),
+            catalog: Mutex::new(FileCatalog::open(file)?),
+        })
+    }
+
+    /// Microseconds on this store's monotonic clock.
+    pub fn now_us(&self) -> u64 {
+        self.epoch.elapsed().as_micros() as u64
+    }
+
+    fn shard(&self, key: &str) -> &Shard {
+        &self.shards[self.hasher.hash_one(key) as usize % SHARDS]
+    }
+
+    pub fn take(&self, key: &str, plan: Plan, cost: f64) -> Verdict {
+        self.take_at(key, plan, cost, self.now_us())
+    }
+
+    /// [`EmbeddedStore::take`] at a given time (tests drive the clock).
+    pub fn take_at(&self, key: &str, plan: Plan, cost: f64, now_us: u64) -> Verdict {
+        let mut shard = self.shard(key).lock();
+        let prev = shard.get(key).map(|s| s.state);
+        let (state, verdict) = bucket::take(prev, now_us, plan, cost);
+        let expires_us = now_us + bucket::idle_expiry_ms(plan, state.tokens) * 1000;
+        match shard.get_mut(key) {
+            Some(slot) => *slot = Slot { state, expires_us },
+            None => {
+                shard.insert(key.into(), Slot { state, expires_us });
+            }
+        }
+        verdict
+    }
+
+    pub fn peek(&self, key: &str) -> Option<BucketState> {
+        self.shard(key).lock().get(key).map(|s| s.state)
+    }
+
+    pub fn refill(&self, key: &str) {
+        self.shard(key).lock().remove(key);
+    }
+
+    /// Forgets buckets that would be full by now; returns how many remain.
+    pub fn evict_idle(&self) -> usize {
+        let now = self.now_us();
+        self.shards
+            .iter()
+            .map(|s| {
+                let mut s = s.lock();
+                s.retain(|_, slot| slot.expires_us > now);
+                s.len()
+            })
+            .sum()
+    }
+
+    pub fn catalog_dump(&self) -> CatalogDump {
+        self.catalog.lock().dump()
+    }
+
+    pub fn catalog_changes(&self, since: u64) -> CatalogChanges {
+        self.catalog.lock().changes(since)
+    }
+
+    pub fn catalog_write(&self, write: &CatalogWrite) -> Result<WriteOutcome, StoreError> {
+        self.catalog.lock().write(write)
+    }
+}
+
+/// The catalog file's contents.
+#[derive(Default, Serialize, Deserialize)]
+struct CatalogFile {
+    version: u64,
+    plans: BTreeMap<PlanName, Versioned<PlanRecord>>,
+    clients: BTreeMap<ClientId, Versioned<ClientRecord>>,
+}
+
+struct FileCatalog {
+    path: PathBuf,
+    data: CatalogFile,
+    /// Plan name → clients on it.
+    users: HashMap<PlanName, usize>,
+    keys: HashMap<KeyHash, ClientId>,
+    /// Recent changes (version, kind, id), like the Redis change feed.
+    feed: VecDeque<(u64, &'static str, String)>,
+}
+
+impl FileCatalog {
+    fn open(path: &Path) -> Result<FileCatalog, StoreError> {
+        let data = match std::fs::read(path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map_err(|e| StoreError::File(format!("{}: {e}", path.display())))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => CatalogFile::default(),
+            Err(e) => return Err(StoreError::File(format!("{}: {e}", path.display()))),
+        };
+        let mut cat = FileCatalog {
+            path: path.to_path_buf(),
+            data,
+            users: HashMap::new(),
+            keys: HashMap::new(),
+            feed: VecDeque::new(),
+        };
+        for c in cat.data.clients.values() {
+            *cat.users.entry(c.value.plan.clone()).or_default() += 1;
+            for k in &c.value.keys {
+                cat.keys.insert(k.hash, c.value.id.clone());
+            }
+        }
+        Ok(cat)
+    }
+
+    fn dump(&self) -> CatalogDump {
+        CatalogDump {
+            version: self.data.version,
+            plans: self.data.plans.values().cloned().collect(),
+            clients: self.data.clients.values().cloned().collect(),
+        }
+    }
+
+    fn changes(&self, since: u64) -> CatalogChanges {
+        if since == self.data.version {
+            return CatalogChanges::Unchanged;
+        }
+        let contiguous = self.feed.front().is_some_and(|(v, _, _)| *v <= since + 1);
+        if since > self.data.version || !contiguous {
+            return CatalogChanges::Reload(self.dump());
+        }
+        let mut plans = Vec::new();
+        let mut clients = Vec::new();
+        for (_, kind, id) in self.feed.iter().filter(|(v, _, _)| *v > since) {
+            if *kind == "plan" {
+                if let Ok(name) = PlanName::parse(id) {
+                    let rec = self.data.plans.get(&name).cloned();
+                    plans.push((name, rec));
+                }
+            } else if let Ok(id) = ClientId::parse(id) {
+                let rec = self.data.clients.get(&id).cloned();
+                clients.push((id, rec));
+            }
+        }
+        CatalogChanges::Delta {
+            version: self.data.version,
+            plans,
+            clients,
+            more: false,
+        }
+    }
+
+    /// The same checks, in the same order, as `lua/catalog_write.lua`.
+    fn write(&mut self, write: &CatalogWrite) -> Result<WriteOutcome, StoreError> {
+        let id = write.id();
+        let old: Option<(u64, String)> = match write {
+            CatalogWrite::PutPlan(..) | CatalogWrite::DeletePlan(..) => PlanName::parse(id)
+                .ok()
+                .and_then(|n| self.data.plans.get(&n))
+                .map(|v| (v.rev, json(&v.value))),
+            _ => ClientId::parse(id)
+                .ok()
+                .and_then(|n| self.data.clients.get(&n))
+                .map(|v| (v.rev, json(&v.value))),
+        };
+        match (write.condition(), &old) {
+            (Condition::Absent, Some(_)) => return Ok(WriteOutcome::Exists),
+            (Condition::Rev(_), None) => return Ok(WriteOutcome::Missing),
+            (Condition::Rev(r), Some((rev, _))) if r != *rev => {
+                return Ok(WriteOutcome::Stale { current: *rev })
+            }
+            _ => {}
+        }
+        let rev = self.data.version + 1;
+        // Work on a copy so a failed file write leaves memory as it was.
+        let mut next_users = self.users.clone();
+        let mut next_keys = self.keys.clone();
+        let mut next = CatalogFile {
+            version: rev,
+            plans: self.data.plans.clone(),
+            clients: self.data.clients.clone(),
+        };
+        match write {
+            CatalogWrite::PutPlan(p, _) => {
+                next.plans.insert(
+                    p.name.clone(),
+                    Versioned {
+                        rev,
+                        value: p.clone(),
+                    },
+                );
+            }
+            CatalogWrite::DeletePlan(name, _) => {
+                if old.is_none() {
+                    return Ok(WriteOutcome::Missing);
+                }
+                if next_users.get(name).copied().unwrap_or(0) > 0 {
+                    return Ok(WriteOutcome::PlanInUse);
+                }
+                next.plans.remove(name);
+            }
+            CatalogWrite::PutClient(c, _) => {
+                if !next.plans.contains_key(&c.plan) {
+                    return Ok(WriteOutcome::UnknownPlan);
+                }
+                if c.keys
+                    .iter()
+                    .any(|k| next_keys.get(&k.hash).is_some_and(|owner| *owner != c.id))
+                {
+                    return Ok(WriteOutcome::KeyConflict);
+                }
+                if let Some(prev) = next.clients.get(&c.id) {
+                    unlink(&prev.value, &mut next_users, &mut next_keys);
+                }
+                *next_users.entry(c.plan.clone()).or_default() += 1;
+                for k in &c.keys {
+                    next_keys.insert(k.hash, c.id.clone());
+                }
+                next.clients.insert(
+                    c.id.clone(),
+                    Versioned {
+                        rev,
+                        value: c.clone(),
+                    },
+                );
+            }
+            CatalogWrite::DeleteClient(cid, _) => {
+                let Some(prev) = next.clients.remove(cid) else {
+                    return Ok(WriteOutcome::Missing);
+                };
+                unlink(&prev.value, &mut next_users, &mut next_keys);
+            }
+        }
+        persist(&self.path, &next)?;
+        self.data = next;
+        self.users = next_users;
+        self.keys = next_keys;
+        self.feed.push_back((rev, write.kind(), id.to_string()));
+        if self.feed.len() > FEED_LEN {
+            self.feed.pop_front();
+        }
+        Ok(WriteOutcome::Written {
+            rev,
+            before: old.map(|(_, j)| j),
+        })
+    }
+}
+
+fn unlink(
+    c: &ClientRecord,
+    users: &mut HashMap<PlanName, usize>,
+    keys: &mut HashMap<KeyHash, ClientId>,
+) {
+    if let Some(n) = users.get_mut(&c.plan) {
+        *n = n.saturating_sub(1);
+    }
+    for k in &c.keys {
+        keys.remove(&k.hash);
+    }
+}
+
+fn json<T: Serialize>(v: &T) -> String {
+    serde_json::to_string(v).unwrap_or_default()
+}
+
+/// Writes to a temporary file beside the target, fsyncs it, renames it over the target
+/// and fsyncs the directory: a crash leaves the old file or the new one, never half.
+fn persist(path: &Path, data: &CatalogFile) -> Result<(), StoreError> {
+    let err = |e: std::io::Error| StoreError::File(format!("{}: {e}", path.display()));
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(err)?;
+    let tmp = path.with_extension("json.tmp");
+    {
+        let mut f = std::fs::File::create(&tmp).map_err(err)?;
+        serde_json::to_writer_pretty(&mut f, data)
+            .map_err(|e| StoreError::File(format!("{}: {e}", path.display())))?;
+        f.write_all(b"\n").map_err(err)?;
+        f.sync_all().map_err(err)?;
+    }
+    std::fs::rename(&tmp, path).map_err(err)?;
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog::KeyRecord;
+
+    fn store() -> (tempfile::TempDir, EmbeddedStore) {
+        let dir = tempfile::tempdir().unwrap();
+        let s = EmbeddedStore::open(&dir.path().join("c.json")).unwrap();
+        (dir, s)
+    }
+
+    fn plan(name: &str) -> PlanRecord {
+        PlanRecord {
+            name: PlanName::parse(name).unwrap(),
+            capacity: 10.0,
+            rate: 1.0,
+            description: None,
+        }
+    }
+
+    fn client(id: &str, plan: &str, key: &str) -> ClientRecord {
+        ClientRecord {
+            id: ClientId::parse(id).unwrap(),
+            plan: PlanName::parse(plan).unwrap(),
+            mode: None,
+            shards: None,
+            keys: vec![KeyRecord::new(KeyHash::of(key))],
+        }
+    }
+
+    #[test]
+    fn idle_buckets_are_evicted_once_they_would_be_full() {
+        let (_d, s) = store();
+        let p = Plan::new(1.0, 1000.0).unwrap();
+        s.take("k", p, 1.0);
+        assert!(s.peek("k").is_some());
+        std::thread::sleep(std::time::Duration::from_millis(1100));
+        assert_eq!(s.evict_idle(), 0);
+        assert!(s.peek("k").is_none());
+    }
+
+    #[test]
+    fn the_catalog_survives_a_reopen_and_holds_no_plaintext_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.json");
+        {
+            let s = EmbeddedStore::open(&path).unwrap();
+            s.catalog_write(&CatalogWrite::PutPlan(plan("gold"), Condition::Absent))
+                .unwrap();
+            s.catalog_write(&CatalogWrite::PutClient(
+                client("acme", "gold", "plaintext-key-1"),
+                Condition::Absent,
+            ))
+            .unwrap();
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(!text.contains("plaintext-key-1"));
+        let s = EmbeddedStore::open(&path).unwrap();
+        let dump = s.catalog_dump();
+        assert_eq!(dump.version, 2);
+        assert_eq!(dump.clients.len(), 1);
+    }
+
+    #[test]
+    fn refused_writes_change_nothing() {
+        let (_d, s) = store();
+        let w = |w: CatalogWrite| s.catalog_write(&w).unwrap();
+        assert_eq!(
+            w(CatalogWrite::PutClient(
+                client("acme", "gold", "key-aaaaaaa"),
+                Condition::Any
+            )),
+            WriteOutcome::UnknownPlan
+        );
+        w(CatalogWrite::PutPlan(plan("gold"), Condition::Any));
+        w(CatalogWrite::PutClient(
+            client("acme", "gold", "key-aaaaaaa"),
+            Condition::Any,
+        ));
+        assert_eq!(
+            w(CatalogWrite::PutClient(
+                client("other", "gold", "key-aaaaaaa"),
+                Condition::Any
+            )),
+            WriteOutcome::KeyConflict
+        );
+        assert_eq!(
+            w(CatalogWrite::DeletePlan(
+                PlanName::parse("gold").unwrap(),
+                Condition::Any
+            )),
+            WriteOutcome::PlanInUse
+        );
+        assert_eq!(
+            w(CatalogWrite::PutPlan(plan("gold"), Condition::Rev(1_000))),
+            WriteOutcome::Stale { current: 1 }
+        );
+        assert_eq!(s.catalog_dump().version, 2);
+    }
+
+    #[test]
+    fn the_change_feed_names_what_changed() {
+        let (_d, s) = store();
+        s.catalog_write(&CatalogWrite::PutPlan(plan("gold"), Condition::Any))
+            .unwrap();
+        s.catalog_write(&CatalogWrite::PutPlan(plan("silver"), Condition::Any))
+            .unwrap();
+        match s.catalog_changes(1) {
+            CatalogChanges::Delta { version, plans, .. } => {
+                assert_eq!(version, 2);
+                assert_eq!(plans.len(), 1);
+                assert_eq!(plans[0].0.as_str(), "silver");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(s.catalog_changes(2), CatalogChanges::Unchanged));
+    }
+}

@@ -1,0 +1,48 @@
+//! Every Redis key tollgate writes. Each carries a hash tag (`{...}`) so that whatever one
+//! script touches sits in one Redis Cluster slot.
+
+use crate::domain::{ClientId, Region};
+
+/// Key names under one prefix.
+#[derive(Debug, Clone)]
+pub struct Keys {
+    prefix: String,
+}
+
+impl Keys {
+    pub fn new(prefix: &str) -> Keys {
+        Keys {
+            prefix: prefix.to_string(),
+        }
+    }
+
+    /// A client's bucket: `tollgate:b:{acme}`.
+    pub fn bucket(&self, client: &ClientId) -> String {
+        format!("{}b:{{{}}}", self.prefix, client)
+    }
+
+    /// One region's shard of a hot client's bucket: `tollgate:b:{acme:eu}`.
+    pub fn regional_bucket(&self, client: &ClientId, region: &Region) -> String {
+        format!("{}b:{{{}:{}}}", self.prefix, client, region)
+    }
+
+    /// The catalog's keys, all in the `{catalog}` slot so one script can write them together.
+    pub fn catalog(&self, part: &str) -> String {
+        format!("{}{{catalog}}:{}", self.prefix, part)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bucket_keys_carry_the_client_as_hash_tag() {
+        let k = Keys::new("tollgate:");
+        let acme = ClientId::parse("acme").unwrap();
+        assert_eq!(k.bucket(&acme), "tollgate:b:{acme}");
+        let eu = Region::parse("eu").unwrap();
+        assert_eq!(k.regional_bucket(&acme, &eu), "tollgate:b:{acme:eu}");
+        assert_eq!(k.catalog("plans"), "tollgate:{catalog}:plans");
+    }
+}

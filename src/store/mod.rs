@@ -1,0 +1,109 @@
+//! The one store abstraction. Buckets and the catalog live either in this process (the
+//! embedded store, for one instance) or in Redis (one server now, Redis Cluster through
+//! the same keys later). Both sides implement the same operations with the same arithmetic.
+//!
+//! Dispatch is an enum, not a trait object: the request path calls [`Store::take`] once
+//! per request, and an enum keeps that call free of boxing.
+
+mod embedded;
+mod keys;
+mod redis;
+
+use std::sync::Arc;
+
+pub use self::embedded::EmbeddedStore;
+pub use self::keys::Keys;
+pub use self::redis::RedisStore;
+
+use crate::catalog::{CatalogChanges, CatalogDump, CatalogWrite, WriteOutcome};
+use crate::domain::Plan;
+use crate::limiter::{BucketState, Verdict};
+
+/// Why the store could not answer.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("redis: {0}")]
+    Redis(#[from] ::redis::RedisError),
+    #[error("redis pool: {0}")]
+    Pool(String),
+    #[error("store reply not understood: {0}")]
+    Protocol(String),
+    #[error("catalog file: {0}")]
+    File(String),
+}
+
+/// Embedded or Redis; cheap to clone.
+#[derive(Clone)]
+pub enum Store {
+    Embedded(Arc<EmbeddedStore>),
+    Redis(Arc<RedisStore>),
+}
+
+impl Store {
+    /// Refills the bucket at `key` and takes `cost` tokens, atomically, on the store's clock.
+    pub async fn take(&self, key: &str, plan: Plan, cost: f64) -> Result<Verdict, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.take(key, plan, cost)),
+            Store::Redis(s) => s.take(key, plan, cost).await,
+        }
+    }
+
+    /// The bucket as stored, without refilling (admin inspection).
+    pub async fn peek(&self, key: &str) -> Result<Option<BucketState>, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.peek(key)),
+            Store::Redis(s) => s.peek(key).await,
+        }
+    }
+
+    /// Forgets the bucket, so it starts full.
+    pub async fn refill(&self, key: &str) -> Result<(), StoreError> {
+        match self {
+            Store::Embedded(s) => {
+                s.refill(key);
+                Ok(())
+            }
+            Store::Redis(s) => s.refill(key).await,
+        }
+    }
+
+    /// Whether the store answers (readiness).
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        match self {
+            Store::Embedded(_) => Ok(()),
+            Store::Redis(s) => s.ping().await,
+        }
+    }
+
+    /// Every plan and client, with the catalog version they were read at (or after).
+    pub async fn catalog_dump(&self) -> Result<CatalogDump, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.catalog_dump()),
+            Store::Redis(s) => s.catalog_dump().await,
+        }
+    }
+
+    /// What changed after version `since`.
+    pub async fn catalog_changes(&self, since: u64) -> Result<CatalogChanges, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.catalog_changes(since)),
+            Store::Redis(s) => s.catalog_changes(since).await,
+        }
+    }
+
+    /// One atomic catalog write: all of it happens, or none of it.
+    pub async fn catalog_write(&self, write: &CatalogWrite) -> Result<WriteOutcome, StoreError> {
+        match self {
+            Store::Embedded(s) => s.catalog_write(write),
+            Store::Redis(s) => s.catalog_write(write).await,
+        }
+    }
+
+    /// What the start-up log says about the store.
+    pub fn describe(&self) -> String {
+        match self {
+            Store::Embedded(_) => "embedded, single instance".to_string(),
+            Store::Redis(s) => s.describe(),
+        }
+    }
+}

@@ -1,0 +1,123 @@
+//! The binary's outside: start-up, bad configuration, health.
+
+use std::process::Command;
+
+use crate::helpers::*;
+
+#[test]
+fn a_bad_configuration_exits_2_naming_every_bad_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("bad.toml");
+    std::fs::write(
+        &file,
+        "[redis]\ntimeout_ms = 0\n[[catalog.plans]]\nname = \"gold\"\ncapacity = -1\nrate = 1\n",
+    )
+    .unwrap();
+    let out = Command::new(binary())
+        .arg("--config")
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("redis.timeout_ms"), "{err}");
+    assert!(err.contains("catalog.plans[0].capacity"), "{err}");
+}
+
+#[test]
+fn an_environment_override_is_validated_too() {
+    let out = Command::new(binary())
+        .env("TOLLGATE__SERVER__LISTEN", "not-an-address")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("server.listen"));
+}
+
+#[tokio::test]
+async fn health_and_readiness_answer() {
+    let redis = RedisServer::start();
+    let gw = TestGateway::spawn(settings(&format!("[redis]\nurl = \"{}\"\n", redis.url()))).await;
+    assert_eq!(gw.get("/healthz", None).await.status(), 200);
+    let ready = gw.get("/readyz", None).await;
+    assert_eq!(ready.status(), 200);
+    drop(redis);
+    let ready = gw.get("/readyz", None).await;
+    assert_eq!(ready.status(), 503);
+    let body: serde_json::Value = ready.json().await.unwrap();
+    assert!(body["reason"].is_string());
+}
+
+#[tokio::test]
+async fn the_start_up_log_names_the_store_without_its_password() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("gw.toml");
+    let port = free_port();
+    std::fs::write(
+        &file,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nregion = \"eu\"\n[redis]\nurl = \"redis://:hunter2@127.0.0.1:{}\"\n",
+            redis.port
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(binary())
+        .arg("--config")
+        .arg(&file)
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(std::time::Instant::now() < deadline);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.kill().unwrap();
+    let out = child.wait_with_output().unwrap();
+    let log = String::from_utf8_lossy(&out.stdout);
+    assert!(log.contains("tollgate started"), "{log}");
+    assert!(log.contains(&format!("127.0.0.1:{port}")), "{log}");
+    assert!(log.contains("region=eu"), "{log}");
+    assert!(
+        log.contains(&format!("redis://:***@127.0.0.1:{}", redis.port)),
+        "{log}"
+    );
+    assert!(!log.contains("hunter2"));
+}
+
+#[tokio::test]
+async fn sigterm_lets_in_flight_requests_finish_then_exits_0() {
+    let up = Upstream::start(Behaviour::Slow(std::time::Duration::from_millis(800))).await;
+    let toml = format!(
+        "{}{}",
+        catalog_toml(("gold", 10.0, 1.0), &["acme"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    );
+    let mut gw = GatewayProcess::spawn(&toml, &[]);
+    let url = format!("{}/orders", gw.address);
+    let in_flight = tokio::spawn(async move {
+        reqwest::Client::new()
+            .get(url)
+            .header("x-api-key", key("acme"))
+            .send()
+            .await
+            .map(|r| r.status().as_u16())
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+
+    let killed = Command::new("kill")
+        .args(["-TERM", &gw.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+
+    assert_eq!(in_flight.await.unwrap().unwrap(), 200);
+    let status = tokio::task::spawn_blocking(move || gw.child.wait().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+}

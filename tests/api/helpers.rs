@@ -1,0 +1,316 @@
+//! Real parts for the tests: `redis-server` processes on free ports, upstream HTTP
+//! services, and the gateway itself (in process through `Application::build`, or as the
+//! real binary when a test needs a process of its own).
+
+use std::collections::HashMap;
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
+use tollgate::configuration::Settings;
+use tollgate::startup::Application;
+
+/// A port nobody listens on right now.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A `redis-server` on a free port, killed on drop.
+pub struct RedisServer {
+    child: Child,
+    pub port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl RedisServer {
+    pub fn start() -> RedisServer {
+        let dir = tempfile::tempdir().unwrap();
+        let port = free_port();
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .args(["--dir", dir.path().to_str().unwrap()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server must be installed (.ci/run installs it)");
+        let server = RedisServer {
+            child,
+            port,
+            _dir: dir,
+        };
+        server.wait_until_ready();
+        server
+    }
+
+    fn wait_until_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(mut c) = redis::Client::open(self.url()).and_then(|c| c.get_connection()) {
+                if redis::cmd("PING").query::<String>(&mut c).is_ok() {
+                    return;
+                }
+            }
+            assert!(Instant::now() < deadline, "redis-server did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// A blocking connection for inspecting what the gateway wrote.
+    pub fn conn(&self) -> redis::Connection {
+        redis::Client::open(self.url())
+            .unwrap()
+            .get_connection()
+            .unwrap()
+    }
+
+    /// `INFO commandstats` as command → calls.
+    pub fn command_calls(&self) -> HashMap<String, u64> {
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query(&mut self.conn())
+            .unwrap();
+        info.lines()
+            .filter_map(|l| l.strip_prefix("cmdstat_"))
+            .filter_map(|l| {
+                let (name, rest) = l.split_once(':')?;
+                let calls = rest.split(',').find_map(|kv| kv.strip_prefix("calls="))?;
+                Some((name.to_string(), calls.parse().ok()?))
+            })
+            .collect()
+    }
+
+    pub fn keys(&self, pattern: &str) -> Vec<String> {
+        redis::cmd("KEYS")
+            .arg(pattern)
+            .query(&mut self.conn())
+            .unwrap()
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// What an upstream saw of one request.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub path: String,
+    pub headers: HashMap<String, String>,
+    pub body_len: usize,
+}
+
+/// How a test upstream answers.
+#[derive(Clone, Copy)]
+pub enum Behaviour {
+    /// 200, echoing the request body.
+    Echo,
+    /// Sleeps this long, then answers 200.
+    Slow(Duration),
+}
+
+/// An HTTP service that records what reaches it.
+pub struct Upstream {
+    pub port: u16,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    hits: Arc<AtomicUsize>,
+}
+
+impl Upstream {
+    pub async fn start(behaviour: Behaviour) -> Upstream {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let hits = Arc::new(AtomicUsize::new(0));
+        let (s, h) = (seen.clone(), hits.clone());
+        let server = HttpServer::new(move || {
+            let (s, h) = (s.clone(), h.clone());
+            App::new()
+                .app_data(web::PayloadConfig::new(64 << 20))
+                .default_service(web::to(move |req: HttpRequest, body: web::Bytes| {
+                    let (s, h) = (s.clone(), h.clone());
+                    async move {
+                        h.fetch_add(1, Ordering::SeqCst);
+                        s.lock().unwrap().push(Seen {
+                            path: req
+                                .uri()
+                                .path_and_query()
+                                .map(|p| p.to_string())
+                                .unwrap_or_default(),
+                            headers: req
+                                .headers()
+                                .iter()
+                                .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_string()))
+                                .collect(),
+                            body_len: body.len(),
+                        });
+                        if let Behaviour::Slow(d) = behaviour {
+                            tokio::time::sleep(d).await;
+                        }
+                        HttpResponse::Ok()
+                            .insert_header(("x-upstream-port", port.to_string()))
+                            .body(body)
+                    }
+                }))
+        })
+        .workers(1)
+        .disable_signals()
+        .listen(listener)
+        .unwrap()
+        .run();
+        tokio::spawn(server);
+        Upstream { port, seen, hits }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    pub fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+
+    pub fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+/// Settings from TOML, through the same loader `main` uses.
+pub fn settings(toml: &str) -> Settings {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("test.toml");
+    std::fs::write(&file, toml).unwrap();
+    let catalog = dir.keep().join("catalog.json");
+    let base = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nworkers = 1\nshutdown_timeout_s = 1\n[catalog]\nfile = {:?}\n",
+        catalog.to_str().unwrap()
+    );
+    let base_file = file.with_file_name("base.toml");
+    std::fs::write(&base_file, base).unwrap();
+    Settings::load_with_env(&[base_file, file], std::iter::empty()).expect("test settings")
+}
+
+/// A gateway running in this process.
+pub struct TestGateway {
+    pub address: String,
+    pub app: actix_web::web::Data<tollgate::state::AppState>,
+    pub http: reqwest::Client,
+}
+
+impl TestGateway {
+    pub async fn spawn(settings: Settings) -> TestGateway {
+        let app = Application::build(settings).await.expect("gateway builds");
+        let address = format!("http://127.0.0.1:{}", app.port());
+        let state = app.state();
+        tokio::spawn(app.run_until_stopped());
+        TestGateway {
+            address,
+            app: state,
+            http: reqwest::Client::builder()
+                .pool_max_idle_per_host(256)
+                .build()
+                .unwrap(),
+        }
+    }
+
+    pub async fn get(&self, path: &str, key: Option<&str>) -> reqwest::Response {
+        let mut req = self.http.get(format!("{}{}", self.address, path));
+        if let Some(k) = key {
+            req = req.header("x-api-key", k);
+        }
+        req.send().await.expect("gateway answers")
+    }
+}
+
+/// The gateway as its own process (for clocks, signals and exit codes).
+pub struct GatewayProcess {
+    pub child: Child,
+    pub address: String,
+}
+
+impl GatewayProcess {
+    /// Runs the binary with `toml` layered over the defaults, under `env`.
+    pub fn spawn(toml: &str, env: &[(&str, &str)]) -> GatewayProcess {
+        let port = free_port();
+        let dir = tempfile::tempdir().unwrap().keep();
+        let file = dir.join("gw.toml");
+        std::fs::write(
+            &file,
+            format!(
+                "[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = 1\n[catalog]\nfile = {:?}\n{toml}",
+                dir.join("catalog.json").to_str().unwrap()
+            ),
+        )
+        .unwrap();
+        let child = Command::new(binary())
+            .arg("--config")
+            .arg(&file)
+            .envs(env.iter().copied())
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let gw = GatewayProcess {
+            child,
+            address: format!("http://127.0.0.1:{port}"),
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "gateway process did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        gw
+    }
+}
+
+impl Drop for GatewayProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn binary() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_tollgate"))
+}
+
+/// A plan, a client with key `key-<id>` and routes, as TOML.
+pub fn catalog_toml(plan: (&str, f64, f64), clients: &[&str]) -> String {
+    let mut t = format!(
+        "[[catalog.plans]]\nname = \"{}\"\ncapacity = {:?}\nrate = {:?}\n",
+        plan.0, plan.1, plan.2
+    );
+    for c in clients {
+        t.push_str(&format!(
+            "[[catalog.clients]]\nid = \"{c}\"\nplan = \"{}\"\nkeys = [\"key-{c}-0000\"]\n",
+            plan.0
+        ));
+    }
+    t
+}
+
+pub fn key(client: &str) -> String {
+    format!("key-{client}-0000")
+}
+
+pub fn route_toml(service: &str, prefix: &str, upstreams: &[String]) -> String {
+    format!(
+        "[[routes]]\nservice = \"{service}\"\nprefix = \"{prefix}\"\nupstreams = {upstreams:?}\n"
+    )
+}

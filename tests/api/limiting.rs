@@ -1,0 +1,376 @@
+//! One bucket per client, enforced once at the edge, over real Redis.
+
+use std::time::Duration;
+
+use futures_util::future::join_all;
+
+use crate::helpers::*;
+
+/// Redis settings with a generous decision budget: these tests are about the limit, not
+/// about failing open (a debug build on two cores can take more than 5 ms under load).
+fn redis_toml(redis: &RedisServer) -> String {
+    format!("[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n", redis.url())
+}
+
+#[tokio::test]
+async fn three_gateways_on_one_redis_admit_exactly_the_capacity_across_two_services() {
+    // Arrange: one Redis, two services with two replicas each, three gateways.
+    let redis = RedisServer::start();
+    let orders = [
+        Upstream::start(Behaviour::Echo).await,
+        Upstream::start(Behaviour::Echo).await,
+    ];
+    let billing = [
+        Upstream::start(Behaviour::Echo).await,
+        Upstream::start(Behaviour::Echo).await,
+    ];
+    let toml = format!(
+        "{}{}{}{}",
+        redis_toml(&redis),
+        catalog_toml(("gold", 40.0, 0.001), &["acme"]),
+        route_toml("orders", "/orders", &[orders[0].url(), orders[1].url()]),
+        route_toml("billing", "/billing", &[billing[0].url(), billing[1].url()]),
+    );
+    let mut gateways = Vec::new();
+    for _ in 0..3 {
+        gateways.push(TestGateway::spawn(settings(&toml)).await);
+    }
+
+    // Act: 120 concurrent requests from one client, spread over gateways and services.
+    let k = key("acme");
+    let requests = (0..120).map(|i| {
+        let gw = &gateways[i % 3];
+        let path = if i % 2 == 0 {
+            "/orders/1"
+        } else {
+            "/billing/1"
+        };
+        gw.get(path, Some(&k))
+    });
+    let statuses: Vec<u16> = join_all(requests)
+        .await
+        .into_iter()
+        .map(|r| r.status().as_u16())
+        .collect();
+
+    // Assert: exactly the capacity admitted, the rest refused, and only the admitted
+    // ones reached a service.
+    let admitted = statuses.iter().filter(|s| **s == 200).count();
+    let refused = statuses.iter().filter(|s| **s == 429).count();
+    assert_eq!(admitted, 40, "{statuses:?}");
+    assert_eq!(refused, 80);
+    let reached: usize = orders.iter().chain(billing.iter()).map(|u| u.hits()).sum();
+    assert_eq!(reached, admitted);
+    // Both services and all four replicas took part.
+    assert!(orders.iter().chain(billing.iter()).all(|u| u.hits() > 0));
+}
+
+#[tokio::test]
+async fn each_decision_is_one_script_call_and_nothing_else() {
+    let redis = RedisServer::start();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let toml = format!(
+        "{}{}{}[catalog]\nrefresh_ms = 600000\n",
+        redis_toml(&redis),
+        catalog_toml(("gold", 5.0, 1.0), &["acme"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    );
+    let gw = TestGateway::spawn(settings(&toml)).await;
+    // Let start-up traffic (script load, seeding, the first catalog poll) settle.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query(&mut redis.conn())
+        .unwrap();
+
+    for _ in 0..12 {
+        gw.get("/orders", Some(&key("acme"))).await;
+    }
+
+    // INFO commandstats also counts the commands the script runs inside Redis.
+    let calls = redis.command_calls();
+    assert_eq!(calls.get("evalsha"), Some(&12), "{calls:?}");
+    for inside_the_script in ["time", "hmget", "hset", "pexpire"] {
+        assert_eq!(calls.get(inside_the_script), Some(&12), "{calls:?}");
+    }
+    let others: Vec<_> = calls
+        .keys()
+        .filter(|c| {
+            !matches!(
+                c.as_str(),
+                "evalsha" | "time" | "hmget" | "hset" | "pexpire" | "info" | "config|resetstat"
+            )
+        })
+        .collect();
+    assert!(
+        others.is_empty(),
+        "unexpected commands on the request path: {others:?}"
+    );
+}
+
+#[tokio::test]
+async fn retry_after_is_honest_and_at_most_a_second_pessimistic() {
+    let redis = RedisServer::start();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let toml = format!(
+        "{}{}{}",
+        redis_toml(&redis),
+        catalog_toml(("slow", 2.0, 0.5), &["acme"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    );
+    let gw = TestGateway::spawn(settings(&toml)).await;
+    let k = key("acme");
+
+    assert_eq!(gw.get("/orders", Some(&k)).await.status(), 200);
+    assert_eq!(gw.get("/orders", Some(&k)).await.status(), 200);
+    let denied = gw.get("/orders", Some(&k)).await;
+    assert_eq!(denied.status(), 429);
+    assert_eq!(denied.headers()["content-type"], "application/problem+json");
+    assert!(denied.headers().contains_key("ratelimit-policy"));
+    assert!(denied.headers().contains_key("ratelimit"));
+    let retry_after: u64 = denied.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let body: serde_json::Value = denied.json().await.unwrap();
+    let wait_ms = body["retry_after_ms"].as_u64().unwrap();
+
+    // The real wait is ~2 s (one token at 0.5/s); Retry-After rounds it up by < 1 s.
+    assert!(retry_after >= 1);
+    assert!(
+        retry_after * 1000 >= wait_ms,
+        "{retry_after} s < {wait_ms} ms"
+    );
+    assert!(
+        retry_after * 1000 - wait_ms < 1000,
+        "{retry_after} s vs {wait_ms} ms"
+    );
+    assert_eq!(
+        up.hits(),
+        2,
+        "the refused request must not reach the service"
+    );
+
+    tokio::time::sleep(Duration::from_secs(retry_after)).await;
+    assert_eq!(gw.get("/orders", Some(&k)).await.status(), 200);
+}
+
+#[tokio::test]
+async fn a_gateway_whose_clock_is_hours_off_decides_like_the_others() {
+    // Arrange: one gateway in this process, one as a process whose clock is 5 hours
+    // behind (libfaketime), both on one Redis.
+    let redis = RedisServer::start();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let toml = format!(
+        "{}{}{}",
+        redis_toml(&redis),
+        catalog_toml(("gold", 10.0, 1.0), &["acme"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    );
+    let normal = TestGateway::spawn(settings(&toml)).await;
+    let lib = faketime_library();
+    let skewed = GatewayProcess::spawn(&toml, &[("LD_PRELOAD", lib), ("FAKETIME", "-5h")]);
+    let http = reqwest::Client::new();
+
+    // The skewed gateway really lives 5 hours in the past.
+    let health = http
+        .get(format!("{}/healthz", skewed.address))
+        .send()
+        .await
+        .unwrap();
+    let date = httpdate(health.headers()["date"].to_str().unwrap());
+    let skew = std::time::SystemTime::now().duration_since(date).unwrap();
+    assert!(skew > Duration::from_secs(4 * 3600), "skew {skew:?}");
+
+    // Act: alternate between the two.
+    let mut statuses = Vec::new();
+    for i in 0..16 {
+        let r = if i % 2 == 0 {
+            normal.get("/orders", Some(&key("acme"))).await
+        } else {
+            http.get(format!("{}/orders", skewed.address))
+                .header("x-api-key", key("acme"))
+                .send()
+                .await
+                .unwrap()
+        };
+        statuses.push((
+            i % 2,
+            r.status().as_u16(),
+            r.headers().get("retry-after").cloned(),
+        ));
+    }
+
+    // Assert: together exactly the capacity, and the denials agree on the wait.
+    let admitted = statuses.iter().filter(|(_, s, _)| *s == 200).count();
+    assert_eq!(admitted, 10, "{statuses:?}");
+    let skewed_denials: Vec<_> = statuses
+        .iter()
+        .filter(|(g, s, _)| *g == 1 && *s == 429)
+        .collect();
+    assert!(!skewed_denials.is_empty());
+    for (_, _, ra) in &statuses {
+        if let Some(ra) = ra {
+            assert_eq!(ra, "1", "{statuses:?}");
+        }
+    }
+}
+
+/// libfaketime from Debian's `faketime` package, wherever this architecture keeps it.
+fn faketime_library() -> &'static str {
+    ["x86_64-linux-gnu", "aarch64-linux-gnu"]
+        .iter()
+        .map(|arch| format!("/usr/lib/{arch}/faketime/libfaketime.so.1"))
+        .find(|p| std::path::Path::new(p).exists())
+        .map(|p| &*Box::leak(p.into_boxed_str()))
+        .expect("libfaketime is needed: apt-get install faketime (.ci/run does)")
+}
+
+fn httpdate(s: &str) -> std::time::SystemTime {
+    // e.g. "Mon, 30 Nov 2026 00:10:11 GMT"
+    let parts: Vec<&str> = s.split_whitespace().collect();
+    let day: u64 = parts[1].parse().unwrap();
+    let month = [
+        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
+    ]
+    .iter()
+    .position(|m| *m == parts[2])
+    .unwrap() as u64
+        + 1;
+    let year: u64 = parts[3].parse().unwrap();
+    let hms: Vec<u64> = parts[4].split(':').map(|x| x.parse().unwrap()).collect();
+    // Days since the epoch (civil from days, Howard Hinnant's algorithm, inverted).
+    let (y, m) = if month <= 2 {
+        (year - 1, month + 9)
+    } else {
+        (year, month - 3)
+    };
+    let era = y / 400;
+    let yoe = y - era * 400;
+    let doy = (153 * m + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    std::time::UNIX_EPOCH
+        + Duration::from_secs(days * 86_400 + hms[0] * 3600 + hms[1] * 60 + hms[2])
+}
+
+#[tokio::test]
+async fn an_unknown_or_missing_key_gets_401_and_touches_nothing() {
+    let redis = RedisServer::start();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let toml = format!(
+        "{}{}{}[catalog]\nrefresh_ms = 600000\n",
+        redis_toml(&redis),
+        catalog_toml(("gold", 5.0, 1.0), &["acme"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    );
+    let gw = TestGateway::spawn(settings(&toml)).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query(&mut redis.conn())
+        .unwrap();
+
+    for k in [None, Some("not-a-known-key"), Some("")] {
+        let r = gw.get("/orders", k).await;
+        assert_eq!(r.status(), 401);
+        assert_eq!(r.headers()["www-authenticate"], "ApiKey");
+        assert_eq!(r.headers()["content-type"], "application/problem+json");
+    }
+
+    assert_eq!(up.hits(), 0);
+    assert!(redis.keys("tollgate:b:*").is_empty());
+    assert_eq!(redis.command_calls().get("evalsha"), None);
+}
+
+#[tokio::test]
+async fn script_flush_mid_traffic_keeps_decisions_correct() {
+    let redis = RedisServer::start();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let toml = format!(
+        "{}{}{}",
+        redis_toml(&redis),
+        catalog_toml(("gold", 30.0, 0.001), &["acme"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    );
+    let gw = TestGateway::spawn(settings(&toml)).await;
+    let mut admitted = 0;
+    for i in 0..50 {
+        if i % 10 == 5 {
+            let _: () = redis::cmd("SCRIPT")
+                .arg("FLUSH")
+                .query(&mut redis.conn())
+                .unwrap();
+        }
+        if gw.get("/orders", Some(&key("acme"))).await.status() == 200 {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 30);
+    assert_eq!(gw.app.metrics.fail_open_total(), 0);
+    assert!(
+        redis
+            .command_calls()
+            .get("script|load")
+            .copied()
+            .unwrap_or(0)
+            >= 2
+    );
+}
+
+#[tokio::test]
+async fn idle_buckets_carry_an_expiry_of_the_time_to_refill() {
+    let redis = RedisServer::start();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let toml = format!(
+        "{}{}{}",
+        redis_toml(&redis),
+        catalog_toml(("gold", 10.0, 2.0), &["acme"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    );
+    let gw = TestGateway::spawn(settings(&toml)).await;
+    for _ in 0..4 {
+        gw.get("/orders", Some(&key("acme"))).await;
+    }
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg("tollgate:b:{acme}")
+        .query(&mut redis.conn())
+        .unwrap();
+    // 4 of 10 tokens spent at 2/s: full again in 2 s, plus 1 s of slack.
+    assert!((2_500..=3_000).contains(&pttl), "pttl {pttl}");
+}
+
+#[tokio::test]
+async fn the_embedded_store_limits_without_redis() {
+    let up = Upstream::start(Behaviour::Echo).await;
+    let toml = format!(
+        "{}{}",
+        catalog_toml(("gold", 7.0, 0.001), &["acme"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    );
+    let gw = TestGateway::spawn(settings(&toml)).await;
+    let k = key("acme");
+    let statuses: Vec<u16> = join_all((0..20).map(|_| gw.get("/orders", Some(&k))))
+        .await
+        .into_iter()
+        .map(|r| r.status().as_u16())
+        .collect();
+    assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 7);
+    assert_eq!(up.hits(), 7);
+}
+
+#[tokio::test]
+async fn allowed_responses_carry_the_rate_limit_headers() {
+    let up = Upstream::start(Behaviour::Echo).await;
+    let toml = format!(
+        "{}{}",
+        catalog_toml(("gold", 10.0, 5.0), &["acme"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    );
+    let gw = TestGateway::spawn(settings(&toml)).await;
+    let r = gw.get("/orders", Some(&key("acme"))).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["ratelimit-policy"], "\"gold\";q=10;w=2");
+    assert_eq!(r.headers()["ratelimit"], "\"gold\";r=9;t=1");
+}

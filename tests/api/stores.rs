@@ -1,0 +1,55 @@
+//! The embedded store and the Redis script make the same decisions.
+
+use std::time::Duration;
+
+use secrecy::SecretString;
+use tollgate::domain::Plan;
+use tollgate::store::{EmbeddedStore, Keys, RedisStore, Store};
+
+use crate::helpers::*;
+
+#[tokio::test]
+async fn the_embedded_store_decides_like_the_redis_script_on_the_same_timeline() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let embedded = Store::Embedded(std::sync::Arc::new(
+        EmbeddedStore::open(&dir.path().join("c.json")).unwrap(),
+    ));
+    let remote = Store::Redis(std::sync::Arc::new(
+        RedisStore::connect(&SecretString::from(redis.url()), 2, Keys::new("t:")).unwrap(),
+    ));
+    let plan = Plan::new(5.0, 10.0).unwrap();
+    // (pause before, cost): a burst past capacity, partial refills, a full refill, and a
+    // cost the bucket can never hold.
+    let timeline: Vec<(u64, f64)> = [(0, 1.0); 7]
+        .into_iter()
+        .chain([(250, 1.0), (0, 1.0), (0, 1.0), (0, 1.0)])
+        .chain([(100, 2.0), (0, 2.0)])
+        .chain([(600, 5.0), (0, 6.0)])
+        .collect();
+
+    let mut decisions = Vec::new();
+    for (pause, cost) in &timeline {
+        tokio::time::sleep(Duration::from_millis(*pause)).await;
+        let e = embedded.take("t:b:{acme}", plan, *cost).await.unwrap();
+        let r = remote.take("t:b:{acme}", plan, *cost).await.unwrap();
+        decisions.push((e, r));
+    }
+
+    for (i, (e, r)) in decisions.iter().enumerate() {
+        assert_eq!(e.allowed, r.allowed, "step {i}: {decisions:?}");
+        assert_eq!(e.wait_us.is_some(), r.wait_us.is_some(), "step {i}");
+        assert!(
+            (e.tokens - r.tokens).abs() < 0.2,
+            "step {i}: {e:?} vs {r:?}"
+        );
+    }
+    let allowed: Vec<bool> = decisions.iter().map(|(e, _)| e.allowed).collect();
+    assert_eq!(
+        allowed,
+        [
+            true, true, true, true, true, false, false, true, true, false, false, false, false,
+            true, false
+        ]
+    );
+}
