@@ -1,25 +1,30 @@
--- tollgate catalog write: one plan or client put or deleted, atomically, with its checks.
+-- tollgate catalog write: one plan, client or setting put or deleted, atomically, with its
+-- checks and its audit entry. A refusal writes nothing.
 --
--- KEYS[1] plans   (hash: name -> "<rev> <json>")
--- KEYS[2] clients (hash: id -> "<rev> <json>")
--- KEYS[3] keys    (hash: "sha256:<hex>" -> client id; no plaintext key is ever stored)
--- KEYS[4] users   (hash: plan name -> number of clients on it)
--- KEYS[5] version (counter, bumped by every write)
--- KEYS[6] changes (stream; entry id "<version>-0", fields kind, id: the change feed)
--- All six share the {catalog} hash tag, so this is one Redis Cluster slot.
+-- KEYS[1] plans    (hash: name -> "<rev> <json>")
+-- KEYS[2] clients  (hash: id -> "<rev> <json>")
+-- KEYS[3] keys     (hash: "sha256:<hex>" -> client id; no plaintext key is ever stored)
+-- KEYS[4] users    (hash: plan name -> number of clients on it)
+-- KEYS[5] version  (counter, bumped by every write)
+-- KEYS[6] changes  (stream; entry id "<version>-0", fields kind, id: the change feed)
+-- KEYS[7] settings (hash: name -> "<rev> <json>", e.g. safety)
+-- KEYS[8] index    (sorted set of client ids, for ordered pagination)
+-- KEYS[9] audit    (stream: who changed what, when, before and after)
+-- All share the {catalog} hash tag, so this is one Redis Cluster slot.
 --
--- ARGV[1] kind: 'plan' | 'client'     ARGV[2] op: 'put' | 'delete'
--- ARGV[3] id                          ARGV[4] condition: 'any' | 'absent' | <rev>
--- ARGV[5] json (put)                  ARGV[6] the client's plan (client put)
--- ARGV[7..] the client's key hashes (client put)
+-- ARGV[1] kind: 'plan' | 'client' | 'setting'   ARGV[2] op: 'put' | 'delete'
+-- ARGV[3] id                                     ARGV[4] condition: 'any' | 'absent' | <rev>
+-- ARGV[5] json (put)                             ARGV[6] the client's plan (client put)
+-- ARGV[7] actor (JWT sub)                        ARGV[8] action (e.g. 'plan.put')
+-- ARGV[9..] the client's key hashes (client put)
 --
--- Returns { status, rev, detail }: status 'ok' (rev = the new version, detail = the old
--- json or false), or a refusal ('exists', 'stale', 'missing', 'unknown_plan',
--- 'plan_in_use', 'key_conflict') that wrote nothing.
+-- Returns { status, rev, detail }: 'ok' (rev = the new version, detail = the old json or
+-- false), or a refusal: 'exists', 'stale' (rev = current), 'missing', 'unknown_plan',
+-- 'plan_in_use', 'key_conflict'.
 
 local kind, op, id, cond = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local entities = KEYS[1]
-if kind == 'client' then entities = KEYS[2] end
+if kind == 'client' then entities = KEYS[2] elseif kind == 'setting' then entities = KEYS[7] end
 
 local old = redis.call('HGET', entities, id)
 local old_rev, old_json = 0, false
@@ -48,23 +53,34 @@ if op == 'delete' then
     if tonumber(redis.call('HGET', KEYS[4], id) or '0') > 0 then
       return { 'plan_in_use', old_rev, old_json }
     end
-  else
+  elseif kind == 'client' then
     unlink_client(old_json)
+    redis.call('ZREM', KEYS[8], id)
   end
   redis.call('HDEL', entities, id)
 elseif kind == 'client' then
   local plan = ARGV[6]
   if redis.call('HEXISTS', KEYS[1], plan) == 0 then return { 'unknown_plan', 0, plan } end
-  for i = 7, #ARGV do
+  for i = 9, #ARGV do
     local owner = redis.call('HGET', KEYS[3], ARGV[i])
     if owner and owner ~= id then return { 'key_conflict', 0, ARGV[i] } end
   end
   if old then unlink_client(old_json) end
-  for i = 7, #ARGV do redis.call('HSET', KEYS[3], ARGV[i], id) end
+  for i = 9, #ARGV do redis.call('HSET', KEYS[3], ARGV[i], id) end
   redis.call('HINCRBY', KEYS[4], plan, 1)
+  redis.call('ZADD', KEYS[8], 0, id)
 end
 
 local v = redis.call('INCR', KEYS[5])
-if op ~= 'delete' then redis.call('HSET', entities, id, v .. ' ' .. ARGV[5]) end
+local after = ''
+if op ~= 'delete' then
+  after = ARGV[5]
+  redis.call('HSET', entities, id, v .. ' ' .. after)
+end
 redis.call('XADD', KEYS[6], 'MAXLEN', '~', 100000, v .. '-0', 'kind', kind, 'id', id)
+local t = redis.call('TIME')
+redis.call('XADD', KEYS[9], 'MAXLEN', '~', 100000, '*',
+  'at_ms', tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)),
+  'actor', ARGV[7], 'action', ARGV[8], 'kind', kind, 'id', id, 'rev', v,
+  'before', old_json or '', 'after', after)
 return { 'ok', v, old_json }

@@ -23,4 +23,18 @@ pub struct Cli {
 pub enum Command {
     /// Start the gateway (the default).
     Serve,
+    /// Print a signed admin JWT, using the configured HS256 secret (for development).
+    Token {
+        /// Space-separated scopes, e.g. "admin:read admin:write".
+        #[arg(long, default_value = "admin:read admin:write")]
+        scope: String,
+        /// The token's subject: who the audit log says made the changes.
+        #[arg(long, default_value = "dev")]
+        sub: String,
+        /// Lifetime in seconds.
+        #[arg(long, default_value_t = 3600)]
+        ttl: u64,
+    },
+    /// Print the admin API's OpenAPI 3.1 document as JSON.
+    Openapi,
 }

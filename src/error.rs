@@ -7,7 +7,7 @@ use actix_web::{HttpResponse, ResponseError};
 use serde::Serialize;
 
 /// A validation error on one field.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct FieldError {
     pub field: String,
     pub message: String,
@@ -37,19 +37,64 @@ pub enum ApiError {
     GatewayTimeout,
     #[error("{0}")]
     BadRequest(String),
+    #[error("{0}")]
+    InvalidToken(String),
+    #[error("{0}")]
+    Forbidden(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    PreconditionFailed(String),
+    #[error("the request has invalid fields: {}", fields(.0))]
+    Validation(Vec<FieldError>),
+    #[error("the store is unavailable: {0}")]
+    StoreUnavailable(String),
     #[error("an internal error occurred")]
     Internal(#[source] anyhow::Error),
 }
 
-#[derive(Serialize)]
-struct Problem<'a> {
+fn fields(errors: &[FieldError]) -> String {
+    errors
+        .iter()
+        .map(|e| format!("{}: {}", e.field, e.message))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+impl ApiError {
+    /// One invalid field.
+    pub fn field(field: &str, message: impl Into<String>) -> ApiError {
+        ApiError::Validation(vec![FieldError {
+            field: field.to_string(),
+            message: message.into(),
+        }])
+    }
+}
+
+impl From<crate::store::StoreError> for ApiError {
+    fn from(e: crate::store::StoreError) -> ApiError {
+        tracing::warn!(error = %e, "store call failed");
+        ApiError::StoreUnavailable(e.to_string())
+    }
+}
+
+/// An RFC 9457 problem, as every error body is.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct Problem {
+    /// A URI naming the kind of problem.
     #[serde(rename = "type")]
-    kind: &'a str,
-    title: &'a str,
-    status: u16,
-    detail: String,
+    pub kind: String,
+    pub title: String,
+    pub status: u16,
+    pub detail: String,
+    /// 429 only: milliseconds until the request would be admitted.
     #[serde(skip_serializing_if = "Option::is_none")]
-    retry_after_ms: Option<u64>,
+    pub retry_after_ms: Option<u64>,
+    /// Validation errors only: each invalid field and what is wrong with it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub errors: Option<Vec<FieldError>>,
 }
 
 impl ApiError {
@@ -62,6 +107,13 @@ impl ApiError {
             ApiError::BadGateway => "bad-gateway",
             ApiError::GatewayTimeout => "gateway-timeout",
             ApiError::BadRequest(_) => "bad-request",
+            ApiError::InvalidToken(_) => "invalid-token",
+            ApiError::Forbidden(_) => "forbidden",
+            ApiError::NotFound(_) => "not-found",
+            ApiError::Conflict(_) => "conflict",
+            ApiError::PreconditionFailed(_) => "precondition-failed",
+            ApiError::Validation(_) => "validation",
+            ApiError::StoreUnavailable(_) => "store-unavailable",
             ApiError::Internal(_) => "internal",
         }
     }
@@ -79,6 +131,13 @@ impl ResponseError for ApiError {
             ApiError::BadGateway => StatusCode::BAD_GATEWAY,
             ApiError::GatewayTimeout => StatusCode::GATEWAY_TIMEOUT,
             ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::InvalidToken(_) => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::Conflict(_) => StatusCode::CONFLICT,
+            ApiError::PreconditionFailed(_) => StatusCode::PRECONDITION_FAILED,
+            ApiError::Validation(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::StoreUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -88,14 +147,17 @@ impl ResponseError for ApiError {
         if let ApiError::Internal(e) = self {
             tracing::error!(error = ?e, "internal error");
         }
-        let type_uri = format!("https://tollgate.dev/problems/{}", self.slug());
         let body = Problem {
-            kind: &type_uri,
-            title: status.canonical_reason().unwrap_or("Error"),
+            kind: format!("https://tollgate.dev/problems/{}", self.slug()),
+            title: status.canonical_reason().unwrap_or("Error").to_string(),
             status: status.as_u16(),
             detail: self.to_string(),
             retry_after_ms: match self {
                 ApiError::RateLimited { retry_after_ms, .. } => Some(*retry_after_ms),
+                _ => None,
+            },
+            errors: match self {
+                ApiError::Validation(e) => Some(e.clone()),
                 _ => None,
             },
         };
@@ -110,6 +172,12 @@ impl ResponseError for ApiError {
             }
             ApiError::RateLimited { retry_after_s, .. } => {
                 resp.insert_header((header::RETRY_AFTER, retry_after_s.to_string()));
+            }
+            ApiError::InvalidToken(_) => {
+                resp.insert_header((
+                    header::WWW_AUTHENTICATE,
+                    "Bearer realm=\"tollgate-admin\", error=\"invalid_token\"",
+                ));
             }
             _ => {}
         }

@@ -9,6 +9,7 @@
 //!   [`proxy::forward`], which streams them to one replica with awc.
 //! - [`startup::Application`] wires it together from [`configuration::Settings`].
 
+pub mod admin;
 pub mod catalog;
 pub mod cli;
 pub mod configuration;

@@ -9,6 +9,10 @@ const BAD_CONFIG: i32 = 2;
 #[tokio::main]
 async fn main() {
     let cli = Cli::parse();
+    if let Some(Command::Openapi) = cli.command {
+        print!("{}", tollgate::admin::openapi_json());
+        return;
+    }
     tollgate::telemetry::init();
     let settings = match Settings::load(&cli.config) {
         Ok(s) => s,
@@ -38,5 +42,15 @@ async fn main() {
             }
             tracing::info!("stopped");
         }
+        Command::Token { scope, sub, ttl } => {
+            match tollgate::admin::auth::mint(&settings.admin, &sub, &scope, ttl) {
+                Ok(token) => println!("{token}"),
+                Err(e) => {
+                    eprintln!("tollgate token: {e}");
+                    std::process::exit(BAD_CONFIG);
+                }
+            }
+        }
+        Command::Openapi => unreachable!("handled before loading settings"),
     }
 }

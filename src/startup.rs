@@ -13,6 +13,7 @@ use actix_web::{web, App, HttpServer};
 use anyhow::Context;
 use tracing_actix_web::TracingLogger;
 
+use crate::admin::{self, JwtVerifier};
 use crate::catalog::{self, Catalog};
 use crate::configuration::Settings;
 use crate::limiter::Limiter;
@@ -58,7 +59,9 @@ impl Application {
                 .context("server.api_key_header")?,
             trusted_proxies: settings.trusted_proxies(),
             max_body_bytes: settings.server.max_body_bytes,
+            safety_multiplier: settings.limits.safety_multiplier,
         });
+        let jwt = web::Data::new(JwtVerifier::from_settings(&settings.admin)?);
 
         let listener = TcpListener::bind(&settings.server.listen)
             .with_context(|| format!("server.listen: cannot bind {}", settings.server.listen))?;
@@ -66,17 +69,19 @@ impl Application {
         let separate_admin = !settings.server.admin_listen.is_empty();
 
         let mut servers = Vec::new();
-        let data = state.clone();
+        let (data, jwt_data) = (state.clone(), jwt.clone());
         let main = HttpServer::new(move || {
             App::new()
                 .wrap(TracingLogger::<telemetry::RequestSpan>::new())
                 .wrap(from_fn(proxy::request_id))
                 .app_data(data.clone())
+                .app_data(jwt_data.clone())
                 .app_data(web::Data::new(proxy::upstream_client()))
                 .configure(ops::configure)
                 .configure(|cfg| {
                     if !separate_admin {
                         ops::configure_metrics(cfg);
+                        admin::configure(cfg);
                     }
                 })
                 .service(
@@ -110,8 +115,10 @@ impl Application {
                     .wrap(TracingLogger::<telemetry::RequestSpan>::new())
                     .wrap(from_fn(proxy::request_id))
                     .app_data(data.clone())
+                    .app_data(jwt.clone())
                     .configure(ops::configure)
                     .configure(ops::configure_metrics)
+                    .configure(admin::configure)
             })
             .workers(1)
             .shutdown_timeout(settings.server.shutdown_timeout_s);

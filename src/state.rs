@@ -20,4 +20,6 @@ pub struct AppState {
     pub api_key_header: HeaderName,
     pub trusted_proxies: Vec<IpNet>,
     pub max_body_bytes: u64,
+    /// `limits.safety_multiplier`, until the admin API stores safety settings.
+    pub safety_multiplier: f64,
 }

@@ -13,8 +13,8 @@ use dashmap::DashMap;
 use secrecy::ExposeSecret;
 
 pub use records::{
-    CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition, KeyRecord, PlanRecord,
-    Shards, Versioned, WriteOutcome,
+    Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition,
+    KeyRecord, PlanRecord, SafetyRecord, Shards, Versioned, WriteOutcome, SAFETY,
 };
 
 use crate::configuration::Settings;
@@ -48,6 +48,7 @@ pub struct Catalog {
     plans: DashMap<PlanName, Arc<PlanSlot>>,
     clients: DashMap<ClientId, Arc<ClientEntry>>,
     keys: DashMap<KeyHash, Arc<ClientEntry>>,
+    safety: ArcSwap<Option<SafetyRecord>>,
     version: AtomicU64,
     default_mode: Mode,
     key_names: Keys,
@@ -59,6 +60,7 @@ impl Catalog {
             plans: DashMap::new(),
             clients: DashMap::new(),
             keys: DashMap::new(),
+            safety: ArcSwap::from_pointee(None),
             version: AtomicU64::new(0),
             default_mode,
             key_names,
@@ -76,6 +78,16 @@ impl Catalog {
 
     pub fn plan(&self, name: &PlanName) -> Option<Plan> {
         self.plans.get(name).map(|p| p.limits())
+    }
+
+    /// Key names (bucket keys for admin inspection).
+    pub fn key_names(&self) -> &Keys {
+        &self.key_names
+    }
+
+    /// The safety settings stored through the admin API, if any.
+    pub fn safety(&self) -> Arc<Option<SafetyRecord>> {
+        self.safety.load_full()
     }
 
     /// The store version this mirror reflects.
@@ -96,8 +108,12 @@ impl Catalog {
                     version,
                     plans,
                     clients,
+                    safety,
                     more,
                 } => {
+                    if let Some(s) = safety {
+                        self.safety.store(Arc::new(s.map(|s| s.value)));
+                    }
                     for (name, rec) in plans {
                         self.apply_plan(name, rec.map(|r| r.value));
                     }
@@ -135,6 +151,7 @@ impl Catalog {
             self.apply_client(id, None);
         }
         self.plans.retain(|name, _| plan_names.contains(name));
+        self.safety.store(Arc::new(dump.safety.map(|s| s.value)));
         self.version.store(dump.version, Ordering::Release);
     }
 
@@ -226,7 +243,10 @@ pub async fn seed(store: &Store, settings: &Settings) -> anyhow::Result<()> {
             description: p.description.clone(),
         };
         store
-            .catalog_write(&CatalogWrite::PutPlan(rec, Condition::Absent))
+            .catalog_write(
+                &CatalogWrite::PutPlan(rec, Condition::Absent),
+                &Audit::new("config", "plan.seed"),
+            )
             .await?;
     }
     for c in &settings.catalog.clients {
@@ -251,7 +271,10 @@ pub async fn seed(store: &Store, settings: &Settings) -> anyhow::Result<()> {
             keys,
         };
         match store
-            .catalog_write(&CatalogWrite::PutClient(rec, Condition::Absent))
+            .catalog_write(
+                &CatalogWrite::PutClient(rec, Condition::Absent),
+                &Audit::new("config", "client.seed"),
+            )
             .await?
         {
             WriteOutcome::Written { .. } | WriteOutcome::Exists => {}

@@ -61,6 +61,55 @@ pub struct ClientRecord {
     pub keys: Vec<KeyRecord>,
 }
 
+/// Coarse per-(client, service) safety limits: `multiplier` x the plan, overridable per
+/// service.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SafetyRecord {
+    pub multiplier: f64,
+    #[serde(default)]
+    pub services: std::collections::BTreeMap<String, f64>,
+}
+
+/// The id of the safety settings record.
+pub const SAFETY: &str = "safety";
+
+/// Who made a change and what it was called, for the audit log.
+#[derive(Debug, Clone)]
+pub struct Audit {
+    /// The JWT `sub` (or `config` for records declared in the configuration).
+    pub actor: String,
+    /// e.g. `plan.put`, `key.revoke`.
+    pub action: String,
+}
+
+impl Audit {
+    pub fn new(actor: &str, action: &str) -> Audit {
+        Audit {
+            actor: actor.to_string(),
+            action: action.to_string(),
+        }
+    }
+}
+
+/// One audit log entry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct AuditEntry {
+    /// Unix milliseconds, on the store's clock.
+    pub at_ms: u64,
+    pub actor: String,
+    pub action: String,
+    pub kind: String,
+    pub id: String,
+    /// The catalog version this change produced.
+    pub rev: u64,
+    /// The record before the change (`null` when it was created).
+    #[schema(value_type = Option<Object>)]
+    pub before: Option<serde_json::Value>,
+    /// The record after the change (`null` when it was deleted).
+    #[schema(value_type = Option<Object>)]
+    pub after: Option<serde_json::Value>,
+}
+
 /// A record and the catalog version that last wrote it (its ETag).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Versioned<T> {
@@ -74,6 +123,7 @@ pub struct CatalogDump {
     pub version: u64,
     pub plans: Vec<Versioned<PlanRecord>>,
     pub clients: Vec<Versioned<ClientRecord>>,
+    pub safety: Option<Versioned<SafetyRecord>>,
 }
 
 /// What changed after a version.
@@ -85,6 +135,8 @@ pub enum CatalogChanges {
         version: u64,
         plans: Vec<(PlanName, Option<Versioned<PlanRecord>>)>,
         clients: Vec<(ClientId, Option<Versioned<ClientRecord>>)>,
+        /// `Some` when the safety settings changed.
+        safety: Option<Option<Versioned<SafetyRecord>>>,
         more: bool,
     },
     /// The feed no longer reaches back that far: start over from everything.
@@ -108,6 +160,7 @@ pub enum CatalogWrite {
     DeletePlan(PlanName, Condition),
     PutClient(ClientRecord, Condition),
     DeleteClient(ClientId, Condition),
+    PutSafety(SafetyRecord, Condition),
 }
 
 /// What a write did. Every refusal wrote nothing.
@@ -133,6 +186,7 @@ impl CatalogWrite {
         match self {
             CatalogWrite::PutPlan(..) | CatalogWrite::DeletePlan(..) => "plan",
             CatalogWrite::PutClient(..) | CatalogWrite::DeleteClient(..) => "client",
+            CatalogWrite::PutSafety(..) => "setting",
         }
     }
 
@@ -142,7 +196,19 @@ impl CatalogWrite {
             CatalogWrite::DeletePlan(n, _) => n.as_str(),
             CatalogWrite::PutClient(c, _) => c.id.as_str(),
             CatalogWrite::DeleteClient(i, _) => i.as_str(),
+            CatalogWrite::PutSafety(..) => SAFETY,
         }
+    }
+
+    /// The record written, as JSON (`None` for deletes).
+    pub(crate) fn json(&self) -> Option<String> {
+        let j = match self {
+            CatalogWrite::PutPlan(p, _) => serde_json::to_string(p),
+            CatalogWrite::PutClient(c, _) => serde_json::to_string(c),
+            CatalogWrite::PutSafety(s, _) => serde_json::to_string(s),
+            CatalogWrite::DeletePlan(..) | CatalogWrite::DeleteClient(..) => return None,
+        };
+        j.ok()
     }
 
     pub(crate) fn condition(&self) -> Condition {
@@ -150,7 +216,8 @@ impl CatalogWrite {
             CatalogWrite::PutPlan(_, c)
             | CatalogWrite::DeletePlan(_, c)
             | CatalogWrite::PutClient(_, c)
-            | CatalogWrite::DeleteClient(_, c) => *c,
+            | CatalogWrite::DeleteClient(_, c)
+            | CatalogWrite::PutSafety(_, c) => *c,
         }
     }
 }

@@ -12,14 +12,15 @@ use serde::{Deserialize, Serialize};
 
 use super::StoreError;
 use crate::catalog::{
-    CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition, PlanRecord, Versioned,
-    WriteOutcome,
+    Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition,
+    PlanRecord, SafetyRecord, Versioned, WriteOutcome,
 };
 use crate::domain::{ClientId, KeyHash, Plan, PlanName};
 use crate::limiter::{bucket, BucketState, Verdict};
 
 const SHARDS: usize = 64;
 const FEED_LEN: usize = 10_000;
+const AUDIT_LEN: usize = 10_000;
 
 struct Slot {
     state: BucketState,
@@ -80,6 +81,12 @@ impl EmbeddedStore {
         self.shard(key).lock().get(key).map(|s| s.state)
     }
 
+    /// The bucket's tokens now, or `None` if it does not exist (a missing bucket is full).
+    pub fn tokens_now(&self, key: &str, plan: Plan) -> Option<f64> {
+        let state = self.peek(key)?;
+        Some(bucket::take(Some(state), self.now_us(), plan, 0.0).1.tokens)
+    }
+
     pub fn refill(&self, key: &str) {
         self.shard(key).lock().remove(key);
     }
@@ -105,17 +112,95 @@ impl EmbeddedStore {
         self.catalog.lock().changes(since)
     }
 
-    pub fn catalog_write(&self, write: &CatalogWrite) -> Result<WriteOutcome, StoreError> {
-        self.catalog.lock().write(write)
+    pub fn catalog_write(
+        &self,
+        write: &CatalogWrite,
+        audit: &Audit,
+    ) -> Result<WriteOutcome, StoreError> {
+        self.catalog.lock().write(write, audit)
+    }
+
+    pub fn plan(&self, name: &str) -> Option<Versioned<PlanRecord>> {
+        let name = PlanName::parse(name).ok()?;
+        self.catalog.lock().data.plans.get(&name).cloned()
+    }
+
+    pub fn client(&self, id: &str) -> Option<Versioned<ClientRecord>> {
+        let id = ClientId::parse(id).ok()?;
+        self.catalog.lock().data.clients.get(&id).cloned()
+    }
+
+    pub fn safety(&self) -> Option<Versioned<SafetyRecord>> {
+        self.catalog.lock().data.safety.clone()
+    }
+
+    pub fn plans(&self) -> Vec<Versioned<PlanRecord>> {
+        self.catalog.lock().data.plans.values().cloned().collect()
+    }
+
+    /// Up to `limit` clients in id order, after the id `after`.
+    pub fn clients_page(&self, after: Option<&str>, limit: usize) -> Vec<Versioned<ClientRecord>> {
+        let cat = self.catalog.lock();
+        let after = after.and_then(|a| ClientId::parse(a).ok());
+        let range = match &after {
+            Some(a) => cat.data.clients.range((
+                std::ops::Bound::Excluded(a.clone()),
+                std::ops::Bound::Unbounded,
+            )),
+            None => cat.data.clients.range(..),
+        };
+        range.take(limit).map(|(_, v)| v.clone()).collect()
+    }
+
+    /// The newest `limit` audit entries, newest first.
+    pub fn audit(&self, limit: usize) -> Vec<AuditEntry> {
+        self.catalog
+            .lock()
+            .data
+            .audit
+            .iter()
+            .rev()
+            .take(limit)
+            .cloned()
+            .collect()
+    }
+
+    /// Appends an audit entry for a change outside the catalog (a bucket refill).
+    pub fn record_audit(&self, entry: AuditEntry) -> Result<(), StoreError> {
+        let mut cat = self.catalog.lock();
+        let mut next = cat.data.clone();
+        push_audit(&mut next.audit, entry);
+        persist(&cat.path, &next)?;
+        cat.data = next;
+        Ok(())
     }
 }
 
 /// The catalog file's contents.
-#[derive(Default, Serialize, Deserialize)]
+#[derive(Default, Clone, Serialize, Deserialize)]
 struct CatalogFile {
     version: u64,
     plans: BTreeMap<PlanName, Versioned<PlanRecord>>,
     clients: BTreeMap<ClientId, Versioned<ClientRecord>>,
+    #[serde(default)]
+    safety: Option<Versioned<SafetyRecord>>,
+    /// The newest changes, oldest first.
+    #[serde(default)]
+    audit: VecDeque<AuditEntry>,
+}
+
+fn push_audit(log: &mut VecDeque<AuditEntry>, entry: AuditEntry) {
+    log.push_back(entry);
+    while log.len() > AUDIT_LEN {
+        log.pop_front();
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 struct FileCatalog {
@@ -157,6 +242,7 @@ impl FileCatalog {
             version: self.data.version,
             plans: self.data.plans.values().cloned().collect(),
             clients: self.data.clients.values().cloned().collect(),
+            safety: self.data.safety.clone(),
         }
     }
 
@@ -170,8 +256,11 @@ impl FileCatalog {
         }
         let mut plans = Vec::new();
         let mut clients = Vec::new();
+        let mut safety = None;
         for (_, kind, id) in self.feed.iter().filter(|(v, _, _)| *v > since) {
-            if *kind == "plan" {
+            if *kind == "setting" {
+                safety = Some(self.data.safety.clone());
+            } else if *kind == "plan" {
                 if let Ok(name) = PlanName::parse(id) {
                     let rec = self.data.plans.get(&name).cloned();
                     plans.push((name, rec));
@@ -185,14 +274,18 @@ impl FileCatalog {
             version: self.data.version,
             plans,
             clients,
+            safety,
             more: false,
         }
     }
 
     /// The same checks, in the same order, as `lua/catalog_write.lua`.
-    fn write(&mut self, write: &CatalogWrite) -> Result<WriteOutcome, StoreError> {
+    fn write(&mut self, write: &CatalogWrite, audit: &Audit) -> Result<WriteOutcome, StoreError> {
         let id = write.id();
         let old: Option<(u64, String)> = match write {
+            CatalogWrite::PutSafety(..) => {
+                self.data.safety.as_ref().map(|v| (v.rev, json(&v.value)))
+            }
             CatalogWrite::PutPlan(..) | CatalogWrite::DeletePlan(..) => PlanName::parse(id)
                 .ok()
                 .and_then(|n| self.data.plans.get(&n))
@@ -214,12 +307,15 @@ impl FileCatalog {
         // Work on a copy so a failed file write leaves memory as it was.
         let mut next_users = self.users.clone();
         let mut next_keys = self.keys.clone();
-        let mut next = CatalogFile {
-            version: rev,
-            plans: self.data.plans.clone(),
-            clients: self.data.clients.clone(),
-        };
+        let mut next = self.data.clone();
+        next.version = rev;
         match write {
+            CatalogWrite::PutSafety(rec, _) => {
+                next.safety = Some(Versioned {
+                    rev,
+                    value: rec.clone(),
+                });
+            }
             CatalogWrite::PutPlan(p, _) => {
                 next.plans.insert(
                     p.name.clone(),
@@ -270,6 +366,20 @@ impl FileCatalog {
                 unlink(&prev.value, &mut next_users, &mut next_keys);
             }
         }
+        let parse = |j: &str| serde_json::from_str(j).ok();
+        push_audit(
+            &mut next.audit,
+            AuditEntry {
+                at_ms: now_ms(),
+                actor: audit.actor.clone(),
+                action: audit.action.clone(),
+                kind: write.kind().to_string(),
+                id: id.to_string(),
+                rev,
+                before: old.as_ref().and_then(|(_, j)| parse(j)),
+                after: write.json().as_deref().and_then(parse),
+            },
+        );
         persist(&self.path, &next)?;
         self.data = next;
         self.users = next_users;
@@ -337,6 +447,10 @@ mod tests {
         (dir, s)
     }
 
+    fn by() -> Audit {
+        Audit::new("test", "test")
+    }
+
     fn plan(name: &str) -> PlanRecord {
         PlanRecord {
             name: PlanName::parse(name).unwrap(),
@@ -373,12 +487,18 @@ mod tests {
         let path = dir.path().join("c.json");
         {
             let s = EmbeddedStore::open(&path).unwrap();
-            s.catalog_write(&CatalogWrite::PutPlan(plan("gold"), Condition::Absent))
-                .unwrap();
-            s.catalog_write(&CatalogWrite::PutClient(
-                client("acme", "gold", "plaintext-key-1"),
-                Condition::Absent,
-            ))
+            s.catalog_write(
+                &CatalogWrite::PutPlan(plan("gold"), Condition::Absent),
+                &by(),
+            )
+            .unwrap();
+            s.catalog_write(
+                &CatalogWrite::PutClient(
+                    client("acme", "gold", "plaintext-key-1"),
+                    Condition::Absent,
+                ),
+                &by(),
+            )
             .unwrap();
         }
         let text = std::fs::read_to_string(&path).unwrap();
@@ -392,7 +512,7 @@ mod tests {
     #[test]
     fn refused_writes_change_nothing() {
         let (_d, s) = store();
-        let w = |w: CatalogWrite| s.catalog_write(&w).unwrap();
+        let w = |w: CatalogWrite| s.catalog_write(&w, &by()).unwrap();
         assert_eq!(
             w(CatalogWrite::PutClient(
                 client("acme", "gold", "key-aaaaaaa"),
@@ -429,10 +549,13 @@ mod tests {
     #[test]
     fn the_change_feed_names_what_changed() {
         let (_d, s) = store();
-        s.catalog_write(&CatalogWrite::PutPlan(plan("gold"), Condition::Any))
+        s.catalog_write(&CatalogWrite::PutPlan(plan("gold"), Condition::Any), &by())
             .unwrap();
-        s.catalog_write(&CatalogWrite::PutPlan(plan("silver"), Condition::Any))
-            .unwrap();
+        s.catalog_write(
+            &CatalogWrite::PutPlan(plan("silver"), Condition::Any),
+            &by(),
+        )
+        .unwrap();
         match s.catalog_changes(1) {
             CatalogChanges::Delta { version, plans, .. } => {
                 assert_eq!(version, 2);

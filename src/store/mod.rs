@@ -15,9 +15,12 @@ pub use self::embedded::EmbeddedStore;
 pub use self::keys::Keys;
 pub use self::redis::RedisStore;
 
-use crate::catalog::{CatalogChanges, CatalogDump, CatalogWrite, WriteOutcome};
+use crate::catalog::{
+    Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, PlanRecord,
+    SafetyRecord, Versioned, WriteOutcome,
+};
 use crate::domain::Plan;
-use crate::limiter::{BucketState, Verdict};
+use crate::limiter::Verdict;
 
 /// Why the store could not answer.
 #[derive(Debug, thiserror::Error)]
@@ -48,11 +51,12 @@ impl Store {
         }
     }
 
-    /// The bucket as stored, without refilling (admin inspection).
-    pub async fn peek(&self, key: &str) -> Result<Option<BucketState>, StoreError> {
+    /// The bucket's tokens now, refilled on the store's clock; `None` when the bucket does
+    /// not exist (it is full). For inspection; takes nothing.
+    pub async fn tokens_now(&self, key: &str, plan: Plan) -> Result<Option<f64>, StoreError> {
         match self {
-            Store::Embedded(s) => Ok(s.peek(key)),
-            Store::Redis(s) => s.peek(key).await,
+            Store::Embedded(s) => Ok(s.tokens_now(key, plan)),
+            Store::Redis(s) => s.tokens_now(key, plan).await,
         }
     }
 
@@ -91,11 +95,71 @@ impl Store {
         }
     }
 
-    /// One atomic catalog write: all of it happens, or none of it.
-    pub async fn catalog_write(&self, write: &CatalogWrite) -> Result<WriteOutcome, StoreError> {
+    /// One atomic catalog write with its audit entry: all of it happens, or none of it.
+    pub async fn catalog_write(
+        &self,
+        write: &CatalogWrite,
+        audit: &Audit,
+    ) -> Result<WriteOutcome, StoreError> {
         match self {
-            Store::Embedded(s) => s.catalog_write(write),
-            Store::Redis(s) => s.catalog_write(write).await,
+            Store::Embedded(s) => s.catalog_write(write, audit),
+            Store::Redis(s) => s.catalog_write(write, audit).await,
+        }
+    }
+
+    pub async fn plan(&self, name: &str) -> Result<Option<Versioned<PlanRecord>>, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.plan(name)),
+            Store::Redis(s) => s.plan(name).await,
+        }
+    }
+
+    pub async fn plans(&self) -> Result<Vec<Versioned<PlanRecord>>, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.plans()),
+            Store::Redis(s) => s.plans().await,
+        }
+    }
+
+    pub async fn client(&self, id: &str) -> Result<Option<Versioned<ClientRecord>>, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.client(id)),
+            Store::Redis(s) => s.client(id).await,
+        }
+    }
+
+    /// Up to `limit` clients in id order, after the id `after` (cursor pagination).
+    pub async fn clients_page(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Versioned<ClientRecord>>, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.clients_page(after, limit)),
+            Store::Redis(s) => s.clients_page(after, limit).await,
+        }
+    }
+
+    pub async fn safety(&self) -> Result<Option<Versioned<SafetyRecord>>, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.safety()),
+            Store::Redis(s) => s.safety().await,
+        }
+    }
+
+    /// The newest `limit` audit entries, newest first.
+    pub async fn audit(&self, limit: usize) -> Result<Vec<AuditEntry>, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.audit(limit)),
+            Store::Redis(s) => s.audit(limit).await,
+        }
+    }
+
+    /// Records a change made outside the catalog (a bucket refill).
+    pub async fn record_audit(&self, entry: AuditEntry) -> Result<(), StoreError> {
+        match self {
+            Store::Embedded(s) => s.record_audit(entry),
+            Store::Redis(s) => s.record_audit(&entry).await,
         }
     }
 

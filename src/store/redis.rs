@@ -10,8 +10,8 @@ use secrecy::{ExposeSecret, SecretString};
 
 use super::{Keys, StoreError};
 use crate::catalog::{
-    CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition, PlanRecord, Versioned,
-    WriteOutcome,
+    Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition,
+    PlanRecord, SafetyRecord, Versioned, WriteOutcome, SAFETY,
 };
 use crate::configuration::redact_url;
 use crate::domain::{ClientId, Plan, PlanName};
@@ -100,23 +100,6 @@ impl RedisStore {
         })
     }
 
-    pub async fn peek(&self, key: &str) -> Result<Option<BucketState>, StoreError> {
-        let mut c = self.conn().await?;
-        let (tk, ts): (Option<String>, Option<String>) = redis::cmd("HMGET")
-            .arg(key)
-            .arg("tk")
-            .arg("ts")
-            .query_async(&mut *c)
-            .await?;
-        Ok(match (tk, ts) {
-            (Some(tk), Some(ts)) => Some(BucketState {
-                tokens: tk.parse().unwrap_or(0.0),
-                ts_us: ts.parse().unwrap_or(0),
-            }),
-            _ => None,
-        })
-    }
-
     pub async fn refill(&self, key: &str) -> Result<(), StoreError> {
         let mut c = self.conn().await?;
         let _: i64 = c.del(key).await?;
@@ -149,6 +132,8 @@ impl RedisStore {
                 None => tracing::warn!(client = %field, "unreadable client record skipped"),
             }
         }
+        let safety: Option<String> = c.hget(self.keys.catalog("settings"), SAFETY).await?;
+        dump.safety = safety.and_then(|r| parse_entity(&r));
         Ok(dump)
     }
 
@@ -183,6 +168,7 @@ impl RedisStore {
             .ok_or_else(|| StoreError::Protocol("change feed id".into()))?;
         let mut plan_ids = BTreeSet::new();
         let mut client_ids = BTreeSet::new();
+        let mut safety_changed = false;
         for (_, fields) in &entries {
             let get = |name: &str| {
                 fields
@@ -197,6 +183,7 @@ impl RedisStore {
                 (Some("client"), Some(id)) => {
                     client_ids.insert(id.to_string());
                 }
+                (Some("setting"), Some(SAFETY)) => safety_changed = true,
                 _ => tracing::warn!("unreadable change feed entry skipped"),
             }
         }
@@ -210,9 +197,13 @@ impl RedisStore {
             .cmd("HMGET")
             .arg(self.keys.catalog("clients"))
             .arg(&client_ids)
-            .arg("");
-        let (plan_vals, client_vals): (Vec<Option<String>>, Vec<Option<String>>) =
-            pipe.query_async(&mut *c).await?;
+            .arg("")
+            .hget(self.keys.catalog("settings"), SAFETY);
+        let (plan_vals, client_vals, safety): (
+            Vec<Option<String>>,
+            Vec<Option<String>>,
+            Option<String>,
+        ) = pipe.query_async(&mut *c).await?;
         let plans = plan_ids
             .iter()
             .zip(plan_vals)
@@ -233,25 +224,33 @@ impl RedisStore {
             version: last,
             plans,
             clients,
+            safety: safety_changed.then(|| safety.and_then(|r| parse_entity(&r))),
             more: entries.len() == FEED_PAGE,
         })
     }
 
-    pub async fn catalog_write(&self, write: &CatalogWrite) -> Result<WriteOutcome, StoreError> {
+    pub async fn catalog_write(
+        &self,
+        write: &CatalogWrite,
+        audit: &Audit,
+    ) -> Result<WriteOutcome, StoreError> {
         let mut inv = self.catalog_write.prepare_invoke();
-        for part in ["plans", "clients", "keys", "users", "version", "changes"] {
+        for part in [
+            "plans", "clients", "keys", "users", "version", "changes", "settings", "index", "audit",
+        ] {
             inv.key(self.keys.catalog(part));
         }
-        let (op, json, plan, hashes) = match write {
-            CatalogWrite::PutPlan(p, _) => ("put", to_json(p)?, String::new(), vec![]),
+        let (op, plan, hashes) = match write {
             CatalogWrite::PutClient(c, _) => (
                 "put",
-                to_json(c)?,
                 c.plan.to_string(),
                 c.keys.iter().map(|k| k.hash.to_string()).collect(),
             ),
+            CatalogWrite::PutPlan(..) | CatalogWrite::PutSafety(..) => {
+                ("put", String::new(), vec![])
+            }
             CatalogWrite::DeletePlan(..) | CatalogWrite::DeleteClient(..) => {
-                ("delete", String::new(), String::new(), vec![])
+                ("delete", String::new(), vec![])
             }
         };
         let cond = match write.condition() {
@@ -263,8 +262,10 @@ impl RedisStore {
             .arg(op)
             .arg(write.id())
             .arg(cond)
-            .arg(json)
+            .arg(write.json().unwrap_or_default())
             .arg(plan)
+            .arg(&audit.actor)
+            .arg(&audit.action)
             .arg(hashes);
         let mut c = self.conn().await?;
         let (status, rev, detail): (String, u64, Value) = inv.invoke_async(&mut *c).await?;
@@ -282,10 +283,175 @@ impl RedisStore {
             other => return Err(StoreError::Protocol(format!("catalog write: {other}"))),
         })
     }
-}
 
-fn to_json<T: serde::Serialize>(v: &T) -> Result<String, StoreError> {
-    serde_json::to_string(v).map_err(|e| StoreError::Protocol(e.to_string()))
+    pub async fn plan(&self, name: &str) -> Result<Option<Versioned<PlanRecord>>, StoreError> {
+        self.entity("plans", name).await
+    }
+
+    pub async fn client(&self, id: &str) -> Result<Option<Versioned<ClientRecord>>, StoreError> {
+        self.entity("clients", id).await
+    }
+
+    pub async fn safety(&self) -> Result<Option<Versioned<SafetyRecord>>, StoreError> {
+        self.entity("settings", SAFETY).await
+    }
+
+    async fn entity<T: serde::de::DeserializeOwned>(
+        &self,
+        hash: &str,
+        id: &str,
+    ) -> Result<Option<Versioned<T>>, StoreError> {
+        let mut c = self.conn().await?;
+        let raw: Option<String> = c.hget(self.keys.catalog(hash), id).await?;
+        Ok(raw.and_then(|r| parse_entity(&r)))
+    }
+
+    pub async fn plans(&self) -> Result<Vec<Versioned<PlanRecord>>, StoreError> {
+        let mut c = self.conn().await?;
+        let mut out: Vec<Versioned<PlanRecord>> = scan_hash(&mut c, &self.keys.catalog("plans"))
+            .await?
+            .into_iter()
+            .filter_map(|(_, raw)| parse_entity(&raw))
+            .collect();
+        out.sort_by(|a, b| a.value.name.cmp(&b.value.name));
+        Ok(out)
+    }
+
+    /// Up to `limit` clients in id order, after the id `after`.
+    pub async fn clients_page(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Versioned<ClientRecord>>, StoreError> {
+        let mut c = self.conn().await?;
+        let start = after.map_or_else(|| "-".to_string(), |a| format!("({a}"));
+        let ids: Vec<String> = redis::cmd("ZRANGE")
+            .arg(self.keys.catalog("index"))
+            .arg(start)
+            .arg("+")
+            .arg("BYLEX")
+            .arg("LIMIT")
+            .arg(0)
+            .arg(limit)
+            .query_async(&mut *c)
+            .await?;
+        if ids.is_empty() {
+            return Ok(vec![]);
+        }
+        let raws: Vec<Option<String>> = redis::cmd("HMGET")
+            .arg(self.keys.catalog("clients"))
+            .arg(&ids)
+            .query_async(&mut *c)
+            .await?;
+        Ok(raws
+            .into_iter()
+            .flatten()
+            .filter_map(|r| parse_entity(&r))
+            .collect())
+    }
+
+    /// The newest `limit` audit entries, newest first.
+    pub async fn audit(&self, limit: usize) -> Result<Vec<AuditEntry>, StoreError> {
+        let mut c = self.conn().await?;
+        let entries: Vec<FeedEntry> = redis::cmd("XREVRANGE")
+            .arg(self.keys.catalog("audit"))
+            .arg("+")
+            .arg("-")
+            .arg("COUNT")
+            .arg(limit)
+            .query_async(&mut *c)
+            .await?;
+        Ok(entries
+            .into_iter()
+            .map(|(_, fields)| {
+                let get = |name: &str| {
+                    fields
+                        .iter()
+                        .find(|(k, _)| k == name)
+                        .map(|(_, v)| v.clone())
+                        .unwrap_or_default()
+                };
+                let json = |name: &str| serde_json::from_str(&get(name)).ok();
+                AuditEntry {
+                    at_ms: get("at_ms").parse().unwrap_or(0),
+                    actor: get("actor"),
+                    action: get("action"),
+                    kind: get("kind"),
+                    id: get("id"),
+                    rev: get("rev").parse().unwrap_or(0),
+                    before: json("before"),
+                    after: json("after"),
+                }
+            })
+            .collect())
+    }
+
+    /// Appends an audit entry for a change outside the catalog (a bucket refill).
+    pub async fn record_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
+        let mut c = self.conn().await?;
+        let _: String = redis::cmd("XADD")
+            .arg(self.keys.catalog("audit"))
+            .arg("MAXLEN")
+            .arg("~")
+            .arg(100_000)
+            .arg("*")
+            .arg("at_ms")
+            .arg(entry.at_ms)
+            .arg("actor")
+            .arg(&entry.actor)
+            .arg("action")
+            .arg(&entry.action)
+            .arg("kind")
+            .arg(&entry.kind)
+            .arg("id")
+            .arg(&entry.id)
+            .arg("rev")
+            .arg(entry.rev)
+            .arg("before")
+            .arg(
+                entry
+                    .before
+                    .as_ref()
+                    .map(|v| v.to_string())
+                    .unwrap_or_default(),
+            )
+            .arg("after")
+            .arg(
+                entry
+                    .after
+                    .as_ref()
+                    .map(|v| v.to_string())
+                    .unwrap_or_default(),
+            )
+            .query_async(&mut *c)
+            .await?;
+        Ok(())
+    }
+
+    /// The bucket's tokens now (refilled on Redis' clock), or `None` if it does not exist
+    /// (a missing bucket is full).
+    pub async fn tokens_now(&self, key: &str, plan: Plan) -> Result<Option<f64>, StoreError> {
+        let mut c = self.conn().await?;
+        let ((tk, ts), (secs, micros)): ((Option<String>, Option<String>), (u64, u64)) =
+            redis::pipe()
+                .cmd("HMGET")
+                .arg(key)
+                .arg("tk")
+                .arg("ts")
+                .cmd("TIME")
+                .query_async(&mut *c)
+                .await?;
+        let (Some(tk), Some(ts)) = (tk, ts) else {
+            return Ok(None);
+        };
+        let state = BucketState {
+            tokens: tk.parse().unwrap_or(0.0),
+            ts_us: ts.parse().unwrap_or(0),
+        };
+        let (_, v) =
+            crate::limiter::bucket::take(Some(state), secs * 1_000_000 + micros, plan, 0.0);
+        Ok(Some(v.tokens))
+    }
 }
 
 /// Parses `"<rev> <json>"`.

@@ -210,6 +210,7 @@ pub struct TestGateway {
     pub address: String,
     pub app: actix_web::web::Data<tollgate::state::AppState>,
     pub http: reqwest::Client,
+    handles: Vec<actix_web::dev::ServerHandle>,
 }
 
 impl TestGateway {
@@ -217,15 +218,36 @@ impl TestGateway {
         let app = Application::build(settings).await.expect("gateway builds");
         let address = format!("http://127.0.0.1:{}", app.port());
         let state = app.state();
+        let handles = app.handles();
         tokio::spawn(app.run_until_stopped());
         TestGateway {
             address,
             app: state,
+            handles,
             http: reqwest::Client::builder()
                 .pool_max_idle_per_host(256)
                 .build()
                 .unwrap(),
         }
+    }
+
+    /// Stops serving (gracefully) and waits until it has.
+    pub async fn stop(self) {
+        for h in &self.handles {
+            h.stop(true).await;
+        }
+    }
+
+    /// An admin call with a Bearer token.
+    pub fn admin(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        token: &str,
+    ) -> reqwest::RequestBuilder {
+        self.http
+            .request(method, format!("{}/admin/v1{}", self.address, path))
+            .bearer_auth(token)
     }
 
     pub async fn get(&self, path: &str, key: Option<&str>) -> reqwest::Response {

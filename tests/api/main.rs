@@ -2,6 +2,7 @@
 
 mod helpers;
 
+mod admin;
 mod configuration;
 mod forwarding;
 mod limiting;

@@ -1,0 +1,570 @@
+//! `/admin/v1/clients`: clients, their plan and mode, their API keys, their live bucket.
+
+use actix_web::http::{header, StatusCode};
+use actix_web::{web, HttpRequest, HttpResponse};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use utoipa::{IntoParams, ToSchema};
+
+use super::body::{etag, if_match, read_object, Fields};
+use super::{path_id, refusal, Actor};
+use crate::catalog::{
+    Audit, AuditEntry, CatalogWrite, ClientRecord, Condition, KeyRecord, Shards, Versioned,
+    WriteOutcome,
+};
+use crate::domain::{ApiKey, ClientId, Mode, PlanName, Region};
+use crate::error::{ApiError, Problem};
+use crate::state::AppState;
+
+/// A client may hold at most this many API keys (rotation needs two; imports a few more).
+const MAX_KEYS: usize = 100;
+/// A sharded client names at most this many regions.
+const MAX_REGIONS: usize = 16;
+/// Writes that lose a race with another writer are retried this often.
+const WRITE_TRIES: usize = 5;
+
+/// One of a client's keys. The key itself is shown only once, when it is created.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct KeyView {
+    #[schema(example = "3f9a0c1d2b4e5f60")]
+    pub key_id: String,
+    /// Unix seconds.
+    pub created_at: u64,
+}
+
+/// Regional sharding of a hot client's bucket.
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+pub struct ShardsView {
+    #[schema(example = json!(["eu", "us"]))]
+    pub regions: Vec<String>,
+}
+
+/// A client of the gateway.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ClientView {
+    /// 1-128 characters of `A-Z a-z 0-9 - _ .`.
+    #[schema(example = "acme")]
+    pub id: String,
+    #[schema(example = "gold")]
+    pub plan: String,
+    /// `enforce` or `shadow`; absent means the gateway's `limits.default_mode`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(example = "enforce")]
+    pub mode: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shards: Option<ShardsView>,
+    /// Read-only here: keys are managed under `/keys`.
+    pub keys: Vec<KeyView>,
+}
+
+/// The body of `PUT /admin/v1/clients/{client}` (its keys are kept as they are).
+#[derive(ToSchema)]
+#[allow(dead_code)]
+pub struct ClientInput {
+    #[schema(example = "gold")]
+    plan: String,
+    #[schema(example = "enforce")]
+    mode: Option<String>,
+    shards: Option<ShardsView>,
+}
+
+/// A page of clients, in id order.
+#[derive(Serialize, ToSchema)]
+pub struct ClientList {
+    pub items: Vec<ClientView>,
+    /// Pass as `cursor` for the next page; `null` on the last one.
+    pub next_cursor: Option<String>,
+}
+
+#[derive(Deserialize, IntoParams)]
+pub struct Page {
+    /// Page size, 1-1000 (default 100).
+    limit: Option<usize>,
+    /// `next_cursor` of the previous page.
+    cursor: Option<String>,
+}
+
+/// The body of `POST .../keys`: `{}` generates a key, `{"key": "..."}` imports one.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+pub struct KeyInput {
+    /// An existing key to import (8-256 printable ASCII characters, no spaces).
+    key: Option<String>,
+}
+
+/// A key just created: the only time the key is shown.
+#[derive(Serialize, ToSchema)]
+pub struct NewKey {
+    pub key_id: String,
+    pub key: String,
+}
+
+/// A client's bucket right now.
+#[derive(Serialize, ToSchema)]
+pub struct BucketView {
+    pub client: String,
+    pub plan: String,
+    pub capacity: f64,
+    pub rate: f64,
+    /// Tokens available now.
+    pub tokens: f64,
+    /// Whether the bucket is full (no recent traffic).
+    pub full: bool,
+}
+
+impl From<ClientRecord> for ClientView {
+    fn from(c: ClientRecord) -> ClientView {
+        ClientView {
+            id: c.id.to_string(),
+            plan: c.plan.to_string(),
+            mode: c.mode.map(|m| m.to_string()),
+            shards: c.shards.map(|s| ShardsView {
+                regions: s.regions.iter().map(|r| r.to_string()).collect(),
+            }),
+            keys: c
+                .keys
+                .into_iter()
+                .map(|k| KeyView {
+                    key_id: k.key_id,
+                    created_at: k.created_at,
+                })
+                .collect(),
+        }
+    }
+}
+
+fn one(rec: Versioned<ClientRecord>, status: StatusCode) -> HttpResponse {
+    let id = rec.value.id.to_string();
+    let mut resp = HttpResponse::build(status);
+    resp.insert_header((header::ETAG, etag(rec.rev)));
+    if status == StatusCode::CREATED {
+        resp.insert_header((header::LOCATION, format!("/admin/v1/clients/{id}")));
+    }
+    resp.json(ClientView::from(rec.value))
+}
+
+fn client_id(raw: &str) -> Result<ClientId, ApiError> {
+    path_id(raw, ClientId::parse, "client")
+}
+
+async fn current(state: &AppState, id: &ClientId) -> Result<Versioned<ClientRecord>, ApiError> {
+    state
+        .store
+        .client(id.as_str())
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("no client {id}")))
+}
+
+/// List clients, a page at a time, in id order.
+#[utoipa::path(operation_id = "listClients", get, path = "/admin/v1/clients", tag = "clients", params(Page),
+    responses(
+        (status = 200, description = "A page of clients", body = ClientList),
+        (status = 422, description = "Bad limit or cursor", body = Problem, content_type = "application/problem+json"),
+    ),
+    security(("bearer" = [])))]
+pub async fn list(
+    state: web::Data<AppState>,
+    page: web::Query<Page>,
+) -> Result<HttpResponse, ApiError> {
+    let limit = page.limit.unwrap_or(100);
+    if !(1..=1000).contains(&limit) {
+        return Err(ApiError::field("limit", "must be between 1 and 1000"));
+    }
+    if let Some(c) = &page.cursor {
+        client_id(c).map_err(|_| ApiError::field("cursor", "is not a cursor from next_cursor"))?;
+    }
+    let items = state
+        .store
+        .clients_page(page.cursor.as_deref(), limit)
+        .await?;
+    let next_cursor = (items.len() == limit)
+        .then(|| items.last().map(|c| c.value.id.to_string()))
+        .flatten();
+    Ok(HttpResponse::Ok().json(ClientList {
+        items: items
+            .into_iter()
+            .map(|c| ClientView::from(c.value))
+            .collect(),
+        next_cursor,
+    }))
+}
+
+/// Read one client.
+#[utoipa::path(operation_id = "getClient", get, path = "/admin/v1/clients/{client}", tag = "clients",
+    params(("client" = String, Path, description = "Client id")),
+    responses(
+        (status = 200, description = "The client", body = ClientView,
+            headers(("ETag" = String, description = "Version, for If-Match"))),
+        (status = 404, description = "No such client", body = Problem, content_type = "application/problem+json"),
+    ),
+    security(("bearer" = [])))]
+pub async fn get(
+    state: web::Data<AppState>,
+    id: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let id = client_id(&id)?;
+    Ok(one(current(&state, &id).await?, StatusCode::OK))
+}
+
+/// Parses and checks a client body.
+fn parse_client(
+    obj: &Map<String, Value>,
+    id: &ClientId,
+) -> Result<(PlanName, Option<Mode>, Option<Shards>), ApiError> {
+    let mut f = Fields::default();
+    f.only(obj, &["plan", "mode", "shards", "id"], &["keys"]);
+    f.same_id(obj, "id", id.as_str());
+    let plan = match obj.get("plan") {
+        Some(Value::String(p)) => PlanName::parse(p)
+            .map_err(|e| f.bad("plan", e.to_string()))
+            .ok(),
+        None | Some(Value::Null) => {
+            f.bad("plan", "is required");
+            None
+        }
+        Some(_) => {
+            f.bad("plan", "must be a string");
+            None
+        }
+    };
+    let mode = match obj.get("mode") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(m)) => m.parse::<Mode>().map_err(|e| f.bad("mode", e)).ok(),
+        Some(_) => {
+            f.bad("mode", "must be \"enforce\" or \"shadow\"");
+            None
+        }
+    };
+    let shards = match obj.get("shards") {
+        None | Some(Value::Null) => None,
+        Some(Value::Object(s)) => match s.get("regions") {
+            Some(Value::Array(rs)) if !rs.is_empty() && rs.len() <= MAX_REGIONS => {
+                let mut regions: Vec<Region> = Vec::new();
+                for (i, r) in rs.iter().enumerate() {
+                    match r.as_str().map(Region::parse) {
+                        Some(Ok(r)) if !regions.contains(&r) => regions.push(r),
+                        Some(Ok(_)) => f.bad(&format!("shards.regions[{i}]"), "is listed twice"),
+                        Some(Err(e)) => f.bad(&format!("shards.regions[{i}]"), e.to_string()),
+                        None => f.bad(&format!("shards.regions[{i}]"), "must be a string"),
+                    }
+                }
+                Some(Shards { regions })
+            }
+            _ => {
+                f.bad(
+                    "shards.regions",
+                    format!("must be a list of 1-{MAX_REGIONS} regions"),
+                );
+                None
+            }
+        },
+        Some(_) => {
+            f.bad(
+                "shards",
+                "must be an object like {\"regions\": [\"eu\", \"us\"]}",
+            );
+            None
+        }
+    };
+    f.finish()?;
+    Ok((plan.expect("checked"), mode, shards))
+}
+
+/// Create (201) or replace (200) a client; its keys are kept. Unknown plan: 422.
+#[utoipa::path(operation_id = "putClient", put, path = "/admin/v1/clients/{client}", tag = "clients",
+    params(("client" = String, Path, description = "Client id"),
+        ("If-Match" = Option<String>, Header, description = "Only if the client is at this ETag")),
+    request_body(content = ClientInput, content_type = "application/json"),
+    responses(
+        (status = 200, description = "Replaced", body = ClientView),
+        (status = 201, description = "Created", body = ClientView),
+        (status = 400, description = "Malformed JSON", body = Problem, content_type = "application/problem+json"),
+        (status = 412, description = "If-Match no longer matches", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "Invalid fields, or an unknown plan", body = Problem, content_type = "application/problem+json"),
+    ),
+    security(("bearer" = [])))]
+pub async fn put(
+    req: HttpRequest,
+    state: web::Data<AppState>,
+    id: web::Path<String>,
+    actor: Actor,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let id = client_id(&id)?;
+    let obj = read_object(payload).await?;
+    let (plan, mode, shards) = parse_client(&obj, &id)?;
+    let wanted = if_match(req.headers())?;
+    for _ in 0..WRITE_TRIES {
+        let existing = state.store.client(id.as_str()).await?;
+        let cond = match (&wanted, &existing) {
+            (Some(_), None) => {
+                return Err(ApiError::PreconditionFailed(format!(
+                    "client {id} does not exist"
+                )))
+            }
+            (Some(Some(rev)), Some(cur)) if *rev != cur.rev => {
+                return Err(refusal(WriteOutcome::Stale { current: cur.rev }, "client"))
+            }
+            (_, Some(cur)) => Condition::Rev(cur.rev),
+            (None, None) => Condition::Absent,
+        };
+        let rec = ClientRecord {
+            id: id.clone(),
+            plan: plan.clone(),
+            mode,
+            shards: shards.clone(),
+            keys: existing.map(|c| c.value.keys).unwrap_or_default(),
+        };
+        match state
+            .store
+            .catalog_write(
+                &CatalogWrite::PutClient(rec.clone(), cond),
+                &Audit::new(&actor.sub, "client.put"),
+            )
+            .await?
+        {
+            WriteOutcome::Written { rev, before } => {
+                let status = if before.is_some() {
+                    StatusCode::OK
+                } else {
+                    StatusCode::CREATED
+                };
+                return Ok(one(Versioned { rev, value: rec }, status));
+            }
+            WriteOutcome::Stale { .. } | WriteOutcome::Exists | WriteOutcome::Missing
+                if wanted.is_none() =>
+            {
+                continue
+            }
+            other => return Err(refusal(other, "client")),
+        }
+    }
+    Err(ApiError::Conflict(
+        "the client kept changing; try again".into(),
+    ))
+}
+
+/// Delete a client and all its keys.
+#[utoipa::path(operation_id = "deleteClient", delete, path = "/admin/v1/clients/{client}", tag = "clients",
+    params(("client" = String, Path, description = "Client id"),
+        ("If-Match" = Option<String>, Header, description = "Only if the client is at this ETag")),
+    responses(
+        (status = 204, description = "Deleted"),
+        (status = 404, description = "No such client", body = Problem, content_type = "application/problem+json"),
+        (status = 412, description = "If-Match no longer matches", body = Problem, content_type = "application/problem+json"),
+    ),
+    security(("bearer" = [])))]
+pub async fn delete(
+    req: HttpRequest,
+    state: web::Data<AppState>,
+    id: web::Path<String>,
+    actor: Actor,
+) -> Result<HttpResponse, ApiError> {
+    let id = client_id(&id)?;
+    let cond = super::condition(&req, || async {
+        Ok(state.store.client(id.as_str()).await?.map(|c| c.rev))
+    })
+    .await?;
+    match state
+        .store
+        .catalog_write(
+            &CatalogWrite::DeleteClient(id.clone(), cond),
+            &Audit::new(&actor.sub, "client.delete"),
+        )
+        .await?
+    {
+        WriteOutcome::Written { .. } => Ok(HttpResponse::NoContent().finish()),
+        WriteOutcome::Missing if cond == Condition::Any => {
+            Err(ApiError::NotFound(format!("no client {id}")))
+        }
+        other => Err(refusal(other, "client")),
+    }
+}
+
+/// Changes a client's record with `edit`, retrying when another writer got there first.
+async fn update_client<T>(
+    state: &AppState,
+    id: &ClientId,
+    audit: Audit,
+    edit: impl Fn(&mut ClientRecord) -> Result<T, ApiError>,
+) -> Result<T, ApiError> {
+    for _ in 0..WRITE_TRIES {
+        let cur = current(state, id).await?;
+        let mut rec = cur.value;
+        let out = edit(&mut rec)?;
+        match state
+            .store
+            .catalog_write(
+                &CatalogWrite::PutClient(rec, Condition::Rev(cur.rev)),
+                &audit,
+            )
+            .await?
+        {
+            WriteOutcome::Written { .. } => return Ok(out),
+            WriteOutcome::Stale { .. } => continue,
+            WriteOutcome::Missing => return Err(ApiError::NotFound(format!("no client {id}"))),
+            other => return Err(refusal(other, "client")),
+        }
+    }
+    Err(ApiError::Conflict(
+        "the client kept changing; try again".into(),
+    ))
+}
+
+/// Generate a key (`{}`) or import an existing one (`{"key": "..."}`). The key is shown in
+/// this response only; the gateway stores its SHA-256 hash.
+#[utoipa::path(operation_id = "createKey", post, path = "/admin/v1/clients/{client}/keys", tag = "clients",
+    params(("client" = String, Path, description = "Client id")),
+    request_body(content = KeyInput, content_type = "application/json"),
+    responses(
+        (status = 201, description = "Created; the key is shown only here", body = NewKey),
+        (status = 404, description = "No such client", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "The key belongs to a client already", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "Invalid key, or too many keys", body = Problem, content_type = "application/problem+json"),
+    ),
+    security(("bearer" = [])))]
+pub async fn create_key(
+    state: web::Data<AppState>,
+    id: web::Path<String>,
+    actor: Actor,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let id = client_id(&id)?;
+    let obj = read_object(payload).await?;
+    let mut f = Fields::default();
+    f.only(&obj, &["key"], &[]);
+    let key = match obj.get("key") {
+        None | Some(Value::Null) => Some(ApiKey::generate()),
+        Some(Value::String(k)) => ApiKey::parse(k).map_err(|e| f.bad("key", e)).ok(),
+        Some(_) => {
+            f.bad("key", "must be a string");
+            None
+        }
+    };
+    f.finish()?;
+    let key = key.expect("checked");
+    let record = KeyRecord::new(key.hash());
+    let key_id = record.key_id.clone();
+    update_client(&state, &id, Audit::new(&actor.sub, "key.create"), |c| {
+        if c.keys.iter().any(|k| k.hash == record.hash) {
+            return Err(ApiError::Conflict(
+                "this client has that key already".into(),
+            ));
+        }
+        if c.keys.len() >= MAX_KEYS {
+            return Err(ApiError::field(
+                "key",
+                format!("a client has at most {MAX_KEYS} keys"),
+            ));
+        }
+        c.keys.push(record.clone());
+        Ok(())
+    })
+    .await?;
+    Ok(HttpResponse::Created().json(NewKey {
+        key_id,
+        key: key.expose().to_string(),
+    }))
+}
+
+/// Revoke a key: it stops working on every gateway within `catalog.refresh_ms`.
+#[utoipa::path(operation_id = "revokeKey", delete, path = "/admin/v1/clients/{client}/keys/{key_id}", tag = "clients",
+    params(("client" = String, Path, description = "Client id"),
+        ("key_id" = String, Path, description = "The key's id")),
+    responses(
+        (status = 204, description = "Revoked"),
+        (status = 404, description = "No such client or key", body = Problem, content_type = "application/problem+json"),
+    ),
+    security(("bearer" = [])))]
+pub async fn revoke_key(
+    state: web::Data<AppState>,
+    path: web::Path<(String, String)>,
+    actor: Actor,
+) -> Result<HttpResponse, ApiError> {
+    let (id, key_id) = path.into_inner();
+    let id = client_id(&id)?;
+    update_client(&state, &id, Audit::new(&actor.sub, "key.revoke"), |c| {
+        let before = c.keys.len();
+        c.keys.retain(|k| k.key_id != key_id);
+        if c.keys.len() == before {
+            return Err(ApiError::NotFound(format!(
+                "client {id} has no key {key_id}"
+            )));
+        }
+        Ok(())
+    })
+    .await?;
+    Ok(HttpResponse::NoContent().finish())
+}
+
+/// The client's bucket now: tokens available, capacity and rate.
+#[utoipa::path(operation_id = "getBucket", get, path = "/admin/v1/clients/{client}/bucket", tag = "clients",
+    params(("client" = String, Path, description = "Client id")),
+    responses(
+        (status = 200, description = "The live bucket", body = BucketView),
+        (status = 404, description = "No such client", body = Problem, content_type = "application/problem+json"),
+    ),
+    security(("bearer" = [])))]
+pub async fn bucket(
+    state: web::Data<AppState>,
+    id: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let id = client_id(&id)?;
+    let client = current(&state, &id).await?.value;
+    let plan = state
+        .store
+        .plan(client.plan.as_str())
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("no plan {}", client.plan)))?
+        .value
+        .plan()
+        .map_err(|e| ApiError::Internal(e.into()))?;
+    let key = state.catalog.key_names().bucket(&id);
+    let tokens = state.store.tokens_now(&key, plan).await?;
+    Ok(HttpResponse::Ok().json(BucketView {
+        client: id.to_string(),
+        plan: client.plan.to_string(),
+        capacity: plan.capacity(),
+        rate: plan.rate(),
+        tokens: tokens.unwrap_or(plan.capacity()),
+        full: tokens.is_none_or(|t| t >= plan.capacity()),
+    }))
+}
+
+/// Refill the client's bucket (it starts full again).
+#[utoipa::path(operation_id = "refillBucket", delete, path = "/admin/v1/clients/{client}/bucket", tag = "clients",
+    params(("client" = String, Path, description = "Client id")),
+    responses(
+        (status = 204, description = "Refilled"),
+        (status = 404, description = "No such client", body = Problem, content_type = "application/problem+json"),
+    ),
+    security(("bearer" = [])))]
+pub async fn refill(
+    state: web::Data<AppState>,
+    id: web::Path<String>,
+    actor: Actor,
+) -> Result<HttpResponse, ApiError> {
+    let id = client_id(&id)?;
+    current(&state, &id).await?;
+    state
+        .store
+        .refill(&state.catalog.key_names().bucket(&id))
+        .await?;
+    state
+        .store
+        .record_audit(AuditEntry {
+            at_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_millis() as u64)
+                .unwrap_or(0),
+            actor: actor.sub,
+            action: "bucket.refill".into(),
+            kind: "bucket".into(),
+            id: id.to_string(),
+            rev: 0,
+            before: None,
+            after: None,
+        })
+        .await?;
+    Ok(HttpResponse::NoContent().finish())
+}

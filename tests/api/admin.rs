@@ -1,0 +1,831 @@
+//! The admin API: JWT auth, resources, validation, propagation, audit, OpenAPI.
+
+use std::time::{Duration, Instant};
+
+use reqwest::Method;
+use serde_json::{json, Value};
+use tollgate::configuration::AdminSettings;
+
+use crate::helpers::*;
+
+const SECRET: &str = "test-secret-please-change-0123456789";
+
+fn admin_toml() -> String {
+    format!("[admin]\njwt_hs256_secret = \"{SECRET}\"\n")
+}
+
+fn admin_settings() -> AdminSettings {
+    settings(&admin_toml()).admin
+}
+
+/// A token from the configured secret, as `tollgate token` makes it.
+fn token(scope: &str) -> String {
+    tollgate::admin::auth::mint(&admin_settings(), "alice", scope, 600).unwrap()
+}
+
+fn rw() -> String {
+    token("admin:read admin:write")
+}
+
+async fn admin_gateway(extra: &str) -> TestGateway {
+    TestGateway::spawn(settings(&format!("{}{extra}", admin_toml()))).await
+}
+
+async fn put_plan(gw: &TestGateway, name: &str, body: Value) -> reqwest::Response {
+    gw.admin(Method::PUT, &format!("/plans/{name}"), &rw())
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn bad_tokens_are_refused_with_401_and_a_bearer_challenge() {
+    // Arrange: an RS256 gateway, so HS/RS confusion can be tried too.
+    let dir = tempfile::tempdir().unwrap();
+    let private = dir.path().join("key.pem");
+    let public = dir.path().join("pub.pem");
+    key_pair(
+        &["-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048"],
+        &private,
+        &public,
+    );
+    let gw = TestGateway::spawn(settings(&format!(
+        "[admin]\njwt_public_key_pem = {:?}\n",
+        public.to_str().unwrap()
+    )))
+    .await;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let claims = |iss: &str, aud: &str, exp: u64| json!({"sub": "mallory", "iss": iss, "aud": aud, "exp": exp, "scope": "admin:read admin:write"});
+    let rs = |c: &Value| {
+        jsonwebtoken::encode(
+            &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::RS256),
+            c,
+            &jsonwebtoken::EncodingKey::from_rsa_pem(&std::fs::read(&private).unwrap()).unwrap(),
+        )
+        .unwrap()
+    };
+    let hs = |c: &Value, secret: &[u8]| {
+        jsonwebtoken::encode(
+            &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+            c,
+            &jsonwebtoken::EncodingKey::from_secret(secret),
+        )
+        .unwrap()
+    };
+    let b64 = |v: &Value| {
+        use base64::Engine;
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(v.to_string())
+    };
+    let good = claims("tollgate", "tollgate-admin", now + 600);
+    let public_pem = std::fs::read(&public).unwrap();
+
+    // A valid RS256 token works, so the refusals below are about the token alone.
+    let r = gw
+        .admin(Method::GET, "/plans", &rs(&good))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+
+    let bad_tokens = [
+        (
+            "alg none",
+            format!(
+                "{}.{}.",
+                b64(&json!({"alg": "none", "typ": "JWT"})),
+                b64(&good)
+            ),
+        ),
+        ("wrong key", hs(&good, b"some-other-secret")),
+        (
+            "HS256 signed with the RSA public key",
+            hs(&good, &public_pem),
+        ),
+        (
+            "expired",
+            rs(&claims("tollgate", "tollgate-admin", now - 3600)),
+        ),
+        (
+            "wrong issuer",
+            rs(&claims("evil", "tollgate-admin", now + 600)),
+        ),
+        (
+            "wrong audience",
+            rs(&claims("tollgate", "someone-else", now + 600)),
+        ),
+        ("garbage", "not.a.jwt".to_string()),
+    ];
+    for (what, t) in &bad_tokens {
+        let r = gw.admin(Method::GET, "/plans", t).send().await.unwrap();
+        assert_eq!(r.status(), 401, "{what}");
+        assert!(
+            r.headers()["www-authenticate"]
+                .to_str()
+                .unwrap()
+                .starts_with("Bearer"),
+            "{what}"
+        );
+        assert_eq!(
+            r.headers()["content-type"],
+            "application/problem+json",
+            "{what}"
+        );
+    }
+    let none = gw
+        .http
+        .get(format!("{}/admin/v1/plans", gw.address))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(none.status(), 401);
+    assert!(none.headers().contains_key("www-authenticate"));
+}
+
+/// Makes a key pair with openssl: `private` (PKCS#8 PEM) and `public` (SPKI PEM).
+fn key_pair(genpkey_args: &[&str], private: &std::path::Path, public: &std::path::Path) {
+    let quiet = || std::process::Stdio::null();
+    let ok = std::process::Command::new("openssl")
+        .arg("genpkey")
+        .args(genpkey_args)
+        .arg("-out")
+        .arg(private)
+        .stderr(quiet())
+        .status()
+        .unwrap()
+        .success()
+        && std::process::Command::new("openssl")
+            .args(["pkey", "-pubout", "-in"])
+            .arg(private)
+            .arg("-out")
+            .arg(public)
+            .stderr(quiet())
+            .status()
+            .unwrap()
+            .success();
+    assert!(ok, "openssl could not make a key pair");
+}
+
+#[tokio::test]
+async fn an_es256_key_from_an_identity_provider_is_accepted() {
+    let dir = tempfile::tempdir().unwrap();
+    let (private, public) = (dir.path().join("ec.pem"), dir.path().join("ec.pub.pem"));
+    key_pair(
+        &["-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256"],
+        &private,
+        &public,
+    );
+    let gw = TestGateway::spawn(settings(&format!(
+        "[admin]\njwt_public_key_pem = {:?}\n",
+        public.to_str().unwrap()
+    )))
+    .await;
+    let exp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 600;
+    let claims = json!({"sub": "idp-user", "iss": "tollgate", "aud": "tollgate-admin", "exp": exp, "scope": "admin:read"});
+    let es256 = jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::ES256),
+        &claims,
+        &jsonwebtoken::EncodingKey::from_ec_pem(&std::fs::read(&private).unwrap()).unwrap(),
+    )
+    .unwrap();
+    let r = gw
+        .admin(Method::GET, "/plans", &es256)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // An HS256 token "signed" with the public key is not accepted in its place.
+    let confused = jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+        &claims,
+        &jsonwebtoken::EncodingKey::from_secret(&std::fs::read(&public).unwrap()),
+    )
+    .unwrap();
+    let r = gw
+        .admin(Method::GET, "/plans", &confused)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+}
+
+#[tokio::test]
+async fn a_read_only_token_cannot_write() {
+    let gw = admin_gateway("").await;
+    let read = token("admin:read");
+    assert_eq!(
+        gw.admin(Method::GET, "/plans", &read)
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let r = gw
+        .admin(Method::PUT, "/plans/gold", &read)
+        .json(&json!({"capacity": 10, "rate": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403);
+    assert_eq!(r.headers()["content-type"], "application/problem+json");
+    let nothing = token("");
+    assert_eq!(
+        gw.admin(Method::GET, "/plans", &nothing)
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        403
+    );
+}
+
+#[tokio::test]
+async fn bad_plans_are_refused_naming_the_field_and_nothing_is_stored() {
+    let gw = admin_gateway("").await;
+    let cases = [
+        ("zero capacity", r#"{"capacity": 0, "rate": 1}"#, "capacity"),
+        (
+            "negative capacity",
+            r#"{"capacity": -5, "rate": 1}"#,
+            "capacity",
+        ),
+        (
+            "non-numeric capacity",
+            r#"{"capacity": "lots", "rate": 1}"#,
+            "capacity",
+        ),
+        ("missing capacity", r#"{"rate": 1}"#, "capacity"),
+        (
+            "infinite capacity",
+            r#"{"capacity": 1e999, "rate": 1}"#,
+            "capacity",
+        ),
+        ("zero rate", r#"{"capacity": 10, "rate": 0}"#, "rate"),
+        ("negative rate", r#"{"capacity": 10, "rate": -1}"#, "rate"),
+        (
+            "non-numeric rate",
+            r#"{"capacity": 10, "rate": "fast"}"#,
+            "rate",
+        ),
+        ("huge rate", r#"{"capacity": 10, "rate": 1e300}"#, "rate"),
+        (
+            "unknown field",
+            r#"{"capacity": 10, "rate": 1, "burst": 3}"#,
+            "burst",
+        ),
+    ];
+    for (what, body, field) in cases {
+        let r = gw
+            .admin(Method::PUT, "/plans/gold", &rw())
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 422, "{what}");
+        assert_eq!(r.headers()["content-type"], "application/problem+json");
+        let problem: Value = r.json().await.unwrap();
+        let fields: Vec<&str> = problem["errors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["field"].as_str().unwrap())
+            .collect();
+        assert!(fields.contains(&field), "{what}: {problem}");
+    }
+    let malformed = gw
+        .admin(Method::PUT, "/plans/gold", &rw())
+        .body("{\"capacity\": ")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(malformed.status(), 400);
+    let huge = gw
+        .admin(Method::PUT, "/plans/gold", &rw())
+        .body(vec![b' '; 100 * 1024])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(huge.status(), 413);
+    let bad_name = put_plan(&gw, "not%20ok", json!({"capacity": 1, "rate": 1})).await;
+    assert_eq!(bad_name.status(), 422);
+
+    let r = gw
+        .admin(Method::GET, "/plans/gold", &rw())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404, "a refused write must store nothing");
+}
+
+#[tokio::test]
+async fn put_creates_then_replaces_and_if_match_guards_against_lost_updates() {
+    let gw = admin_gateway("").await;
+    let created = put_plan(&gw, "gold", json!({"capacity": 10, "rate": 1})).await;
+    assert_eq!(created.status(), 201);
+    let etag = created.headers()["etag"].to_str().unwrap().to_string();
+
+    let replaced = gw
+        .admin(Method::PUT, "/plans/gold", &rw())
+        .header("if-match", &etag)
+        .json(&json!({"capacity": 20, "rate": 2, "description": "more"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(replaced.status(), 200);
+    assert_ne!(replaced.headers()["etag"].to_str().unwrap(), etag);
+
+    let stale = gw
+        .admin(Method::PUT, "/plans/gold", &rw())
+        .header("if-match", &etag)
+        .json(&json!({"capacity": 30, "rate": 3}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stale.status(), 412);
+    let got: Value = gw
+        .admin(Method::GET, "/plans/gold", &rw())
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        got,
+        json!({"name": "gold", "capacity": 20.0, "rate": 2.0, "description": "more"})
+    );
+}
+
+#[tokio::test]
+async fn clients_need_a_known_plan_and_a_used_plan_cannot_be_deleted() {
+    let gw = admin_gateway("").await;
+    let r = gw
+        .admin(Method::PUT, "/clients/acme", &rw())
+        .json(&json!({"plan": "nope"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 422);
+    let problem: Value = r.json().await.unwrap();
+    assert_eq!(problem["errors"][0]["field"], "plan");
+
+    put_plan(&gw, "gold", json!({"capacity": 10, "rate": 1})).await;
+    let r = gw
+        .admin(Method::PUT, "/clients/acme", &rw())
+        .json(&json!({"plan": "gold", "mode": "shadow"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+
+    let r = gw
+        .admin(Method::DELETE, "/plans/gold", &rw())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 409);
+    assert_eq!(
+        gw.admin(Method::DELETE, "/clients/acme", &rw())
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        204
+    );
+    assert_eq!(
+        gw.admin(Method::DELETE, "/plans/gold", &rw())
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        204
+    );
+    assert_eq!(
+        gw.admin(Method::DELETE, "/plans/gold", &rw())
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        404
+    );
+}
+
+/// Polls until `check` holds, or fails after `within`.
+async fn eventually<F, Fut>(within: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(Instant::now() < deadline, "not within {within:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn changes_made_on_one_gateway_are_in_force_on_another_within_a_second() {
+    // Arrange: two gateways on one Redis, one upstream.
+    let redis = RedisServer::start();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let toml = format!(
+        "{}[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n{}",
+        admin_toml(),
+        redis.url(),
+        route_toml("orders", "/orders", &[up.url()])
+    );
+    let a = TestGateway::spawn(settings(&toml)).await;
+    let b = TestGateway::spawn(settings(&toml)).await;
+
+    // A plan, a client and a key created through A...
+    put_plan(&a, "gold", json!({"capacity": 100, "rate": 10})).await;
+    a.admin(Method::PUT, "/clients/acme", &rw())
+        .json(&json!({"plan": "gold"}))
+        .send()
+        .await
+        .unwrap();
+    let created: Value = a
+        .admin(Method::POST, "/clients/acme/keys", &rw())
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let key = created["key"].as_str().unwrap().to_string();
+    let key_id = created["key_id"].as_str().unwrap().to_string();
+
+    // ...admit traffic through B within about a second.
+    let t = Instant::now();
+    eventually(
+        Duration::from_millis(1600),
+        "new key works on B",
+        || async { b.get("/orders", Some(&key)).await.status() == 200 },
+    )
+    .await;
+    let propagation = t.elapsed();
+
+    // A plan edit on A changes B's limit.
+    put_plan(&a, "gold", json!({"capacity": 7, "rate": 10})).await;
+    eventually(
+        Duration::from_millis(1600),
+        "plan edit reaches B",
+        || async {
+            let r = b.get("/orders", Some(&key)).await;
+            r.headers()["ratelimit-policy"] == "\"gold\";q=7;w=1"
+        },
+    )
+    .await;
+
+    // A revoked key stops working on B.
+    let r = a
+        .admin(
+            Method::DELETE,
+            &format!("/clients/acme/keys/{key_id}"),
+            &rw(),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    eventually(
+        Duration::from_millis(1600),
+        "revocation reaches B",
+        || async { b.get("/orders", Some(&key)).await.status() == 401 },
+    )
+    .await;
+    assert!(propagation < Duration::from_millis(1600));
+}
+
+#[tokio::test]
+async fn keys_are_shown_once_and_stored_only_as_hashes() {
+    let redis = RedisServer::start();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let toml = format!(
+        "{}[redis]\nurl = \"{}\"\n{}",
+        admin_toml(),
+        redis.url(),
+        route_toml("orders", "/orders", &[up.url()])
+    );
+    let gw = TestGateway::spawn(settings(&toml)).await;
+    put_plan(&gw, "gold", json!({"capacity": 100, "rate": 10})).await;
+    gw.admin(Method::PUT, "/clients/acme", &rw())
+        .json(&json!({"plan": "gold"}))
+        .send()
+        .await
+        .unwrap();
+    let imported = "imported-legacy-key-4242";
+    let r = gw
+        .admin(Method::POST, "/clients/acme/keys", &rw())
+        .json(&json!({"key": imported}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let generated: Value = gw
+        .admin(Method::POST, "/clients/acme/keys", &rw())
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let generated = generated["key"].as_str().unwrap().to_string();
+
+    // The same key cannot belong to another client.
+    gw.admin(Method::PUT, "/clients/other", &rw())
+        .json(&json!({"plan": "gold"}))
+        .send()
+        .await
+        .unwrap();
+    let r = gw
+        .admin(Method::POST, "/clients/other/keys", &rw())
+        .json(&json!({"key": imported}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 409);
+
+    // GET shows key ids, never keys.
+    let client = gw
+        .admin(Method::GET, "/clients/acme", &rw())
+        .send()
+        .await
+        .unwrap();
+    let text = client.text().await.unwrap();
+    assert!(
+        !text.contains(imported) && !text.contains(&generated),
+        "{text}"
+    );
+
+    // Nowhere in Redis: every value of every key.
+    let everything = dump_redis(&redis);
+    assert!(everything.contains("sha256:"), "the hashes are there");
+    assert!(!everything.contains(imported));
+    assert!(!everything.contains(&generated));
+}
+
+/// Every value Redis holds, as text.
+fn dump_redis(redis: &RedisServer) -> String {
+    let mut c = redis.conn();
+    let mut out = String::new();
+    for key in redis.keys("*") {
+        let kind: String = redis::cmd("TYPE").arg(&key).query(&mut c).unwrap();
+        let value: redis::Value = match kind.as_str() {
+            "string" => redis::cmd("GET").arg(&key).query(&mut c).unwrap(),
+            "hash" => redis::cmd("HGETALL").arg(&key).query(&mut c).unwrap(),
+            "zset" => redis::cmd("ZRANGE")
+                .arg(&key)
+                .arg(0)
+                .arg(-1)
+                .query(&mut c)
+                .unwrap(),
+            "stream" => redis::cmd("XRANGE")
+                .arg(&key)
+                .arg("-")
+                .arg("+")
+                .query(&mut c)
+                .unwrap(),
+            other => panic!("unexpected type {other} for {key}"),
+        };
+        out.push_str(&format!("{key} {value:?}\n"));
+    }
+    out
+}
+
+#[tokio::test]
+async fn clients_are_listed_a_page_at_a_time() {
+    let gw = admin_gateway("").await;
+    put_plan(&gw, "gold", json!({"capacity": 10, "rate": 1})).await;
+    for id in ["e", "a", "d", "b", "c"] {
+        gw.admin(Method::PUT, &format!("/clients/{id}"), &rw())
+            .json(&json!({"plan": "gold"}))
+            .send()
+            .await
+            .unwrap();
+    }
+    let mut seen = Vec::new();
+    let mut cursor: Option<String> = None;
+    for _ in 0..5 {
+        let path = match &cursor {
+            Some(c) => format!("/clients?limit=2&cursor={c}"),
+            None => "/clients?limit=2".to_string(),
+        };
+        let page: Value = gw
+            .admin(Method::GET, &path, &rw())
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        for c in page["items"].as_array().unwrap() {
+            seen.push(c["id"].as_str().unwrap().to_string());
+        }
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = Some(c.to_string()),
+            None => break,
+        }
+    }
+    assert_eq!(seen, ["a", "b", "c", "d", "e"]);
+    let bad = gw
+        .admin(Method::GET, "/clients?limit=0", &rw())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bad.status(), 422);
+}
+
+#[tokio::test]
+async fn every_change_is_audited_with_who_and_before_and_after() {
+    let gw = admin_gateway("").await;
+    put_plan(&gw, "gold", json!({"capacity": 10, "rate": 1})).await;
+    put_plan(&gw, "gold", json!({"capacity": 20, "rate": 1})).await;
+    gw.admin(Method::PUT, "/safety", &rw())
+        .json(&json!({"multiplier": 5, "services": {"orders": 20}}))
+        .send()
+        .await
+        .unwrap();
+
+    let audit: Value = gw
+        .admin(Method::GET, "/audit?limit=10", &rw())
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let items = audit["items"].as_array().unwrap();
+    assert_eq!(items[0]["action"], "safety.put");
+    assert_eq!(items[1]["action"], "plan.put");
+    assert_eq!(items[1]["actor"], "alice");
+    assert_eq!(items[1]["before"]["capacity"], 10.0);
+    assert_eq!(items[1]["after"]["capacity"], 20.0);
+    assert!(items[2]["before"].is_null());
+
+    let safety: Value = gw
+        .admin(Method::GET, "/safety", &rw())
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        safety,
+        json!({"multiplier": 5.0, "services": {"orders": 20.0}})
+    );
+    let bad = gw
+        .admin(Method::PUT, "/safety", &rw())
+        .json(&json!({"multiplier": 0.5}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bad.status(), 422);
+}
+
+#[tokio::test]
+async fn the_bucket_can_be_inspected_and_refilled() {
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = admin_gateway(&format!(
+        "{}{}",
+        catalog_toml(("gold", 10.0, 0.001), &["acme"]),
+        route_toml("orders", "/orders", &[up.url()])
+    ))
+    .await;
+    for _ in 0..4 {
+        gw.get("/orders", Some(&key("acme"))).await;
+    }
+    let b: Value = gw
+        .admin(Method::GET, "/clients/acme/bucket", &rw())
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(b["capacity"], 10.0);
+    assert!((b["tokens"].as_f64().unwrap() - 6.0).abs() < 0.01, "{b}");
+    assert_eq!(b["full"], false);
+    assert_eq!(
+        gw.admin(Method::DELETE, "/clients/acme/bucket", &rw())
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        204
+    );
+    let b: Value = gw
+        .admin(Method::GET, "/clients/acme/bucket", &rw())
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(b["tokens"], 10.0);
+}
+
+#[tokio::test]
+async fn embedded_edits_persist_across_restarts_without_plaintext_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("catalog.json");
+    let toml = format!(
+        "{}[catalog]\nfile = {:?}\n",
+        admin_toml(),
+        file.to_str().unwrap()
+    );
+    let gw = TestGateway::spawn(settings(&toml)).await;
+    put_plan(&gw, "gold", json!({"capacity": 10, "rate": 1})).await;
+    gw.admin(Method::PUT, "/clients/acme", &rw())
+        .json(&json!({"plan": "gold"}))
+        .send()
+        .await
+        .unwrap();
+    let key: Value = gw
+        .admin(Method::POST, "/clients/acme/keys", &rw())
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    gw.stop().await;
+
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(!text.contains(key["key"].as_str().unwrap()));
+    let again = TestGateway::spawn(settings(&toml)).await;
+    let r = again
+        .admin(Method::GET, "/clients/acme", &rw())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let c: Value = r.json().await.unwrap();
+    assert_eq!(c["keys"][0]["key_id"], key["key_id"]);
+}
+
+#[tokio::test]
+async fn the_committed_openapi_document_is_the_one_the_code_produces_and_serves() {
+    let committed =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/openapi/openapi.json"))
+            .unwrap();
+    let printed = std::process::Command::new(binary())
+        .arg("openapi")
+        .output()
+        .unwrap();
+    assert!(printed.status.success());
+    assert_eq!(
+        String::from_utf8(printed.stdout).unwrap(),
+        committed,
+        "openapi/openapi.json is stale: run `cargo run -- openapi > openapi/openapi.json`"
+    );
+    let gw = admin_gateway("").await;
+    let served: Value = gw
+        .http
+        .get(format!("{}/api-docs/openapi.json", gw.address))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(served, serde_json::from_str::<Value>(&committed).unwrap());
+    let ui = gw
+        .http
+        .get(format!("{}/swagger-ui/", gw.address))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ui.status(), 200);
+}
+
+#[test]
+fn tollgate_token_refuses_without_a_secret_and_mints_with_one() {
+    let out = std::process::Command::new(binary())
+        .args(["token", "--scope", "admin:read"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let out = std::process::Command::new(binary())
+        .args(["token", "--scope", "admin:read", "--sub", "bob"])
+        .env("TOLLGATE__ADMIN__JWT_HS256_SECRET", SECRET)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let token = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(token.trim().split('.').count(), 3);
+}
