@@ -7,3 +7,4 @@ mod configuration;
 mod forwarding;
 mod limiting;
 mod stores;
+mod swagger_ui;
