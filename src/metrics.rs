@@ -23,8 +23,26 @@ const OUTCOMES: [&str; 6] = [
     "unknown_key",
 ];
 
+/// Why a request failed open.
+#[derive(Debug, Clone, Copy)]
+pub enum FailOpenReason {
+    /// The store did not answer within `redis.timeout_ms`.
+    Timeout,
+    /// The store answered with an error (or the connection failed).
+    Error,
+    /// The circuit breaker is open: the store was not asked.
+    BreakerOpen,
+}
+
+const REASONS: [&str; 3] = ["timeout", "error", "breaker_open"];
+const ERROR_KINDS: [&str; 5] = ["timeout", "connection", "script", "reply", "pool"];
+
 #[derive(Default)]
 pub struct Metrics {
+    fail_open_reasons: [AtomicU64; REASONS.len()],
+    store_errors: [AtomicU64; ERROR_KINDS.len()],
+    /// [gateway deny][service deny]
+    shadow: [[AtomicU64; 2]; 2],
     decisions: [AtomicU64; OUTCOMES.len()],
     fail_open: AtomicU64,
     limiter_buckets: [AtomicU64; BUCKETS.len()],
@@ -46,6 +64,35 @@ impl Metrics {
         self.limiter_count.fetch_add(1, Relaxed);
         self.limiter_sum_ns
             .fetch_add(took.as_nanos() as u64, Relaxed);
+    }
+
+    pub fn fail_open(&self, reason: FailOpenReason) {
+        self.fail_open_reasons[reason as usize].fetch_add(1, Relaxed);
+    }
+
+    /// Requests that failed open for `reason`.
+    pub fn fail_open_count(&self, reason: FailOpenReason) -> u64 {
+        self.fail_open_reasons[reason as usize].load(Relaxed)
+    }
+
+    pub fn store_error(&self, e: &crate::store::StoreError) {
+        use crate::store::StoreError;
+        let kind = match e {
+            StoreError::Redis(r) if r.is_timeout() => 0,
+            StoreError::Redis(r)
+                if r.is_io_error() || r.is_connection_dropped() || r.is_connection_refusal() =>
+            {
+                1
+            }
+            StoreError::Redis(r) if r.code() == Some("NOSCRIPT") => 2,
+            StoreError::Redis(_) | StoreError::Protocol(_) | StoreError::File(_) => 3,
+            StoreError::Pool(_) => 4,
+        };
+        self.store_errors[kind].fetch_add(1, Relaxed);
+    }
+
+    pub fn record_shadow(&self, gateway_denied: bool, service_denied: bool) {
+        self.shadow[gateway_denied as usize][service_denied as usize].fetch_add(1, Relaxed);
     }
 
     /// Counts a decision outcome by its label (`unknown_key` has no limiter decision).
@@ -95,6 +142,38 @@ impl Metrics {
         let _ = writeln!(out, "# HELP tollgate_fail_open_total Requests admitted because the store did not answer in time.");
         let _ = writeln!(out, "# TYPE tollgate_fail_open_total counter");
         let _ = writeln!(out, "tollgate_fail_open_total {}", self.fail_open_total());
+        let _ = writeln!(out, "# HELP tollgate_fail_open_reasons_total Requests admitted without a store decision, by reason.");
+        let _ = writeln!(out, "# TYPE tollgate_fail_open_reasons_total counter");
+        for (i, r) in REASONS.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "tollgate_fail_open_reasons_total{{reason=\"{r}\"}} {}",
+                self.fail_open_reasons[i].load(Relaxed)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP tollgate_store_errors_total Store calls that failed, by kind."
+        );
+        let _ = writeln!(out, "# TYPE tollgate_store_errors_total counter");
+        for (i, k) in ERROR_KINDS.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "tollgate_store_errors_total{{kind=\"{k}\"}} {}",
+                self.store_errors[i].load(Relaxed)
+            );
+        }
+        let _ = writeln!(out, "# HELP tollgate_shadow_comparisons_total Shadow-mode decisions compared with the service's own answer.");
+        let _ = writeln!(out, "# TYPE tollgate_shadow_comparisons_total counter");
+        for (g, gl) in ["allow", "deny"].iter().enumerate() {
+            for (s, sl) in ["allow", "deny"].iter().enumerate() {
+                let _ = writeln!(
+                    out,
+                    "tollgate_shadow_comparisons_total{{gateway=\"{gl}\",service=\"{sl}\"}} {}",
+                    self.shadow[g][s].load(Relaxed)
+                );
+            }
+        }
         let _ = writeln!(
             out,
             "# HELP tollgate_limiter_seconds Time to decide one request."

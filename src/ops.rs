@@ -6,6 +6,7 @@ use actix_web::{web, HttpResponse};
 use serde_json::json;
 
 use crate::state::AppState;
+use crate::store::Store;
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route("/healthz", web::get().to(healthz))
@@ -44,7 +45,43 @@ async fn readyz(state: web::Data<AppState>) -> HttpResponse {
 }
 
 async fn metrics(state: web::Data<AppState>) -> HttpResponse {
+    use std::fmt::Write;
+    let mut out = state.metrics.render();
+    let breaker = state.limiter.breaker();
+    let _ = writeln!(out, "# HELP tollgate_breaker_open Whether the store's circuit breaker is open (1) or closed (0).");
+    let _ = writeln!(out, "# TYPE tollgate_breaker_open gauge");
+    let _ = writeln!(out, "tollgate_breaker_open {}", breaker.is_open() as u8);
+    let _ = writeln!(
+        out,
+        "# HELP tollgate_breaker_opened_total Times the circuit breaker opened."
+    );
+    let _ = writeln!(out, "# TYPE tollgate_breaker_opened_total counter");
+    let _ = writeln!(
+        out,
+        "tollgate_breaker_opened_total {}",
+        breaker.times_opened()
+    );
+    if let Store::Redis(r) = &state.store {
+        let (open, idle) = r.pool_state();
+        let _ = writeln!(out, "# HELP tollgate_redis_pool_connections Redis connections by state; busy near the pool size means saturation.");
+        let _ = writeln!(out, "# TYPE tollgate_redis_pool_connections gauge");
+        let _ = writeln!(
+            out,
+            "tollgate_redis_pool_connections{{state=\"idle\"}} {idle}"
+        );
+        let _ = writeln!(
+            out,
+            "tollgate_redis_pool_connections{{state=\"busy\"}} {}",
+            open - idle.min(open)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP tollgate_catalog_version The catalog version this gateway's copy reflects."
+    );
+    let _ = writeln!(out, "# TYPE tollgate_catalog_version gauge");
+    let _ = writeln!(out, "tollgate_catalog_version {}", state.catalog.version());
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4")
-        .body(state.metrics.render())
+        .body(out)
 }

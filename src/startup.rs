@@ -45,13 +45,17 @@ impl Application {
             spawn_evictor(Arc::clone(e));
         }
 
+        let limiter = Arc::new(Limiter::new(
+            store.clone(),
+            Arc::clone(&catalog),
+            Duration::from_millis(settings.redis.timeout_ms),
+            Arc::clone(&metrics),
+            settings.limits.safety_multiplier,
+        ));
+        limiter.spawn_background();
         let state = web::Data::new(AppState {
             catalog,
-            limiter: Limiter::new(
-                store.clone(),
-                Duration::from_millis(settings.redis.timeout_ms),
-                Arc::clone(&metrics),
-            ),
+            limiter,
             store: store.clone(),
             routes: RouteTable::new(&settings.routes),
             metrics,

@@ -13,7 +13,7 @@ use crate::store::Store;
 
 pub struct AppState {
     pub catalog: Arc<Catalog>,
-    pub limiter: Limiter,
+    pub limiter: Arc<Limiter>,
     pub store: Store,
     pub routes: RouteTable,
     pub metrics: Arc<Metrics>,

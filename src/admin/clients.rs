@@ -553,10 +553,7 @@ pub async fn refill(
     state
         .store
         .record_audit(AuditEntry {
-            at_ms: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_millis() as u64)
-                .unwrap_or(0),
+            at_ms: super::now_ms(),
             actor: actor.sub,
             action: "bucket.refill".into(),
             kind: "bucket".into(),

@@ -8,6 +8,7 @@ mod body;
 mod clients;
 mod plans;
 mod safety;
+mod shadow;
 
 use std::future::Future;
 
@@ -51,6 +52,8 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
             )
             .route("/safety", web::get().to(safety::get))
             .route("/safety", web::put().to(safety::put))
+            .route("/shadow", web::get().to(shadow::get))
+            .route("/shadow", web::delete().to(shadow::reset))
             .route("/audit", web::get().to(audit::list))
             .default_service(web::to(|| async {
                 Err::<actix_web::HttpResponse, _>(ApiError::NotFound(
@@ -76,6 +79,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         clients::list, clients::get, clients::put, clients::delete,
         clients::create_key, clients::revoke_key, clients::bucket, clients::refill,
         safety::get, safety::put,
+        shadow::get, shadow::reset,
         audit::list,
     ),
     components(schemas(crate::error::Problem, crate::error::FieldError)),
@@ -84,6 +88,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         (name = "plans", description = "What each plan allows"),
         (name = "clients", description = "Clients, their plans, keys and buckets"),
         (name = "safety", description = "Coarse per-service safety limits"),
+        (name = "shadow", description = "Shadow-mode agreement with the services' own limiters"),
         (name = "audit", description = "Who changed what"),
     )
 )]
@@ -122,6 +127,14 @@ impl FromRequest for Actor {
                 .ok_or_else(|| ApiError::InvalidToken("no authenticated caller".into())),
         )
     }
+}
+
+/// Unix milliseconds on this gateway's clock (for audit entries outside the catalog).
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 /// Parses an id from the path, as a `422` naming it when it is not a valid id.

@@ -24,12 +24,16 @@ use crate::store::{Keys, Store, StoreError};
 /// A plan's current limits, shared by every client on it so a plan edit is one store.
 pub struct PlanSlot {
     pub name: PlanName,
-    limits: ArcSwap<Plan>,
+    current: ArcSwap<(Plan, PlanRecord)>,
 }
 
 impl PlanSlot {
     pub fn limits(&self) -> Plan {
-        **self.limits.load()
+        self.current.load().0
+    }
+
+    pub fn record(&self) -> PlanRecord {
+        self.current.load().1.clone()
     }
 }
 
@@ -85,9 +89,10 @@ impl Catalog {
         &self.key_names
     }
 
-    /// The safety settings stored through the admin API, if any.
-    pub fn safety(&self) -> Arc<Option<SafetyRecord>> {
-        self.safety.load_full()
+    /// The safety settings stored through the admin API, if any (no reference count
+    /// taken: for the request path).
+    pub fn safety_guard(&self) -> arc_swap::Guard<Arc<Option<SafetyRecord>>> {
+        self.safety.load()
     }
 
     /// The store version this mirror reflects.
@@ -100,6 +105,21 @@ impl Catalog {
         loop {
             match store.catalog_changes(self.version()).await? {
                 CatalogChanges::Unchanged => return Ok(()),
+                CatalogChanges::Reload(dump) if dump.version < self.version() => {
+                    // The store went back in time: it was restarted empty or reset. Every
+                    // gateway holds the whole catalog, so put it back rather than forget
+                    // every client.
+                    tracing::error!(
+                        from = self.version(),
+                        to = dump.version,
+                        "the store's catalog was reset; restoring it from this gateway's copy"
+                    );
+                    self.restore_into(store).await?;
+                    let dump = store.catalog_dump().await?;
+                    self.merge(&dump);
+                    self.version.store(dump.version, Ordering::Release);
+                    return Ok(());
+                }
                 CatalogChanges::Reload(dump) => {
                     self.replace(dump);
                     return Ok(());
@@ -126,6 +146,43 @@ impl Catalog {
                     }
                 }
             }
+        }
+    }
+
+    /// Writes every plan, client and setting of this mirror that the store lacks.
+    async fn restore_into(&self, store: &Store) -> Result<(), StoreError> {
+        let by = Audit::new("restore", "catalog.restore");
+        let plans: Vec<PlanRecord> = self.plans.iter().map(|p| p.record()).collect();
+        for p in plans {
+            store
+                .catalog_write(&CatalogWrite::PutPlan(p, Condition::Absent), &by)
+                .await?;
+        }
+        let clients: Vec<ClientRecord> = self.clients.iter().map(|c| c.record.clone()).collect();
+        for c in clients {
+            store
+                .catalog_write(&CatalogWrite::PutClient(c, Condition::Absent), &by)
+                .await?;
+        }
+        let safety = (*self.safety.load_full()).clone();
+        if let Some(s) = safety {
+            store
+                .catalog_write(&CatalogWrite::PutSafety(s, Condition::Absent), &by)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Applies a dump without removing anything the dump lacks.
+    fn merge(&self, dump: &CatalogDump) {
+        for p in &dump.plans {
+            self.apply_plan(p.value.name.clone(), Some(p.value.clone()));
+        }
+        for c in &dump.clients {
+            self.apply_client(c.value.id.clone(), Some(c.value.clone()));
+        }
+        if let Some(s) = &dump.safety {
+            self.safety.store(Arc::new(Some(s.value.clone())));
         }
     }
 
@@ -168,13 +225,13 @@ impl Catalog {
             }
         };
         match self.plans.get(&name) {
-            Some(slot) => slot.limits.store(Arc::new(limits)),
+            Some(slot) => slot.current.store(Arc::new((limits, rec))),
             None => {
                 self.plans.insert(
                     name.clone(),
                     Arc::new(PlanSlot {
                         name,
-                        limits: ArcSwap::from_pointee(limits),
+                        current: ArcSwap::from_pointee((limits, rec)),
                     }),
                 );
             }

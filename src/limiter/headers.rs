@@ -64,6 +64,7 @@ mod tests {
                 tokens: 7.4,
                 wait_us: Some(0),
             }),
+            safety_wait_us: None,
         };
         let h = RateLimitHeaders::new(&PlanName::parse("gold").unwrap(), &d);
         assert_eq!(h.policy, "\"gold\";q=100;w=2");

@@ -1,22 +1,30 @@
-//! The decision path: given a client and a cost, decide allow / deny / fail open.
+//! The decision path: given a client and a route, decide allow / deny / fail open.
 //!
-//! Every request takes the same steps, and later features join as steps rather than
-//! rewrites: (1) the store's bucket, bounded by `redis.timeout_ms` (a circuit breaker
-//! joins here); (2) the client's mode turns a deny into a shadow deny; the coarse safety
-//! limit joins as a step before (1).
+//! Every request takes the same steps, each of which can settle it:
+//! 1. the coarse safety limit (in process, per client and service) — `SafetyDenied`;
+//! 2. the circuit breaker: if the store is known to be down, fail open at once;
+//! 3. the store's bucket, one call bounded by `redis.timeout_ms` — `FailOpen` past it;
+//! 4. the client's mode: in shadow mode a deny becomes `ShadowDenied` and is forwarded.
 
+pub mod breaker;
 pub mod bucket;
 mod headers;
+mod safety;
+mod shadow;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+pub use breaker::Breaker;
 pub use bucket::{BucketState, Verdict};
 pub use headers::RateLimitHeaders;
+pub use safety::SafetyLimit;
+pub use shadow::ShadowStats;
 
-use crate::catalog::ClientEntry;
+use crate::catalog::{Catalog, ClientEntry};
 use crate::domain::{Mode, Plan};
-use crate::metrics::Metrics;
+use crate::metrics::{FailOpenReason, Metrics};
+use crate::proxy::Route;
 use crate::store::Store;
 
 /// What the gateway does with a request.
@@ -30,12 +38,14 @@ pub enum Outcome {
     ShadowDenied,
     /// The store did not answer in time: forward it.
     FailOpen,
+    /// Past the coarse per-service safety limit: answer 429.
+    SafetyDenied,
 }
 
 impl Outcome {
     /// Whether the request goes on to the service.
     pub fn forwards(self) -> bool {
-        !matches!(self, Outcome::Denied)
+        !matches!(self, Outcome::Denied | Outcome::SafetyDenied)
     }
 
     /// The `outcome` label of `tollgate_decisions_total`.
@@ -45,6 +55,7 @@ impl Outcome {
             Outcome::Denied => "denied",
             Outcome::ShadowDenied => "shadow_denied",
             Outcome::FailOpen => "fail_open",
+            Outcome::SafetyDenied => "safety_denied",
         }
     }
 }
@@ -54,59 +65,108 @@ impl Outcome {
 pub struct Decision {
     pub outcome: Outcome,
     pub plan: Plan,
-    /// The store's verdict; `None` when it did not answer.
+    /// The client bucket's verdict; `None` when the store did not answer.
     pub verdict: Option<Verdict>,
+    /// For `SafetyDenied`: the wait until the safety bucket has the tokens.
+    pub safety_wait_us: Option<u64>,
 }
 
-/// Decides requests against the store.
+/// Decides requests: safety limit, breaker, store, mode.
 pub struct Limiter {
     store: Store,
+    catalog: Arc<Catalog>,
     timeout: Duration,
-    metrics: std::sync::Arc<Metrics>,
-    /// Whether the store is failing, so a fail-open episode is logged once, not per request.
-    failing: AtomicBool,
+    metrics: Arc<Metrics>,
+    breaker: Arc<Breaker>,
+    safety: SafetyLimit,
+    shadow: Arc<ShadowStats>,
 }
 
 impl Limiter {
-    pub fn new(store: Store, timeout: Duration, metrics: std::sync::Arc<Metrics>) -> Limiter {
+    pub fn new(
+        store: Store,
+        catalog: Arc<Catalog>,
+        timeout: Duration,
+        metrics: Arc<Metrics>,
+        default_multiplier: f64,
+    ) -> Limiter {
         Limiter {
             store,
+            catalog,
             timeout,
             metrics,
-            failing: AtomicBool::new(false),
+            breaker: Arc::new(Breaker::default()),
+            safety: SafetyLimit::new(default_multiplier),
+            shadow: Arc::new(ShadowStats::default()),
         }
     }
 
-    /// Takes `cost` tokens from the client's bucket: one store call, bounded by the timeout.
-    pub async fn decide(&self, client: &ClientEntry, cost: f64) -> Decision {
-        let plan = client.plan.limits();
+    /// Starts the breaker's prober, the shadow flusher and the safety evictor.
+    pub fn spawn_background(self: &Arc<Self>) {
+        self.breaker.spawn_prober(self.store.clone(), self.timeout);
+        self.shadow
+            .spawn_flush(self.store.clone(), Duration::from_secs(1));
+        let me = Arc::clone(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                tick.tick().await;
+                me.safety.evict_idle();
+            }
+        });
+    }
+
+    /// Decides one request for `client` on `route`.
+    pub async fn decide(&self, client: &ClientEntry, route: &Route) -> Decision {
         let started = Instant::now();
-        let verdict = match tokio::time::timeout(
-            self.timeout,
-            self.store.take(&client.bucket_key, plan, cost),
-        )
-        .await
-        {
-            Ok(Ok(v)) => {
-                if self.failing.swap(false, Ordering::Relaxed) {
-                    tracing::info!("store answers again; limiting resumed");
+        let plan = client.plan.limits();
+        let decision = self.decide_inner(client, route, plan).await;
+        self.metrics
+            .record_decision(decision.outcome, started.elapsed());
+        decision
+    }
+
+    async fn decide_inner(&self, client: &ClientEntry, route: &Route, plan: Plan) -> Decision {
+        let multiplier = self
+            .safety
+            .multiplier(&self.catalog.safety_guard(), &route.service);
+        let safety = self
+            .safety
+            .take(client, &route.service, plan, multiplier, route.cost);
+        if !safety.allowed {
+            return Decision {
+                outcome: Outcome::SafetyDenied,
+                plan,
+                verdict: None,
+                safety_wait_us: safety.wait_us,
+            };
+        }
+
+        let verdict = if self.breaker.is_open() {
+            self.metrics.fail_open(FailOpenReason::BreakerOpen);
+            None
+        } else {
+            match tokio::time::timeout(
+                self.timeout,
+                self.store.take(&client.bucket_key, plan, route.cost),
+            )
+            .await
+            {
+                Ok(Ok(v)) => {
+                    self.breaker.success();
+                    Some(v)
                 }
-                Some(v)
-            }
-            Ok(Err(e)) => {
-                if !self.failing.swap(true, Ordering::Relaxed) {
-                    tracing::warn!(error = %e, "store failed; failing open until it answers");
+                Ok(Err(e)) => {
+                    self.metrics.store_error(&e);
+                    self.metrics.fail_open(FailOpenReason::Error);
+                    self.breaker.failure();
+                    None
                 }
-                None
-            }
-            Err(_) => {
-                if !self.failing.swap(true, Ordering::Relaxed) {
-                    tracing::warn!(
-                        timeout_ms = self.timeout.as_millis() as u64,
-                        "store too slow; failing open until it answers in time"
-                    );
+                Err(_) => {
+                    self.metrics.fail_open(FailOpenReason::Timeout);
+                    self.breaker.failure();
+                    None
                 }
-                None
             }
         };
         let outcome = match verdict {
@@ -115,15 +175,38 @@ impl Limiter {
             Some(_) if client.mode == Mode::Shadow => Outcome::ShadowDenied,
             Some(_) => Outcome::Denied,
         };
-        self.metrics.record_decision(outcome, started.elapsed());
         Decision {
             outcome,
             plan,
             verdict,
+            safety_wait_us: None,
         }
+    }
+
+    /// For shadow-mode clients: compares the decision with the service's answer.
+    pub fn compare(&self, client: &ClientEntry, decision: &Decision, service_status: u16) {
+        // No comparison without a gateway decision (failing open), or without an answer
+        // from the service (the gateway's own 502/504).
+        if client.mode != Mode::Shadow
+            || decision.verdict.is_none()
+            || matches!(service_status, 502 | 504)
+        {
+            return;
+        }
+        let gateway_denied = decision.outcome == Outcome::ShadowDenied;
+        self.shadow.record(
+            &self.metrics,
+            &client.id,
+            gateway_denied,
+            service_status == 429,
+        );
     }
 
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    pub fn breaker(&self) -> &Breaker {
+        &self.breaker
     }
 }

@@ -12,7 +12,7 @@ use super::Route;
 use crate::catalog::ClientEntry;
 use crate::domain::KeyHash;
 use crate::error::ApiError;
-use crate::limiter::RateLimitHeaders;
+use crate::limiter::{Outcome, RateLimitHeaders};
 use crate::state::AppState;
 
 /// What the guard hands the forwarder for an admitted request.
@@ -67,10 +67,14 @@ pub async fn guard(
         ));
     }
 
-    let decision = state.limiter.decide(&client, route.cost).await;
+    let decision = state.limiter.decide(&client, &route).await;
     let rl = RateLimitHeaders::new(&client.plan.name, &decision);
     if !decision.outcome.forwards() {
-        let err = match decision.verdict.and_then(|v| v.wait_us) {
+        let wait = match decision.outcome {
+            Outcome::SafetyDenied => decision.safety_wait_us,
+            _ => decision.verdict.and_then(|v| v.wait_us),
+        };
+        let err = match wait {
             Some(wait_us) => ApiError::RateLimited {
                 retry_after_ms: wait_us.div_ceil(1000),
                 // Whole seconds, rounded up, at least 1: a retry after this long finds
@@ -82,8 +86,14 @@ pub async fn guard(
         return Ok(reject(req, err, Some(rl)));
     }
 
-    req.extensions_mut().insert(Admitted { client, route });
+    req.extensions_mut().insert(Admitted {
+        client: Arc::clone(&client),
+        route,
+    });
     let mut res = next.call(req).await?.map_into_boxed_body();
+    state
+        .limiter
+        .compare(&client, &decision, res.status().as_u16());
     rl.apply(res.headers_mut());
     Ok(res)
 }

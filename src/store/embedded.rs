@@ -2,15 +2,13 @@
 //! gateway instance only (buckets are not shared), and the zero-dependency default.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::hash::BuildHasher;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-use super::StoreError;
+use super::{LocalBuckets, StoreError};
 use crate::catalog::{
     Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition,
     PlanRecord, SafetyRecord, Versioned, WriteOutcome,
@@ -18,90 +16,79 @@ use crate::catalog::{
 use crate::domain::{ClientId, KeyHash, Plan, PlanName};
 use crate::limiter::{bucket, BucketState, Verdict};
 
-const SHARDS: usize = 64;
 const FEED_LEN: usize = 10_000;
 const AUDIT_LEN: usize = 10_000;
 
-struct Slot {
-    state: BucketState,
-    /// Once the clock passes this, the bucket would be full and can be forgotten.
-    expires_us: u64,
-}
-
-type Shard = Mutex<HashMap<Box<str>, Slot>>;
-
 /// Buckets and catalog of a single instance.
 pub struct EmbeddedStore {
-    shards: Box<[Shard]>,
-    hasher: std::collections::hash_map::RandomState,
-    epoch: Instant,
+    buckets: LocalBuckets<Box<str>>,
     catalog: Mutex<FileCatalog>,
+    shadow: Mutex<HashMap<String, (u64, u64)>>,
 }
 
 impl EmbeddedStore {
     /// Opens (or creates) the catalog file.
     pub fn open(file: &Path) -> Result<EmbeddedStore, StoreError> {
         Ok(EmbeddedStore {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
-            hasher: Default::default(),
-            epoch: Instant::now(),
+            buckets: LocalBuckets::default(),
             catalog: Mutex::new(FileCatalog::open(file)?),
+            shadow: Mutex::new(HashMap::new()),
         })
     }
 
-    /// Microseconds on this store's monotonic clock.
-    pub fn now_us(&self) -> u64 {
-        self.epoch.elapsed().as_micros() as u64
-    }
-
-    fn shard(&self, key: &str) -> &Shard {
-        &self.shards[self.hasher.hash_one(key) as usize % SHARDS]
-    }
-
     pub fn take(&self, key: &str, plan: Plan, cost: f64) -> Verdict {
-        self.take_at(key, plan, cost, self.now_us())
+        self.buckets.take_at(key, plan, cost, self.buckets.now_us())
     }
 
-    /// [`EmbeddedStore::take`] at a given time (tests drive the clock).
+    /// [`EmbeddedStore::take`] at a given time on the store's clock (tests drive it).
     pub fn take_at(&self, key: &str, plan: Plan, cost: f64, now_us: u64) -> Verdict {
-        let mut shard = self.shard(key).lock();
-        let prev = shard.get(key).map(|s| s.state);
-        let (state, verdict) = bucket::take(prev, now_us, plan, cost);
-        let expires_us = now_us + bucket::idle_expiry_ms(plan, state.tokens) * 1000;
-        match shard.get_mut(key) {
-            Some(slot) => *slot = Slot { state, expires_us },
-            None => {
-                shard.insert(key.into(), Slot { state, expires_us });
-            }
-        }
-        verdict
+        self.buckets.take_at(key, plan, cost, now_us)
     }
 
     pub fn peek(&self, key: &str) -> Option<BucketState> {
-        self.shard(key).lock().get(key).map(|s| s.state)
+        self.buckets.peek(key)
     }
 
     /// The bucket's tokens now, or `None` if it does not exist (a missing bucket is full).
     pub fn tokens_now(&self, key: &str, plan: Plan) -> Option<f64> {
         let state = self.peek(key)?;
-        Some(bucket::take(Some(state), self.now_us(), plan, 0.0).1.tokens)
+        Some(
+            bucket::take(Some(state), self.buckets.now_us(), plan, 0.0)
+                .1
+                .tokens,
+        )
     }
 
     pub fn refill(&self, key: &str) {
-        self.shard(key).lock().remove(key);
+        self.buckets.remove(key);
     }
 
     /// Forgets buckets that would be full by now; returns how many remain.
     pub fn evict_idle(&self) -> usize {
-        let now = self.now_us();
-        self.shards
+        self.buckets.evict_idle()
+    }
+
+    /// Adds shadow-mode comparison counts (compared, disagreed) per client.
+    pub fn shadow_add(&self, counts: &[(String, u64, u64)]) {
+        let mut m = self.shadow.lock();
+        for (client, compared, disagreed) in counts {
+            let e = m.entry(client.clone()).or_default();
+            e.0 += compared;
+            e.1 += disagreed;
+        }
+    }
+
+    /// Shadow-mode counts per client.
+    pub fn shadow_counts(&self) -> Vec<(String, u64, u64)> {
+        self.shadow
+            .lock()
             .iter()
-            .map(|s| {
-                let mut s = s.lock();
-                s.retain(|_, slot| slot.expires_us > now);
-                s.len()
-            })
-            .sum()
+            .map(|(k, (c, d))| (k.clone(), *c, *d))
+            .collect()
+    }
+
+    pub fn shadow_reset(&self) {
+        self.shadow.lock().clear();
     }
 
     pub fn catalog_dump(&self) -> CatalogDump {

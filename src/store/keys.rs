@@ -26,6 +26,11 @@ impl Keys {
         format!("{}b:{{{}:{}}}", self.prefix, client, region)
     }
 
+    /// Shadow-mode comparison counters (all in the `{shadow}` slot).
+    pub fn shadow(&self, part: &str) -> String {
+        format!("{}{{shadow}}:{}", self.prefix, part)
+    }
+
     /// The catalog's keys, all in the `{catalog}` slot so one script can write them together.
     pub fn catalog(&self, part: &str) -> String {
         format!("{}{{catalog}}:{}", self.prefix, part)

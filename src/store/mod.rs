@@ -7,12 +7,15 @@
 
 mod embedded;
 mod keys;
+mod local;
 mod redis;
+mod redis_pool;
 
 use std::sync::Arc;
 
 pub use self::embedded::EmbeddedStore;
 pub use self::keys::Keys;
+pub use self::local::LocalBuckets;
 pub use self::redis::RedisStore;
 
 use crate::catalog::{
@@ -160,6 +163,35 @@ impl Store {
         match self {
             Store::Embedded(s) => s.record_audit(entry),
             Store::Redis(s) => s.record_audit(&entry).await,
+        }
+    }
+
+    /// Adds shadow-mode comparison counts (client, compared, disagreed).
+    pub async fn shadow_add(&self, counts: &[(String, u64, u64)]) -> Result<(), StoreError> {
+        match self {
+            Store::Embedded(s) => {
+                s.shadow_add(counts);
+                Ok(())
+            }
+            Store::Redis(s) => s.shadow_add(counts).await,
+        }
+    }
+
+    /// Shadow-mode counts per client (client, compared, disagreed), from every gateway.
+    pub async fn shadow_counts(&self) -> Result<Vec<(String, u64, u64)>, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.shadow_counts()),
+            Store::Redis(s) => s.shadow_counts().await,
+        }
+    }
+
+    pub async fn shadow_reset(&self) -> Result<(), StoreError> {
+        match self {
+            Store::Embedded(s) => {
+                s.shadow_reset();
+                Ok(())
+            }
+            Store::Redis(s) => s.shadow_reset().await,
         }
     }
 

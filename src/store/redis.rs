@@ -4,10 +4,10 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use bb8_redis::RedisConnectionManager;
 use redis::{AsyncCommands, Script, Value};
 use secrecy::{ExposeSecret, SecretString};
 
+use super::redis_pool::{RedisConn, RedisManager};
 use super::{Keys, StoreError};
 use crate::catalog::{
     Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition,
@@ -25,7 +25,7 @@ const FEED_PAGE: usize = 1000;
 
 /// A Redis server reached through a bb8 pool of multiplexed connections.
 pub struct RedisStore {
-    pool: bb8::Pool<RedisConnectionManager>,
+    pool: bb8::Pool<RedisManager>,
     keys: Keys,
     bucket: Script,
     catalog_write: Script,
@@ -40,7 +40,7 @@ impl RedisStore {
         pool_size: u32,
         keys: Keys,
     ) -> Result<RedisStore, StoreError> {
-        let manager = RedisConnectionManager::new(url.expose_secret())?;
+        let manager = RedisManager::new(url.expose_secret())?;
         let pool = bb8::Pool::builder()
             .max_size(pool_size)
             .min_idle(Some(pool_size))
@@ -61,7 +61,62 @@ impl RedisStore {
         format!("redis {}", self.url)
     }
 
-    async fn conn(&self) -> Result<bb8::PooledConnection<'_, RedisConnectionManager>, StoreError> {
+    /// Connections open and idle, for the pool saturation metrics.
+    pub fn pool_state(&self) -> (u32, u32) {
+        let s = self.pool.state();
+        (s.connections, s.idle_connections)
+    }
+
+    /// Adds shadow-mode comparison counts (compared, disagreed) per client.
+    pub async fn shadow_add(&self, counts: &[(String, u64, u64)]) -> Result<(), StoreError> {
+        let mut pipe = redis::pipe();
+        for (client, compared, disagreed) in counts {
+            pipe.hincr(self.keys.shadow("compared"), client, *compared)
+                .ignore();
+            if *disagreed > 0 {
+                pipe.hincr(self.keys.shadow("disagreed"), client, *disagreed)
+                    .ignore();
+            }
+        }
+        let mut c = self.conn().await?;
+        let _: () = pipe.query_async(&mut *c).await?;
+        Ok(())
+    }
+
+    /// Shadow-mode counts per client, summed over every gateway sharing this store.
+    pub async fn shadow_counts(&self) -> Result<Vec<(String, u64, u64)>, StoreError> {
+        let mut c = self.conn().await?;
+        let compared = scan_hash(&mut c, &self.keys.shadow("compared")).await?;
+        let disagreed: std::collections::HashMap<String, String> =
+            scan_hash(&mut c, &self.keys.shadow("disagreed"))
+                .await?
+                .into_iter()
+                .collect();
+        Ok(compared
+            .into_iter()
+            .map(|(client, n)| {
+                let d = disagreed
+                    .get(&client)
+                    .and_then(|d| d.parse().ok())
+                    .unwrap_or(0);
+                (client, n.parse().unwrap_or(0), d)
+            })
+            .collect())
+    }
+
+    pub async fn shadow_reset(&self) -> Result<(), StoreError> {
+        let mut c = self.conn().await?;
+        let _: () = redis::pipe()
+            .del(self.keys.shadow("compared"))
+            .ignore()
+            .del(self.keys.shadow("disagreed"))
+            .ignore()
+            .query_async(&mut *c)
+            .await?;
+        Ok(())
+    }
+
+    async fn conn(&self) -> Result<bb8::PooledConnection<'_, RedisManager>, StoreError> {
         self.pool.get().await.map_err(|e| match e {
             bb8::RunError::User(e) => StoreError::Redis(e),
             bb8::RunError::TimedOut => {
@@ -106,10 +161,23 @@ impl RedisStore {
         Ok(())
     }
 
+    /// A round trip on a pooled connection. Connections that died with a restarted Redis
+    /// are found here one by one and replaced, so the answer is about Redis, not about a
+    /// stale socket.
     pub async fn ping(&self) -> Result<(), StoreError> {
-        let mut c = self.conn().await?;
-        let _: String = redis::cmd("PING").query_async(&mut *c).await?;
-        Ok(())
+        let mut last = None;
+        for _ in 0..=self.pool.state().connections {
+            let mut c = self.conn().await?;
+            match redis::cmd("PING").query_async::<String>(&mut *c).await {
+                Ok(_) => return Ok(()),
+                Err(e) if e.is_io_error() || e.is_connection_dropped() => last = Some(e),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(last.map_or_else(
+            || StoreError::Pool("no connection".into()),
+            StoreError::Redis,
+        ))
     }
 
     pub async fn catalog_dump(&self) -> Result<CatalogDump, StoreError> {
@@ -464,10 +532,7 @@ fn parse_entity<T: serde::de::DeserializeOwned>(raw: &str) -> Option<Versioned<T
 }
 
 /// Every field of a hash, with HSCAN (a catalog may hold millions of clients).
-async fn scan_hash(
-    c: &mut redis::aio::MultiplexedConnection,
-    key: &str,
-) -> Result<Vec<(String, String)>, StoreError> {
+async fn scan_hash(c: &mut RedisConn, key: &str) -> Result<Vec<(String, String)>, StoreError> {
     let mut out = Vec::new();
     let mut cursor: u64 = 0;
     loop {

@@ -30,18 +30,22 @@ pub struct RedisServer {
     _dir: tempfile::TempDir,
 }
 
+fn spawn_redis(port: u16, dir: &std::path::Path) -> Child {
+    Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no"])
+        .args(["--dir", dir.to_str().unwrap()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("redis-server must be installed (.ci/run installs it)")
+}
+
 impl RedisServer {
     pub fn start() -> RedisServer {
         let dir = tempfile::tempdir().unwrap();
         let port = free_port();
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .args(["--dir", dir.path().to_str().unwrap()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server must be installed (.ci/run installs it)");
+        let child = spawn_redis(port, dir.path());
         let server = RedisServer {
             child,
             port,
@@ -49,6 +53,38 @@ impl RedisServer {
         };
         server.wait_until_ready();
         server
+    }
+
+    fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill {sig}");
+    }
+
+    /// Freezes the server (SIGSTOP): connections stay open, nothing answers.
+    pub fn stall(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Thaws a stalled server (SIGCONT).
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    /// Kills the server; [`RedisServer::restart`] brings an empty one back on the port.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts a fresh, empty server on the same port.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.child = spawn_redis(self.port, self._dir.path());
+        self.wait_until_ready();
     }
 
     fn wait_until_ready(&self) {
@@ -122,6 +158,8 @@ pub enum Behaviour {
     Echo,
     /// Sleeps this long, then answers 200.
     Slow(Duration),
+    /// A service's own limiter: admits this many requests per `x-client-id`, then 429.
+    Limit(usize),
 }
 
 /// An HTTP service that records what reaches it.
@@ -161,6 +199,24 @@ impl Upstream {
                         });
                         if let Behaviour::Slow(d) = behaviour {
                             tokio::time::sleep(d).await;
+                        }
+                        if let Behaviour::Limit(n) = behaviour {
+                            let client = req
+                                .headers()
+                                .get("x-client-id")
+                                .and_then(|v| v.to_str().ok())
+                                .unwrap_or("");
+                            let seen = s
+                                .lock()
+                                .unwrap()
+                                .iter()
+                                .filter(|r| {
+                                    r.headers.get("x-client-id").map(String::as_str) == Some(client)
+                                })
+                                .count();
+                            if seen > n {
+                                return HttpResponse::TooManyRequests().finish();
+                            }
                         }
                         HttpResponse::Ok()
                             .insert_header(("x-upstream-port", port.to_string()))

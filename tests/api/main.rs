@@ -6,5 +6,6 @@ mod admin;
 mod configuration;
 mod forwarding;
 mod limiting;
+mod resilience;
 mod stores;
 mod swagger_ui;

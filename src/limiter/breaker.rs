@@ -1,0 +1,147 @@
+//! A circuit breaker in front of the store: after a few failures in a row the limiter
+//! stops waiting on a dead or stalled store (it fails open in microseconds), a background
+//! probe checks it, and the breaker closes as soon as it answers within the budget again.
+//! A store that keeps failing right after recovering gets longer back-offs, so a flapping
+//! one does not make every request wait.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+
+use crate::store::Store;
+
+/// Failures in a row that open the breaker.
+pub const THRESHOLD: u32 = 3;
+const BASE_BACKOFF: Duration = Duration::from_millis(200);
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// Closed this long without re-opening, the back-off starts over from its base.
+const STABLE: Duration = Duration::from_secs(10);
+
+pub struct Breaker {
+    open: AtomicBool,
+    failures: AtomicU32,
+    backoff_ms: AtomicU64,
+    opened: AtomicU64,
+    wake: Notify,
+    epoch: Instant,
+    closed_at_ms: AtomicU64,
+}
+
+impl Default for Breaker {
+    fn default() -> Self {
+        Breaker {
+            open: AtomicBool::new(false),
+            failures: AtomicU32::new(0),
+            backoff_ms: AtomicU64::new(BASE_BACKOFF.as_millis() as u64),
+            opened: AtomicU64::new(0),
+            wake: Notify::new(),
+            epoch: Instant::now(),
+            closed_at_ms: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Breaker {
+    /// Whether requests should ask the store.
+    pub fn is_open(&self) -> bool {
+        self.open.load(Relaxed)
+    }
+
+    /// How many times the breaker has opened.
+    pub fn times_opened(&self) -> u64 {
+        self.opened.load(Relaxed)
+    }
+
+    pub fn success(&self) {
+        if self.failures.load(Relaxed) != 0 {
+            self.failures.store(0, Relaxed);
+        }
+    }
+
+    /// Counts a failure; opens the breaker at the threshold.
+    pub fn failure(&self) {
+        let n = self.failures.fetch_add(1, Relaxed) + 1;
+        if n >= THRESHOLD && !self.open.swap(true, Relaxed) {
+            let now = self.epoch.elapsed().as_millis() as u64;
+            let closed_at = self.closed_at_ms.load(Relaxed);
+            let backoff =
+                if closed_at > 0 && now.saturating_sub(closed_at) < STABLE.as_millis() as u64 {
+                    (self.backoff_ms.load(Relaxed) * 2).min(MAX_BACKOFF.as_millis() as u64)
+                } else {
+                    BASE_BACKOFF.as_millis() as u64
+                };
+            self.backoff_ms.store(backoff, Relaxed);
+            self.opened.fetch_add(1, Relaxed);
+            tracing::warn!(
+                failures = n,
+                backoff_ms = backoff,
+                "store failing: circuit breaker open, failing open without waiting"
+            );
+            self.wake.notify_one();
+        }
+    }
+
+    fn close(&self) {
+        self.failures.store(0, Relaxed);
+        self.closed_at_ms
+            .store(self.epoch.elapsed().as_millis().max(1) as u64, Relaxed);
+        self.open.store(false, Relaxed);
+        tracing::info!("store answers again: circuit breaker closed, limiting resumed");
+    }
+
+    /// Probes the store while the breaker is open; closes it when the store answers
+    /// within `budget`. Runs until the process ends.
+    pub fn spawn_prober(self: &Arc<Self>, store: Store, budget: Duration) {
+        let breaker = Arc::clone(self);
+        tokio::spawn(async move {
+            loop {
+                if !breaker.is_open() {
+                    breaker.wake.notified().await;
+                    continue;
+                }
+                tokio::time::sleep(Duration::from_millis(breaker.backoff_ms.load(Relaxed))).await;
+                // The probe runs the path requests take (a connection from the pool, a
+                // round trip), within the same budget, so the breaker closes only when
+                // requests would succeed.
+                if let Ok(Ok(())) = tokio::time::timeout(budget, store.ping()).await {
+                    breaker.close();
+                }
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn it_opens_after_the_threshold_of_failures_in_a_row() {
+        let b = Breaker::default();
+        b.failure();
+        b.failure();
+        b.success();
+        b.failure();
+        b.failure();
+        assert!(!b.is_open());
+        b.failure();
+        assert!(b.is_open());
+        assert_eq!(b.times_opened(), 1);
+    }
+
+    #[test]
+    fn reopening_soon_after_closing_backs_off_longer() {
+        let b = Breaker::default();
+        for _ in 0..THRESHOLD {
+            b.failure();
+        }
+        let first = b.backoff_ms.load(Relaxed);
+        b.close();
+        for _ in 0..THRESHOLD {
+            b.failure();
+        }
+        assert_eq!(b.backoff_ms.load(Relaxed), first * 2);
+    }
+}
