@@ -2,6 +2,9 @@
 --
 -- KEYS[1] = the bucket, e.g. tollgate:b:{acme} (the hash tag keeps it in one cluster slot)
 -- ARGV[1] = capacity (tokens), ARGV[2] = rate (tokens/s), ARGV[3] = cost (tokens)
+-- ARGV[4] = optional: the tokens a bucket that does not exist yet starts with (default:
+--           full). Used when a client moves between its global bucket and regional shards,
+--           so the move does not hand it a fresh burst.
 --
 -- The time comes from Redis itself (TIME), so gateway clocks never matter and the
 -- decision is one round trip. The arithmetic is the same as src/limiter/bucket.rs,
@@ -18,7 +21,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 
 local s = redis.call('HMGET', KEYS[1], 'tk', 'ts')
-local tokens = tonumber(s[1]) or cap
+local tokens = tonumber(s[1]) or math.min(cap, tonumber(ARGV[4] or '') or cap)
 local ts = tonumber(s[2]) or now
 
 local elapsed = now - ts

@@ -47,22 +47,20 @@ async fn readyz(state: web::Data<AppState>) -> HttpResponse {
 async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     use std::fmt::Write;
     let mut out = state.metrics.render();
-    let breaker = state.limiter.breaker();
+    let (open, opened) = state.limiter.breakers().summary();
     let _ = writeln!(out, "# HELP tollgate_breaker_open Whether the store's circuit breaker is open (1) or closed (0).");
     let _ = writeln!(out, "# TYPE tollgate_breaker_open gauge");
-    let _ = writeln!(out, "tollgate_breaker_open {}", breaker.is_open() as u8);
+    let _ = writeln!(out, "tollgate_breaker_open {}", open as u8);
     let _ = writeln!(
         out,
         "# HELP tollgate_breaker_opened_total Times the circuit breaker opened."
     );
     let _ = writeln!(out, "# TYPE tollgate_breaker_opened_total counter");
-    let _ = writeln!(
-        out,
-        "tollgate_breaker_opened_total {}",
-        breaker.times_opened()
-    );
-    if let Store::Redis(r) = &state.store {
-        let (open, idle) = r.pool_state();
+    let _ = writeln!(out, "tollgate_breaker_opened_total {opened}");
+    if let Some((conns, idle)) = match &state.store {
+        Store::Redis(r) => r.pool_state(),
+        Store::Embedded(_) => None,
+    } {
         let _ = writeln!(out, "# HELP tollgate_redis_pool_connections Redis connections by state; busy near the pool size means saturation.");
         let _ = writeln!(out, "# TYPE tollgate_redis_pool_connections gauge");
         let _ = writeln!(
@@ -72,7 +70,7 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
         let _ = writeln!(
             out,
             "tollgate_redis_pool_connections{{state=\"busy\"}} {}",
-            open - idle.min(open)
+            conns - idle.min(conns)
         );
     }
     let _ = writeln!(

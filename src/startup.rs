@@ -11,6 +11,7 @@ use actix_web::http::header::HeaderName;
 use actix_web::middleware::from_fn;
 use actix_web::{web, App, HttpServer};
 use anyhow::Context;
+use secrecy::ExposeSecret;
 use tracing_actix_web::TracingLogger;
 
 use crate::admin::{self, JwtVerifier};
@@ -35,7 +36,12 @@ impl Application {
         let metrics = Arc::new(Metrics::default());
         let keys = Keys::new(&settings.redis.key_prefix);
         let store = open_store(&settings, &keys)?;
-        let catalog = Arc::new(Catalog::new(settings.default_mode(), keys));
+        let catalog_region = crate::domain::Region::parse(&settings.server.region)?;
+        let catalog = Arc::new(Catalog::new(
+            settings.default_mode(),
+            keys.clone(),
+            catalog_region.clone(),
+        ));
         prepare_store(&store, &catalog, &settings).await?;
         catalog.spawn_refresh(
             store.clone(),
@@ -45,8 +51,19 @@ impl Application {
             spawn_evictor(Arc::clone(e));
         }
 
+        let regional = open_regional_store(&settings, &keys, &store)?;
+        if let (Store::Redis(r), false) = (
+            &regional,
+            settings.redis.regional_url.expose_secret().is_empty(),
+        ) {
+            if let Err(e) = r.load_scripts().await {
+                tracing::warn!(error = %e, "regional store unavailable at start; its shards fail open until it answers");
+            }
+        }
         let limiter = Arc::new(Limiter::new(
             store.clone(),
+            regional,
+            catalog_region.clone(),
             Arc::clone(&catalog),
             Duration::from_millis(settings.redis.timeout_ms),
             Arc::clone(&metrics),
@@ -186,10 +203,24 @@ fn open_store(settings: &Settings, keys: &Keys) -> anyhow::Result<Store> {
         return Ok(Store::Embedded(Arc::new(store)));
     }
     if !settings.redis.cluster_nodes.is_empty() {
-        anyhow::bail!("redis.cluster_nodes: Redis Cluster is not supported yet; use redis.url");
+        let store = RedisStore::connect_cluster(&settings.redis.cluster_nodes, keys.clone())
+            .context("redis.cluster_nodes")?;
+        return Ok(Store::Redis(Arc::new(store)));
     }
     let store = RedisStore::connect(&settings.redis.url, settings.redis.pool_size, keys.clone())
         .context("redis.url")?;
+    Ok(Store::Redis(Arc::new(store)))
+}
+
+/// The store holding this region's shards of hot clients: `redis.regional_url`, or the
+/// global store when it is not set.
+fn open_regional_store(settings: &Settings, keys: &Keys, global: &Store) -> anyhow::Result<Store> {
+    let url = &settings.redis.regional_url;
+    if url.expose_secret().is_empty() || settings.uses_embedded_store() {
+        return Ok(global.clone());
+    }
+    let store = RedisStore::connect(url, settings.redis.pool_size, keys.clone())
+        .context("redis.regional_url")?;
     Ok(Store::Redis(Arc::new(store)))
 }
 

@@ -110,6 +110,19 @@ pub struct BucketView {
     pub tokens: f64,
     /// Whether the bucket is full (no recent traffic).
     pub full: bool,
+    /// For a client sharded by region: each region's share of the plan, and how the
+    /// shares moved (one snapshot per reconciliation, newest first). `tokens` above is the
+    /// global bucket's; each region's shard lives in that region's Redis.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shards: Option<ShardsBucketView>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct ShardsBucketView {
+    /// `null` until the first reconciliation.
+    pub current: Option<crate::store::ShardState>,
+    #[schema(value_type = Vec<Object>)]
+    pub history: Vec<Value>,
 }
 
 impl From<ClientRecord> for ClientView {
@@ -521,6 +534,13 @@ pub async fn bucket(
         .map_err(|e| ApiError::Internal(e.into()))?;
     let key = state.catalog.key_names().bucket(&id);
     let tokens = state.store.tokens_now(&key, plan).await?;
+    let shards = match client.shards {
+        Some(_) => {
+            let (current, history) = state.store.shard_view(&id).await?;
+            Some(ShardsBucketView { current, history })
+        }
+        None => None,
+    };
     Ok(HttpResponse::Ok().json(BucketView {
         client: id.to_string(),
         plan: client.plan.to_string(),
@@ -528,6 +548,7 @@ pub async fn bucket(
         rate: plan.rate(),
         tokens: tokens.unwrap_or(plan.capacity()),
         full: tokens.is_none_or(|t| t >= plan.capacity()),
+        shards,
     }))
 }
 

@@ -6,7 +6,7 @@ mod records;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use dashmap::DashMap;
@@ -18,7 +18,7 @@ pub use records::{
 };
 
 use crate::configuration::Settings;
-use crate::domain::{ClientId, KeyHash, Mode, Plan, PlanName};
+use crate::domain::{ClientId, KeyHash, Mode, Plan, PlanName, Region};
 use crate::store::{Keys, Store, StoreError};
 
 /// A plan's current limits, shared by every client on it so a plan edit is one store.
@@ -44,7 +44,19 @@ pub struct ClientEntry {
     pub mode: Mode,
     /// The Redis key of the client's bucket, built once.
     pub bucket_key: Box<str>,
+    /// Set when the client's bucket is sharded by region.
+    pub shard: Option<ShardEntry>,
+    /// When the client stopped being sharded, if it did recently (its global bucket then
+    /// starts as full as its shards were).
+    pub unsharded_at: Option<Instant>,
     pub record: ClientRecord,
+}
+
+/// A hot client's regional sharding, as this gateway sees it.
+pub struct ShardEntry {
+    pub regions: Vec<Region>,
+    /// This gateway's region's shard key, when its region is one of `regions`.
+    pub local_key: Option<Box<str>>,
 }
 
 /// The in-memory mirror of the catalog.
@@ -53,14 +65,19 @@ pub struct Catalog {
     clients: DashMap<ClientId, Arc<ClientEntry>>,
     keys: DashMap<KeyHash, Arc<ClientEntry>>,
     safety: ArcSwap<Option<SafetyRecord>>,
+    /// Clients whose buckets are sharded by region.
+    sharded: DashMap<ClientId, Arc<ClientEntry>>,
     version: AtomicU64,
     default_mode: Mode,
     key_names: Keys,
+    region: Region,
 }
 
 impl Catalog {
-    pub fn new(default_mode: Mode, key_names: Keys) -> Catalog {
+    pub fn new(default_mode: Mode, key_names: Keys, region: Region) -> Catalog {
         Catalog {
+            sharded: DashMap::new(),
+            region,
             plans: DashMap::new(),
             clients: DashMap::new(),
             keys: DashMap::new(),
@@ -238,27 +255,52 @@ impl Catalog {
         }
     }
 
+    /// Sharded clients, for the reconciler.
+    pub fn sharded_clients(&self) -> Vec<Arc<ClientEntry>> {
+        self.sharded.iter().map(|e| Arc::clone(e.value())).collect()
+    }
+
     fn apply_client(&self, id: ClientId, rec: Option<ClientRecord>) {
-        if let Some((_, old)) = self.clients.remove(&id) {
+        let old = self.clients.remove(&id).map(|(_, old)| old);
+        if let Some(old) = &old {
             for k in &old.record.keys {
                 self.keys
-                    .remove_if(&k.hash, |_, entry| Arc::ptr_eq(entry, &old));
+                    .remove_if(&k.hash, |_, entry| Arc::ptr_eq(entry, old));
             }
         }
+        self.sharded.remove(&id);
         let Some(rec) = rec else { return };
         let Some(plan) = self.plans.get(&rec.plan).map(|p| Arc::clone(p.value())) else {
             tracing::warn!(client = %id, plan = %rec.plan, "client on an unknown plan ignored");
             return;
+        };
+        let shard = rec.shards.as_ref().map(|s| ShardEntry {
+            local_key: s.regions.contains(&self.region).then(|| {
+                self.key_names
+                    .regional_bucket(&id, &self.region)
+                    .into_boxed_str()
+            }),
+            regions: s.regions.clone(),
+        });
+        let unsharded_at = match &old {
+            Some(o) if shard.is_none() && o.shard.is_some() => Some(Instant::now()),
+            Some(o) if shard.is_none() => o.unsharded_at,
+            _ => None,
         };
         let entry = Arc::new(ClientEntry {
             bucket_key: self.key_names.bucket(&id).into_boxed_str(),
             mode: rec.mode.unwrap_or(self.default_mode),
             id: id.clone(),
             plan,
+            shard,
+            unsharded_at,
             record: rec,
         });
         for k in &entry.record.keys {
             self.keys.insert(k.hash, Arc::clone(&entry));
+        }
+        if entry.shard.is_some() {
+            self.sharded.insert(id.clone(), Arc::clone(&entry));
         }
         self.clients.insert(id, entry);
     }

@@ -73,6 +73,15 @@ impl Plan {
         }
     }
 
+    /// A `share` (0..1) of this plan, for one region's shard; the capacity never drops
+    /// below `min_capacity` (a request's cost), so a small share can still admit.
+    pub fn portion(&self, share: f64, min_capacity: f64) -> Plan {
+        Plan {
+            capacity: (self.capacity * share).max(min_capacity).min(self.capacity),
+            rate: (self.rate * share).max(f64::MIN_POSITIVE),
+        }
+    }
+
     /// Seconds for an empty bucket to fill.
     pub fn window_secs(&self) -> f64 {
         self.capacity / self.rate

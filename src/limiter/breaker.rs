@@ -92,8 +92,14 @@ impl Breaker {
     }
 
     /// Probes the store while the breaker is open; closes it when the store answers
-    /// within `budget`. Runs until the process ends.
-    pub fn spawn_prober(self: &Arc<Self>, store: Store, budget: Duration) {
+    /// within `budget`. `probe_key`: a key on the node this breaker guards (Redis
+    /// Cluster), else a plain `PING`. Runs until the process ends.
+    pub fn spawn_prober(
+        self: &Arc<Self>,
+        store: Store,
+        probe_key: Option<String>,
+        budget: Duration,
+    ) {
         let breaker = Arc::clone(self);
         tokio::spawn(async move {
             loop {
@@ -102,10 +108,12 @@ impl Breaker {
                     continue;
                 }
                 tokio::time::sleep(Duration::from_millis(breaker.backoff_ms.load(Relaxed))).await;
-                // The probe runs the path requests take (a connection from the pool, a
-                // round trip), within the same budget, so the breaker closes only when
-                // requests would succeed.
-                if let Ok(Ok(())) = tokio::time::timeout(budget, store.ping()).await {
+                // The probe takes the path requests take (a connection, a round trip to
+                // the right node), within the same budget, so the breaker closes only
+                // when requests would succeed.
+                if let Ok(Ok(())) =
+                    tokio::time::timeout(budget, store.probe(probe_key.as_deref())).await
+                {
                     breaker.close();
                 }
             }

@@ -31,11 +31,23 @@ pub fn take(
     plan: Plan,
     cost: f64,
 ) -> (BucketState, Verdict) {
+    take_seeded(state, now_us, plan, cost, None)
+}
+
+/// [`take`], where a bucket seen for the first time starts with `initial` tokens (at most
+/// the capacity) instead of full.
+pub fn take_seeded(
+    state: Option<BucketState>,
+    now_us: u64,
+    plan: Plan,
+    cost: f64,
+    initial: Option<f64>,
+) -> (BucketState, Verdict) {
     let cap = plan.capacity();
     let rate = plan.rate();
     let (tokens, ts) = match state {
         Some(s) => (s.tokens, s.ts_us),
-        None => (cap, now_us),
+        None => (cap.min(initial.unwrap_or(cap)), now_us),
     };
     let elapsed = now_us.saturating_sub(ts) as f64;
     let mut tokens = cap.min(tokens + elapsed * rate / 1_000_000.0);

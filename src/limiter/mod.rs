@@ -7,19 +7,23 @@
 //! 4. the client's mode: in shadow mode a deny becomes `ShadowDenied` and is forwarded.
 
 pub mod breaker;
+mod breakers;
 pub mod bucket;
 mod headers;
 mod safety;
 mod shadow;
+pub mod shares;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use breaker::Breaker;
+pub use breakers::Breakers;
 pub use bucket::{BucketState, Verdict};
 pub use headers::RateLimitHeaders;
 pub use safety::SafetyLimit;
 pub use shadow::ShadowStats;
+pub use shares::ShareBook;
 
 use crate::catalog::{Catalog, ClientEntry};
 use crate::domain::{Mode, Plan};
@@ -74,28 +78,40 @@ pub struct Decision {
 /// Decides requests: safety limit, breaker, store, mode.
 pub struct Limiter {
     store: Store,
+    /// Where this region's shards of hot clients live (the global store if not set apart).
+    regional: Store,
+    regional_breakers: Breakers,
+    region: crate::domain::Region,
+    shares: Arc<ShareBook>,
     catalog: Arc<Catalog>,
     timeout: Duration,
     metrics: Arc<Metrics>,
-    breaker: Arc<Breaker>,
+    breakers: Breakers,
     safety: SafetyLimit,
     shadow: Arc<ShadowStats>,
 }
 
 impl Limiter {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         store: Store,
+        regional: Store,
+        region: crate::domain::Region,
         catalog: Arc<Catalog>,
         timeout: Duration,
         metrics: Arc<Metrics>,
         default_multiplier: f64,
     ) -> Limiter {
         Limiter {
-            store,
+            regional_breakers: Breakers::new(&regional, timeout),
+            regional,
+            region,
+            shares: Arc::new(ShareBook::default()),
+            store: store.clone(),
             catalog,
             timeout,
             metrics,
-            breaker: Arc::new(Breaker::default()),
+            breakers: Breakers::new(&store, timeout),
             safety: SafetyLimit::new(default_multiplier),
             shadow: Arc::new(ShadowStats::default()),
         }
@@ -103,7 +119,14 @@ impl Limiter {
 
     /// Starts the breaker's prober, the shadow flusher and the safety evictor.
     pub fn spawn_background(self: &Arc<Self>) {
-        self.breaker.spawn_prober(self.store.clone(), self.timeout);
+        self.breakers.spawn_refresh();
+        self.regional_breakers.spawn_refresh();
+        self.shares.spawn_reconciler(
+            Arc::clone(&self.catalog),
+            self.store.clone(),
+            self.regional.clone(),
+            self.region.clone(),
+        );
         self.shadow
             .spawn_flush(self.store.clone(), Duration::from_secs(1));
         let me = Arc::clone(self);
@@ -142,29 +165,64 @@ impl Limiter {
             };
         }
 
-        let verdict = if self.breaker.is_open() {
+        // A hot client sharded by region takes from this region's shard, in the regional
+        // store, holding its share of the plan; everyone else from their global bucket.
+        let shard = client
+            .shard
+            .as_ref()
+            .and_then(|s| s.local_key.as_deref())
+            .and_then(|k| Some((k, self.shares.observe(&client.id)?)));
+        let (store, breakers, key, plan, initial) = match shard {
+            Some((key, now)) => {
+                let portion = plan.portion(now.share, route.cost.max(1.0));
+                let initial = now.seed.map(|s| s * portion.capacity());
+                (
+                    &self.regional,
+                    &self.regional_breakers,
+                    key,
+                    portion,
+                    initial,
+                )
+            }
+            None => {
+                // Just un-sharded: the global bucket starts as full as the shards were.
+                let initial = client
+                    .unsharded_at
+                    .filter(|t| t.elapsed() < shares::UNSHARD_WINDOW)
+                    .and_then(|_| self.shares.fill(&client.id))
+                    .map(|f| f * plan.capacity());
+                (
+                    &self.store,
+                    &self.breakers,
+                    &*client.bucket_key,
+                    plan,
+                    initial,
+                )
+            }
+        };
+        let verdict = if breakers.with(key, Breaker::is_open) {
             self.metrics.fail_open(FailOpenReason::BreakerOpen);
             None
         } else {
             match tokio::time::timeout(
                 self.timeout,
-                self.store.take(&client.bucket_key, plan, route.cost),
+                store.take_seeded(key, plan, route.cost, initial),
             )
             .await
             {
                 Ok(Ok(v)) => {
-                    self.breaker.success();
+                    breakers.with(key, Breaker::success);
                     Some(v)
                 }
                 Ok(Err(e)) => {
                     self.metrics.store_error(&e);
                     self.metrics.fail_open(FailOpenReason::Error);
-                    self.breaker.failure();
+                    breakers.with(key, Breaker::failure);
                     None
                 }
                 Err(_) => {
                     self.metrics.fail_open(FailOpenReason::Timeout);
-                    self.breaker.failure();
+                    breakers.with(key, Breaker::failure);
                     None
                 }
             }
@@ -206,7 +264,7 @@ impl Limiter {
         &self.store
     }
 
-    pub fn breaker(&self) -> &Breaker {
-        &self.breaker
+    pub fn breakers(&self) -> &Breakers {
+        &self.breakers
     }
 }

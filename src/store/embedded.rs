@@ -8,12 +8,12 @@ use std::path::{Path, PathBuf};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-use super::{LocalBuckets, StoreError};
+use super::{LocalBuckets, Reconcile, RegionShare, ShardState, StoreError};
 use crate::catalog::{
     Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition,
     PlanRecord, SafetyRecord, Versioned, WriteOutcome,
 };
-use crate::domain::{ClientId, KeyHash, Plan, PlanName};
+use crate::domain::{ClientId, KeyHash, Plan, PlanName, Region};
 use crate::limiter::{bucket, BucketState, Verdict};
 
 const FEED_LEN: usize = 10_000;
@@ -22,6 +22,7 @@ const AUDIT_LEN: usize = 10_000;
 /// Buckets and catalog of a single instance.
 pub struct EmbeddedStore {
     buckets: LocalBuckets<Box<str>>,
+    shards: Mutex<HashMap<ClientId, EmbeddedShard>>,
     catalog: Mutex<FileCatalog>,
     shadow: Mutex<HashMap<String, (u64, u64)>>,
 }
@@ -31,13 +32,20 @@ impl EmbeddedStore {
     pub fn open(file: &Path) -> Result<EmbeddedStore, StoreError> {
         Ok(EmbeddedStore {
             buckets: LocalBuckets::default(),
+            shards: Mutex::new(HashMap::new()),
             catalog: Mutex::new(FileCatalog::open(file)?),
             shadow: Mutex::new(HashMap::new()),
         })
     }
 
     pub fn take(&self, key: &str, plan: Plan, cost: f64) -> Verdict {
-        self.buckets.take_at(key, plan, cost, self.buckets.now_us())
+        self.take_seeded(key, plan, cost, None)
+    }
+
+    /// [`EmbeddedStore::take`]; a new bucket starts with `initial` tokens, if given.
+    pub fn take_seeded(&self, key: &str, plan: Plan, cost: f64, initial: Option<f64>) -> Verdict {
+        self.buckets
+            .take_seeded(key, plan, cost, self.buckets.now_us(), initial)
     }
 
     /// [`EmbeddedStore::take`] at a given time on the store's clock (tests drive it).
@@ -66,6 +74,77 @@ impl EmbeddedStore {
     /// Forgets buckets that would be full by now; returns how many remain.
     pub fn evict_idle(&self) -> usize {
         self.buckets.evict_idle()
+    }
+
+    /// The same reconciliation as `lua/reconcile.lua`, for one instance.
+    pub fn reconcile(&self, r: &Reconcile<'_>) -> ShardState {
+        let now = now_ms();
+        let mut shards = self.shards.lock();
+        let seed = || {
+            self.tokens_now(r.global_key, r.plan)
+                .map_or(1.0, |t| t / r.plan.capacity())
+        };
+        let s = shards
+            .entry(r.client.clone())
+            .or_insert_with(|| EmbeddedShard {
+                ts: now,
+                since: now,
+                seed: seed(),
+                shares: r
+                    .regions
+                    .iter()
+                    .map(|g| (g.to_string(), 1.0 / r.regions.len() as f64))
+                    .collect(),
+                demand: HashMap::new(),
+                fill: HashMap::new(),
+                history: VecDeque::new(),
+            });
+        s.demand.insert(r.region.to_string(), (r.demand, now));
+        if let Some(f) = r.fill {
+            s.fill.insert(r.region.to_string(), f);
+        }
+        if now.saturating_sub(s.ts) >= r.period_ms {
+            let n = r.regions.len() as f64;
+            // A region that stopped reporting counts as idle.
+            let rate = |g: &Region| match s.demand.get(g.as_str()) {
+                Some((d, at)) if now.saturating_sub(*at) <= 3 * r.period_ms => *d,
+                _ => 0.0,
+            };
+            let total: f64 = r.regions.iter().map(rate).sum();
+            let mut demands = serde_json::Map::new();
+            for g in r.regions {
+                let d = rate(g);
+                let share = if total <= 0.0 {
+                    1.0 / n
+                } else {
+                    r.floor / n + (1.0 - r.floor) * d / total
+                };
+                s.shares.insert(g.to_string(), share);
+                demands.insert(g.to_string(), d.into());
+            }
+            s.ts = now;
+            s.history.push_front(
+                serde_json::json!({"at_ms": now, "shares": s.shares, "demand": demands}),
+            );
+            s.history.truncate(60);
+        }
+        s.state(r.regions)
+    }
+
+    pub fn shard_view(&self, client: &ClientId) -> (Option<ShardState>, Vec<serde_json::Value>) {
+        let shards = self.shards.lock();
+        match shards.get(client) {
+            Some(s) => {
+                let mut regions: Vec<Region> = s
+                    .shares
+                    .keys()
+                    .filter_map(|r| Region::parse(r).ok())
+                    .collect();
+                regions.sort();
+                (Some(s.state(&regions)), s.history.iter().cloned().collect())
+            }
+            None => (None, vec![]),
+        }
     }
 
     /// Adds shadow-mode comparison counts (compared, disagreed) per client.
@@ -160,6 +239,40 @@ impl EmbeddedStore {
         persist(&cat.path, &next)?;
         cat.data = next;
         Ok(())
+    }
+}
+
+/// A sharded client's reconciliation state (embedded mode).
+struct EmbeddedShard {
+    ts: u64,
+    since: u64,
+    seed: f64,
+    shares: HashMap<String, f64>,
+    /// Region → (requests/s, when reported).
+    demand: HashMap<String, (f64, u64)>,
+    fill: HashMap<String, f64>,
+    history: VecDeque<serde_json::Value>,
+}
+
+impl EmbeddedShard {
+    fn state(&self, regions: &[Region]) -> ShardState {
+        ShardState {
+            updated_at_ms: self.ts,
+            since_ms: self.since,
+            seed: self.seed,
+            regions: regions
+                .iter()
+                .map(|g| RegionShare {
+                    region: g.to_string(),
+                    share: self
+                        .shares
+                        .get(g.as_str())
+                        .copied()
+                        .unwrap_or(1.0 / regions.len() as f64),
+                    fill: self.fill.get(g.as_str()).copied(),
+                })
+                .collect(),
+        }
     }
 }
 

@@ -26,6 +26,16 @@ impl Keys {
         format!("{}b:{{{}:{}}}", self.prefix, client, region)
     }
 
+    /// A sharded client's shares, demand and fills (beside its global bucket's slot).
+    pub fn shard_state(&self, client: &ClientId) -> String {
+        format!("{}shard:{{{}}}", self.prefix, client)
+    }
+
+    /// A sharded client's reconciliation history.
+    pub fn shard_history(&self, client: &ClientId) -> String {
+        format!("{}shardlog:{{{}}}", self.prefix, client)
+    }
+
     /// Shadow-mode comparison counters (all in the `{shadow}` slot).
     pub fn shadow(&self, part: &str) -> String {
         format!("{}{{shadow}}:{}", self.prefix, part)
@@ -37,9 +47,57 @@ impl Keys {
     }
 }
 
+/// The Redis Cluster slot of a key: CRC16 (XMODEM) of its hash tag (the part between
+/// the first `{` and the next `}`, if non-empty), else of the whole key, modulo 16384.
+pub fn key_slot(key: &str) -> u16 {
+    let b = key.as_bytes();
+    let tagged = b.iter().position(|&c| c == b'{').and_then(|open| {
+        let rest = &b[open + 1..];
+        let close = rest.iter().position(|&c| c == b'}')?;
+        (close > 0).then(|| &rest[..close])
+    });
+    crc16(tagged.unwrap_or(b)) % 16384
+}
+
+fn crc16(data: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &byte in data {
+        crc ^= (byte as u16) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc
+}
+
+/// A key that lands in `slot`, for probing the node that owns it.
+pub fn key_in_slot(slot: u16) -> String {
+    (0u32..)
+        .map(|n| format!("tollgate:probe:{{{n}}}"))
+        .find(|k| key_slot(k) == slot)
+        .expect("every slot is reachable")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn slots_match_redis_cluster() {
+        // Values from CLUSTER KEYSLOT.
+        assert_eq!(key_slot("foo"), 12182);
+        assert_eq!(
+            key_slot("{user1000}.following"),
+            key_slot("{user1000}.followers")
+        );
+        assert_eq!(key_slot("tollgate:b:{acme}"), key_slot("acme"));
+        assert_eq!(key_slot("{}x"), key_slot("{}x"));
+        assert_eq!(key_slot(&key_in_slot(42)), 42);
+    }
 
     #[test]
     fn bucket_keys_carry_the_client_as_hash_tag() {

@@ -53,9 +53,25 @@ impl<K: Hash + Eq> LocalBuckets<K> {
         K: Borrow<Q> + for<'a> From<&'a Q>,
         Q: Hash + Eq + ?Sized,
     {
+        self.take_seeded(key, plan, cost, now_us, None)
+    }
+
+    /// [`LocalBuckets::take_at`]; a new bucket starts with `initial` tokens, if given.
+    pub fn take_seeded<Q>(
+        &self,
+        key: &Q,
+        plan: Plan,
+        cost: f64,
+        now_us: u64,
+        initial: Option<f64>,
+    ) -> Verdict
+    where
+        K: Borrow<Q> + for<'a> From<&'a Q>,
+        Q: Hash + Eq + ?Sized,
+    {
         let mut shard = self.shard(key).lock();
         let prev = shard.get(key).map(|s| s.state);
-        let (state, verdict) = bucket::take(prev, now_us, plan, cost);
+        let (state, verdict) = bucket::take_seeded(prev, now_us, plan, cost, initial);
         let slot = Slot {
             state,
             expires_us: now_us + bucket::idle_expiry_ms(plan, state.tokens) * 1000,

@@ -14,7 +14,7 @@ mod redis_pool;
 use std::sync::Arc;
 
 pub use self::embedded::EmbeddedStore;
-pub use self::keys::Keys;
+pub use self::keys::{key_in_slot, key_slot, Keys};
 pub use self::local::LocalBuckets;
 pub use self::redis::RedisStore;
 
@@ -24,6 +24,45 @@ use crate::catalog::{
 };
 use crate::domain::Plan;
 use crate::limiter::Verdict;
+
+/// One region's part of a sharded client's plan.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, utoipa::ToSchema)]
+pub struct RegionShare {
+    pub region: String,
+    /// Fraction of the plan's capacity and rate this region's shard holds.
+    pub share: f64,
+    /// How full the region's shard was when last reported (0..1).
+    pub fill: Option<f64>,
+}
+
+/// A sharded client's shares, as the global store last reconciled them.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, utoipa::ToSchema)]
+pub struct ShardState {
+    /// Unix ms of the last reconciliation.
+    pub updated_at_ms: u64,
+    /// Unix ms when sharding began.
+    pub since_ms: u64,
+    /// How full the global bucket was when sharding began (0..1): new shards start so.
+    pub seed: f64,
+    pub regions: Vec<RegionShare>,
+}
+
+/// One call of the reconciler for one client from one region.
+pub struct Reconcile<'a> {
+    pub client: &'a crate::domain::ClientId,
+    pub region: &'a crate::domain::Region,
+    /// This region's demand: requests per second over its last interval.
+    pub demand: f64,
+    /// How full this region's shard is (0..1), if known.
+    pub fill: Option<f64>,
+    pub regions: &'a [crate::domain::Region],
+    /// The client's global bucket key (its fill seeds the shards when sharding begins).
+    pub global_key: &'a str,
+    pub plan: Plan,
+    pub period_ms: u64,
+    /// The part of the plan idle regions keep, summed over all regions.
+    pub floor: f64,
+}
 
 /// Why the store could not answer.
 #[derive(Debug, thiserror::Error)]
@@ -48,9 +87,21 @@ pub enum Store {
 impl Store {
     /// Refills the bucket at `key` and takes `cost` tokens, atomically, on the store's clock.
     pub async fn take(&self, key: &str, plan: Plan, cost: f64) -> Result<Verdict, StoreError> {
+        self.take_seeded(key, plan, cost, None).await
+    }
+
+    /// [`Store::take`]; a bucket that does not exist yet starts with `initial` tokens (at
+    /// most the capacity) instead of full.
+    pub async fn take_seeded(
+        &self,
+        key: &str,
+        plan: Plan,
+        cost: f64,
+        initial: Option<f64>,
+    ) -> Result<Verdict, StoreError> {
         match self {
-            Store::Embedded(s) => Ok(s.take(key, plan, cost)),
-            Store::Redis(s) => s.take(key, plan, cost).await,
+            Store::Embedded(s) => Ok(s.take_seeded(key, plan, cost, initial)),
+            Store::Redis(s) => s.take(key, plan, cost, initial).await,
         }
     }
 
@@ -71,6 +122,14 @@ impl Store {
                 Ok(())
             }
             Store::Redis(s) => s.refill(key).await,
+        }
+    }
+
+    /// Whether the store answers: on the node owning `key` (Redis Cluster), else anywhere.
+    pub async fn probe(&self, key: Option<&str>) -> Result<(), StoreError> {
+        match (self, key) {
+            (Store::Redis(s), Some(key)) if s.is_cluster() => s.probe_key(key).await,
+            _ => self.ping().await,
         }
     }
 
@@ -192,6 +251,26 @@ impl Store {
                 Ok(())
             }
             Store::Redis(s) => s.shadow_reset().await,
+        }
+    }
+
+    /// Flushes a region's demand for a sharded client and returns the current shares,
+    /// recomputed from every region's demand once per period.
+    pub async fn reconcile(&self, r: &Reconcile<'_>) -> Result<ShardState, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.reconcile(r)),
+            Store::Redis(s) => s.reconcile(r).await,
+        }
+    }
+
+    /// A sharded client's shares without changing anything, and its recent history.
+    pub async fn shard_view(
+        &self,
+        client: &crate::domain::ClientId,
+    ) -> Result<(Option<ShardState>, Vec<serde_json::Value>), StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.shard_view(client)),
+            Store::Redis(s) => s.shard_view(client).await,
         }
     }
 

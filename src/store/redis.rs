@@ -4,11 +4,13 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use redis::{AsyncCommands, Script, Value};
+use redis::aio::ConnectionLike;
+use redis::cluster_async::ClusterConnection;
+use redis::{AsyncCommands, RedisFuture, Script, Value};
 use secrecy::{ExposeSecret, SecretString};
 
-use super::redis_pool::{RedisConn, RedisManager};
-use super::{Keys, StoreError};
+use super::redis_pool::RedisManager;
+use super::{Keys, Reconcile, RegionShare, ShardState, StoreError};
 use crate::catalog::{
     Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition,
     PlanRecord, SafetyRecord, Versioned, WriteOutcome, SAFETY,
@@ -23,12 +25,56 @@ type FeedEntry = (String, Vec<(String, String)>);
 /// How many change-feed entries one poll reads.
 const FEED_PAGE: usize = 1000;
 
-/// A Redis server reached through a bb8 pool of multiplexed connections.
+/// How commands reach Redis.
+enum Backend {
+    /// One server, through a bb8 pool of multiplexed connections.
+    Single(bb8::Pool<RedisManager>),
+    /// Redis Cluster: one multiplexed cluster connection (it follows MOVED/ASK and keeps a
+    /// connection per node); cloning it is cheap.
+    Cluster(ClusterConnection),
+}
+
+/// A connection for one operation.
+enum Conn<'a> {
+    Pooled(bb8::PooledConnection<'a, RedisManager>),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn<'_> {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Pooled(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Pooled(c) => c.req_packed_commands(cmd, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Pooled(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// Redis (one server or a cluster) as the store.
 pub struct RedisStore {
-    pool: bb8::Pool<RedisManager>,
+    backend: Backend,
     keys: Keys,
     bucket: Script,
     catalog_write: Script,
+    reconcile: Script,
     url: String,
 }
 
@@ -49,11 +95,39 @@ impl RedisStore {
             .test_on_check_out(false)
             .build_unchecked(manager);
         Ok(RedisStore {
-            pool,
+            backend: Backend::Single(pool),
             keys,
             bucket: Script::new(include_str!("../../lua/bucket.lua")),
             catalog_write: Script::new(include_str!("../../lua/catalog_write.lua")),
+            reconcile: Script::new(include_str!("../../lua/reconcile.lua")),
             url: redact_url(url.expose_secret()),
+        })
+    }
+
+    /// Redis Cluster from seed nodes. Connects in the background, so the gateway starts
+    /// (failing open) while the cluster is unreachable.
+    pub fn connect_cluster(nodes: &[SecretString], keys: Keys) -> Result<RedisStore, StoreError> {
+        let urls: Vec<&str> = nodes.iter().map(|n| n.expose_secret()).collect();
+        let client = redis::cluster::ClusterClientBuilder::new(urls.clone())
+            .connection_timeout(Duration::from_secs(1))
+            .retries(2)
+            .build()?;
+        let conn = client.get_pending_async_connection_with_config(
+            redis::cluster::ClusterConfig::new().set_connection_timeout(Duration::from_secs(1)),
+        );
+        Ok(RedisStore {
+            backend: Backend::Cluster(conn),
+            keys,
+            bucket: Script::new(include_str!("../../lua/bucket.lua")),
+            catalog_write: Script::new(include_str!("../../lua/catalog_write.lua")),
+            reconcile: Script::new(include_str!("../../lua/reconcile.lua")),
+            url: format!(
+                "cluster {}",
+                urls.iter()
+                    .map(|u| redact_url(u))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
         })
     }
 
@@ -61,10 +135,119 @@ impl RedisStore {
         format!("redis {}", self.url)
     }
 
-    /// Connections open and idle, for the pool saturation metrics.
-    pub fn pool_state(&self) -> (u32, u32) {
-        let s = self.pool.state();
-        (s.connections, s.idle_connections)
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.backend, Backend::Cluster(_))
+    }
+
+    /// Connections open and idle, for the pool saturation metrics (one server only).
+    pub fn pool_state(&self) -> Option<(u32, u32)> {
+        match &self.backend {
+            Backend::Single(pool) => {
+                let s = pool.state();
+                Some((s.connections, s.idle_connections))
+            }
+            Backend::Cluster(_) => None,
+        }
+    }
+
+    /// Which node serves which slots: (first slot, last slot, "host:port") per range.
+    pub async fn cluster_slots(&self) -> Result<Vec<(u16, u16, String)>, StoreError> {
+        let mut c = self.conn().await?;
+        let ranges: Vec<Value> = redis::cmd("CLUSTER")
+            .arg("SLOTS")
+            .query_async(&mut c)
+            .await?;
+        let mut out = Vec::new();
+        for r in ranges {
+            let Value::Array(parts) = r else { continue };
+            let (Some(start), Some(end), Some(Value::Array(master))) =
+                (parts.first(), parts.get(1), parts.get(2))
+            else {
+                continue;
+            };
+            let int = |v: Option<&Value>| -> Result<i64, StoreError> {
+                v.map(redis::from_redis_value_ref::<i64>)
+                    .transpose()
+                    .map_err(|e| StoreError::Protocol(format!("CLUSTER SLOTS: {e}")))
+                    .map(Option::unwrap_or_default)
+            };
+            let (start, end, port) = (int(Some(start))?, int(Some(end))?, int(master.get(1))?);
+            let host: String = master
+                .first()
+                .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
+                .unwrap_or_default();
+            out.push((start as u16, end as u16, format!("{host}:{port}")));
+        }
+        Ok(out)
+    }
+
+    pub async fn reconcile(&self, r: &Reconcile<'_>) -> Result<ShardState, StoreError> {
+        let mut inv = self.reconcile.prepare_invoke();
+        inv.key(self.keys.shard_state(r.client))
+            .key(self.keys.shard_history(r.client))
+            .key(self.keys.bucket(r.client))
+            .arg(r.period_ms)
+            .arg(r.region.as_str())
+            .arg(r.demand)
+            .arg(r.fill.map(|f| f.to_string()).unwrap_or_default())
+            .arg(r.floor)
+            .arg(r.plan.capacity())
+            .arg(r.plan.rate());
+        for region in r.regions {
+            inv.arg(region.as_str());
+        }
+        let mut c = self.conn().await?;
+        let out: Vec<Option<String>> = inv.invoke_async(&mut c).await?;
+        parse_shard_state(&out).ok_or_else(|| StoreError::Protocol("reconcile reply".into()))
+    }
+
+    pub async fn shard_view(
+        &self,
+        client: &ClientId,
+    ) -> Result<(Option<ShardState>, Vec<serde_json::Value>), StoreError> {
+        let mut c = self.conn().await?;
+        let (fields, history): (std::collections::HashMap<String, String>, Vec<String>) =
+            redis::pipe()
+                .hgetall(self.keys.shard_state(client))
+                .lrange(self.keys.shard_history(client), 0, 59)
+                .query_async(&mut c)
+                .await?;
+        let history = history
+            .iter()
+            .filter_map(|h| serde_json::from_str(h).ok())
+            .collect();
+        if fields.is_empty() {
+            return Ok((None, history));
+        }
+        let num = |k: &str| fields.get(k).and_then(|v| v.parse::<f64>().ok());
+        let mut regions: Vec<RegionShare> = fields
+            .iter()
+            .filter_map(|(k, v)| {
+                let region = k.strip_prefix("s:")?;
+                Some(RegionShare {
+                    region: region.to_string(),
+                    share: v.parse().ok()?,
+                    fill: num(&format!("f:{region}")),
+                })
+            })
+            .collect();
+        regions.sort_by(|a, b| a.region.cmp(&b.region));
+        Ok((
+            Some(ShardState {
+                updated_at_ms: num("ts").unwrap_or(0.0) as u64,
+                since_ms: num("since").unwrap_or(0.0) as u64,
+                seed: num("seed").unwrap_or(1.0),
+                regions,
+            }),
+            history,
+        ))
+    }
+
+    /// A cheap command routed to the node that owns `key` (the breaker's probe).
+    pub async fn probe_key(&self, key: &str) -> Result<(), StoreError> {
+        let mut c = self.conn().await?;
+        let _: i64 = redis::cmd("EXISTS").arg(key).query_async(&mut c).await?;
+        Ok(())
     }
 
     /// Adds shadow-mode comparison counts (compared, disagreed) per client.
@@ -79,7 +262,7 @@ impl RedisStore {
             }
         }
         let mut c = self.conn().await?;
-        let _: () = pipe.query_async(&mut *c).await?;
+        let _: () = pipe.query_async(&mut c).await?;
         Ok(())
     }
 
@@ -111,29 +294,38 @@ impl RedisStore {
             .ignore()
             .del(self.keys.shadow("disagreed"))
             .ignore()
-            .query_async(&mut *c)
+            .query_async(&mut c)
             .await?;
         Ok(())
     }
 
-    async fn conn(&self) -> Result<bb8::PooledConnection<'_, RedisManager>, StoreError> {
-        self.pool.get().await.map_err(|e| match e {
-            bb8::RunError::User(e) => StoreError::Redis(e),
-            bb8::RunError::TimedOut => {
-                StoreError::Pool("timed out waiting for a connection".into())
-            }
-        })
+    async fn conn(&self) -> Result<Conn<'_>, StoreError> {
+        match &self.backend {
+            Backend::Single(pool) => pool.get().await.map(Conn::Pooled).map_err(|e| match e {
+                bb8::RunError::User(e) => StoreError::Redis(e),
+                bb8::RunError::TimedOut => {
+                    StoreError::Pool("timed out waiting for a connection".into())
+                }
+            }),
+            Backend::Cluster(c) => Ok(Conn::Cluster(c.clone())),
+        }
     }
 
     /// `SCRIPT LOAD`s both scripts, so the first requests already hit `EVALSHA`.
     pub async fn load_scripts(&self) -> Result<(), StoreError> {
         let mut c = self.conn().await?;
-        self.bucket.load_async(&mut *c).await?;
-        self.catalog_write.load_async(&mut *c).await?;
+        self.bucket.load_async(&mut c).await?;
+        self.catalog_write.load_async(&mut c).await?;
         Ok(())
     }
 
-    pub async fn take(&self, key: &str, plan: Plan, cost: f64) -> Result<Verdict, StoreError> {
+    pub async fn take(
+        &self,
+        key: &str,
+        plan: Plan,
+        cost: f64,
+        initial: Option<f64>,
+    ) -> Result<Verdict, StoreError> {
         let mut c = self.conn().await?;
         // `invoke_async` sends EVALSHA and, on NOSCRIPT (a restarted or flushed Redis),
         // loads the script and retries once.
@@ -143,7 +335,8 @@ impl RedisStore {
             .arg(plan.capacity())
             .arg(plan.rate())
             .arg(cost)
-            .invoke_async(&mut *c)
+            .arg(initial.map(|i| i.to_string()).unwrap_or_default())
+            .invoke_async(&mut c)
             .await?;
         let tokens = tokens
             .parse::<f64>()
@@ -165,10 +358,11 @@ impl RedisStore {
     /// are found here one by one and replaced, so the answer is about Redis, not about a
     /// stale socket.
     pub async fn ping(&self) -> Result<(), StoreError> {
+        let connections = self.pool_state().map_or(0, |(open, _)| open);
         let mut last = None;
-        for _ in 0..=self.pool.state().connections {
+        for _ in 0..=connections {
             let mut c = self.conn().await?;
-            match redis::cmd("PING").query_async::<String>(&mut *c).await {
+            match redis::cmd("PING").query_async::<String>(&mut c).await {
                 Ok(_) => return Ok(()),
                 Err(e) if e.is_io_error() || e.is_connection_dropped() => last = Some(e),
                 Err(e) => return Err(e.into()),
@@ -215,7 +409,7 @@ impl RedisStore {
             .arg("+")
             .arg("COUNT")
             .arg(FEED_PAGE)
-            .query_async(&mut *c)
+            .query_async(&mut c)
             .await?;
         let version = version.unwrap_or(0);
         if version == since {
@@ -271,7 +465,7 @@ impl RedisStore {
             Vec<Option<String>>,
             Vec<Option<String>>,
             Option<String>,
-        ) = pipe.query_async(&mut *c).await?;
+        ) = pipe.query_async(&mut c).await?;
         let plans = plan_ids
             .iter()
             .zip(plan_vals)
@@ -336,7 +530,7 @@ impl RedisStore {
             .arg(&audit.action)
             .arg(hashes);
         let mut c = self.conn().await?;
-        let (status, rev, detail): (String, u64, Value) = inv.invoke_async(&mut *c).await?;
+        let (status, rev, detail): (String, u64, Value) = inv.invoke_async(&mut c).await?;
         Ok(match status.as_str() {
             "ok" => WriteOutcome::Written {
                 rev,
@@ -401,7 +595,7 @@ impl RedisStore {
             .arg("LIMIT")
             .arg(0)
             .arg(limit)
-            .query_async(&mut *c)
+            .query_async(&mut c)
             .await?;
         if ids.is_empty() {
             return Ok(vec![]);
@@ -409,7 +603,7 @@ impl RedisStore {
         let raws: Vec<Option<String>> = redis::cmd("HMGET")
             .arg(self.keys.catalog("clients"))
             .arg(&ids)
-            .query_async(&mut *c)
+            .query_async(&mut c)
             .await?;
         Ok(raws
             .into_iter()
@@ -427,7 +621,7 @@ impl RedisStore {
             .arg("-")
             .arg("COUNT")
             .arg(limit)
-            .query_async(&mut *c)
+            .query_async(&mut c)
             .await?;
         Ok(entries
             .into_iter()
@@ -491,7 +685,7 @@ impl RedisStore {
                     .map(|v| v.to_string())
                     .unwrap_or_default(),
             )
-            .query_async(&mut *c)
+            .query_async(&mut c)
             .await?;
         Ok(())
     }
@@ -507,7 +701,7 @@ impl RedisStore {
                 .arg("tk")
                 .arg("ts")
                 .cmd("TIME")
-                .query_async(&mut *c)
+                .query_async(&mut c)
                 .await?;
         let (Some(tk), Some(ts)) = (tk, ts) else {
             return Ok(None);
@@ -522,6 +716,28 @@ impl RedisStore {
     }
 }
 
+/// Parses the reconcile script's reply.
+fn parse_shard_state(out: &[Option<String>]) -> Option<ShardState> {
+    let num = |i: usize| out.get(i)?.as_deref()?.parse::<f64>().ok();
+    let regions = out
+        .get(3..)?
+        .chunks(3)
+        .filter_map(|c| {
+            Some(RegionShare {
+                region: c.first()?.clone()?,
+                share: c.get(1)?.as_deref()?.parse().ok()?,
+                fill: c.get(2)?.as_deref().and_then(|f| f.parse().ok()),
+            })
+        })
+        .collect();
+    Some(ShardState {
+        updated_at_ms: num(0)? as u64,
+        since_ms: num(1)? as u64,
+        seed: num(2).unwrap_or(1.0),
+        regions,
+    })
+}
+
 /// Parses `"<rev> <json>"`.
 fn parse_entity<T: serde::de::DeserializeOwned>(raw: &str) -> Option<Versioned<T>> {
     let (rev, json) = raw.split_once(' ')?;
@@ -532,7 +748,10 @@ fn parse_entity<T: serde::de::DeserializeOwned>(raw: &str) -> Option<Versioned<T
 }
 
 /// Every field of a hash, with HSCAN (a catalog may hold millions of clients).
-async fn scan_hash(c: &mut RedisConn, key: &str) -> Result<Vec<(String, String)>, StoreError> {
+async fn scan_hash(
+    c: &mut impl ConnectionLike,
+    key: &str,
+) -> Result<Vec<(String, String)>, StoreError> {
     let mut out = Vec::new();
     let mut cursor: u64 = 0;
     loop {

@@ -87,7 +87,7 @@ impl RedisServer {
         self.wait_until_ready();
     }
 
-    fn wait_until_ready(&self) {
+    pub fn wait_until_ready(&self) {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             if let Ok(mut c) = redis::Client::open(self.url()).and_then(|c| c.get_connection()) {
@@ -391,4 +391,102 @@ pub fn route_toml(service: &str, prefix: &str, upstreams: &[String]) -> String {
     format!(
         "[[routes]]\nservice = \"{service}\"\nprefix = \"{prefix}\"\nupstreams = {upstreams:?}\n"
     )
+}
+
+/// A local Redis Cluster of three masters (no replicas), formed with `redis-cli --cluster
+/// create`, killed on drop.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    pub fn start() -> RedisCluster {
+        let mut nodes = Vec::new();
+        while nodes.len() < 3 {
+            // The cluster bus listens on port + 10000.
+            let port = free_port();
+            if port > 55_000 || TcpListener::bind(("127.0.0.1", port + 10_000)).is_err() {
+                continue;
+            }
+            let dir = tempfile::tempdir().unwrap();
+            let child = Command::new("redis-server")
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--save", "", "--appendonly", "no"])
+                .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"])
+                .args(["--cluster-config-file", "nodes.conf"])
+                .args(["--dir", dir.path().to_str().unwrap()])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("redis-server");
+            let node = RedisServer {
+                child,
+                port,
+                _dir: dir,
+            };
+            node.wait_until_ready();
+            nodes.push(node);
+        }
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let ok = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "redis-cli --cluster create failed");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for n in &nodes {
+            loop {
+                let info: String = redis::cmd("CLUSTER")
+                    .arg("INFO")
+                    .query(&mut n.conn())
+                    .unwrap_or_default();
+                if info.contains("cluster_state:ok") {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "the cluster did not form");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        RedisCluster { nodes }
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(|n| n.url()).collect()
+    }
+
+    /// The index of the node that serves `key`.
+    pub fn owner(&self, key: &str) -> usize {
+        let slot = tollgate::store::key_slot(key) as i64;
+        let ranges: Vec<(i64, i64, Vec<redis::Value>)> = redis::cmd("CLUSTER")
+            .arg("SLOTS")
+            .query::<Vec<redis::Value>>(&mut self.nodes[0].conn())
+            .unwrap()
+            .into_iter()
+            .map(|r| match r {
+                redis::Value::Array(p) => (
+                    redis::from_redis_value_ref(&p[0]).unwrap(),
+                    redis::from_redis_value_ref(&p[1]).unwrap(),
+                    redis::from_redis_value_ref(&p[2]).unwrap(),
+                ),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        let (_, _, master) = ranges
+            .iter()
+            .find(|(s, e, _)| (*s..=*e).contains(&slot))
+            .expect("every slot is served");
+        let port: i64 = redis::from_redis_value_ref(&master[1]).unwrap();
+        self.nodes
+            .iter()
+            .position(|n| n.port as i64 == port)
+            .unwrap()
+    }
 }

@@ -3,9 +3,11 @@
 mod helpers;
 
 mod admin;
+mod cluster;
 mod configuration;
 mod forwarding;
 mod limiting;
+mod regions;
 mod resilience;
 mod stores;
 mod swagger_ui;

@@ -1,0 +1,123 @@
+//! Which circuit breaker guards a key. One server: one breaker. Redis Cluster: one per
+//! node, found through the key's slot, so a node that is down fails open only for the
+//! keys it owns while every other key is still limited.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use parking_lot::Mutex;
+
+use super::Breaker;
+use crate::store::{key_in_slot, key_slot, Store};
+
+const SLOTS: usize = 16384;
+/// How often the slot map is read again (failovers and resharding move slots).
+const SLOT_REFRESH: Duration = Duration::from_secs(2);
+
+pub enum Breakers {
+    One(Arc<Breaker>),
+    PerNode(Arc<NodeBreakers>),
+}
+
+pub struct NodeBreakers {
+    /// Slot → the breaker of the node serving it.
+    by_slot: ArcSwap<Vec<Arc<Breaker>>>,
+    by_node: Mutex<HashMap<String, Arc<Breaker>>>,
+    store: Store,
+    budget: Duration,
+}
+
+impl Breakers {
+    pub fn new(store: &Store, budget: Duration) -> Breakers {
+        match store {
+            Store::Redis(r) if r.is_cluster() => {
+                // Until the slot map is known, one breaker stands for the whole cluster.
+                let unknown = Arc::new(Breaker::default());
+                unknown.spawn_prober(store.clone(), None, budget);
+                Breakers::PerNode(Arc::new(NodeBreakers {
+                    by_slot: ArcSwap::from_pointee(vec![unknown; SLOTS]),
+                    by_node: Mutex::new(HashMap::new()),
+                    store: store.clone(),
+                    budget,
+                }))
+            }
+            _ => {
+                let b = Arc::new(Breaker::default());
+                b.spawn_prober(store.clone(), None, budget);
+                Breakers::One(b)
+            }
+        }
+    }
+
+    /// Runs `f` with the breaker guarding `key`.
+    pub fn with<T>(&self, key: &str, f: impl FnOnce(&Breaker) -> T) -> T {
+        match self {
+            Breakers::One(b) => f(b),
+            Breakers::PerNode(n) => f(&n.by_slot.load()[key_slot(key) as usize]),
+        }
+    }
+
+    /// Whether any breaker is open, and how many times any opened (for metrics).
+    pub fn summary(&self) -> (bool, u64) {
+        match self {
+            Breakers::One(b) => (b.is_open(), b.times_opened()),
+            Breakers::PerNode(n) => {
+                let nodes = n.by_node.lock();
+                (
+                    nodes.values().any(|b| b.is_open()),
+                    nodes.values().map(|b| b.times_opened()).sum(),
+                )
+            }
+        }
+    }
+
+    /// Keeps the slot map current (Redis Cluster only).
+    pub fn spawn_refresh(&self) {
+        if let Breakers::PerNode(n) = self {
+            let n = Arc::clone(n);
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(SLOT_REFRESH);
+                loop {
+                    tick.tick().await;
+                    n.refresh().await;
+                }
+            });
+        }
+    }
+}
+
+impl NodeBreakers {
+    async fn refresh(&self) {
+        let Ok(Ok(ranges)) = tokio::time::timeout(Duration::from_secs(1), async {
+            match &self.store {
+                Store::Redis(r) => r.cluster_slots().await,
+                Store::Embedded(_) => Ok(vec![]),
+            }
+        })
+        .await
+        else {
+            return;
+        };
+        if ranges.is_empty() {
+            return;
+        }
+        let mut table = (**self.by_slot.load()).clone();
+        let mut nodes = self.by_node.lock();
+        for (start, end, node) in ranges {
+            let breaker = nodes
+                .entry(node)
+                .or_insert_with(|| {
+                    let b = Arc::new(Breaker::default());
+                    b.spawn_prober(self.store.clone(), Some(key_in_slot(start)), self.budget);
+                    b
+                })
+                .clone();
+            for slot in start..=end.min(SLOTS as u16 - 1) {
+                table[slot as usize] = Arc::clone(&breaker);
+            }
+        }
+        self.by_slot.store(Arc::new(table));
+    }
+}
