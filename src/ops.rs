@@ -73,6 +73,21 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
             conns - idle.min(conns)
         );
     }
+    let top = state.limiter.hot().top();
+    let _ = writeln!(out, "# HELP tollgate_busiest_client_share The busiest client's fraction of this gateway's requests over the last 10 s (see /admin/v1/hot for who it is).");
+    let _ = writeln!(out, "# TYPE tollgate_busiest_client_share gauge");
+    let _ = writeln!(
+        out,
+        "tollgate_busiest_client_share {}",
+        top.first().map_or(0.0, |c| c.share)
+    );
+    let _ = writeln!(out, "# HELP tollgate_busiest_client_rps The busiest client's estimated requests per second through this gateway.");
+    let _ = writeln!(out, "# TYPE tollgate_busiest_client_rps gauge");
+    let _ = writeln!(
+        out,
+        "tollgate_busiest_client_rps {}",
+        top.first().map_or(0.0, |c| c.rps)
+    );
     let _ = writeln!(
         out,
         "# HELP tollgate_catalog_version The catalog version this gateway's copy reflects."

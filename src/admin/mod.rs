@@ -6,6 +6,7 @@ mod audit;
 pub mod auth;
 mod body;
 mod clients;
+mod hot;
 mod plans;
 mod safety;
 mod shadow;
@@ -52,6 +53,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
             )
             .route("/safety", web::get().to(safety::get))
             .route("/safety", web::put().to(safety::put))
+            .route("/hot", web::get().to(hot::hot))
             .route("/shadow", web::get().to(shadow::get))
             .route("/shadow", web::delete().to(shadow::reset))
             .route("/audit", web::get().to(audit::list))
@@ -79,7 +81,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         clients::list, clients::get, clients::put, clients::delete,
         clients::create_key, clients::revoke_key, clients::bucket, clients::refill,
         safety::get, safety::put,
-        shadow::get, shadow::reset,
+        shadow::get, shadow::reset, hot::hot,
         audit::list,
     ),
     components(schemas(crate::error::Problem, crate::error::FieldError)),

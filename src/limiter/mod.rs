@@ -10,6 +10,7 @@ pub mod breaker;
 mod breakers;
 pub mod bucket;
 mod headers;
+mod hot;
 mod safety;
 mod shadow;
 pub mod shares;
@@ -21,6 +22,7 @@ pub use breaker::Breaker;
 pub use breakers::Breakers;
 pub use bucket::{BucketState, Verdict};
 pub use headers::RateLimitHeaders;
+pub use hot::{HotClient, HotClients};
 pub use safety::SafetyLimit;
 pub use shadow::ShadowStats;
 pub use shares::ShareBook;
@@ -83,6 +85,7 @@ pub struct Limiter {
     regional_breakers: Breakers,
     region: crate::domain::Region,
     shares: Arc<ShareBook>,
+    hot: Arc<HotClients>,
     catalog: Arc<Catalog>,
     timeout: Duration,
     metrics: Arc<Metrics>,
@@ -107,6 +110,7 @@ impl Limiter {
             regional,
             region,
             shares: Arc::new(ShareBook::default()),
+            hot: Arc::new(HotClients::default()),
             store: store.clone(),
             catalog,
             timeout,
@@ -120,6 +124,7 @@ impl Limiter {
     /// Starts the breaker's prober, the shadow flusher and the safety evictor.
     pub fn spawn_background(self: &Arc<Self>) {
         self.breakers.spawn_refresh();
+        self.hot.spawn_rotation();
         self.regional_breakers.spawn_refresh();
         self.shares.spawn_reconciler(
             Arc::clone(&self.catalog),
@@ -142,6 +147,7 @@ impl Limiter {
     /// Decides one request for `client` on `route`.
     pub async fn decide(&self, client: &ClientEntry, route: &Route) -> Decision {
         let started = Instant::now();
+        self.hot.observe(&client.id);
         let plan = client.plan.limits();
         let decision = self.decide_inner(client, route, plan).await;
         self.metrics
@@ -262,6 +268,10 @@ impl Limiter {
 
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    pub fn hot(&self) -> &HotClients {
+        &self.hot
     }
 
     pub fn breakers(&self) -> &Breakers {

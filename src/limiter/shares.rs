@@ -1,7 +1,8 @@
 //! Regional shards of hot clients: what this gateway's region may take of a sharded
 //! client's plan. The request path reads a share from memory and counts demand (no Redis
-//! call); a reconciler flushes demand to the global store once a second, where the shares
-//! are recomputed from every region's demand (`lua/reconcile.lua`), and reads them back.
+//! call); a reconciler reports the demand to the global store twice a second, where the
+//! shares are recomputed from every region's demand once a second (`lua/reconcile.lua`),
+//! and reads them back.
 //!
 //! Bounded error (documented in README): shares always sum to 1, so the regional
 //! capacities sum to the plan's capacity and the rates to its rate; the error comes only
@@ -17,8 +18,11 @@ use crate::catalog::{Catalog, ClientEntry};
 use crate::domain::{ClientId, Region};
 use crate::store::{Reconcile, ShardState, Store};
 
-/// How often shares are reconciled.
+/// How often shares are recomputed (in the global store).
 pub const PERIOD: Duration = Duration::from_secs(1);
+/// How often each gateway reports its demand and reads the shares: twice a period, so the
+/// demand a recomputation sees is at most half a period old.
+const FLUSH: Duration = Duration::from_millis(500);
 /// The part of the plan that idle regions keep, summed over all regions, so a region whose
 /// demand starts is not starved until the next reconciliation.
 pub const FLOOR: f64 = 0.1;
@@ -126,7 +130,7 @@ impl ShareBook {
     ) {
         let book = Arc::clone(self);
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(PERIOD);
+            let mut tick = tokio::time::interval(FLUSH);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
@@ -136,7 +140,7 @@ impl ShareBook {
                         .await;
                 }
                 // Forget clients that have not been sharded for a while.
-                let window = UNSHARD_WINDOW.as_secs();
+                let window = UNSHARD_WINDOW.as_millis() as u64 / FLUSH.as_millis() as u64;
                 book.entries.retain(|id, e| {
                     clients.iter().any(|c| &c.id == id)
                         || e.idle_rounds.fetch_add(1, Relaxed) < window

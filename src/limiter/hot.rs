@@ -1,0 +1,92 @@
+//! Which clients are hot: a sampled count of requests per client over a 10 s window, so a
+//! client worth sharding by region shows up without a per-request map update for every
+//! client. `/admin/v1/hot` lists the top ones; `/metrics` has the busiest client's share of
+//! traffic (without its id: labels never carry client ids).
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use dashmap::DashMap;
+use serde::Serialize;
+
+use crate::domain::ClientId;
+
+/// One request in this many is counted.
+const SAMPLE: u64 = 16;
+const WINDOW: Duration = Duration::from_secs(10);
+const KEEP: usize = 100;
+
+/// A client's estimated request rate over the last window.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct HotClient {
+    pub id: String,
+    /// Requests per second through this gateway (estimated from a 1-in-16 sample).
+    pub rps: f64,
+    /// Its fraction of this gateway's requests.
+    pub share: f64,
+}
+
+#[derive(Default)]
+pub struct HotClients {
+    seen: AtomicU64,
+    counts: DashMap<ClientId, AtomicU64>,
+    top: ArcSwap<Vec<HotClient>>,
+}
+
+impl HotClients {
+    /// Counts a request (one in [`SAMPLE`] is recorded).
+    pub fn observe(&self, client: &ClientId) {
+        if self.seen.fetch_add(1, Relaxed) % SAMPLE != 0 {
+            return;
+        }
+        if let Some(c) = self.counts.get(client) {
+            c.fetch_add(1, Relaxed);
+            return;
+        }
+        self.counts
+            .entry(client.clone())
+            .or_default()
+            .fetch_add(1, Relaxed);
+    }
+
+    /// The busiest clients of the last window, busiest first.
+    pub fn top(&self) -> Arc<Vec<HotClient>> {
+        self.top.load_full()
+    }
+
+    fn rotate(&self) {
+        let mut all: Vec<(ClientId, u64)> = self
+            .counts
+            .iter()
+            .map(|e| (e.key().clone(), e.value().load(Relaxed)))
+            .collect();
+        self.counts.clear();
+        let total: u64 = all.iter().map(|(_, n)| n).sum();
+        all.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        all.truncate(KEEP);
+        let secs = WINDOW.as_secs_f64();
+        self.top.store(Arc::new(
+            all.into_iter()
+                .map(|(id, n)| HotClient {
+                    id: id.to_string(),
+                    rps: (n * SAMPLE) as f64 / secs,
+                    share: n as f64 / total.max(1) as f64,
+                })
+                .collect(),
+        ));
+    }
+
+    pub fn spawn_rotation(self: &Arc<Self>) {
+        let me = Arc::clone(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(WINDOW);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                me.rotate();
+            }
+        });
+    }
+}
