@@ -38,7 +38,7 @@ pub struct HotClients {
 impl HotClients {
     /// Counts a request (one in [`SAMPLE`] is recorded).
     pub fn observe(&self, client: &ClientId) {
-        if self.seen.fetch_add(1, Relaxed) % SAMPLE != 0 {
+        if !self.seen.fetch_add(1, Relaxed).is_multiple_of(SAMPLE) {
             return;
         }
         if let Some(c) = self.counts.get(client) {
