@@ -37,6 +37,11 @@ pub enum FailOpenReason {
 const REASONS: [&str; 3] = ["timeout", "error", "breaker_open"];
 const ERROR_KINDS: [&str; 5] = ["timeout", "connection", "script", "reply", "pool"];
 
+/// Writes a metric family's `# HELP` and `# TYPE` lines.
+pub fn family(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
 #[derive(Default)]
 pub struct Metrics {
     fail_open_reasons: [AtomicU64; REASONS.len()],
@@ -127,11 +132,12 @@ impl Metrics {
     /// The Prometheus text exposition.
     pub fn render(&self) -> String {
         let mut out = String::with_capacity(4096);
-        let _ = writeln!(
-            out,
-            "# HELP tollgate_decisions_total Limiter decisions by outcome."
+        family(
+            &mut out,
+            "tollgate_decisions_total",
+            "counter",
+            "Limiter decisions by outcome.",
         );
-        let _ = writeln!(out, "# TYPE tollgate_decisions_total counter");
         for (i, o) in OUTCOMES.iter().enumerate() {
             let _ = writeln!(
                 out,
@@ -139,11 +145,19 @@ impl Metrics {
                 self.decisions[i].load(Relaxed)
             );
         }
-        let _ = writeln!(out, "# HELP tollgate_fail_open_total Requests admitted because the store did not answer in time.");
-        let _ = writeln!(out, "# TYPE tollgate_fail_open_total counter");
+        family(
+            &mut out,
+            "tollgate_fail_open_total",
+            "counter",
+            "Requests admitted because the store did not answer in time.",
+        );
         let _ = writeln!(out, "tollgate_fail_open_total {}", self.fail_open_total());
-        let _ = writeln!(out, "# HELP tollgate_fail_open_reasons_total Requests admitted without a store decision, by reason.");
-        let _ = writeln!(out, "# TYPE tollgate_fail_open_reasons_total counter");
+        family(
+            &mut out,
+            "tollgate_fail_open_reasons_total",
+            "counter",
+            "Requests admitted without a store decision, by reason.",
+        );
         for (i, r) in REASONS.iter().enumerate() {
             let _ = writeln!(
                 out,
@@ -151,11 +165,12 @@ impl Metrics {
                 self.fail_open_reasons[i].load(Relaxed)
             );
         }
-        let _ = writeln!(
-            out,
-            "# HELP tollgate_store_errors_total Store calls that failed, by kind."
+        family(
+            &mut out,
+            "tollgate_store_errors_total",
+            "counter",
+            "Store calls that failed, by kind.",
         );
-        let _ = writeln!(out, "# TYPE tollgate_store_errors_total counter");
         for (i, k) in ERROR_KINDS.iter().enumerate() {
             let _ = writeln!(
                 out,
@@ -163,8 +178,12 @@ impl Metrics {
                 self.store_errors[i].load(Relaxed)
             );
         }
-        let _ = writeln!(out, "# HELP tollgate_shadow_comparisons_total Shadow-mode decisions compared with the service's own answer.");
-        let _ = writeln!(out, "# TYPE tollgate_shadow_comparisons_total counter");
+        family(
+            &mut out,
+            "tollgate_shadow_comparisons_total",
+            "counter",
+            "Shadow-mode decisions compared with the service's own answer.",
+        );
         for (g, gl) in ["allow", "deny"].iter().enumerate() {
             for (s, sl) in ["allow", "deny"].iter().enumerate() {
                 let _ = writeln!(
@@ -174,11 +193,12 @@ impl Metrics {
                 );
             }
         }
-        let _ = writeln!(
-            out,
-            "# HELP tollgate_limiter_seconds Time to decide one request."
+        family(
+            &mut out,
+            "tollgate_limiter_seconds",
+            "histogram",
+            "Time to decide one request.",
         );
-        let _ = writeln!(out, "# TYPE tollgate_limiter_seconds histogram");
         let mut cumulative = 0;
         for (i, b) in BUCKETS.iter().enumerate() {
             cumulative += self.limiter_buckets[i].load(Relaxed);
@@ -198,11 +218,12 @@ impl Metrics {
             self.limiter_sum_ns.load(Relaxed) as f64 / 1e9
         );
         let _ = writeln!(out, "tollgate_limiter_seconds_count {count}");
-        let _ = writeln!(
-            out,
-            "# HELP tollgate_upstream_requests_total Responses from upstream services."
+        family(
+            &mut out,
+            "tollgate_upstream_requests_total",
+            "counter",
+            "Responses from upstream services.",
         );
-        let _ = writeln!(out, "# TYPE tollgate_upstream_requests_total counter");
         let mut rows: Vec<_> = self
             .upstream
             .iter()

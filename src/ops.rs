@@ -5,6 +5,7 @@ use std::time::Duration;
 use actix_web::{web, HttpResponse};
 use serde_json::json;
 
+use crate::metrics::family;
 use crate::state::AppState;
 use crate::store::Store;
 
@@ -48,21 +49,30 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     use std::fmt::Write;
     let mut out = state.metrics.render();
     let (open, opened) = state.limiter.breakers().summary();
-    let _ = writeln!(out, "# HELP tollgate_breaker_open Whether the store's circuit breaker is open (1) or closed (0).");
-    let _ = writeln!(out, "# TYPE tollgate_breaker_open gauge");
-    let _ = writeln!(out, "tollgate_breaker_open {}", open as u8);
-    let _ = writeln!(
-        out,
-        "# HELP tollgate_breaker_opened_total Times the circuit breaker opened."
+    family(
+        &mut out,
+        "tollgate_breaker_open",
+        "gauge",
+        "Whether the store's circuit breaker is open (1) or closed (0).",
     );
-    let _ = writeln!(out, "# TYPE tollgate_breaker_opened_total counter");
+    let _ = writeln!(out, "tollgate_breaker_open {}", open as u8);
+    family(
+        &mut out,
+        "tollgate_breaker_opened_total",
+        "counter",
+        "Times the circuit breaker opened.",
+    );
     let _ = writeln!(out, "tollgate_breaker_opened_total {opened}");
     if let Some((conns, idle)) = match &state.store {
         Store::Redis(r) => r.pool_state(),
         Store::Embedded(_) => None,
     } {
-        let _ = writeln!(out, "# HELP tollgate_redis_pool_connections Redis connections by state; busy near the pool size means saturation.");
-        let _ = writeln!(out, "# TYPE tollgate_redis_pool_connections gauge");
+        family(
+            &mut out,
+            "tollgate_redis_pool_connections",
+            "gauge",
+            "Redis connections by state; busy near the pool size means saturation.",
+        );
         let _ = writeln!(
             out,
             "tollgate_redis_pool_connections{{state=\"idle\"}} {idle}"
@@ -74,25 +84,29 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
         );
     }
     let top = state.limiter.hot().top();
-    let _ = writeln!(out, "# HELP tollgate_busiest_client_share The busiest client's fraction of this gateway's requests over the last 10 s (see /admin/v1/hot for who it is).");
-    let _ = writeln!(out, "# TYPE tollgate_busiest_client_share gauge");
+    family(&mut out, "tollgate_busiest_client_share", "gauge", "The busiest client's fraction of this gateway's requests over the last 10 s (see /admin/v1/hot for who it is).");
     let _ = writeln!(
         out,
         "tollgate_busiest_client_share {}",
         top.first().map_or(0.0, |c| c.share)
     );
-    let _ = writeln!(out, "# HELP tollgate_busiest_client_rps The busiest client's estimated requests per second through this gateway.");
-    let _ = writeln!(out, "# TYPE tollgate_busiest_client_rps gauge");
+    family(
+        &mut out,
+        "tollgate_busiest_client_rps",
+        "gauge",
+        "The busiest client's estimated requests per second through this gateway.",
+    );
     let _ = writeln!(
         out,
         "tollgate_busiest_client_rps {}",
         top.first().map_or(0.0, |c| c.rps)
     );
-    let _ = writeln!(
-        out,
-        "# HELP tollgate_catalog_version The catalog version this gateway's copy reflects."
+    family(
+        &mut out,
+        "tollgate_catalog_version",
+        "gauge",
+        "The catalog version this gateway's copy reflects.",
     );
-    let _ = writeln!(out, "# TYPE tollgate_catalog_version gauge");
     let _ = writeln!(out, "tollgate_catalog_version {}", state.catalog.version());
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4")

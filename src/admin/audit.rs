@@ -30,10 +30,7 @@ pub async fn list(
     state: web::Data<AppState>,
     q: web::Query<AuditQuery>,
 ) -> Result<HttpResponse, ApiError> {
-    let limit = q.limit.unwrap_or(100);
-    if !(1..=1000).contains(&limit) {
-        return Err(ApiError::field("limit", "must be between 1 and 1000"));
-    }
+    let limit = super::body::page_limit(q.limit)?;
     Ok(HttpResponse::Ok().json(AuditList {
         items: state.store.audit(limit).await?,
     }))

@@ -162,6 +162,16 @@ pub fn if_match(headers: &HeaderMap) -> Result<Option<Option<u64>>, ApiError> {
     Ok(Some(Some(rev)))
 }
 
+/// A `limit` query parameter: 1-1000, 100 when absent.
+pub fn page_limit(limit: Option<usize>) -> Result<usize, ApiError> {
+    let limit = limit.unwrap_or(100);
+    if (1..=1000).contains(&limit) {
+        Ok(limit)
+    } else {
+        Err(ApiError::field("limit", "must be between 1 and 1000"))
+    }
+}
+
 /// The ETag of a record at revision `rev`.
 pub fn etag(rev: u64) -> String {
     format!("\"{rev}\"")

@@ -179,10 +179,7 @@ pub async fn list(
     state: web::Data<AppState>,
     page: web::Query<Page>,
 ) -> Result<HttpResponse, ApiError> {
-    let limit = page.limit.unwrap_or(100);
-    if !(1..=1000).contains(&limit) {
-        return Err(ApiError::field("limit", "must be between 1 and 1000"));
-    }
+    let limit = super::body::page_limit(page.limit)?;
     if let Some(c) = &page.cursor {
         client_id(c).map_err(|_| ApiError::field("cursor", "is not a cursor from next_cursor"))?;
     }

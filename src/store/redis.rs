@@ -79,6 +79,17 @@ pub struct RedisStore {
 }
 
 impl RedisStore {
+    fn new(backend: Backend, keys: Keys, url: String) -> RedisStore {
+        RedisStore {
+            backend,
+            keys,
+            bucket: Script::new(include_str!("../../lua/bucket.lua")),
+            catalog_write: Script::new(include_str!("../../lua/catalog_write.lua")),
+            reconcile: Script::new(include_str!("../../lua/reconcile.lua")),
+            url,
+        }
+    }
+
     /// Builds the pool without connecting: a gateway starts (and fails open) while Redis
     /// is down, and connects once it answers.
     pub fn connect(
@@ -94,14 +105,11 @@ impl RedisStore {
             .retry_connection(false)
             .test_on_check_out(false)
             .build_unchecked(manager);
-        Ok(RedisStore {
-            backend: Backend::Single(pool),
+        Ok(RedisStore::new(
+            Backend::Single(pool),
             keys,
-            bucket: Script::new(include_str!("../../lua/bucket.lua")),
-            catalog_write: Script::new(include_str!("../../lua/catalog_write.lua")),
-            reconcile: Script::new(include_str!("../../lua/reconcile.lua")),
-            url: redact_url(url.expose_secret()),
-        })
+            redact_url(url.expose_secret()),
+        ))
     }
 
     /// Redis Cluster from seed nodes. Connects in the background, so the gateway starts
@@ -115,20 +123,14 @@ impl RedisStore {
         let conn = client.get_pending_async_connection_with_config(
             redis::cluster::ClusterConfig::new().set_connection_timeout(Duration::from_secs(1)),
         );
-        Ok(RedisStore {
-            backend: Backend::Cluster(conn),
-            keys,
-            bucket: Script::new(include_str!("../../lua/bucket.lua")),
-            catalog_write: Script::new(include_str!("../../lua/catalog_write.lua")),
-            reconcile: Script::new(include_str!("../../lua/reconcile.lua")),
-            url: format!(
-                "cluster {}",
-                urls.iter()
-                    .map(|u| redact_url(u))
-                    .collect::<Vec<_>>()
-                    .join(",")
-            ),
-        })
+        let url = format!(
+            "cluster {}",
+            urls.iter()
+                .map(|u| redact_url(u))
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        Ok(RedisStore::new(Backend::Cluster(conn), keys, url))
     }
 
     pub fn describe(&self) -> String {

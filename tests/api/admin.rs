@@ -4,23 +4,12 @@ use std::time::{Duration, Instant};
 
 use reqwest::Method;
 use serde_json::{json, Value};
-use tollgate::configuration::AdminSettings;
 
 use crate::helpers::*;
 
-const SECRET: &str = "test-secret-please-change-0123456789";
-
-fn admin_toml() -> String {
-    format!("[admin]\njwt_hs256_secret = \"{SECRET}\"\n")
-}
-
-fn admin_settings() -> AdminSettings {
-    settings(&admin_toml()).admin
-}
-
 /// A token from the configured secret, as `tollgate token` makes it.
 fn token(scope: &str) -> String {
-    tollgate::admin::auth::mint(&admin_settings(), "alice", scope, 600).unwrap()
+    admin_token("alice", scope)
 }
 
 fn rw() -> String {
@@ -419,22 +408,6 @@ async fn clients_need_a_known_plan_and_a_used_plan_cannot_be_deleted() {
     );
 }
 
-/// Polls until `check` holds, or fails after `within`.
-async fn eventually<F, Fut>(within: Duration, what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + within;
-    loop {
-        if check().await {
-            return;
-        }
-        assert!(Instant::now() < deadline, "not within {within:?}: {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 #[tokio::test]
 async fn changes_made_on_one_gateway_are_in_force_on_another_within_a_second() {
     // Arrange: two gateways on one Redis, one upstream.
@@ -822,7 +795,7 @@ fn tollgate_token_refuses_without_a_secret_and_mints_with_one() {
     assert_eq!(out.status.code(), Some(2));
     let out = std::process::Command::new(binary())
         .args(["token", "--scope", "admin:read", "--sub", "bob"])
-        .env("TOLLGATE__ADMIN__JWT_HS256_SECRET", SECRET)
+        .env("TOLLGATE__ADMIN__JWT_HS256_SECRET", ADMIN_SECRET)
         .output()
         .unwrap();
     assert!(out.status.success());

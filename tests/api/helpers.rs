@@ -490,3 +490,32 @@ impl RedisCluster {
             .unwrap()
     }
 }
+
+/// The HS256 secret test gateways share for the admin API (see [`admin_toml`]).
+pub const ADMIN_SECRET: &str = "test-secret-please-change-0123456789";
+
+/// `[admin]` settings with [`ADMIN_SECRET`].
+pub fn admin_toml() -> String {
+    format!("[admin]\njwt_hs256_secret = \"{ADMIN_SECRET}\"\n")
+}
+
+/// An admin token for `sub` with `scope`, signed as `tollgate token` signs it.
+pub fn admin_token(sub: &str, scope: &str) -> String {
+    tollgate::admin::auth::mint(&settings(&admin_toml()).admin, sub, scope, 600).unwrap()
+}
+
+/// Polls until `check` holds, or fails after `within`.
+pub async fn eventually<F, Fut>(within: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(Instant::now() < deadline, "not within {within:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

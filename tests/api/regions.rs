@@ -9,11 +9,8 @@ use serde_json::{json, Value};
 
 use crate::helpers::*;
 
-const SECRET: &str = "regions-secret-0123456789abcdefgh";
-
 fn token() -> String {
-    let s = settings(&format!("[admin]\njwt_hs256_secret = \"{SECRET}\"\n"));
-    tollgate::admin::auth::mint(&s.admin, "ops", "admin:read admin:write", 600).unwrap()
+    admin_token("ops", "admin:read admin:write")
 }
 
 async fn bucket(gw: &TestGateway, client: &str) -> Value {
@@ -61,7 +58,8 @@ async fn three_regions_share_one_limit_and_shares_follow_demand() {
     let mut gateways = Vec::new();
     for (i, region) in regions.iter().enumerate() {
         let toml = format!(
-            "[admin]\njwt_hs256_secret = \"{SECRET}\"\n[server]\nregion = \"{region}\"\n[redis]\nurl = \"{}\"\nregional_url = \"{}\"\ntimeout_ms = 2000\n[catalog]\nrefresh_ms = 200\n{}{}",
+            "{}[server]\nregion = \"{region}\"\n[redis]\nurl = \"{}\"\nregional_url = \"{}\"\ntimeout_ms = 2000\n[catalog]\nrefresh_ms = 200\n{}{}",
+            admin_toml(),
             global.url(),
             regional[i].url(),
             catalog_toml(("hot", 30.0, 30.0), &["hot"]),
@@ -183,7 +181,8 @@ async fn sharding_and_unsharding_keep_the_clients_limit() {
     let redis = RedisServer::start();
     let up = Upstream::start(Behaviour::Echo).await;
     let toml = format!(
-        "[admin]\njwt_hs256_secret = \"{SECRET}\"\n[server]\nregion = \"eu\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n[catalog]\nrefresh_ms = 200\n{}{}",
+        "{}[server]\nregion = \"eu\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n[catalog]\nrefresh_ms = 200\n{}{}",
+        admin_toml(),
         redis.url(),
         catalog_toml(("ten", 10.0, 0.001), &["hot"]),
         route_toml("orders", "/orders", &[up.url()]),
@@ -246,7 +245,8 @@ async fn sharding_and_unsharding_keep_the_clients_limit() {
 async fn the_busiest_client_shows_in_the_hot_list_and_the_metrics() {
     let up = Upstream::start(Behaviour::Echo).await;
     let toml = format!(
-        "[admin]\njwt_hs256_secret = \"{SECRET}\"\n{}{}",
+        "{}{}{}",
+        admin_toml(),
         catalog_toml(("big", 1e6, 1e6), &["whale", "minnow"]),
         route_toml("orders", "/orders", &[up.url()]),
     );

@@ -9,27 +9,8 @@ use tollgate::metrics::FailOpenReason;
 
 use crate::helpers::*;
 
-const SECRET: &str = "resilience-secret-0123456789abcdef";
-
 fn token() -> String {
-    let s = settings(&format!("[admin]\njwt_hs256_secret = \"{SECRET}\"\n"));
-    tollgate::admin::auth::mint(&s.admin, "ops", "admin:read admin:write", 600).unwrap()
-}
-
-/// Polls until `check` holds, or fails after `within`.
-async fn eventually<F, Fut>(within: Duration, what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + within;
-    loop {
-        if check().await {
-            return;
-        }
-        assert!(Instant::now() < deadline, "not within {within:?}: {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    admin_token("ops", "admin:read admin:write")
 }
 
 /// Whether a response carries a real bucket decision (only then is `RateLimit` sent).
@@ -195,7 +176,8 @@ async fn while_failing_open_the_safety_limit_still_refuses_a_client_far_past_its
     let orders = Upstream::start(Behaviour::Echo).await;
     let billing = Upstream::start(Behaviour::Echo).await;
     let toml = format!(
-        "[admin]\njwt_hs256_secret = \"{SECRET}\"\n[redis]\nurl = \"{}\"\n[catalog]\nrefresh_ms = 100\n{}{}{}",
+        "{}[redis]\nurl = \"{}\"\n[catalog]\nrefresh_ms = 100\n{}{}{}",
+        admin_toml(),
         redis.url(),
         catalog_toml(("tiny", 2.0, 0.001), &["acme"]),
         route_toml("orders", "/orders", &[orders.url()]),
@@ -245,7 +227,8 @@ async fn shadow_mode_forwards_everything_and_reports_disagreement_over_all_gatew
     let exact = Upstream::start(Behaviour::Limit(10)).await;
     let lenient = Upstream::start(Behaviour::Limit(20)).await;
     let toml = format!(
-        "[admin]\njwt_hs256_secret = \"{SECRET}\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n[limits]\ndefault_mode = \"shadow\"\n{}{}{}",
+        "{}[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n[limits]\ndefault_mode = \"shadow\"\n{}{}{}",
+        admin_toml(),
         redis.url(),
         catalog_toml(("ten", 10.0, 0.001), &["same", "loose"]),
         route_toml("exact", "/exact", &[exact.url()]),
