@@ -47,7 +47,23 @@ async fn a_three_master_cluster_limits_every_client_exactly_and_a_stopped_node_f
         assert_eq!(here, per_node[i], "node {i} holds its clients' buckets");
     }
 
-    // Act 2: one node stops (not the one holding the catalog, so nothing else is affected).
+    // Act 2: a client's slot moves to another node (resharding): the gateways follow the
+    // MOVED redirection and the bucket, moved with its slot, keeps the client limited.
+    let moved = &before[0];
+    let bucket = format!("tollgate:b:{{{moved}}}");
+    let old_owner = cluster.owner(&bucket);
+    cluster.move_slot_of(&bucket, (old_owner + 1) % 3);
+    assert_ne!(cluster.owner(&bucket), old_owner);
+    for gw in &gateways {
+        let r = gw.get("/orders", Some(&key(moved))).await;
+        assert_eq!(r.status(), 429, "the moved bucket is still empty");
+        assert!(
+            r.headers().contains_key("ratelimit"),
+            "a real decision, not failing open"
+        );
+    }
+
+    // Act 3: one node stops (not the one holding the catalog, so nothing else is affected).
     let catalog_node = cluster.owner("tollgate:{catalog}:plans");
     let stopped = (catalog_node + 1) % 3;
     cluster.nodes[stopped].stall();

@@ -462,6 +462,52 @@ impl RedisCluster {
         self.nodes.iter().map(|n| n.url()).collect()
     }
 
+    /// Moves `key`'s slot, with its keys, from its node to node `to` (what resharding
+    /// does), so clients that still route by the old map get `MOVED`.
+    pub fn move_slot_of(&self, key: &str, to: usize) {
+        let from = self.owner(key);
+        assert_ne!(from, to);
+        let slot = tollgate::store::key_slot(key);
+        let id = |i: usize| -> String {
+            redis::cmd("CLUSTER")
+                .arg("MYID")
+                .query(&mut self.nodes[i].conn())
+                .unwrap()
+        };
+        let (from_id, to_id) = (id(from), id(to));
+        let setslot = |i: usize, args: &[&str]| {
+            let _: () = redis::cmd("CLUSTER")
+                .arg("SETSLOT")
+                .arg(slot)
+                .arg(args)
+                .query(&mut self.nodes[i].conn())
+                .unwrap();
+        };
+        setslot(to, &["IMPORTING", &from_id]);
+        setslot(from, &["MIGRATING", &to_id]);
+        let keys: Vec<String> = redis::cmd("CLUSTER")
+            .arg("GETKEYSINSLOT")
+            .arg(slot)
+            .arg(1000)
+            .query(&mut self.nodes[from].conn())
+            .unwrap();
+        if !keys.is_empty() {
+            let _: () = redis::cmd("MIGRATE")
+                .arg("127.0.0.1")
+                .arg(self.nodes[to].port)
+                .arg("")
+                .arg(0)
+                .arg(5000)
+                .arg("KEYS")
+                .arg(&keys)
+                .query(&mut self.nodes[from].conn())
+                .unwrap();
+        }
+        for i in 0..self.nodes.len() {
+            setslot(i, &["NODE", &to_id]);
+        }
+    }
+
     /// The index of the node that serves `key`.
     pub fn owner(&self, key: &str) -> usize {
         let slot = tollgate::store::key_slot(key) as i64;
