@@ -92,6 +92,10 @@ impl Application {
         let mut servers = Vec::new();
         let (data, jwt_data) = (state.clone(), jwt.clone());
         let main = HttpServer::new(move || {
+            // This closure runs once on each worker's thread: open that worker's
+            // request-path connections now rather than on its first request.
+            let limiter = Arc::clone(&data.limiter);
+            actix_web::rt::spawn(async move { limiter.warm().await });
             App::new()
                 .wrap(TracingLogger::<telemetry::RequestSpan>::new())
                 .wrap(from_fn(proxy::request_id))

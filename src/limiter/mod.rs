@@ -144,6 +144,12 @@ impl Limiter {
         });
     }
 
+    /// Opens the calling worker's request-path connections (call once per worker).
+    pub async fn warm(&self) {
+        self.store.warm().await;
+        self.regional.warm().await;
+    }
+
     /// Decides one request for `client` on `route`.
     pub async fn decide(&self, client: &ClientEntry, route: &Route) -> Decision {
         let started = Instant::now();

@@ -125,6 +125,13 @@ impl Store {
         }
     }
 
+    /// Opens the calling worker thread's request-path connection (Redis, one server).
+    pub async fn warm(&self) {
+        if let Store::Redis(s) = self {
+            s.warm().await;
+        }
+    }
+
     /// Whether the store answers: on the node owning `key` (Redis Cluster), else anywhere.
     pub async fn probe(&self, key: Option<&str>) -> Result<(), StoreError> {
         match (self, key) {

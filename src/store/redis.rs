@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use redis::aio::ConnectionLike;
 use redis::cluster_async::ClusterConnection;
-use redis::{AsyncCommands, RedisFuture, Script, Value};
+use redis::{AsyncCommands, RedisError, RedisFuture, Script, Value};
 use secrecy::{ExposeSecret, SecretString};
 
-use super::redis_pool::RedisManager;
+use super::redis_pool::{is_transport_error, PerThread, RedisManager};
 use super::{Keys, Reconcile, RegionShare, ShardState, StoreError};
 use crate::catalog::{
     Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition,
@@ -27,8 +27,9 @@ const FEED_PAGE: usize = 1000;
 
 /// How commands reach Redis.
 enum Backend {
-    /// One server, through a bb8 pool of multiplexed connections.
-    Single(bb8::Pool<RedisManager>),
+    /// One server: the request path uses one multiplexed connection per worker thread;
+    /// everything else a bb8 pool of multiplexed connections.
+    Single(bb8::Pool<RedisManager>, PerThread),
     /// Redis Cluster: one multiplexed cluster connection (it follows MOVED/ASK and keeps a
     /// connection per node); cloning it is cheap.
     Cluster(ClusterConnection),
@@ -98,6 +99,7 @@ impl RedisStore {
         keys: Keys,
     ) -> Result<RedisStore, StoreError> {
         let manager = RedisManager::new(url.expose_secret())?;
+        let per_thread = PerThread::new(manager.client());
         let pool = bb8::Pool::builder()
             .max_size(pool_size)
             .min_idle(Some(pool_size))
@@ -106,7 +108,7 @@ impl RedisStore {
             .test_on_check_out(false)
             .build_unchecked(manager);
         Ok(RedisStore::new(
-            Backend::Single(pool),
+            Backend::Single(pool, per_thread),
             keys,
             redact_url(url.expose_secret()),
         ))
@@ -144,7 +146,7 @@ impl RedisStore {
     /// Connections open and idle, for the pool saturation metrics (one server only).
     pub fn pool_state(&self) -> Option<(u32, u32)> {
         match &self.backend {
-            Backend::Single(pool) => {
+            Backend::Single(pool, _) => {
                 let s = pool.state();
                 Some((s.connections, s.idle_connections))
             }
@@ -303,7 +305,7 @@ impl RedisStore {
 
     async fn conn(&self) -> Result<Conn<'_>, StoreError> {
         match &self.backend {
-            Backend::Single(pool) => pool.get().await.map(Conn::Pooled).map_err(|e| match e {
+            Backend::Single(pool, _) => pool.get().await.map(Conn::Pooled).map_err(|e| match e {
                 bb8::RunError::User(e) => StoreError::Redis(e),
                 bb8::RunError::TimedOut => {
                     StoreError::Pool("timed out waiting for a connection".into())
@@ -328,18 +330,26 @@ impl RedisStore {
         cost: f64,
         initial: Option<f64>,
     ) -> Result<Verdict, StoreError> {
-        let mut c = self.conn().await?;
         // `invoke_async` sends EVALSHA and, on NOSCRIPT (a restarted or flushed Redis),
         // loads the script and retries once.
-        let (allowed, tokens, wait): (i64, String, i64) = self
-            .bucket
-            .key(key)
+        let mut inv = self.bucket.prepare_invoke();
+        inv.key(key)
             .arg(plan.capacity())
             .arg(plan.rate())
             .arg(cost)
-            .arg(initial.map(|i| i.to_string()).unwrap_or_default())
-            .invoke_async(&mut c)
-            .await?;
+            .arg(initial.map(|i| i.to_string()).unwrap_or_default());
+        let reply: Result<(i64, String, i64), RedisError> = match &self.backend {
+            Backend::Single(_, per_thread) => {
+                let mut c = per_thread.get().await?;
+                let r = inv.invoke_async(&mut c).await;
+                if r.as_ref().is_err_and(is_transport_error) {
+                    per_thread.forget();
+                }
+                r
+            }
+            Backend::Cluster(c) => inv.invoke_async(&mut c.clone()).await,
+        };
+        let (allowed, tokens, wait) = reply?;
         let tokens = tokens
             .parse::<f64>()
             .map_err(|_| StoreError::Protocol(format!("tokens {tokens:?}")))?;
@@ -348,6 +358,15 @@ impl RedisStore {
             tokens,
             wait_us: u64::try_from(wait).ok(),
         })
+    }
+
+    /// Opens this thread's request-path connection ahead of the first request.
+    pub async fn warm(&self) {
+        if let Backend::Single(_, per_thread) = &self.backend {
+            if let Err(e) = per_thread.get().await {
+                tracing::debug!(error = %e, "request-path connection not opened yet");
+            }
+        }
     }
 
     pub async fn refill(&self, key: &str) -> Result<(), StoreError> {

@@ -4,6 +4,10 @@
 //! pool keeps handing out connections whose socket is gone. Here a connection that failed
 //! with an I/O error is marked, and bb8 drops it and opens a fresh one.
 
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, MultiplexedConnection};
@@ -19,6 +23,70 @@ impl RedisManager {
             client: redis::Client::open(url)?,
         })
     }
+
+    pub fn client(&self) -> redis::Client {
+        self.client.clone()
+    }
+}
+
+fn config() -> AsyncConnectionConfig {
+    // No response timeout of its own: the decision budget bounds every call, and a
+    // reply that arrives after it is matched to its own (abandoned) request by the
+    // multiplexer, never to the next one.
+    AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(1)))
+        .set_response_timeout(None)
+}
+
+/// Whether an error means the connection itself is gone (not a Redis error reply).
+pub fn is_transport_error(e: &RedisError) -> bool {
+    e.is_io_error() || e.is_connection_dropped() || e.is_unrecoverable_error()
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+type Slot = Rc<tokio::sync::OnceCell<MultiplexedConnection>>;
+
+thread_local! {
+    static CONNECTIONS: RefCell<HashMap<u64, Slot>> = RefCell::new(HashMap::new());
+}
+
+/// One multiplexed connection per thread, for the request path.
+///
+/// Each actix worker runs its own single-threaded runtime. A connection made there has its
+/// reader and writer on that worker's thread, so a decision is one hop to Redis and back;
+/// a pooled connection made elsewhere would add a hop to another thread each way (and, on
+/// a busy machine, waits for that thread to be scheduled).
+pub struct PerThread {
+    id: u64,
+    client: redis::Client,
+}
+
+impl PerThread {
+    pub fn new(client: redis::Client) -> PerThread {
+        PerThread {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            client,
+        }
+    }
+
+    /// This thread's connection, made on first use; concurrent first uses share one
+    /// connection attempt.
+    pub async fn get(&self) -> Result<MultiplexedConnection, RedisError> {
+        let slot = CONNECTIONS.with(|m| m.borrow_mut().entry(self.id).or_default().clone());
+        slot.get_or_try_init(|| async {
+            self.client
+                .get_multiplexed_async_connection_with_config(&config())
+                .await
+        })
+        .await
+        .cloned()
+    }
+
+    /// Drops this thread's connection after a transport error; the next call reconnects.
+    pub fn forget(&self) {
+        CONNECTIONS.with(|m| m.borrow_mut().remove(&self.id));
+    }
 }
 
 /// A multiplexed connection that remembers whether it failed at the transport level.
@@ -29,10 +97,8 @@ pub struct RedisConn {
 
 impl RedisConn {
     fn check<T>(&mut self, r: Result<T, RedisError>) -> Result<T, RedisError> {
-        if let Err(e) = &r {
-            if e.is_io_error() || e.is_connection_dropped() || e.is_unrecoverable_error() {
-                self.broken = true;
-            }
+        if r.as_ref().is_err_and(is_transport_error) {
+            self.broken = true;
         }
         r
     }
@@ -68,16 +134,10 @@ impl bb8::ManageConnection for RedisManager {
     type Error = RedisError;
 
     async fn connect(&self) -> Result<RedisConn, RedisError> {
-        // No response timeout of its own: the decision budget bounds every call, and a
-        // reply that arrives after it is matched to its own (abandoned) request by the
-        // multiplexer, never to the next one.
-        let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(1)))
-            .set_response_timeout(None);
         Ok(RedisConn {
             inner: self
                 .client
-                .get_multiplexed_async_connection_with_config(&config)
+                .get_multiplexed_async_connection_with_config(&config())
                 .await?,
             broken: false,
         })

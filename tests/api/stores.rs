@@ -18,14 +18,15 @@ async fn the_embedded_store_decides_like_the_redis_script_on_the_same_timeline()
     let remote = Store::Redis(std::sync::Arc::new(
         RedisStore::connect(&SecretString::from(redis.url()), 2, Keys::new("t:")).unwrap(),
     ));
-    let plan = Plan::new(5.0, 10.0).unwrap();
-    // (pause before, cost): a burst past capacity, partial refills, a full refill, and a
-    // cost the bucket can never hold.
-    let timeline: Vec<(u64, f64)> = [(0, 1.0); 7]
+    let plan = Plan::new(3.0, 2.0).unwrap();
+    // (pause before, cost): a burst past capacity, a partial refill, a cost the refill
+    // does not cover yet, a full refill, and a cost the bucket can never hold. Every
+    // decision has at least 250 ms of slack, so a loaded machine decides the same.
+    let timeline: Vec<(u64, f64)> = [(0, 1.0); 5]
         .into_iter()
-        .chain([(250, 1.0), (0, 1.0), (0, 1.0), (0, 1.0)])
-        .chain([(100, 2.0), (0, 2.0)])
-        .chain([(600, 5.0), (0, 6.0)])
+        .chain([(750, 1.0), (0, 1.0), (0, 1.0)])
+        .chain([(250, 2.0), (0, 2.0)])
+        .chain([(1500, 3.0), (0, 4.0)])
         .collect();
 
     let mut decisions = Vec::new();
@@ -40,16 +41,13 @@ async fn the_embedded_store_decides_like_the_redis_script_on_the_same_timeline()
         assert_eq!(e.allowed, r.allowed, "step {i}: {decisions:?}");
         assert_eq!(e.wait_us.is_some(), r.wait_us.is_some(), "step {i}");
         assert!(
-            (e.tokens - r.tokens).abs() < 0.2,
+            (e.tokens - r.tokens).abs() < 0.3,
             "step {i}: {e:?} vs {r:?}"
         );
     }
     let allowed: Vec<bool> = decisions.iter().map(|(e, _)| e.allowed).collect();
     assert_eq!(
         allowed,
-        [
-            true, true, true, true, true, false, false, true, true, false, false, false, false,
-            true, false
-        ]
+        [true, true, true, false, false, true, false, false, false, false, true, false]
     );
 }

@@ -1,0 +1,136 @@
+//! `tollgate-bench`: the design's claims as measurements, reproducible on one machine.
+//!
+//! Each scenario starts what it needs itself (a `redis-server` on a free port, upstream
+//! servers in this process, the release `tollgate` binary as separate processes, nginx as
+//! a baseline when installed), drives load at 127.0.0.1 only, prints a Markdown table and,
+//! with `--json FILE`, writes the same figures as JSON; with `--charts DIR` it also writes
+//! SVG charts.
+//!
+//! How the pieces fit:
+//! - [`load`]: the load generator. Open loop at a fixed rate, each request's latency
+//!   measured from its *intended* send time (no coordinated omission), on a dispatcher
+//!   thread with precise sleeps and a single-threaded runtime doing the I/O; and a closed
+//!   loop for maximum throughput.
+//! - [`http`]: a minimal keep-alive HTTP/1.1 client and server (the upstreams and the
+//!   modelled service replicas), so the tool's own overhead stays small and predictable.
+//! - [`procs`]: child processes (redis-server, tollgate, nginx), killed on drop.
+//! - [`scenarios`]: latency, throughput, accuracy, failopen, replay.
+//! - [`report`] and [`svg`]: the table, the JSON and the charts.
+
+mod http;
+mod load;
+mod procs;
+mod report;
+mod scenarios;
+mod svg;
+mod upstream;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Measures tollgate: added latency, throughput, accuracy, fail-open and the incident replay.
+#[derive(Debug, Parser)]
+#[command(name = "tollgate-bench", version)]
+struct Cli {
+    /// Also write the figures as JSON to this file.
+    #[arg(long, global = true, value_name = "FILE")]
+    json: Option<PathBuf>,
+
+    /// Write SVG charts into this directory (e.g. docs/bench).
+    #[arg(long, global = true, value_name = "DIR")]
+    charts: Option<PathBuf>,
+
+    /// Before starting, wait up to this many seconds for the machine to be idle (under
+    /// 15% CPU busy over one second), so a concurrent compile does not skew the run.
+    #[arg(long, global = true, value_name = "SECONDS", default_value_t = 0)]
+    wait_idle: u64,
+
+    /// Scheduling priority for the tool and every process it starts (they inherit it).
+    /// Below 0 (needs root) a concurrent compile disturbs the measurement less; the
+    /// system under test and the baseline get the same priority.
+    #[arg(long, global = true, value_name = "N", default_value_t = -10, allow_negative_numbers = true)]
+    nice: i32,
+
+    #[command(subcommand)]
+    scenario: Scenario,
+}
+
+#[derive(Debug, Subcommand)]
+enum Scenario {
+    /// p50/p99/p99.9 direct to the upstream vs through the gateway (Redis mode), open loop.
+    Latency(scenarios::latency::Args),
+    /// Closed-loop maximum requests/s: direct, nginx (if installed) and the gateway.
+    Throughput(scenarios::throughput::Args),
+    /// One client at 9x its contract through N gateways x S services x R replicas.
+    Accuracy(scenarios::accuracy::Args),
+    /// Latency while Redis is stalled (SIGSTOP), before and after the breaker opens.
+    Failopen(scenarios::failopen::Args),
+    /// The September incident: per-service limiters only, then the edge limiter.
+    Replay(scenarios::replay::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    procs::set_nice(cli.nice);
+    if cli.wait_idle > 0 {
+        report::wait_idle(std::time::Duration::from_secs(cli.wait_idle));
+    }
+    let watch = report::CpuWatch::start();
+    let result = match cli.scenario {
+        Scenario::Latency(a) => scenarios::latency::run(&a),
+        Scenario::Throughput(a) => scenarios::throughput::run(&a),
+        Scenario::Accuracy(a) => scenarios::accuracy::run(&a),
+        Scenario::Failopen(a) => scenarios::failopen::run(&a),
+        Scenario::Replay(a) => scenarios::replay::run(&a),
+    };
+    let mut outcome = match result {
+        Ok(outcome) => outcome,
+        Err(e) => {
+            eprintln!("tollgate-bench: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Some(d) = watch.and_then(|w| w.stop()) {
+        outcome.markdown.push_str(&format!(
+            "During the run, other processes used {:.1}% of the machine's CPU time and the \
+             hypervisor stole {:.1}%.\n",
+            d.other_processes * 100.0,
+            d.steal * 100.0
+        ));
+        if let Some(obj) = outcome.json.as_object_mut() {
+            obj.insert(
+                "other_processes_cpu_pct".into(),
+                serde_json::json!(report::round(d.other_processes * 100.0, 1)),
+            );
+            obj.insert(
+                "steal_cpu_pct".into(),
+                serde_json::json!(report::round(d.steal * 100.0, 1)),
+            );
+        }
+    }
+    println!("{}", outcome.markdown);
+    if let Some(path) = &cli.json {
+        let text = serde_json::to_string_pretty(&outcome.json).expect("JSON values serialize");
+        if let Err(e) = std::fs::write(path, text + "\n") {
+            eprintln!("tollgate-bench: cannot write {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+    }
+    if let Some(dir) = &cli.charts {
+        if let Err(e) = std::fs::create_dir_all(dir) {
+            eprintln!("tollgate-bench: cannot create {}: {e}", dir.display());
+            return ExitCode::FAILURE;
+        }
+        for (name, svg) in &outcome.charts {
+            let path = dir.join(name);
+            if let Err(e) = std::fs::write(&path, svg) {
+                eprintln!("tollgate-bench: cannot write {}: {e}", path.display());
+                return ExitCode::FAILURE;
+            }
+            eprintln!("chart: {}", path.display());
+        }
+    }
+    ExitCode::SUCCESS
+}

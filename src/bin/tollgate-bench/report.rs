@@ -1,0 +1,244 @@
+//! What a scenario hands back: a Markdown table (or several), the same figures as JSON,
+//! and SVG charts by file name.
+
+use std::fmt::Write as _;
+
+/// A scenario's results.
+pub struct Outcome {
+    pub markdown: String,
+    pub json: serde_json::Value,
+    /// (file name, SVG document).
+    pub charts: Vec<(String, String)>,
+}
+
+/// A Markdown table, built row by row.
+pub struct Table {
+    header: Vec<String>,
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    pub fn new(header: &[&str]) -> Table {
+        Table {
+            header: header.iter().map(|h| h.to_string()).collect(),
+            rows: Vec::new(),
+        }
+    }
+
+    pub fn row(&mut self, cells: Vec<String>) {
+        self.rows.push(cells);
+    }
+
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let line = |cells: &[String]| format!("| {} |", cells.join(" | "));
+        let _ = writeln!(out, "{}", line(&self.header));
+        let sep: Vec<String> = self
+            .header
+            .iter()
+            .enumerate()
+            .map(|(i, _)| if i == 0 { "---".into() } else { "---:".into() })
+            .collect();
+        let _ = writeln!(out, "{}", line(&sep));
+        for r in &self.rows {
+            let _ = writeln!(out, "{}", line(r));
+        }
+        out
+    }
+}
+
+/// Milliseconds with three decimals (microsecond resolution).
+pub fn ms(v: f64) -> String {
+    format!("{v:.3}")
+}
+
+/// Rounds to `digits` decimals for JSON, so files diff readably.
+pub fn round(v: f64, digits: i32) -> f64 {
+    let f = 10f64.powi(digits);
+    (v * f).round() / f
+}
+
+/// A one-line description of the machine and its load when the run started, for the
+/// record (the reference machine has 2 cores, shared with compiles).
+pub fn machine() -> String {
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let load = std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| l.split_whitespace().next().map(str::to_string))
+        .unwrap_or_else(|| "?".into());
+    format!("{cores} cores, load average {load} at start")
+}
+
+/// The machine's CPU time so far (`/proc/stat`, all CPUs, clock ticks).
+#[derive(Clone, Copy)]
+struct Jiffies {
+    /// user + nice + system: time in processes.
+    tasks: u64,
+    /// irq + softirq: interrupt handling (loopback traffic is mostly softirq).
+    irq: u64,
+    /// Time the hypervisor ran something else while this VM wanted to run.
+    steal: u64,
+    total: u64,
+}
+
+fn jiffies() -> Option<Jiffies> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let f: Vec<u64> = stat
+        .lines()
+        .next()?
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|f| f.parse().ok())
+        .collect();
+    let at = |i: usize| f.get(i).copied().unwrap_or(0);
+    Some(Jiffies {
+        tasks: at(0) + at(1) + at(2),
+        irq: at(5) + at(6),
+        steal: at(7),
+        total: f.iter().take(8).sum(),
+    })
+}
+
+fn cpu_jiffies() -> Option<(u64, u64)> {
+    let j = jiffies()?;
+    Some((j.tasks + j.irq, j.total - j.steal))
+}
+
+/// The share of CPU time the hypervisor steals while every CPU is busy: spins one
+/// thread per CPU for 300 ms. Steal shows only when the VM wants to run, so an idle
+/// machine cannot tell a contended host from a free one without this.
+fn steal_probe() -> Option<f64> {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let a = jiffies()?;
+    let until = std::time::Instant::now() + std::time::Duration::from_millis(300);
+    let spinners: Vec<_> = (0..cpus)
+        .map(|_| {
+            std::thread::spawn(move || {
+                while std::time::Instant::now() < until {
+                    std::hint::spin_loop();
+                }
+            })
+        })
+        .collect();
+    for s in spinners {
+        let _ = s.join();
+    }
+    let b = jiffies()?;
+    Some((b.steal - a.steal) as f64 / (b.total - a.total).max(1) as f64)
+}
+
+/// Waits (at most `max`) until the machine's CPUs were under 15% busy for a second and
+/// the hypervisor steals under 5% of a busy VM's time.
+pub fn wait_idle(max: std::time::Duration) {
+    let deadline = std::time::Instant::now() + max;
+    loop {
+        let Some((b0, t0)) = cpu_jiffies() else {
+            return;
+        };
+        std::thread::sleep(std::time::Duration::from_secs(1));
+        let Some((b1, t1)) = cpu_jiffies() else {
+            return;
+        };
+        let busy = (b1 - b0) as f64 / (t1 - t0).max(1) as f64;
+        let steal = if busy < 0.15 { steal_probe() } else { None };
+        if busy < 0.15 && steal.is_none_or(|s| s < 0.05) {
+            return;
+        }
+        let why = match steal {
+            Some(s) => format!("the hypervisor steals {:.0}%", s * 100.0),
+            None => format!("{:.0}% busy", busy * 100.0),
+        };
+        if std::time::Instant::now() > deadline {
+            eprintln!("still not idle ({why}) after waiting; running anyway");
+            return;
+        }
+        eprintln!("waiting for an idle machine ({why})");
+        std::thread::sleep(std::time::Duration::from_secs(4));
+    }
+}
+
+/// CPU time of this process and its descendants, in clock ticks: live descendants from
+/// `/proc`, reaped ones through our `cutime`/`cstime`.
+fn own_ticks() -> u64 {
+    let me = std::process::id();
+    let mut parent = std::collections::HashMap::new();
+    let mut ticks = std::collections::HashMap::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    for entry in dir.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // Fields after the command name, which is in parentheses and may hold spaces.
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+            continue;
+        };
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let num = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        // rest[0] is the state (field 3): ppid is field 4, utime 14, stime 15, cutime 16,
+        // cstime 17.
+        parent.insert(pid, num(1) as u32);
+        let own = num(11) + num(12);
+        let reaped = if pid == me { num(13) + num(14) } else { 0 };
+        ticks.insert(pid, own + reaped);
+    }
+    let is_ours = |mut pid: u32| {
+        for _ in 0..64 {
+            if pid == me {
+                return true;
+            }
+            match parent.get(&pid) {
+                Some(&p) if p != 0 => pid = p,
+                _ => return false,
+            }
+        }
+        false
+    };
+    ticks
+        .iter()
+        .filter(|(pid, _)| is_ours(**pid))
+        .map(|(_, t)| *t)
+        .sum()
+}
+
+/// Watches what else used the machine during a run: other processes, and the
+/// hypervisor's steal time (the "2 cores" are virtual; when the host is busy, they stall
+/// for milliseconds at a time). On a shared machine these say whether a run was disturbed.
+pub struct CpuWatch {
+    start: Jiffies,
+    own: u64,
+}
+
+/// What [`CpuWatch`] saw, as shares of all CPUs' time (0..1).
+pub struct Disturbance {
+    pub other_processes: f64,
+    pub steal: f64,
+}
+
+impl CpuWatch {
+    pub fn start() -> Option<CpuWatch> {
+        Some(CpuWatch {
+            start: jiffies()?,
+            own: own_ticks(),
+        })
+    }
+
+    pub fn stop(&self) -> Option<Disturbance> {
+        let now = jiffies()?;
+        let total = (now.total - self.start.total).max(1) as f64;
+        let own = own_ticks().saturating_sub(self.own) as f64;
+        let tasks = (now.tasks - self.start.tasks) as f64;
+        Some(Disturbance {
+            other_processes: ((tasks - own) / total).max(0.0),
+            steal: (now.steal - self.start.steal) as f64 / total,
+        })
+    }
+}
