@@ -74,6 +74,7 @@ enum Scenario {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     procs::set_nice(cli.nice);
+    procs::clean_stale_dirs();
     if cli.wait_idle > 0 {
         report::wait_idle(std::time::Duration::from_secs(cli.wait_idle));
     }

@@ -59,6 +59,27 @@ fn die_with_parent(cmd: &mut Command) -> &mut Command {
     }
 }
 
+/// Removes the temporary directories of earlier runs that were killed before they could
+/// (theirs are named after their pid, and that process is gone).
+pub fn clean_stale_dirs() {
+    let Ok(dir) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in dir.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix("tollgate-bench-")
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
 /// A directory under the system's temp dir, removed on drop.
 pub struct TempDir(PathBuf);
 

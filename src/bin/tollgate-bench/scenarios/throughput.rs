@@ -10,7 +10,7 @@ use serde_json::json;
 
 use super::seconds;
 use crate::http::get_request;
-use crate::load::{run_closed, ClosedResult};
+use crate::load::run_closed;
 use crate::procs::{
     raise_fd_limit, ClientDef, Gateway, GatewayConfig, Nginx, PlanDef, Redis, RouteDef,
 };
@@ -23,11 +23,14 @@ pub struct Args {
     /// Concurrent keep-alive connections.
     #[arg(long, default_value_t = 64)]
     conns: usize,
-    /// Seconds measured per target, after the warm-up.
-    #[arg(long, default_value = "10", value_parser = seconds)]
+    /// Seconds measured per target in all, split over the rounds.
+    #[arg(long, default_value = "9", value_parser = seconds)]
     duration: f64,
-    /// Seconds of warm-up per target, not counted.
-    #[arg(long, default_value = "2", value_parser = seconds)]
+    /// Rounds: every target is measured once per round, in turn.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Seconds of warm-up before each measurement (new connections), not counted.
+    #[arg(long, default_value = "1", value_parser = seconds)]
     warmup: f64,
     /// Worker counts to measure nginx and tollgate with (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
@@ -43,42 +46,79 @@ pub struct Args {
 const PATH: &str = "/api/items/42";
 const KEY: &str = "bench-throughput-key-1";
 
+/// A target measured over the rounds.
 struct Row {
     name: String,
-    result: ClosedResult,
+    addr: SocketAddr,
+    /// Requests/s, one per round.
+    rates: Vec<f64>,
+    /// Ratio to the direct rate of the same round, one per round.
+    ratios: Vec<f64>,
+    non_2xx: u64,
+    errors: u64,
+}
+
+impl Row {
+    fn new(name: String, addr: SocketAddr) -> Row {
+        Row {
+            name,
+            addr,
+            rates: Vec::new(),
+            ratios: Vec::new(),
+            non_2xx: 0,
+            errors: 0,
+        }
+    }
+
+    fn rate(&self) -> f64 {
+        median(&self.rates)
+    }
+
+    fn ratio(&self) -> f64 {
+        median(&self.ratios)
+    }
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }
 
 pub fn run(a: &Args) -> anyhow::Result<Outcome> {
+    anyhow::ensure!(a.rounds >= 1, "--rounds must be at least 1");
     raise_fd_limit();
     let machine = machine();
     let upstream = Upstreams::start(vec![Server::Fast(Default::default())])?;
     let requests = vec![get_request(PATH, Some(KEY))];
-    let (warmup, duration) = (
+    let (warmup, slice) = (
         Duration::from_secs_f64(a.warmup),
-        Duration::from_secs_f64(a.duration),
+        Duration::from_secs_f64(a.duration / a.rounds as f64),
     );
-    let measure = |addr: SocketAddr| run_closed(addr, requests.clone(), a.conns, warmup, duration);
     eprintln!(
-        "throughput: {} connections, {} s per target ({machine})",
-        a.conns, a.duration
+        "throughput: {} connections, {} s per target in {} rounds ({machine})",
+        a.conns, a.duration, a.rounds
     );
 
-    let mut rows = Vec::new();
-    eprintln!("  direct");
-    rows.push(Row {
-        name: "direct to the upstream".into(),
-        result: measure(upstream.addrs[0])?,
-    });
+    // Every target runs for the whole scenario and is measured in turn, round after round:
+    // drift in the machine's speed (a shared host) then falls on all of them alike, and
+    // each ratio compares a target with direct in the same round.
+    let mut rows = vec![Row::new("direct to the upstream".into(), upstream.addrs[0])];
+    let mut keep: Vec<Box<dyn std::any::Any>> = Vec::new();
     let mut nginx_missing = false;
     if !a.no_nginx {
         for &w in &a.workers {
             match Nginx::start(upstream.addrs[0], w)? {
                 Some(nginx) => {
-                    eprintln!("  nginx, {w} worker(s)");
-                    rows.push(Row {
-                        name: format!("nginx proxy, {w} worker{}", plural(w)),
-                        result: measure(nginx.addr)?,
-                    });
+                    rows.push(Row::new(
+                        format!("nginx proxy, {w} worker{}", plural(w)),
+                        nginx.addr,
+                    ));
+                    keep.push(Box::new(nginx));
                 }
                 None => {
                     nginx_missing = true;
@@ -114,60 +154,87 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
                 key: KEY.into(),
             });
             let gateway = Gateway::start(&config, PATH)?;
-            eprintln!("  tollgate ({store}), {w} worker(s)");
-            rows.push(Row {
-                name: format!("tollgate ({store}), {w} worker{}", plural(w)),
-                result: measure(gateway.addr)?,
-            });
+            rows.push(Row::new(
+                format!("tollgate ({store}), {w} worker{}", plural(w)),
+                gateway.addr,
+            ));
+            keep.push(Box::new(gateway));
         }
     }
+    for round in 0..a.rounds {
+        let mut direct = 0.0;
+        for (i, row) in rows.iter_mut().enumerate() {
+            eprintln!("  round {}: {}", round + 1, row.name);
+            let r = run_closed(row.addr, requests.clone(), a.conns, warmup, slice)?;
+            if i == 0 {
+                direct = r.rate();
+            }
+            row.rates.push(r.rate());
+            row.ratios.push(r.rate() / direct.max(1.0));
+            row.non_2xx += r.non_2xx;
+            row.errors += r.errors;
+        }
+    }
+    drop(keep);
 
-    let direct = rows[0].result.rate();
-    let mut table = Table::new(&["target", "requests/s", "x direct", "non-2xx", "errors"]);
+    let direct = rows[0].rate();
+    let mut table = Table::new(&[
+        "target",
+        "requests/s (median)",
+        "x direct (median)",
+        "rounds (requests/s)",
+        "non-2xx",
+        "errors",
+    ]);
     let mut json_rows = Vec::new();
     for r in &rows {
-        let rate = r.result.rate();
         table.row(vec![
             r.name.clone(),
-            format!("{rate:.0}"),
-            format!("{:.2}", rate / direct),
-            r.result.non_2xx.to_string(),
-            r.result.errors.to_string(),
+            format!("{:.0}", r.rate()),
+            format!("{:.2}", r.ratio()),
+            r.rates
+                .iter()
+                .map(|v| format!("{v:.0}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            r.non_2xx.to_string(),
+            r.errors.to_string(),
         ]);
         json_rows.push(json!({
             "target": r.name,
-            "requests_per_s": round(rate, 0),
-            "ratio_to_direct": round(rate / direct, 3),
-            "non_2xx": r.result.non_2xx,
-            "errors": r.result.errors,
+            "requests_per_s": round(r.rate(), 0),
+            "ratio_to_direct": round(r.ratio(), 3),
+            "rounds_requests_per_s": r.rates.iter().map(|v| round(*v, 0)).collect::<Vec<_>>(),
+            "non_2xx": r.non_2xx,
+            "errors": r.errors,
         }));
     }
+    // The best worker count of each kind, by its ratio to direct.
     let best = |prefix: &str| {
         rows.iter()
             .filter(|r| r.name.starts_with(prefix))
-            .map(|r| r.result.rate())
-            .fold(0.0, f64::max)
+            .map(|r| (r.ratio(), r.rate()))
+            .fold((0.0, 0.0), |a, b| if b.0 > a.0 { b } else { a })
     };
-    let (gw, gw_embedded, nginx) = (
+    let ((gw_ratio, gw), (gw_embedded_ratio, gw_embedded), (nginx_ratio, nginx)) = (
         best("tollgate (Redis)"),
         best("tollgate (embedded)"),
         best("nginx"),
     );
     let mut markdown = format!(
-        "### throughput: closed loop, {} connections, {} s per target\n\n{}\n",
+        "### throughput: closed loop, {} connections, {} s per target in {} rounds\n\n{}\n",
         a.conns,
         a.duration,
+        a.rounds,
         table.render()
     );
     markdown.push_str(&format!(
-        "Best tollgate (Redis) / direct: **{:.2}x**",
-        gw / direct
+        "Best tollgate (Redis) / direct: **{gw_ratio:.2}x**"
     ));
     if nginx > 0.0 {
         markdown.push_str(&format!(
-            "; nginx / direct: {:.2}x; tollgate (Redis) / nginx: {:.2}x",
-            nginx / direct,
-            gw / nginx
+            "; best nginx / direct: {nginx_ratio:.2}x; tollgate (Redis) / nginx: {:.2}x",
+            gw_ratio / nginx_ratio
         ));
     } else if nginx_missing {
         markdown.push_str("; nginx is not installed, so no baseline row");
@@ -178,12 +245,14 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         "scenario": "throughput",
         "conns": a.conns,
         "duration_s": a.duration,
+        "rounds": a.rounds,
         "direct_rps": round(direct, 0),
         "gateway_rps": round(gw, 0),
-        "gateway_ratio": round(gw / direct, 3),
+        "gateway_ratio": round(gw_ratio, 3),
         "gateway_embedded_rps": round(gw_embedded, 0),
+        "gateway_embedded_ratio": round(gw_embedded_ratio, 3),
         "nginx_rps": if nginx > 0.0 { json!(round(nginx, 0)) } else { json!(null) },
-        "nginx_ratio": if nginx > 0.0 { json!(round(nginx / direct, 3)) } else { json!(null) },
+        "nginx_ratio": if nginx > 0.0 { json!(round(nginx_ratio, 3)) } else { json!(null) },
         "rows": json_rows,
         "machine": machine,
     });
@@ -199,7 +268,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         &[(
             "requests/s",
             svg::BLUE,
-            rows.iter().map(|r| r.result.rate().round()).collect(),
+            rows.iter().map(|r| r.rate().round()).collect(),
         )],
     );
     Ok(Outcome {
