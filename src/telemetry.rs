@@ -35,7 +35,7 @@ impl RootSpanBuilder for RequestSpan {
             .get::<RequestId>()
             .and_then(|r| r.0.to_str().ok().map(str::to_string))
             .unwrap_or_default();
-        tracing::info_span!(
+        tracing::debug_span!(
             "request",
             method = %request.method(),
             path = %request.path(),

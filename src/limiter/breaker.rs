@@ -12,16 +12,25 @@ use tokio::sync::Notify;
 
 use crate::store::Store;
 
-/// Failures in a row that open the breaker.
+/// Failures in a row that open the breaker...
 pub const THRESHOLD: u32 = 3;
-const BASE_BACKOFF: Duration = Duration::from_millis(200);
-const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// ...if they also span at least this many decision budgets. A single stall of the host
+/// (a scheduler hiccup, a stolen CPU) times out every call in flight at once; that is not
+/// a store that stopped answering, and opening on it would admit everything for a
+/// back-off. A store that is really down keeps failing past two budgets.
+const STREAK_BUDGETS: u32 = 2;
+const BASE_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// Closed this long without re-opening, the back-off starts over from its base.
-const STABLE: Duration = Duration::from_secs(10);
+const STABLE: Duration = Duration::from_secs(5);
 
 pub struct Breaker {
     open: AtomicBool,
     failures: AtomicU32,
+    /// When the current streak of failures began (µs on `epoch`).
+    streak_start_us: AtomicU64,
+    /// How long a streak must last to open the breaker.
+    streak_us: u64,
     backoff_ms: AtomicU64,
     opened: AtomicU64,
     wake: Notify,
@@ -31,9 +40,18 @@ pub struct Breaker {
 
 impl Default for Breaker {
     fn default() -> Self {
+        Breaker::new(Duration::from_millis(5))
+    }
+}
+
+impl Breaker {
+    /// A breaker for calls bounded by `budget`.
+    pub fn new(budget: Duration) -> Breaker {
         Breaker {
             open: AtomicBool::new(false),
             failures: AtomicU32::new(0),
+            streak_start_us: AtomicU64::new(0),
+            streak_us: (budget * STREAK_BUDGETS).as_micros() as u64,
             backoff_ms: AtomicU64::new(BASE_BACKOFF.as_millis() as u64),
             opened: AtomicU64::new(0),
             wake: Notify::new(),
@@ -41,9 +59,7 @@ impl Default for Breaker {
             closed_at_ms: AtomicU64::new(0),
         }
     }
-}
 
-impl Breaker {
     /// Whether requests should ask the store.
     pub fn is_open(&self) -> bool {
         self.open.load(Relaxed)
@@ -57,13 +73,24 @@ impl Breaker {
     pub fn success(&self) {
         if self.failures.load(Relaxed) != 0 {
             self.failures.store(0, Relaxed);
+            self.streak_start_us.store(0, Relaxed);
         }
     }
 
-    /// Counts a failure; opens the breaker at the threshold.
+    /// Counts a failure; opens the breaker once failures in a row reach the threshold and
+    /// have lasted two budgets.
     pub fn failure(&self) {
         let n = self.failures.fetch_add(1, Relaxed) + 1;
-        if n >= THRESHOLD && !self.open.swap(true, Relaxed) {
+        let now_us = self.epoch.elapsed().as_micros() as u64 + 1;
+        if n == 1 {
+            self.streak_start_us.store(now_us, Relaxed);
+        }
+        let started = match self.streak_start_us.load(Relaxed) {
+            0 => now_us,
+            s => s,
+        };
+        let lasted = now_us.saturating_sub(started) >= self.streak_us;
+        if n >= THRESHOLD && lasted && !self.open.swap(true, Relaxed) {
             let now = self.epoch.elapsed().as_millis() as u64;
             let closed_at = self.closed_at_ms.load(Relaxed);
             let backoff =
@@ -85,6 +112,7 @@ impl Breaker {
 
     fn close(&self) {
         self.failures.store(0, Relaxed);
+        self.streak_start_us.store(0, Relaxed);
         self.closed_at_ms
             .store(self.epoch.elapsed().as_millis().max(1) as u64, Relaxed);
         self.open.store(false, Relaxed);
@@ -126,8 +154,26 @@ mod tests {
     use super::*;
 
     #[test]
+    fn one_stall_that_times_out_every_call_at_once_does_not_open_it() {
+        let b = Breaker::new(Duration::from_millis(50));
+        for _ in 0..20 {
+            b.failure();
+        }
+        assert!(
+            !b.is_open(),
+            "20 failures within microseconds are one stall"
+        );
+        std::thread::sleep(Duration::from_millis(120));
+        b.failure();
+        assert!(
+            b.is_open(),
+            "failures that last past two budgets are a failing store"
+        );
+    }
+
+    #[test]
     fn it_opens_after_the_threshold_of_failures_in_a_row() {
-        let b = Breaker::default();
+        let b = Breaker::new(Duration::ZERO);
         b.failure();
         b.failure();
         b.success();
@@ -141,7 +187,7 @@ mod tests {
 
     #[test]
     fn reopening_soon_after_closing_backs_off_longer() {
-        let b = Breaker::default();
+        let b = Breaker::new(Duration::ZERO);
         for _ in 0..THRESHOLD {
             b.failure();
         }

@@ -34,7 +34,7 @@ impl Breakers {
         match store {
             Store::Redis(r) if r.is_cluster() => {
                 // Until the slot map is known, one breaker stands for the whole cluster.
-                let unknown = Arc::new(Breaker::default());
+                let unknown = Arc::new(Breaker::new(budget));
                 unknown.spawn_prober(store.clone(), None, budget);
                 Breakers::PerNode(Arc::new(NodeBreakers {
                     by_slot: ArcSwap::from_pointee(vec![unknown; SLOTS]),
@@ -44,7 +44,7 @@ impl Breakers {
                 }))
             }
             _ => {
-                let b = Arc::new(Breaker::default());
+                let b = Arc::new(Breaker::new(budget));
                 b.spawn_prober(store.clone(), None, budget);
                 Breakers::One(b)
             }
@@ -109,7 +109,7 @@ impl NodeBreakers {
             let breaker = nodes
                 .entry(node)
                 .or_insert_with(|| {
-                    let b = Arc::new(Breaker::default());
+                    let b = Arc::new(Breaker::new(self.budget));
                     b.spawn_prober(self.store.clone(), Some(key_in_slot(start)), self.budget);
                     b
                 })

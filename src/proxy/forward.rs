@@ -34,7 +34,7 @@ pub fn upstream_client() -> awc::Client {
 }
 
 /// Sends the request on to a replica of its route and streams the answer back.
-#[tracing::instrument(name = "forward", skip_all, fields(service, upstream))]
+#[tracing::instrument(name = "forward", level = "debug", skip_all, fields(service, upstream))]
 pub async fn forward(
     req: HttpRequest,
     payload: web::Payload,

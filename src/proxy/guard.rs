@@ -26,7 +26,7 @@ pub struct Admitted {
 /// route, `413` for a declared body over the limit, `429` when the bucket is empty. All
 /// before a token is spent or a service is called. Admitted requests go on to the
 /// forwarder, and every answer carries the client's rate-limit headers.
-#[tracing::instrument(name = "guard", skip_all, fields(client_id = tracing::field::Empty))]
+#[tracing::instrument(name = "guard", level = "debug", skip_all, fields(client_id = tracing::field::Empty))]
 pub async fn guard(
     req: ServiceRequest,
     next: Next<impl MessageBody + 'static>,
