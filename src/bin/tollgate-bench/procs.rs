@@ -315,6 +315,36 @@ impl GatewayConfig {
         }
     }
 
+    /// One route, `/api`, to `upstreams`, and one client (`key`) on a plan far above any
+    /// offered rate, so every request takes the allowed path: the one whose cost matters
+    /// (an EVALSHA, then forwarding).
+    pub fn one_unlimited_client(
+        redis_url: Option<String>,
+        upstreams: Vec<String>,
+        client: &str,
+        key: &str,
+    ) -> GatewayConfig {
+        let mut config = GatewayConfig::new(
+            redis_url,
+            vec![RouteDef {
+                service: "api".into(),
+                prefix: "/api".into(),
+                upstreams,
+            }],
+        );
+        config.plans.push(PlanDef {
+            name: "large".into(),
+            capacity: 1e9,
+            rate: 1e9,
+        });
+        config.clients.push(ClientDef {
+            id: client.into(),
+            plan: "large".into(),
+            key: key.into(),
+        });
+        config
+    }
+
     fn toml(&self, port: u16, dir: &Path) -> String {
         let mut t = String::new();
         let _ = writeln!(

@@ -11,7 +11,7 @@ use serde_json::json;
 use super::{seconds, summary_json};
 use crate::http::get_request;
 use crate::load::{OpenRun, Sample, Stream, Summary};
-use crate::procs::{raise_fd_limit, ClientDef, Gateway, GatewayConfig, PlanDef, Redis, RouteDef};
+use crate::procs::{raise_fd_limit, Gateway, GatewayConfig, Redis};
 use crate::report::{machine, ms, round, Outcome, Table};
 use crate::svg;
 use crate::upstream::{Server, Upstreams};
@@ -48,25 +48,13 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     let machine = machine();
     let redis = Redis::start()?;
     let upstream = Upstreams::start(vec![Server::Fast(Default::default())])?;
-    let mut config = GatewayConfig::new(
+    let mut config = GatewayConfig::one_unlimited_client(
         Some(redis.url()),
-        vec![RouteDef {
-            service: "api".into(),
-            prefix: "/api".into(),
-            upstreams: upstream.urls(),
-        }],
+        upstream.urls(),
+        "failopen-client",
+        KEY,
     );
     config.timeout_ms = a.timeout_ms;
-    config.plans.push(PlanDef {
-        name: "large".into(),
-        capacity: 1e6,
-        rate: 1e6,
-    });
-    config.clients.push(ClientDef {
-        id: "failopen-client".into(),
-        plan: "large".into(),
-        key: KEY.into(),
-    });
     let gateway = Gateway::start(&config, PATH)?;
     let stall_at = Duration::from_secs_f64(a.warmup + a.healthy);
     let resume_at = stall_at + Duration::from_secs_f64(a.stall);

@@ -10,7 +10,7 @@ use serde_json::json;
 use super::{seconds, summary_json};
 use crate::http::get_request;
 use crate::load::{run_open, sorted_ns, Arrivals, Stream, Summary};
-use crate::procs::{raise_fd_limit, ClientDef, Gateway, GatewayConfig, PlanDef, Redis, RouteDef};
+use crate::procs::{raise_fd_limit, Gateway, GatewayConfig, Redis};
 use crate::report::{machine, ms, round, Outcome, Table};
 use crate::svg;
 use crate::upstream::{Server, Upstreams};
@@ -46,28 +46,14 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     let machine = machine();
     let redis = Redis::start()?;
     let upstream = Upstreams::start(vec![Server::Fast(Default::default())])?;
-    let mut config = GatewayConfig::new(
+    let mut config = GatewayConfig::one_unlimited_client(
         Some(redis.url()),
-        vec![RouteDef {
-            service: "api".into(),
-            prefix: "/api".into(),
-            upstreams: upstream.urls(),
-        }],
+        upstream.urls(),
+        "latency-client",
+        KEY,
     );
     config.workers = a.gateway_workers;
     config.timeout_ms = a.timeout_ms;
-    // A plan far above the offered rate: every request takes the allowed path, the one
-    // whose cost matters (an EVALSHA, then forwarding).
-    config.plans.push(PlanDef {
-        name: "large".into(),
-        capacity: 1e6,
-        rate: 1e6,
-    });
-    config.clients.push(ClientDef {
-        id: "latency-client".into(),
-        plan: "large".into(),
-        key: KEY.into(),
-    });
     let gateway = Gateway::start(&config, PATH)?;
 
     let request = get_request(PATH, Some(KEY));

@@ -11,9 +11,7 @@ use serde_json::json;
 use super::seconds;
 use crate::http::get_request;
 use crate::load::run_closed;
-use crate::procs::{
-    raise_fd_limit, ClientDef, Gateway, GatewayConfig, Nginx, PlanDef, Redis, RouteDef,
-};
+use crate::procs::{raise_fd_limit, Gateway, GatewayConfig, Nginx, Redis};
 use crate::report::{machine, round, Outcome, Table};
 use crate::svg;
 use crate::upstream::{Server, Upstreams};
@@ -134,25 +132,13 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
                 continue;
             }
             let store = if embedded { "embedded" } else { "Redis" };
-            let mut config = GatewayConfig::new(
+            let mut config = GatewayConfig::one_unlimited_client(
                 (!embedded).then(|| redis.url()),
-                vec![RouteDef {
-                    service: "api".into(),
-                    prefix: "/api".into(),
-                    upstreams: upstream.urls(),
-                }],
+                upstream.urls(),
+                "throughput-client",
+                KEY,
             );
             config.workers = w;
-            config.plans.push(PlanDef {
-                name: "large".into(),
-                capacity: 1e9,
-                rate: 1e9,
-            });
-            config.clients.push(ClientDef {
-                id: "throughput-client".into(),
-                plan: "large".into(),
-                key: KEY.into(),
-            });
             let gateway = Gateway::start(&config, PATH)?;
             rows.push(Row::new(
                 format!("tollgate ({store}), {w} worker{}", plural(w)),
