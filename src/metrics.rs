@@ -3,6 +3,7 @@
 
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
 use std::time::Duration;
 
 use dashmap::DashMap;
@@ -53,7 +54,9 @@ pub struct Metrics {
     limiter_buckets: [AtomicU64; BUCKETS.len()],
     limiter_count: AtomicU64,
     limiter_sum_ns: AtomicU64,
-    upstream: DashMap<(String, &'static str), AtomicU64>,
+    /// Service → responses by status class (1xx..5xx). Keyed by the route's own
+    /// `Arc<str>`, so counting a response allocates nothing.
+    upstream: DashMap<Arc<str>, [AtomicU64; 5]>,
 }
 
 impl Metrics {
@@ -111,22 +114,13 @@ impl Metrics {
         self.fail_open.load(Relaxed)
     }
 
-    pub fn record_upstream(&self, service: &str, status: u16) {
-        let class = match status {
-            100..=199 => "1xx",
-            200..=299 => "2xx",
-            300..=399 => "3xx",
-            400..=499 => "4xx",
-            _ => "5xx",
-        };
-        if let Some(c) = self.upstream.get(&(service.to_string(), class)) {
-            c.fetch_add(1, Relaxed);
+    pub fn record_upstream(&self, service: &Arc<str>, status: u16) {
+        let class = (status / 100).clamp(1, 5) as usize - 1;
+        if let Some(c) = self.upstream.get(&**service) {
+            c[class].fetch_add(1, Relaxed);
             return;
         }
-        self.upstream
-            .entry((service.to_string(), class))
-            .or_default()
-            .fetch_add(1, Relaxed);
+        self.upstream.entry(Arc::clone(service)).or_default()[class].fetch_add(1, Relaxed);
     }
 
     /// The Prometheus text exposition.
@@ -224,17 +218,25 @@ impl Metrics {
             "counter",
             "Responses from upstream services.",
         );
-        let mut rows: Vec<_> = self
+        let mut rows: Vec<(Arc<str>, [u64; 5])> = self
             .upstream
             .iter()
-            .map(|e| (e.key().clone(), e.value().load(Relaxed)))
+            .map(|e| {
+                (
+                    e.key().clone(),
+                    e.value().each_ref().map(|c| c.load(Relaxed)),
+                )
+            })
             .collect();
         rows.sort();
-        for ((service, class), n) in rows {
-            let _ = writeln!(
-                out,
-                "tollgate_upstream_requests_total{{service=\"{service}\",status_class=\"{class}\"}} {n}"
-            );
+        for (service, counts) in rows {
+            for (i, n) in counts.iter().enumerate().filter(|(_, n)| **n > 0) {
+                let _ = writeln!(
+                    out,
+                    "tollgate_upstream_requests_total{{service=\"{service}\",status_class=\"{}xx\"}} {n}",
+                    i + 1
+                );
+            }
         }
         out
     }

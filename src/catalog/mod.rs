@@ -93,14 +93,6 @@ impl Catalog {
         self.keys.get(hash).map(|e| Arc::clone(e.value()))
     }
 
-    pub fn client(&self, id: &ClientId) -> Option<Arc<ClientEntry>> {
-        self.clients.get(id).map(|e| Arc::clone(e.value()))
-    }
-
-    pub fn plan(&self, name: &PlanName) -> Option<Plan> {
-        self.plans.get(name).map(|p| p.limits())
-    }
-
     /// Key names (bucket keys for admin inspection).
     pub fn key_names(&self) -> &Keys {
         &self.key_names

@@ -272,10 +272,6 @@ impl Limiter {
         );
     }
 
-    pub fn store(&self) -> &Store {
-        &self.store
-    }
-
     pub fn hot(&self) -> &HotClients {
         &self.hot
     }

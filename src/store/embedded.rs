@@ -48,11 +48,6 @@ impl EmbeddedStore {
             .take_seeded(key, plan, cost, self.buckets.now_us(), initial)
     }
 
-    /// [`EmbeddedStore::take`] at a given time on the store's clock (tests drive it).
-    pub fn take_at(&self, key: &str, plan: Plan, cost: f64, now_us: u64) -> Verdict {
-        self.buckets.take_at(key, plan, cost, now_us)
-    }
-
     pub fn peek(&self, key: &str) -> Option<BucketState> {
         self.buckets.peek(key)
     }
