@@ -83,6 +83,22 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
             conns - idle.min(conns)
         );
     }
+    if let Some((calls, takes)) = state.limiter.bucket_calls() {
+        family(
+            &mut out,
+            "tollgate_store_bucket_calls_total",
+            "counter",
+            "Bucket script calls sent to Redis; one call decides every take for a bucket queued behind the previous call.",
+        );
+        let _ = writeln!(out, "tollgate_store_bucket_calls_total {calls}");
+        family(
+            &mut out,
+            "tollgate_store_bucket_takes_total",
+            "counter",
+            "Takes those calls decided (takes / calls is the average batch).",
+        );
+        let _ = writeln!(out, "tollgate_store_bucket_takes_total {takes}");
+    }
     let top = state.limiter.hot().top();
     family(&mut out, "tollgate_busiest_client_share", "gauge", "The busiest client's fraction of this gateway's requests over the last 10 s (see /admin/v1/hot for who it is).");
     let _ = writeln!(

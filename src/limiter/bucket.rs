@@ -43,35 +43,8 @@ pub fn take_seeded(
     cost: f64,
     initial: Option<f64>,
 ) -> (BucketState, Verdict) {
-    let cap = plan.capacity();
-    let rate = plan.rate();
-    let (tokens, ts) = match state {
-        Some(s) => (s.tokens, s.ts_us),
-        None => (cap.min(initial.unwrap_or(cap)), now_us),
-    };
-    let elapsed = now_us.saturating_sub(ts) as f64;
-    let mut tokens = cap.min(tokens + elapsed * rate / 1_000_000.0);
-
-    let verdict = if tokens >= cost {
-        tokens -= cost;
-        Verdict {
-            allowed: true,
-            tokens,
-            wait_us: Some(0),
-        }
-    } else if cost > cap {
-        Verdict {
-            allowed: false,
-            tokens,
-            wait_us: None,
-        }
-    } else {
-        Verdict {
-            allowed: false,
-            tokens,
-            wait_us: Some(((cost - tokens) / rate * 1_000_000.0).ceil() as u64),
-        }
-    };
+    let mut tokens = refill(state, now_us, plan, initial);
+    let verdict = take_from(&mut tokens, plan, cost);
     (
         BucketState {
             tokens,
@@ -79,6 +52,50 @@ pub fn take_seeded(
         },
         verdict,
     )
+}
+
+/// The bucket's tokens at `now_us`: what it held, plus the rate times the time since,
+/// never past capacity. A bucket seen for the first time holds `initial` (default: full).
+pub fn refill(state: Option<BucketState>, now_us: u64, plan: Plan, initial: Option<f64>) -> f64 {
+    let cap = plan.capacity();
+    let (tokens, ts) = match state {
+        Some(s) => (s.tokens, s.ts_us),
+        None => (cap.min(initial.unwrap_or(cap)), now_us),
+    };
+    let elapsed = now_us.saturating_sub(ts) as f64;
+    cap.min(tokens + elapsed * plan.rate() / 1_000_000.0)
+}
+
+/// Takes `cost` from already refilled `tokens` if they hold that much.
+pub fn take_from(tokens: &mut f64, plan: Plan, cost: f64) -> Verdict {
+    if *tokens >= cost {
+        *tokens -= cost;
+        Verdict {
+            allowed: true,
+            tokens: *tokens,
+            wait_us: Some(0),
+        }
+    } else if cost > plan.capacity() {
+        Verdict {
+            allowed: false,
+            tokens: *tokens,
+            wait_us: None,
+        }
+    } else {
+        Verdict {
+            allowed: false,
+            tokens: *tokens,
+            wait_us: Some(((cost - *tokens) / plan.rate() * 1_000_000.0).ceil() as u64),
+        }
+    }
+}
+
+/// `n` takes of `cost` at one instant, in order, from `refilled` tokens: what `n` calls of
+/// [`take`] at the same time decide. The batched script does the same subtractions in the
+/// same order, so replaying them here gives each request its exact verdict.
+pub fn take_many(refilled: f64, plan: Plan, cost: f64, n: usize) -> Vec<Verdict> {
+    let mut tokens = refilled;
+    (0..n).map(|_| take_from(&mut tokens, plan, cost)).collect()
 }
 
 /// How long an untouched bucket needs to be full again: after that it can be forgotten,
@@ -144,6 +161,26 @@ mod tests {
         let (s, _) = take(None, 10_000_000, p, 2.0);
         let (_, v) = take(Some(s), 5_000_000, p, 1.0);
         assert!(!v.allowed);
+    }
+
+    #[test]
+    fn many_takes_at_once_decide_like_one_take_after_another() {
+        let p = plan(5.0, 1.0);
+        let (s, _) = take(None, 0, p, 2.5);
+        let mut state = Some(s);
+        let one_by_one: Vec<Verdict> = (0..4)
+            .map(|_| {
+                let (s, v) = take(state, 400_000, p, 1.0);
+                state = Some(s);
+                v
+            })
+            .collect();
+        let refilled = refill(Some(s), 400_000, p, None);
+        assert_eq!(take_many(refilled, p, 1.0, 4), one_by_one);
+        assert_eq!(
+            one_by_one.iter().map(|v| v.allowed).collect::<Vec<_>>(),
+            [true, true, false, false]
+        );
     }
 
     #[test]

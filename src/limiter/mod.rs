@@ -272,6 +272,19 @@ impl Limiter {
         );
     }
 
+    /// Bucket script calls and the takes they decided, over the global store and (when
+    /// it is another one) the regional store; `None` on the embedded store.
+    pub fn bucket_calls(&self) -> Option<(u64, u64)> {
+        let global = self.store.bucket_calls();
+        if self.regional.same_as(&self.store) {
+            return global;
+        }
+        match (global, self.regional.bucket_calls()) {
+            (Some((c, t)), Some((rc, rt))) => Some((c + rc, t + rt)),
+            (g, r) => g.or(r),
+        }
+    }
+
     pub fn hot(&self) -> &HotClients {
         &self.hot
     }

@@ -5,6 +5,7 @@
 //! Dispatch is an enum, not a trait object: the request path calls [`Store::take`] once
 //! per request, and an enum keeps that call free of boxing.
 
+mod coalesce;
 mod embedded;
 mod keys;
 mod local;
@@ -65,7 +66,7 @@ pub struct Reconcile<'a> {
 }
 
 /// Why the store could not answer.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     #[error("redis: {0}")]
     Redis(#[from] ::redis::RedisError),
@@ -75,6 +76,10 @@ pub enum StoreError {
     Protocol(String),
     #[error("catalog file: {0}")]
     File(String),
+    /// The call deciding this request (with others) was abandoned when the request that
+    /// sent it ran out of time.
+    #[error("the call deciding this request was abandoned at its budget")]
+    Abandoned,
 }
 
 /// Embedded or Redis; cheap to clone.
@@ -122,6 +127,23 @@ impl Store {
                 Ok(())
             }
             Store::Redis(s) => s.refill(key).await,
+        }
+    }
+
+    /// Bucket script calls sent and the takes they decided (Redis only).
+    pub fn bucket_calls(&self) -> Option<(u64, u64)> {
+        match self {
+            Store::Embedded(_) => None,
+            Store::Redis(s) => Some(s.bucket_calls()),
+        }
+    }
+
+    /// Whether both are the same store.
+    pub fn same_as(&self, other: &Store) -> bool {
+        match (self, other) {
+            (Store::Embedded(a), Store::Embedded(b)) => Arc::ptr_eq(a, b),
+            (Store::Redis(a), Store::Redis(b)) => Arc::ptr_eq(a, b),
+            _ => false,
         }
     }
 

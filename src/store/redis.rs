@@ -9,6 +9,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::{AsyncCommands, RedisError, RedisFuture, Script, Value};
 use secrecy::{ExposeSecret, SecretString};
 
+use super::coalesce::{Batch, Coalescer, Take};
 use super::redis_pool::{is_transport_error, PerThread, RedisManager};
 use super::{Keys, Reconcile, RegionShare, ShardState, StoreError};
 use crate::catalog::{
@@ -17,7 +18,7 @@ use crate::catalog::{
 };
 use crate::configuration::redact_url;
 use crate::domain::{ClientId, Plan, PlanName};
-use crate::limiter::{BucketState, Verdict};
+use crate::limiter::{bucket, BucketState, Verdict};
 
 /// One change-feed entry: its id and fields.
 type FeedEntry = (String, Vec<(String, String)>);
@@ -77,6 +78,7 @@ pub struct RedisStore {
     catalog_write: Script,
     reconcile: Script,
     url: String,
+    coalescer: Coalescer,
 }
 
 impl RedisStore {
@@ -88,6 +90,7 @@ impl RedisStore {
             catalog_write: Script::new(include_str!("../../lua/catalog_write.lua")),
             reconcile: Script::new(include_str!("../../lua/reconcile.lua")),
             url,
+            coalescer: Coalescer::default(),
         }
     }
 
@@ -323,6 +326,9 @@ impl RedisStore {
         Ok(())
     }
 
+    /// Takes `cost` tokens from the bucket at `key`. Takes for one bucket that arrive on
+    /// this worker while its previous call is in flight go to Redis together (see
+    /// `coalesce`); each still gets the verdict one-by-one calls would have given it.
     pub async fn take(
         &self,
         key: &str,
@@ -330,15 +336,35 @@ impl RedisStore {
         cost: f64,
         initial: Option<f64>,
     ) -> Result<Verdict, StoreError> {
+        let take = Take {
+            plan,
+            cost,
+            initial,
+        };
+        self.coalescer
+            .take(key, take, |batch| self.take_batch(key, batch))
+            .await
+    }
+
+    /// Bucket script calls sent and the takes they decided, since start.
+    pub fn bucket_calls(&self) -> (u64, u64) {
+        self.coalescer.counts()
+    }
+
+    /// One `EVALSHA` deciding `batch.n` takes, in order.
+    async fn take_batch(&self, key: &str, batch: Batch) -> Result<Vec<Verdict>, StoreError> {
         // `invoke_async` sends EVALSHA and, on NOSCRIPT (a restarted or flushed Redis),
         // loads the script and retries once.
         let mut inv = self.bucket.prepare_invoke();
         inv.key(key)
-            .arg(plan.capacity())
-            .arg(plan.rate())
-            .arg(cost)
-            .arg(initial.map(|i| i.to_string()).unwrap_or_default());
-        let reply: Result<(i64, String, i64), RedisError> = match &self.backend {
+            .arg(batch.plan.capacity())
+            .arg(batch.plan.rate())
+            .arg(batch.cost)
+            .arg(batch.initial.map(|i| i.to_string()).unwrap_or_default());
+        if batch.n > 1 {
+            inv.arg(batch.n);
+        }
+        let reply: Result<(usize, String), RedisError> = match &self.backend {
             Backend::Single(_, per_thread) => {
                 let mut c = per_thread.get().await?;
                 let r = inv.invoke_async(&mut c).await;
@@ -349,15 +375,20 @@ impl RedisStore {
             }
             Backend::Cluster(c) => inv.invoke_async(&mut c.clone()).await,
         };
-        let (allowed, tokens, wait) = reply?;
-        let tokens = tokens
+        let (admitted, refilled) = reply?;
+        let refilled = refilled
             .parse::<f64>()
-            .map_err(|_| StoreError::Protocol(format!("tokens {tokens:?}")))?;
-        Ok(Verdict {
-            allowed: allowed == 1,
-            tokens,
-            wait_us: u64::try_from(wait).ok(),
-        })
+            .map_err(|_| StoreError::Protocol(format!("tokens {refilled:?}")))?;
+        let verdicts = bucket::take_many(refilled, batch.plan, batch.cost, batch.n);
+        // The script did the same subtractions; a different count means it is not the
+        // script this gateway was built with.
+        if verdicts.iter().filter(|v| v.allowed).count() != admitted {
+            return Err(StoreError::Protocol(format!(
+                "bucket script admitted {admitted} of {}, expected otherwise",
+                batch.n
+            )));
+        }
+        Ok(verdicts)
     }
 
     /// Opens this thread's request-path connection ahead of the first request.

@@ -109,6 +109,60 @@ async fn each_decision_is_one_script_call_and_nothing_else() {
 }
 
 #[tokio::test]
+async fn concurrent_takes_for_one_bucket_share_script_calls_and_keep_exact_verdicts() {
+    // Arrange: one worker, one client with 50 tokens and next to no refill.
+    let redis = RedisServer::start();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let toml = format!(
+        "{}{}{}",
+        redis_toml(&redis),
+        catalog_toml(("gold", 50.0, 0.001), &["acme"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    );
+    let gw = TestGateway::spawn(settings(&toml)).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query(&mut redis.conn())
+        .unwrap();
+
+    // Act: 200 requests at once.
+    let k = key("acme");
+    let answers = join_all((0..200).map(|_| gw.get("/orders/1", Some(&k)))).await;
+
+    // Assert: exactly the capacity admitted, each admitted request told its own place in
+    // the bucket (remaining 49, 48, ... 0: one verdict per request, not one per call)...
+    let mut remaining: Vec<u64> = answers
+        .iter()
+        .filter(|r| r.status() == 200)
+        .map(|r| {
+            let v = r.headers()["ratelimit"].to_str().unwrap();
+            v.split("r=")
+                .nth(1)
+                .unwrap()
+                .split(';')
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    remaining.sort_unstable();
+    assert_eq!(remaining, (0..50).collect::<Vec<u64>>());
+    assert_eq!(answers.iter().filter(|r| r.status() == 429).count(), 150);
+    assert_eq!(up.hits(), 50);
+    // ...and the requests that queued behind a call in flight went to Redis together.
+    let calls = redis.command_calls()["evalsha"];
+    assert!(calls < 200, "{calls} script calls for 200 requests");
+    let metrics = gw.get("/metrics", None).await.text().await.unwrap();
+    assert!(
+        metrics.contains(&format!("tollgate_store_bucket_calls_total {calls}\n")),
+        "{metrics}"
+    );
+    assert!(metrics.contains("tollgate_store_bucket_takes_total 200\n"));
+}
+
+#[tokio::test]
 async fn retry_after_is_honest_and_at_most_a_second_pessimistic() {
     let redis = RedisServer::start();
     let up = Upstream::start(Behaviour::Echo).await;
