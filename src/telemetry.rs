@@ -30,18 +30,20 @@ pub struct RequestSpan;
 
 impl RootSpanBuilder for RequestSpan {
     fn on_request_start(request: &ServiceRequest) -> Span {
-        let id = request
-            .extensions()
-            .get::<RequestId>()
-            .and_then(|r| r.0.to_str().ok().map(str::to_string))
-            .unwrap_or_default();
-        tracing::debug_span!(
+        let span = tracing::debug_span!(
             "request",
             method = %request.method(),
             path = %request.path(),
-            request_id = %id,
+            request_id = tracing::field::Empty,
             status = tracing::field::Empty,
-        )
+        );
+        // Nothing to build for a span nobody records (the default, `info`).
+        if !span.is_disabled() {
+            if let Some(id) = request.extensions().get::<RequestId>() {
+                span.record("request_id", id.0.to_str().unwrap_or_default());
+            }
+        }
+        span
     }
 
     fn on_request_end<B: MessageBody>(

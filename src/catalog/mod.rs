@@ -17,6 +17,8 @@ pub use records::{
     KeyRecord, PlanRecord, SafetyRecord, Shards, Versioned, WriteOutcome, SAFETY,
 };
 
+use actix_web::http::header::HeaderValue;
+
 use crate::configuration::Settings;
 use crate::domain::{ClientId, KeyHash, Mode, Plan, PlanName, Region};
 use crate::store::{Keys, Store, StoreError};
@@ -24,16 +26,52 @@ use crate::store::{Keys, Store, StoreError};
 /// A plan's current limits, shared by every client on it so a plan edit is one store.
 pub struct PlanSlot {
     pub name: PlanName,
-    current: ArcSwap<(Plan, PlanRecord)>,
+    current: ArcSwap<PlanState>,
+}
+
+/// One version of a plan, with what the request path derives from it, computed once.
+struct PlanState {
+    limits: Plan,
+    record: PlanRecord,
+    /// The `RateLimit-Policy` value every response for this plan carries.
+    policy: HeaderValue,
+}
+
+impl PlanState {
+    fn new(name: &PlanName, limits: Plan, record: PlanRecord) -> PlanState {
+        PlanState {
+            policy: crate::limiter::policy_header(name, limits),
+            limits,
+            record,
+        }
+    }
 }
 
 impl PlanSlot {
+    pub fn new(name: PlanName, limits: Plan, record: PlanRecord) -> PlanSlot {
+        PlanSlot {
+            current: ArcSwap::from_pointee(PlanState::new(&name, limits, record)),
+            name,
+        }
+    }
+
     pub fn limits(&self) -> Plan {
-        self.current.load().0
+        self.current.load().limits
     }
 
     pub fn record(&self) -> PlanRecord {
-        self.current.load().1.clone()
+        self.current.load().record.clone()
+    }
+
+    /// The `RateLimit-Policy` value for a decision under `limits`: the plan's, built once,
+    /// unless the decision was under other limits (a regional shard's portion).
+    pub fn policy(&self, limits: Plan) -> HeaderValue {
+        let current = self.current.load();
+        if current.limits == limits {
+            current.policy.clone()
+        } else {
+            crate::limiter::policy_header(&self.name, limits)
+        }
     }
 }
 
@@ -234,15 +272,12 @@ impl Catalog {
             }
         };
         match self.plans.get(&name) {
-            Some(slot) => slot.current.store(Arc::new((limits, rec))),
+            Some(slot) => slot
+                .current
+                .store(Arc::new(PlanState::new(&name, limits, rec))),
             None => {
-                self.plans.insert(
-                    name.clone(),
-                    Arc::new(PlanSlot {
-                        name,
-                        current: ArcSwap::from_pointee((limits, rec)),
-                    }),
-                );
+                self.plans
+                    .insert(name.clone(), Arc::new(PlanSlot::new(name, limits, rec)));
             }
         }
     }

@@ -9,7 +9,7 @@
 use actix_web::http::header::{HeaderName, HeaderValue};
 
 use super::Decision;
-use crate::domain::PlanName;
+use crate::domain::{Plan, PlanName};
 
 pub struct RateLimitHeaders {
     pub policy: HeaderValue,
@@ -19,25 +19,36 @@ pub struct RateLimitHeaders {
 pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
+/// The `RateLimit-Policy` value for a plan (or a shard's portion of one).
+pub fn policy_header(plan_name: &PlanName, plan: Plan) -> HeaderValue {
+    let policy = format!(
+        "\"{}\";q={};w={}",
+        plan_name,
+        plan.capacity().floor() as u64,
+        plan.window_secs().ceil() as u64
+    );
+    // Plan names are of a header-safe charset, so this cannot fail.
+    HeaderValue::from_str(&policy).unwrap_or(HeaderValue::from_static(""))
+}
+
 impl RateLimitHeaders {
     pub fn new(plan_name: &PlanName, decision: &Decision) -> RateLimitHeaders {
+        RateLimitHeaders::with_policy(plan_name, decision, policy_header(plan_name, decision.plan))
+    }
+
+    /// With the policy value already built (the catalog keeps one per plan).
+    pub fn with_policy(
+        plan_name: &PlanName,
+        decision: &Decision,
+        policy: HeaderValue,
+    ) -> RateLimitHeaders {
         let plan = decision.plan;
-        let policy = format!(
-            "\"{}\";q={};w={}",
-            plan_name,
-            plan.capacity().floor() as u64,
-            plan.window_secs().ceil() as u64
-        );
-        let limit = decision.verdict.map(|v| {
+        let limit = decision.verdict.and_then(|v| {
             let remaining = v.tokens.max(0.0).floor() as u64;
             let reset = ((plan.capacity() - v.tokens).max(0.0) / plan.rate()).ceil() as u64;
-            format!("\"{plan_name}\";r={remaining};t={reset}")
+            HeaderValue::from_str(&format!("\"{plan_name}\";r={remaining};t={reset}")).ok()
         });
-        RateLimitHeaders {
-            // Plan names are of a header-safe charset, so these cannot fail.
-            policy: HeaderValue::from_str(&policy).unwrap_or(HeaderValue::from_static("")),
-            limit: limit.and_then(|l| HeaderValue::from_str(&l).ok()),
-        }
+        RateLimitHeaders { policy, limit }
     }
 
     pub fn apply(self, headers: &mut actix_web::http::header::HeaderMap) {
@@ -51,7 +62,6 @@ impl RateLimitHeaders {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::Plan;
     use crate::limiter::{Outcome, Verdict};
 
     #[test]

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 pub use breaker::Breaker;
 pub use breakers::Breakers;
 pub use bucket::{BucketState, Verdict};
-pub use headers::RateLimitHeaders;
+pub use headers::{policy_header, RateLimitHeaders};
 pub use hot::{HotClient, HotClients};
 pub use safety::SafetyLimit;
 pub use shadow::ShadowStats;

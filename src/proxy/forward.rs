@@ -52,13 +52,11 @@ pub async fn forward(
     span.record("service", &*route.service);
     span.record("upstream", upstream.base());
 
-    let path = req
-        .uri()
-        .path_and_query()
-        .map(|p| p.as_str())
-        .unwrap_or("/");
+    let uri = upstream
+        .uri(req.uri().path_and_query())
+        .map_err(|e| ApiError::Internal(e.into()))?;
     let mut out = client
-        .request(req.method().clone(), format!("{}{}", upstream.base(), path))
+        .request(req.method().clone(), uri)
         .timeout(route.timeout)
         .no_decompress();
 
@@ -68,21 +66,29 @@ pub async fn forward(
             out = out.append_header((name.clone(), value.clone()));
         }
     }
+    // The scheme of this hop: the listener's, never a header the client sent (those are
+    // believed only from trusted proxies, in `Origin::of`).
+    let scheme = if req.app_config().secure() {
+        "https"
+    } else {
+        "http"
+    };
     let origin = Origin::of(
         req.headers(),
         req.peer_addr().map(|a| a.ip()),
-        req.connection_info().scheme(),
+        scheme,
         &state.trusted_proxies,
     );
     let client_id = HeaderValue::from_str(admitted.client.id.as_str())
         .map_err(|e| ApiError::Internal(e.into()))?;
+    let forwarded = origin.forwarded();
     out = out
         .insert_header((X_CLIENT_ID.clone(), client_id))
-        .insert_header((X_FORWARDED_FOR.clone(), origin.x_forwarded_for.clone()))
-        .insert_header((X_FORWARDED_PROTO.clone(), origin.proto.clone()))
-        .insert_header((actix_web::http::header::FORWARDED, origin.forwarded()));
-    if let Some(host) = &origin.host {
-        out = out.insert_header((X_FORWARDED_HOST.clone(), host.clone()));
+        .insert_header((X_FORWARDED_FOR.clone(), origin.x_forwarded_for))
+        .insert_header((X_FORWARDED_PROTO.clone(), origin.proto))
+        .insert_header((actix_web::http::header::FORWARDED, forwarded));
+    if let Some(host) = origin.host {
+        out = out.insert_header((X_FORWARDED_HOST.clone(), host));
     }
     if let Some(id) = req.extensions().get::<RequestId>() {
         out = out.insert_header((X_REQUEST_ID.clone(), id.0.clone()));

@@ -68,7 +68,11 @@ pub async fn guard(
     }
 
     let decision = state.limiter.decide(&client, &route).await;
-    let rl = RateLimitHeaders::new(&client.plan.name, &decision);
+    let rl = RateLimitHeaders::with_policy(
+        &client.plan.name,
+        &decision,
+        client.plan.policy(decision.plan),
+    );
     if !decision.outcome.forwards() {
         let wait = match decision.outcome {
             Outcome::SafetyDenied => decision.safety_wait_us,

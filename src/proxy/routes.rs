@@ -4,12 +4,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use actix_web::http::uri::{Authority, InvalidUriParts, Parts, PathAndQuery, Scheme};
+use actix_web::http::Uri;
+
 use crate::configuration::RouteSettings;
 
 /// One upstream replica: scheme and authority, to which the request's path is appended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Upstream {
     base: String,
+    authority: Authority,
 }
 
 impl Upstream {
@@ -32,11 +36,25 @@ impl Upstream {
         }
         Ok(Upstream {
             base: format!("http://{authority}"),
+            authority: authority.clone(),
         })
     }
 
     pub fn base(&self) -> &str {
         &self.base
+    }
+
+    /// The replica's URL for a request's path and query (from parts: nothing re-parsed).
+    pub fn uri(&self, path_and_query: Option<&PathAndQuery>) -> Result<Uri, InvalidUriParts> {
+        let mut parts = Parts::default();
+        parts.scheme = Some(Scheme::HTTP);
+        parts.authority = Some(self.authority.clone());
+        parts.path_and_query = Some(
+            path_and_query
+                .cloned()
+                .unwrap_or_else(|| PathAndQuery::from_static("/")),
+        );
+        Uri::from_parts(parts)
     }
 }
 
