@@ -101,7 +101,8 @@ pub struct ShardEntry {
 pub struct Catalog {
     plans: DashMap<PlanName, Arc<PlanSlot>>,
     clients: DashMap<ClientId, Arc<ClientEntry>>,
-    keys: DashMap<KeyHash, Arc<ClientEntry>>,
+    /// By SHA-256 of the key: already uniform, so a fast hasher is as safe as SipHash.
+    keys: DashMap<KeyHash, Arc<ClientEntry>, foldhash::fast::RandomState>,
     safety: ArcSwap<Option<SafetyRecord>>,
     /// Clients whose buckets are sharded by region.
     sharded: DashMap<ClientId, Arc<ClientEntry>>,
@@ -118,7 +119,7 @@ impl Catalog {
             region,
             plans: DashMap::new(),
             clients: DashMap::new(),
-            keys: DashMap::new(),
+            keys: DashMap::default(),
             safety: ArcSwap::from_pointee(None),
             version: AtomicU64::new(0),
             default_mode,

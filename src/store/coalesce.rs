@@ -83,10 +83,10 @@ struct Lane {
 type LaneRef = Rc<RefCell<Lane>>;
 
 /// Per bucket key: (coalescer, cost bits, lane). Lookups by `&str` allocate nothing.
-type Lanes = HashMap<Box<str>, Vec<(u64, u64, LaneRef)>>;
+type Lanes = HashMap<Box<str>, Vec<(u64, u64, LaneRef)>, foldhash::fast::RandomState>;
 
 thread_local! {
-    static LANES: RefCell<Lanes> = RefCell::new(HashMap::new());
+    static LANES: RefCell<Lanes> = RefCell::new(HashMap::default());
 }
 
 /// Coalesces takes for one store.

@@ -4,6 +4,8 @@
 
 use std::borrow::Borrow;
 use std::collections::HashMap;
+
+use foldhash::fast::RandomState;
 use std::hash::{BuildHasher, Hash};
 use std::time::Instant;
 
@@ -22,15 +24,19 @@ struct Slot {
 
 /// Buckets keyed by `K`, on a monotonic clock.
 pub struct LocalBuckets<K> {
-    shards: Box<[Mutex<HashMap<K, Slot>>]>,
-    hasher: std::collections::hash_map::RandomState,
+    /// foldhash: keys are the gateway's own (client and service names), and a SipHash per
+    /// request on the hot path bought nothing.
+    shards: Box<[Mutex<HashMap<K, Slot, RandomState>>]>,
+    hasher: RandomState,
     epoch: Instant,
 }
 
 impl<K: Hash + Eq> Default for LocalBuckets<K> {
     fn default() -> Self {
         LocalBuckets {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards: (0..SHARDS)
+                .map(|_| Mutex::new(HashMap::default()))
+                .collect(),
             hasher: Default::default(),
             epoch: Instant::now(),
         }
@@ -43,7 +49,7 @@ impl<K: Hash + Eq> LocalBuckets<K> {
         self.epoch.elapsed().as_micros() as u64
     }
 
-    fn shard<Q: Hash + ?Sized>(&self, key: &Q) -> &Mutex<HashMap<K, Slot>> {
+    fn shard<Q: Hash + ?Sized>(&self, key: &Q) -> &Mutex<HashMap<K, Slot, RandomState>> {
         &self.shards[self.hasher.hash_one(key) as usize % SHARDS]
     }
 
