@@ -17,6 +17,7 @@
 //! - [`scenarios`]: latency, throughput, accuracy, failopen, replay.
 //! - [`report`] and [`svg`]: the table, the JSON and the charts.
 
+mod floor;
 mod http;
 mod load;
 mod procs;
@@ -69,10 +70,27 @@ enum Scenario {
     Failopen(scenarios::failopen::Args),
     /// The September incident: per-service limiters only, then the edge limiter.
     Replay(scenarios::replay::Args),
+    /// (Internal) the bare actix-web + awc proxy `throughput` measures as the stack's floor.
+    #[command(hide = true)]
+    Floor(floor::Args),
 }
+
+/// The allocator the gateway uses, so the floor proxy (this binary, `floor`) pays what
+/// tollgate pays; the load generator and the upstreams get it too, on every side alike.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Scenario::Floor(a) = &cli.scenario {
+        return match floor::run(a) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("floor proxy: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     procs::set_nice(cli.nice);
     procs::clean_stale_dirs();
     if cli.wait_idle > 0 {
@@ -85,6 +103,7 @@ fn main() -> ExitCode {
         Scenario::Accuracy(a) => scenarios::accuracy::run(&a),
         Scenario::Failopen(a) => scenarios::failopen::run(&a),
         Scenario::Replay(a) => scenarios::replay::run(&a),
+        Scenario::Floor(_) => unreachable!("handled above"),
     };
     let mut outcome = match result {
         Ok(outcome) => outcome,

@@ -585,6 +585,48 @@ impl Drop for Nginx {
     }
 }
 
+/// The bare actix-web + awc proxy (`tollgate-bench floor`), this tool run as a child.
+pub struct Floor {
+    child: Child,
+    pub addr: SocketAddr,
+    _dir: TempDir,
+}
+
+impl Floor {
+    pub fn start(upstream: &str, workers: usize) -> anyhow::Result<Floor> {
+        let dir = TempDir::new("floor")?;
+        let port = free_port()?;
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        let log = dir.path().join("floor.err");
+        let mut child = die_with_parent(&mut Command::new(std::env::current_exe()?))
+            .arg("floor")
+            .arg("--listen")
+            .arg(addr.to_string())
+            .arg("--upstream")
+            .arg(upstream)
+            .arg("--workers")
+            .arg(workers.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log)?)
+            .spawn()
+            .context("starting the floor proxy")?;
+        wait_for_port(addr, &mut child, "floor proxy", &log)?;
+        Ok(Floor {
+            child,
+            addr,
+            _dir: dir,
+        })
+    }
+}
+
+impl Drop for Floor {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// Runs a future to completion on a throwaway single-threaded runtime (probes, metrics).
 pub fn block_on<F: std::future::Future>(f: F) -> F::Output {
     tokio::runtime::Builder::new_current_thread()

@@ -11,7 +11,7 @@ use serde_json::json;
 use super::seconds;
 use crate::http::get_request;
 use crate::load::run_closed;
-use crate::procs::{raise_fd_limit, Gateway, GatewayConfig, Nginx, Redis};
+use crate::procs::{raise_fd_limit, Floor, Gateway, GatewayConfig, Nginx, Redis};
 use crate::report::{machine, round, Outcome, Table};
 use crate::svg;
 use crate::upstream::{Server, Upstreams};
@@ -39,6 +39,9 @@ pub struct Args {
     /// Skip the embedded-store rows.
     #[arg(long)]
     no_embedded: bool,
+    /// Skip the floor rows (bare actix-web + awc, no limiter).
+    #[arg(long)]
+    no_floor: bool,
 }
 
 const PATH: &str = "/api/items/42";
@@ -125,6 +128,19 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
             }
         }
     }
+    if !a.no_floor {
+        for &w in &a.workers {
+            let floor = Floor::start(&upstream.urls()[0], w)?;
+            rows.push(Row::new(
+                format!(
+                    "floor: actix-web + awc, no limiter, {w} worker{}",
+                    plural(w)
+                ),
+                floor.addr,
+            ));
+            keep.push(Box::new(floor));
+        }
+    }
     let redis = Redis::start()?;
     for &w in &a.workers {
         for embedded in [false, true] {
@@ -207,6 +223,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         best("tollgate (embedded)"),
         best("nginx"),
     );
+    let (floor_ratio, floor) = best("floor");
     let mut markdown = format!(
         "### throughput: closed loop, {} connections, {} s per target in {} rounds\n\n{}\n",
         a.conns,
@@ -225,6 +242,12 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     } else if nginx_missing {
         markdown.push_str("; nginx is not installed, so no baseline row");
     }
+    if floor > 0.0 {
+        markdown.push_str(&format!(
+            "; best floor (actix-web + awc alone) / direct: {floor_ratio:.2}x; tollgate (Redis) / floor: {:.2}x",
+            gw_ratio / floor_ratio
+        ));
+    }
     markdown.push_str(&format!(". {machine}.\n"));
 
     let json = json!({
@@ -239,6 +262,8 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         "gateway_embedded_ratio": round(gw_embedded_ratio, 3),
         "nginx_rps": if nginx > 0.0 { json!(round(nginx, 0)) } else { json!(null) },
         "nginx_ratio": if nginx > 0.0 { json!(round(nginx_ratio, 3)) } else { json!(null) },
+        "floor_rps": if floor > 0.0 { json!(round(floor, 0)) } else { json!(null) },
+        "floor_ratio": if floor > 0.0 { json!(round(floor_ratio, 3)) } else { json!(null) },
         "rows": json_rows,
         "machine": machine,
     });
@@ -278,6 +303,7 @@ fn short(name: &str) -> String {
         .replace("nginx proxy, ", "nginx ")
         .replace("tollgate (Redis), ", "redis ")
         .replace("tollgate (embedded), ", "embed. ")
+        .replace("floor: actix-web + awc, no limiter, ", "floor ")
         .replace(" workers", "w")
         .replace(" worker", "w")
 }

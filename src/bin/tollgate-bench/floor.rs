@@ -1,0 +1,74 @@
+//! The floor of tollgate's HTTP stack: actix-web serving, awc forwarding to one
+//! upstream, and nothing else (no limiter, no middleware, no header rewriting beyond the
+//! hop-by-hop ones). `throughput` runs it as a baseline: what any gateway built on these
+//! two crates pays before deciding anything, so the table separates the cost of the stack
+//! from the cost of tollgate's own work.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use actix_web::http::header;
+use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[arg(long)]
+    listen: SocketAddr,
+    /// `http://host:port` of the upstream.
+    #[arg(long)]
+    upstream: String,
+    #[arg(long, default_value_t = 1)]
+    workers: usize,
+}
+
+async fn forward(
+    req: HttpRequest,
+    body: web::Bytes,
+    client: web::Data<awc::Client>,
+    base: web::Data<String>,
+) -> HttpResponse {
+    let path = req.uri().path_and_query().map_or("/", |p| p.as_str());
+    let mut out = client.request(req.method().clone(), format!("{}{path}", base.get_ref()));
+    for (n, v) in req.headers() {
+        if n != header::CONNECTION && n != header::HOST {
+            out = out.append_header((n.clone(), v.clone()));
+        }
+    }
+    let Ok(mut res) = out.send_body(body).await else {
+        return HttpResponse::BadGateway().finish();
+    };
+    let mut resp = HttpResponse::build(res.status());
+    for (n, v) in res.headers() {
+        if n != header::CONNECTION && n != header::CONTENT_LENGTH && n != header::TRANSFER_ENCODING
+        {
+            resp.append_header((n.clone(), v.clone()));
+        }
+    }
+    match res.body().await {
+        Ok(b) => resp.body(b),
+        Err(_) => HttpResponse::BadGateway().finish(),
+    }
+}
+
+/// Serves until killed.
+pub fn run(a: &Args) -> anyhow::Result<()> {
+    let (upstream, workers, listen) = (a.upstream.clone(), a.workers, a.listen);
+    actix_web::rt::System::new().block_on(async move {
+        HttpServer::new(move || {
+            let client = awc::Client::builder()
+                .timeout(Duration::from_secs(30))
+                .connector(awc::Connector::new().limit(4096))
+                .finish();
+            App::new()
+                .app_data(web::Data::new(client))
+                .app_data(web::Data::new(upstream.clone()))
+                .default_service(web::to(forward))
+        })
+        .workers(workers)
+        .backlog(4096)
+        .bind(listen)?
+        .run()
+        .await
+    })?;
+    Ok(())
+}
