@@ -2,7 +2,7 @@
 //! No label carries a client id or an API key.
 
 use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,12 +43,21 @@ pub fn family(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
 
+/// How many sets of per-request counters there are; each thread writes one of them.
+const SHARDS: usize = 16;
+
+static NEXT_SHARD: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    static SHARD: usize = NEXT_SHARD.fetch_add(1, Relaxed) % SHARDS;
+}
+
+/// The counters every request bumps, one set per worker thread and a cache line (pair)
+/// of its own, so two workers never write the same line: a counter shared by all workers
+/// is a cache line bouncing between their cores on every request. A scrape sums the sets.
 #[derive(Default)]
-pub struct Metrics {
-    fail_open_reasons: [AtomicU64; REASONS.len()],
-    store_errors: [AtomicU64; ERROR_KINDS.len()],
-    /// [gateway deny][service deny]
-    shadow: [[AtomicU64; 2]; 2],
+#[repr(align(128))]
+struct Shard {
     decisions: [AtomicU64; OUTCOMES.len()],
     fail_open: AtomicU64,
     limiter_buckets: [AtomicU64; BUCKETS.len()],
@@ -56,21 +65,52 @@ pub struct Metrics {
     limiter_sum_ns: AtomicU64,
     /// Service → responses by status class (1xx..5xx). Keyed by the route's own
     /// `Arc<str>`, so counting a response allocates nothing.
-    upstream: DashMap<Arc<str>, [AtomicU64; 5]>,
+    upstream: DashMap<Arc<str>, [AtomicU64; 5], foldhash::fast::RandomState>,
+}
+
+pub struct Metrics {
+    fail_open_reasons: [AtomicU64; REASONS.len()],
+    store_errors: [AtomicU64; ERROR_KINDS.len()],
+    /// [gateway deny][service deny]
+    shadow: [[AtomicU64; 2]; 2],
+    shards: Box<[Shard]>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            fail_open_reasons: Default::default(),
+            store_errors: Default::default(),
+            shadow: Default::default(),
+            shards: (0..SHARDS).map(|_| Shard::default()).collect(),
+        }
+    }
 }
 
 impl Metrics {
+    /// This thread's counters.
+    fn shard(&self) -> &Shard {
+        &self.shards[SHARD.with(|s| *s)]
+    }
+
+    /// A counter summed over the shards.
+    fn sum(&self, counter: impl Fn(&Shard) -> &AtomicU64) -> u64 {
+        self.shards.iter().map(|s| counter(s).load(Relaxed)).sum()
+    }
+
     pub fn record_decision(&self, outcome: Outcome, took: Duration) {
-        self.count_outcome(outcome.label());
+        let shard = self.shard();
+        shard.decisions[outcome as usize].fetch_add(1, Relaxed);
         if outcome == Outcome::FailOpen {
-            self.fail_open.fetch_add(1, Relaxed);
+            shard.fail_open.fetch_add(1, Relaxed);
         }
         let secs = took.as_secs_f64();
         if let Some(i) = BUCKETS.iter().position(|b| secs <= *b) {
-            self.limiter_buckets[i].fetch_add(1, Relaxed);
+            shard.limiter_buckets[i].fetch_add(1, Relaxed);
         }
-        self.limiter_count.fetch_add(1, Relaxed);
-        self.limiter_sum_ns
+        shard.limiter_count.fetch_add(1, Relaxed);
+        shard
+            .limiter_sum_ns
             .fetch_add(took.as_nanos() as u64, Relaxed);
     }
 
@@ -107,21 +147,22 @@ impl Metrics {
     /// Counts a decision outcome by its label (`unknown_key` has no limiter decision).
     pub fn count_outcome(&self, label: &str) {
         if let Some(i) = OUTCOMES.iter().position(|o| *o == label) {
-            self.decisions[i].fetch_add(1, Relaxed);
+            self.shard().decisions[i].fetch_add(1, Relaxed);
         }
     }
 
     pub fn fail_open_total(&self) -> u64 {
-        self.fail_open.load(Relaxed)
+        self.sum(|s| &s.fail_open)
     }
 
     pub fn record_upstream(&self, service: &Arc<str>, status: u16) {
         let class = (status / 100).clamp(1, 5) as usize - 1;
-        if let Some(c) = self.upstream.get(&**service) {
+        let upstream = &self.shard().upstream;
+        if let Some(c) = upstream.get(&**service) {
             c[class].fetch_add(1, Relaxed);
             return;
         }
-        self.upstream.entry(Arc::clone(service)).or_default()[class].fetch_add(1, Relaxed);
+        upstream.entry(Arc::clone(service)).or_default()[class].fetch_add(1, Relaxed);
     }
 
     /// The Prometheus text exposition.
@@ -137,7 +178,7 @@ impl Metrics {
             let _ = writeln!(
                 out,
                 "tollgate_decisions_total{{outcome=\"{o}\"}} {}",
-                self.decisions[i].load(Relaxed)
+                self.sum(|s| &s.decisions[i])
             );
         }
         family(
@@ -196,13 +237,13 @@ impl Metrics {
         );
         let mut cumulative = 0;
         for (i, b) in BUCKETS.iter().enumerate() {
-            cumulative += self.limiter_buckets[i].load(Relaxed);
+            cumulative += self.sum(|s| &s.limiter_buckets[i]);
             let _ = writeln!(
                 out,
                 "tollgate_limiter_seconds_bucket{{le=\"{b}\"}} {cumulative}"
             );
         }
-        let count = self.limiter_count.load(Relaxed);
+        let count = self.sum(|s| &s.limiter_count);
         let _ = writeln!(
             out,
             "tollgate_limiter_seconds_bucket{{le=\"+Inf\"}} {count}"
@@ -210,7 +251,7 @@ impl Metrics {
         let _ = writeln!(
             out,
             "tollgate_limiter_seconds_sum {}",
-            self.limiter_sum_ns.load(Relaxed) as f64 / 1e9
+            self.sum(|s| &s.limiter_sum_ns) as f64 / 1e9
         );
         let _ = writeln!(out, "tollgate_limiter_seconds_count {count}");
         family(
@@ -219,17 +260,16 @@ impl Metrics {
             "counter",
             "Responses from upstream services.",
         );
-        let mut rows: Vec<(Arc<str>, [u64; 5])> = self
-            .upstream
-            .iter()
-            .map(|e| {
-                (
-                    e.key().clone(),
-                    e.value().each_ref().map(|c| c.load(Relaxed)),
-                )
-            })
-            .collect();
-        rows.sort();
+        let mut merged: std::collections::BTreeMap<Arc<str>, [u64; 5]> = Default::default();
+        for shard in self.shards.iter() {
+            for e in shard.upstream.iter() {
+                let row = merged.entry(e.key().clone()).or_default();
+                for (total, c) in row.iter_mut().zip(e.value()) {
+                    *total += c.load(Relaxed);
+                }
+            }
+        }
+        let rows = merged;
         for (service, counts) in rows {
             for (i, n) in counts.iter().enumerate().filter(|(_, n)| **n > 0) {
                 let _ = writeln!(
@@ -240,5 +280,49 @@ impl Metrics {
             }
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcomes_index_their_own_labels() {
+        for o in [
+            Outcome::Allowed,
+            Outcome::Denied,
+            Outcome::ShadowDenied,
+            Outcome::FailOpen,
+            Outcome::SafetyDenied,
+        ] {
+            assert_eq!(OUTCOMES[o as usize], o.label());
+        }
+    }
+
+    #[test]
+    fn counts_from_every_thread_add_up() {
+        let m = Arc::new(Metrics::default());
+        let service: Arc<str> = Arc::from("orders");
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..100 {
+                        m.record_decision(Outcome::FailOpen, Duration::from_micros(300));
+                        m.record_upstream(&service, 200);
+                    }
+                });
+            }
+        });
+        let text = m.render();
+        assert_eq!(m.fail_open_total(), 400);
+        assert!(text.contains("tollgate_decisions_total{outcome=\"fail_open\"} 400\n"));
+        assert!(
+            text.contains("tollgate_limiter_seconds_count 400\n"),
+            "{text}"
+        );
+        assert!(text.contains(
+            "tollgate_upstream_requests_total{service=\"orders\",status_class=\"2xx\"} 400\n"
+        ));
     }
 }

@@ -28,9 +28,14 @@ pub struct HotClient {
     pub share: f64,
 }
 
+thread_local! {
+    /// Requests seen by this thread, for the 1-in-[`SAMPLE`] choice: a counter of its own
+    /// per worker, so sampling writes no cache line another worker writes.
+    static SEEN: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 #[derive(Default)]
 pub struct HotClients {
-    seen: AtomicU64,
     counts: DashMap<ClientId, AtomicU64>,
     top: ArcSwap<Vec<HotClient>>,
 }
@@ -38,7 +43,8 @@ pub struct HotClients {
 impl HotClients {
     /// Counts a request (one in [`SAMPLE`] is recorded).
     pub fn observe(&self, client: &ClientId) {
-        if !self.seen.fetch_add(1, Relaxed).is_multiple_of(SAMPLE) {
+        let seen = SEEN.with(|n| n.replace(n.get().wrapping_add(1)));
+        if !seen.is_multiple_of(SAMPLE) {
             return;
         }
         if let Some(c) = self.counts.get(client) {

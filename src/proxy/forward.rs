@@ -38,13 +38,17 @@ pub fn upstream_client() -> awc::Client {
 pub async fn forward(
     req: HttpRequest,
     payload: web::Payload,
-    state: web::Data<AppState>,
     client: web::Data<awc::Client>,
 ) -> Result<HttpResponse, ApiError> {
+    // Borrowed from the request rather than extracted (an extractor clones the `Arc`
+    // every worker shares).
+    let state = req
+        .app_data::<web::Data<AppState>>()
+        .ok_or_else(|| ApiError::Internal(anyhow::anyhow!("no AppState")))?;
+    // Taken, not cloned: nothing after this handler reads it.
     let admitted = req
-        .extensions()
-        .get::<Admitted>()
-        .cloned()
+        .extensions_mut()
+        .remove::<Admitted>()
         .ok_or_else(|| ApiError::Internal(anyhow::anyhow!("forward without an admission")))?;
     let route = &admitted.route;
     let upstream = route.pick();

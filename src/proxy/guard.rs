@@ -10,7 +10,7 @@ use actix_web::{web, HttpMessage, ResponseError};
 
 use super::Route;
 use crate::catalog::ClientEntry;
-use crate::domain::KeyHash;
+use crate::domain::{KeyHash, Mode};
 use crate::error::ApiError;
 use crate::limiter::{Outcome, RateLimitHeaders};
 use crate::state::AppState;
@@ -31,10 +31,15 @@ pub async fn guard(
     req: ServiceRequest,
     next: Next<impl MessageBody + 'static>,
 ) -> Result<ServiceResponse<BoxBody>, actix_web::Error> {
-    let state = req
-        .app_data::<web::Data<AppState>>()
-        .expect("AppState is registered")
-        .clone();
+    // Borrowed, not cloned: every worker shares `AppState`, and an `Arc` count bumped by
+    // both workers on every request is a cache line bouncing between their cores.
+    let Some(state) = req.app_data::<web::Data<AppState>>() else {
+        return Ok(reject(
+            req,
+            ApiError::Internal(anyhow::anyhow!("no AppState")),
+            None,
+        ));
+    };
 
     let client = req
         .headers()
@@ -43,11 +48,8 @@ pub async fn guard(
         .and_then(|key| state.catalog.by_key(&KeyHash::of(key)));
     let Some(client) = client else {
         state.metrics.count_outcome("unknown_key");
-        return Ok(reject(
-            req,
-            ApiError::MissingKey(state.api_key_header.to_string()),
-            None,
-        ));
+        let err = ApiError::MissingKey(state.api_key_header.to_string());
+        return Ok(reject(req, err, None));
     };
     tracing::Span::current().record("client_id", client.id.as_str());
 
@@ -60,11 +62,8 @@ pub async fn guard(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared_len.is_some_and(|n| n > state.max_body_bytes) {
-        return Ok(reject(
-            req,
-            ApiError::PayloadTooLarge(state.max_body_bytes),
-            None,
-        ));
+        let err = ApiError::PayloadTooLarge(state.max_body_bytes);
+        return Ok(reject(req, err, None));
     }
 
     let decision = state.limiter.decide(&client, &route).await;
@@ -90,14 +89,15 @@ pub async fn guard(
         return Ok(reject(req, err, Some(rl)));
     }
 
-    req.extensions_mut().insert(Admitted {
-        client: Arc::clone(&client),
-        route,
-    });
+    // Only shadow-mode answers are compared with the service's; only they need the
+    // limiter (and the client) after the forward.
+    let shadow =
+        (client.mode == Mode::Shadow).then(|| (Arc::clone(&state.limiter), Arc::clone(&client)));
+    req.extensions_mut().insert(Admitted { client, route });
     let mut res = next.call(req).await?.map_into_boxed_body();
-    state
-        .limiter
-        .compare(&client, &decision, res.status().as_u16());
+    if let Some((limiter, client)) = shadow {
+        limiter.compare(&client, &decision, res.status().as_u16());
+    }
     rl.apply(res.headers_mut());
     Ok(res)
 }
