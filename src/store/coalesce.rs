@@ -362,6 +362,23 @@ mod tests {
         }
     }
 
+    /// A take of one token from "k" on its own local task, given up after `budget_ms`.
+    fn spawn_take(
+        c: &Rc<Coalescer>,
+        store: &Rc<Slow>,
+        budget_ms: u64,
+    ) -> tokio::task::JoinHandle<Result<Result<Verdict, StoreError>, tokio::time::error::Elapsed>>
+    {
+        let (c, store) = (Rc::clone(c), Rc::clone(store));
+        tokio::task::spawn_local(async move {
+            tokio::time::timeout(
+                Duration::from_millis(budget_ms),
+                c.take("k", take(), |b| store.call(b)),
+            )
+            .await
+        })
+    }
+
     async fn settle() {
         for _ in 0..10 {
             tokio::task::yield_now().await;
@@ -414,21 +431,12 @@ mod tests {
             .run_until(async {
                 let c = Rc::new(Coalescer::default());
                 let store = Slow::new(10.0);
-                let spawn = |budget_ms: u64| {
-                    let (c, store) = (Rc::clone(&c), Rc::clone(&store));
-                    tokio::task::spawn_local(async move {
-                        tokio::time::timeout(
-                            Duration::from_millis(budget_ms),
-                            c.take("k", take(), |b| store.call(b)),
-                        )
-                        .await
-                    })
-                };
+                let spawn = |budget_ms| spawn_take(&c, &store, budget_ms);
                 let first = spawn(1_000);
                 settle().await;
                 // Queued behind the first call: `leader` will lead the next one, with
                 // `rider` on it, and give up (its budget) while that call is in flight.
-                let leader = spawn(30);
+                let leader = spawn(500);
                 settle().await;
                 let rider = spawn(1_000);
                 settle().await;
@@ -456,16 +464,7 @@ mod tests {
             .run_until(async {
                 let c = Rc::new(Coalescer::default());
                 let store = Slow::new(10.0);
-                let spawn = |budget_ms: u64| {
-                    let (c, store) = (Rc::clone(&c), Rc::clone(&store));
-                    tokio::task::spawn_local(async move {
-                        tokio::time::timeout(
-                            Duration::from_millis(budget_ms),
-                            c.take("k", take(), |b| store.call(b)),
-                        )
-                        .await
-                    })
-                };
+                let spawn = |budget_ms| spawn_take(&c, &store, budget_ms);
                 let leader = spawn(1_000);
                 settle().await;
                 let quitter = spawn(10);
