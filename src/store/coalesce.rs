@@ -17,7 +17,7 @@
 //! Lanes live in a thread-local map: an actix worker is one thread, so nothing here is
 //! shared between threads or needs a lock.
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::future::{poll_fn, Future};
 use std::rc::Rc;
@@ -182,12 +182,12 @@ struct Queued<'a> {
     id: LaneId<'a>,
     lane: LaneRef,
     me: Rc<Waiter>,
-    armed: Cell<bool>,
+    armed: bool,
 }
 
 impl Drop for Queued<'_> {
     fn drop(&mut self) {
-        if !self.armed.get() {
+        if !self.armed {
             return;
         }
         let state = std::mem::replace(&mut *self.me.state.borrow_mut(), State::Finished);
@@ -232,11 +232,11 @@ impl Coalescer {
                     waker: RefCell::new(None),
                 });
                 lane.borrow_mut().queue.push_back(Rc::clone(&me));
-                let queued = Queued {
+                let mut queued = Queued {
                     id,
                     lane: Rc::clone(&lane),
                     me: Rc::clone(&me),
-                    armed: Cell::new(true),
+                    armed: true,
                 };
                 let lead = poll_fn(|cx| {
                     let mut state = me.state.borrow_mut();
@@ -252,7 +252,7 @@ impl Coalescer {
                     }
                 })
                 .await;
-                queued.armed.set(false);
+                queued.armed = false;
                 if let Some(answer) = lead {
                     return answer;
                 }
@@ -322,6 +322,8 @@ impl Coalescer {
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
+
+    use std::cell::Cell;
 
     use tokio::sync::mpsc;
 

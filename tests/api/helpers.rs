@@ -113,6 +113,14 @@ impl RedisServer {
     }
 
     /// `INFO commandstats` as command → calls.
+    /// Zeroes `INFO commandstats`, so later counts are only what follows.
+    pub fn reset_command_stats(&self) {
+        let _: () = redis::cmd("CONFIG")
+            .arg("RESETSTAT")
+            .query(&mut self.conn())
+            .unwrap();
+    }
+
     pub fn command_calls(&self) -> HashMap<String, u64> {
         let info: String = redis::cmd("INFO")
             .arg("commandstats")

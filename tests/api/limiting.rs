@@ -78,10 +78,7 @@ async fn each_decision_is_one_script_call_and_nothing_else() {
     let gw = TestGateway::spawn(settings(&toml)).await;
     // Let start-up traffic (script load, seeding, the first catalog poll) settle.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let _: () = redis::cmd("CONFIG")
-        .arg("RESETSTAT")
-        .query(&mut redis.conn())
-        .unwrap();
+    redis.reset_command_stats();
 
     for _ in 0..12 {
         gw.get("/orders", Some(&key("acme"))).await;
@@ -121,10 +118,7 @@ async fn concurrent_takes_for_one_bucket_share_script_calls_and_keep_exact_verdi
     );
     let gw = TestGateway::spawn(settings(&toml)).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let _: () = redis::cmd("CONFIG")
-        .arg("RESETSTAT")
-        .query(&mut redis.conn())
-        .unwrap();
+    redis.reset_command_stats();
 
     // Act: 200 requests at once.
     let k = key("acme");
@@ -321,10 +315,7 @@ async fn an_unknown_or_missing_key_gets_401_and_touches_nothing() {
     );
     let gw = TestGateway::spawn(settings(&toml)).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let _: () = redis::cmd("CONFIG")
-        .arg("RESETSTAT")
-        .query(&mut redis.conn())
-        .unwrap();
+    redis.reset_command_stats();
 
     for k in [None, Some("not-a-known-key"), Some("")] {
         let r = gw.get("/orders", k).await;

@@ -81,10 +81,7 @@ async fn three_regions_share_one_limit_and_shares_follow_demand() {
     }
     // Every region's gateway has read its first share.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let _: () = redis::cmd("CONFIG")
-        .arg("RESETSTAT")
-        .query(&mut global.conn())
-        .unwrap();
+    global.reset_command_stats();
 
     // Act 1: 3x the plan's rate for 14 s, demand split 70/20/10.
     let split = [0.7, 0.2, 0.1];
