@@ -178,7 +178,7 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         shared.accepted.fetch_add(1, Ordering::SeqCst);
         let arrivals = *shared.arrivals.lock().unwrap();
         if arrivals == Arrivals::Refuse {
-            let _ = client.set_linger(Some(Duration::ZERO));
+            let _ = client.set_zero_linger();
             drop(client);
             continue;
         }
@@ -221,7 +221,7 @@ async fn pump(
         let next_due = replies.front().map(|(due, _)| *due);
         tokio::select! {
             _ = reset.changed() => {
-                let _ = client.set_linger(Some(Duration::ZERO));
+                let _ = client.set_zero_linger();
                 return;
             }
             n = client.read(&mut from_client) => {
