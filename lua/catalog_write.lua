@@ -10,7 +10,13 @@
 -- KEYS[7] settings (hash: name -> "<rev> <json>", e.g. safety)
 -- KEYS[8] index    (sorted set of client ids, for ordered pagination)
 -- KEYS[9] audit    (stream: who changed what, when, before and after)
+-- KEYS[10] this write's id (string, kept 10 minutes: the reply of a write that ran)
 -- All share the {catalog} hash tag, so this is one Redis Cluster slot.
+--
+-- A gateway that loses a reply with its connection resends the write on a fresh one
+-- under the same id: if the first run happened, its reply is answered again and nothing
+-- changes twice (no second version, no second audit entry, no 'stale' for a write that
+-- succeeded).
 --
 -- ARGV[1] kind: 'plan' | 'client' | 'setting'   ARGV[2] op: 'put' | 'delete'
 -- ARGV[3] id                                     ARGV[4] condition: 'any' | 'absent' | <rev>
@@ -21,6 +27,9 @@
 -- Returns { status, rev, detail }: 'ok' (rev = the new version, detail = the old json or
 -- false), or a refusal: 'exists', 'stale' (rev = current), 'missing', 'unknown_plan',
 -- 'plan_in_use', 'key_conflict'.
+
+local done = redis.call('GET', KEYS[10])
+if done then return cjson.decode(done) end
 
 local kind, op, id, cond = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local entities = KEYS[1]
@@ -83,4 +92,5 @@ redis.call('XADD', KEYS[9], 'MAXLEN', '~', 100000, '*',
   'at_ms', tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)),
   'actor', ARGV[7], 'action', ARGV[8], 'kind', kind, 'id', id, 'rev', v,
   'before', old_json or '', 'after', after)
+redis.call('SET', KEYS[10], cjson.encode({ 'ok', v, old_json }), 'EX', 600)
 return { 'ok', v, old_json }

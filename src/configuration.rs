@@ -59,10 +59,20 @@ pub struct RedisSettings {
     pub regional_url: SecretString,
     /// Budget for one decision (pool checkout + script); past it the request fails open.
     pub timeout_ms: u64,
+    /// Deadline of every store call off the request path (admin API, catalog refresh,
+    /// shadow flush, reconciler, readiness) and of each new connection. A command that
+    /// passes it replaces every connection to that Redis.
+    pub control_timeout_ms: u64,
     /// Connections per gateway instance.
     pub pool_size: u32,
     /// Prefix of every key tollgate writes.
     pub key_prefix: String,
+}
+
+impl RedisSettings {
+    pub fn control_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.control_timeout_ms)
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -286,6 +296,9 @@ impl Settings {
         }
         if self.redis.timeout_ms == 0 || self.redis.timeout_ms > 10_000 {
             bad("redis.timeout_ms", "must be between 1 and 10000".into());
+        }
+        if self.redis.control_timeout_ms < 10 || self.redis.control_timeout_ms > 60_000 {
+            bad("redis.control_timeout_ms", "must be between 10 and 60000".into());
         }
         if self.redis.pool_size == 0 || self.redis.pool_size > 1024 {
             bad("redis.pool_size", "must be between 1 and 1024".into());

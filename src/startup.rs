@@ -92,10 +92,11 @@ impl Application {
         let mut servers = Vec::new();
         let (data, jwt_data) = (state.clone(), jwt.clone());
         let main = HttpServer::new(move || {
-            // This closure runs once on each worker's thread: open that worker's
-            // request-path connections now rather than on its first request.
+            // This closure runs once on each worker's thread: keep that worker's
+            // request-path connections open from now on, re-opened as soon as one dies,
+            // rather than on its first request.
             let limiter = Arc::clone(&data.limiter);
-            actix_web::rt::spawn(async move { limiter.warm().await });
+            actix_web::rt::spawn(async move { limiter.keep_connected().await });
             App::new()
                 .wrap(TracingLogger::<telemetry::RequestSpan>::new())
                 .wrap(from_fn(proxy::request_id))
@@ -207,11 +208,20 @@ fn open_store(settings: &Settings, keys: &Keys) -> anyhow::Result<Store> {
         return Ok(Store::Embedded(Arc::new(store)));
     }
     if !settings.redis.cluster_nodes.is_empty() {
-        let store = RedisStore::connect_cluster(&settings.redis.cluster_nodes, keys.clone())
+        let store = RedisStore::connect_cluster(
+            &settings.redis.cluster_nodes,
+            settings.redis.control_timeout(),
+            keys.clone(),
+        )
             .context("redis.cluster_nodes")?;
         return Ok(Store::Redis(Arc::new(store)));
     }
-    let store = RedisStore::connect(&settings.redis.url, settings.redis.pool_size, keys.clone())
+    let store = RedisStore::connect(
+        &settings.redis.url,
+        settings.redis.pool_size,
+        settings.redis.control_timeout(),
+        keys.clone(),
+    )
         .context("redis.url")?;
     Ok(Store::Redis(Arc::new(store)))
 }
@@ -223,7 +233,12 @@ fn open_regional_store(settings: &Settings, keys: &Keys, global: &Store) -> anyh
     if url.expose_secret().is_empty() || settings.uses_embedded_store() {
         return Ok(global.clone());
     }
-    let store = RedisStore::connect(url, settings.redis.pool_size, keys.clone())
+    let store = RedisStore::connect(
+        url,
+        settings.redis.pool_size,
+        settings.redis.control_timeout(),
+        keys.clone(),
+    )
         .context("redis.regional_url")?;
     Ok(Store::Redis(Arc::new(store)))
 }

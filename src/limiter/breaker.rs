@@ -139,9 +139,7 @@ impl Breaker {
                 // The probe takes the path requests take (a connection, a round trip to
                 // the right node), within the same budget, so the breaker closes only
                 // when requests would succeed.
-                if let Ok(Ok(())) =
-                    tokio::time::timeout(budget, store.probe(probe_key.as_deref())).await
-                {
+                if store.probe(probe_key.as_deref(), budget).await.is_ok() {
                     breaker.close();
                 }
             }

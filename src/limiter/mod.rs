@@ -144,10 +144,18 @@ impl Limiter {
         });
     }
 
-    /// Opens the calling worker's request-path connections (call once per worker).
-    pub async fn warm(&self) {
-        self.store.warm().await;
-        self.regional.warm().await;
+    /// Keeps the calling worker's request-path connections open (spawn once per worker;
+    /// runs until the worker ends).
+    pub async fn keep_connected(&self) {
+        if self.regional.same_as(&self.store) {
+            self.store.keep_connected().await;
+        } else {
+            futures_util::future::join(
+                self.store.keep_connected(),
+                self.regional.keep_connected(),
+            )
+            .await;
+        }
     }
 
     /// Decides one request for `client` on `route`.

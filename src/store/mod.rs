@@ -147,18 +147,26 @@ impl Store {
         }
     }
 
-    /// Opens the calling worker thread's request-path connection (Redis, one server).
-    pub async fn warm(&self) {
+    /// Keeps the calling worker thread's request-path connection open (Redis, one
+    /// server): opens it now and re-opens it whenever it dies. Runs until the thread ends.
+    pub async fn keep_connected(&self) {
         if let Store::Redis(s) = self {
-            s.warm().await;
+            s.keep_connected().await;
         }
     }
 
-    /// Whether the store answers: on the node owning `key` (Redis Cluster), else anywhere.
-    pub async fn probe(&self, key: Option<&str>) -> Result<(), StoreError> {
+    /// Whether the store answers a round trip within `budget` (the breaker's probe): on the
+    /// node owning `key` (Redis Cluster), else on a fresh connection (see
+    /// [`RedisStore::probe`]).
+    pub async fn probe(&self, key: Option<&str>, budget: std::time::Duration) -> Result<(), StoreError> {
         match (self, key) {
-            (Store::Redis(s), Some(key)) if s.is_cluster() => s.probe_key(key).await,
-            _ => self.ping().await,
+            (Store::Redis(s), Some(key)) if s.is_cluster() => {
+                tokio::time::timeout(budget, s.probe_key(key))
+                    .await
+                    .map_err(|_| StoreError::Pool("probe timed out".into()))?
+            }
+            (Store::Redis(s), _) => s.probe(budget).await,
+            (Store::Embedded(_), _) => Ok(()),
         }
     }
 

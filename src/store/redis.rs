@@ -2,6 +2,7 @@
 //! a change feed that gateways poll instead of reloading the catalog.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::ConnectionLike;
@@ -10,7 +11,7 @@ use redis::{AsyncCommands, RedisError, RedisFuture, Script, Value};
 use secrecy::{ExposeSecret, SecretString};
 
 use super::coalesce::{Batch, Coalescer, Take};
-use super::redis_pool::{is_transport_error, PerThread, RedisManager};
+use super::redis_pool::{is_transport_error, tcp_settings, Dialer, PerThread, RedisManager};
 use super::{Keys, Reconcile, RegionShare, ShardState, StoreError};
 use crate::catalog::{
     Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition,
@@ -29,8 +30,13 @@ const FEED_PAGE: usize = 1000;
 /// How commands reach Redis.
 enum Backend {
     /// One server: the request path uses one multiplexed connection per worker thread;
-    /// everything else a bb8 pool of multiplexed connections.
-    Single(bb8::Pool<RedisManager>, PerThread),
+    /// everything else a bb8 pool of multiplexed connections. Both dial through one
+    /// [`Dialer`], which knows which connections are still trusted.
+    Single {
+        pool: bb8::Pool<RedisManager>,
+        per_thread: PerThread,
+        dialer: Arc<Dialer>,
+    },
     /// Redis Cluster: one multiplexed cluster connection (it follows MOVED/ASK and keeps a
     /// connection per node); cloning it is cheap.
     Cluster(ClusterConnection),
@@ -70,6 +76,35 @@ impl ConnectionLike for Conn<'_> {
     }
 }
 
+/// Runs `$body` with `$c` bound to a pooled connection and, when that connection turns
+/// out dead (a transport error, or no answer within the control timeout), once more on a
+/// fresh one. Only for operations that may run twice: reads, deletes, script loads, and
+/// catalog writes, which the script makes idempotent (`catalog_write`). Counters (shadow
+/// counts), audit appends and reconciliation reports are not retried: a reply lost after
+/// Redis ran the command would count it twice; they are sent again at their next period
+/// instead (shadow counts are kept until they are flushed).
+///
+/// A macro, not a function taking an async closure: the futures stay `Send` for
+/// `tokio::spawn` (async closures borrowing their argument do not, yet).
+macro_rules! retrying {
+    ($store:expr, |$c:ident| $body:expr) => {{
+        let first = {
+            let mut conn = $store.conn().await?;
+            let $c = &mut conn;
+            $body
+        };
+        match first {
+            Err(StoreError::Redis(e)) if is_transport_error(&e) || e.is_timeout() => {
+                tracing::debug!(error = %e, "store call failed on its connection; once more on a fresh one");
+                let mut conn = $store.conn().await?;
+                let $c = &mut conn;
+                $body
+            }
+            r => r,
+        }
+    }};
+}
+
 /// Redis (one server or a cluster) as the store.
 pub struct RedisStore {
     backend: Backend,
@@ -96,22 +131,30 @@ impl RedisStore {
 
     /// Builds the pool without connecting: a gateway starts (and fails open) while Redis
     /// is down, and connects once it answers.
+    /// `control_timeout` bounds every call off the request path (and each dial).
     pub fn connect(
         url: &SecretString,
         pool_size: u32,
+        control_timeout: Duration,
         keys: Keys,
     ) -> Result<RedisStore, StoreError> {
-        let manager = RedisManager::new(url.expose_secret())?;
-        let per_thread = PerThread::new(manager.client());
+        let dialer = Arc::new(Dialer::new(url.expose_secret(), control_timeout)?);
         let pool = bb8::Pool::builder()
             .max_size(pool_size)
             .min_idle(Some(pool_size))
-            .connection_timeout(Duration::from_secs(2))
+            // A checkout may have to dial, and a dial has the control timeout.
+            .connection_timeout(control_timeout * 2)
             .retry_connection(false)
-            .test_on_check_out(false)
-            .build_unchecked(manager);
+            // Checked without a round trip (`RedisManager::is_valid`): closed, broken and
+            // retired connections are dropped here rather than failing a command.
+            .test_on_check_out(true)
+            .build_unchecked(RedisManager::new(Arc::clone(&dialer)));
         Ok(RedisStore::new(
-            Backend::Single(pool, per_thread),
+            Backend::Single {
+                pool,
+                per_thread: PerThread::new(Arc::clone(&dialer)),
+                dialer,
+            },
             keys,
             redact_url(url.expose_secret()),
         ))
@@ -119,14 +162,22 @@ impl RedisStore {
 
     /// Redis Cluster from seed nodes. Connects in the background, so the gateway starts
     /// (failing open) while the cluster is unreachable.
-    pub fn connect_cluster(nodes: &[SecretString], keys: Keys) -> Result<RedisStore, StoreError> {
+    pub fn connect_cluster(
+        nodes: &[SecretString],
+        control_timeout: Duration,
+        keys: Keys,
+    ) -> Result<RedisStore, StoreError> {
         let urls: Vec<&str> = nodes.iter().map(|n| n.expose_secret()).collect();
         let client = redis::cluster::ClusterClientBuilder::new(urls.clone())
-            .connection_timeout(Duration::from_secs(1))
+            .connection_timeout(control_timeout)
+            .response_timeout(control_timeout)
+            .tcp_settings(tcp_settings())
             .retries(2)
             .build()?;
         let conn = client.get_pending_async_connection_with_config(
-            redis::cluster::ClusterConfig::new().set_connection_timeout(Duration::from_secs(1)),
+            redis::cluster::ClusterConfig::new()
+                .set_connection_timeout(control_timeout)
+                .set_response_timeout(control_timeout),
         );
         let url = format!(
             "cluster {}",
@@ -149,7 +200,7 @@ impl RedisStore {
     /// Connections open and idle, for the pool saturation metrics (one server only).
     pub fn pool_state(&self) -> Option<(u32, u32)> {
         match &self.backend {
-            Backend::Single(pool, _) => {
+            Backend::Single { pool, .. } => {
                 let s = pool.state();
                 Some((s.connections, s.idle_connections))
             }
@@ -159,11 +210,7 @@ impl RedisStore {
 
     /// Which node serves which slots: (first slot, last slot, "host:port") per range.
     pub async fn cluster_slots(&self) -> Result<Vec<(u16, u16, String)>, StoreError> {
-        let mut c = self.conn().await?;
-        let ranges: Vec<Value> = redis::cmd("CLUSTER")
-            .arg("SLOTS")
-            .query_async(&mut c)
-            .await?;
+        let ranges: Vec<Value> = retrying!(self, |c| async { Ok(redis::cmd("CLUSTER").arg("SLOTS").query_async(c).await?) }.await)?;
         let mut out = Vec::new();
         for r in ranges {
             let Value::Array(parts) = r else { continue };
@@ -212,13 +259,13 @@ impl RedisStore {
         &self,
         client: &ClientId,
     ) -> Result<(Option<ShardState>, Vec<serde_json::Value>), StoreError> {
-        let mut c = self.conn().await?;
-        let (fields, history): (std::collections::HashMap<String, String>, Vec<String>) =
-            redis::pipe()
-                .hgetall(self.keys.shard_state(client))
-                .lrange(self.keys.shard_history(client), 0, 59)
-                .query_async(&mut c)
-                .await?;
+        let (fields, history): (std::collections::HashMap<String, String>, Vec<String>) = retrying!(self, |c| async {
+                Ok(redis::pipe()
+                    .hgetall(self.keys.shard_state(client))
+                    .lrange(self.keys.shard_history(client), 0, 59)
+                    .query_async(c)
+                    .await?)
+            }.await)?;
         let history = history
             .iter()
             .filter_map(|h| serde_json::from_str(h).ok())
@@ -275,13 +322,14 @@ impl RedisStore {
 
     /// Shadow-mode counts per client, summed over every gateway sharing this store.
     pub async fn shadow_counts(&self) -> Result<Vec<(String, u64, u64)>, StoreError> {
-        let mut c = self.conn().await?;
-        let compared = scan_hash(&mut c, &self.keys.shadow("compared")).await?;
+        let (compared, disagreed) = retrying!(self, |c| async {
+                Ok((
+                    scan_hash(c, &self.keys.shadow("compared")).await?,
+                    scan_hash(c, &self.keys.shadow("disagreed")).await?,
+                ))
+            }.await)?;
         let disagreed: std::collections::HashMap<String, String> =
-            scan_hash(&mut c, &self.keys.shadow("disagreed"))
-                .await?
-                .into_iter()
-                .collect();
+            disagreed.into_iter().collect();
         Ok(compared
             .into_iter()
             .map(|(client, n)| {
@@ -295,20 +343,21 @@ impl RedisStore {
     }
 
     pub async fn shadow_reset(&self) -> Result<(), StoreError> {
-        let mut c = self.conn().await?;
-        let _: () = redis::pipe()
-            .del(self.keys.shadow("compared"))
-            .ignore()
-            .del(self.keys.shadow("disagreed"))
-            .ignore()
-            .query_async(&mut c)
-            .await?;
-        Ok(())
+        retrying!(self, |c| async {
+            let _: () = redis::pipe()
+                .del(self.keys.shadow("compared"))
+                .ignore()
+                .del(self.keys.shadow("disagreed"))
+                .ignore()
+                .query_async(c)
+                .await?;
+            Ok(())
+        }.await)
     }
 
     async fn conn(&self) -> Result<Conn<'_>, StoreError> {
         match &self.backend {
-            Backend::Single(pool, _) => pool.get().await.map(Conn::Pooled).map_err(|e| match e {
+            Backend::Single { pool, .. } => pool.get().await.map(Conn::Pooled).map_err(|e| match e {
                 bb8::RunError::User(e) => StoreError::Redis(e),
                 bb8::RunError::TimedOut => {
                     StoreError::Pool("timed out waiting for a connection".into())
@@ -320,10 +369,11 @@ impl RedisStore {
 
     /// `SCRIPT LOAD`s both scripts, so the first requests already hit `EVALSHA`.
     pub async fn load_scripts(&self) -> Result<(), StoreError> {
-        let mut c = self.conn().await?;
-        self.bucket.load_async(&mut c).await?;
-        self.catalog_write.load_async(&mut c).await?;
-        Ok(())
+        retrying!(self, |c| async {
+            self.bucket.load_async(c).await?;
+            self.catalog_write.load_async(c).await?;
+            Ok(())
+        }.await)
     }
 
     /// Takes `cost` tokens from the bucket at `key`. Takes for one bucket that arrive on
@@ -365,12 +415,10 @@ impl RedisStore {
             inv.arg(batch.n);
         }
         let reply: Result<(usize, String), RedisError> = match &self.backend {
-            Backend::Single(_, per_thread) => {
-                let mut c = per_thread.get().await?;
-                let r = inv.invoke_async(&mut c).await;
-                if r.as_ref().is_err_and(is_transport_error) {
-                    per_thread.forget();
-                }
+            Backend::Single { per_thread, .. } => {
+                let link = per_thread.get().await?;
+                let r = inv.invoke_async(&mut link.connection()).await;
+                link.check(&r);
                 r
             }
             Backend::Cluster(c) => inv.invoke_async(&mut c.clone()).await,
@@ -391,56 +439,66 @@ impl RedisStore {
         Ok(verdicts)
     }
 
-    /// Opens this thread's request-path connection ahead of the first request.
-    pub async fn warm(&self) {
-        if let Backend::Single(_, per_thread) = &self.backend {
-            if let Err(e) = per_thread.get().await {
-                tracing::debug!(error = %e, "request-path connection not opened yet");
+    /// Keeps this worker thread's request-path connection open, from before the first
+    /// request until the thread ends (one server; a cluster connection keeps itself).
+    pub async fn keep_connected(&self) {
+        if let Backend::Single { per_thread, .. } = &self.backend {
+            per_thread.keep().await;
+        }
+    }
+
+    /// Whether Redis answers a round trip within `budget` on a *fresh* connection (the
+    /// breaker's probe). When it does, the connections opened before are retired: the
+    /// breaker opened because they failed, and a fresh one works, so they may be dead
+    /// (a partition, a failover behind the name) even though Redis is not.
+    pub async fn probe(&self, budget: Duration) -> Result<(), StoreError> {
+        match &self.backend {
+            Backend::Single { dialer, .. } => {
+                dialer.answers_fresh(budget).await?;
+                dialer.retire_all();
+                Ok(())
             }
+            Backend::Cluster(_) => tokio::time::timeout(budget, self.ping())
+                .await
+                .map_err(|_| StoreError::Pool("probe timed out".into()))?,
         }
     }
 
     pub async fn refill(&self, key: &str) -> Result<(), StoreError> {
-        let mut c = self.conn().await?;
-        let _: i64 = c.del(key).await?;
-        Ok(())
+        retrying!(self, |c| async {
+            let _: i64 = c.del(key).await?;
+            Ok(())
+        }.await)
     }
 
-    /// A round trip on a pooled connection. Connections that died with a restarted Redis
-    /// are found here one by one and replaced, so the answer is about Redis, not about a
-    /// stale socket.
+    /// A round trip on a pooled connection (readiness). Dead connections are dropped at
+    /// checkout, and one found dead on the way is retried on a fresh one, so the answer is
+    /// about Redis, not about a stale socket.
     pub async fn ping(&self) -> Result<(), StoreError> {
-        let connections = self.pool_state().map_or(0, |(open, _)| open);
-        let mut last = None;
-        for _ in 0..=connections {
-            let mut c = self.conn().await?;
-            match redis::cmd("PING").query_async::<String>(&mut c).await {
-                Ok(_) => return Ok(()),
-                Err(e) if e.is_io_error() || e.is_connection_dropped() => last = Some(e),
-                Err(e) => return Err(e.into()),
-            }
-        }
-        Err(last.map_or_else(
-            || StoreError::Pool("no connection".into()),
-            StoreError::Redis,
-        ))
+        retrying!(self, |c| async {
+            redis::cmd("PING").query_async::<String>(c).await?;
+            Ok(())
+        }.await)
     }
 
     pub async fn catalog_dump(&self) -> Result<CatalogDump, StoreError> {
-        let mut c = self.conn().await?;
+        retrying!(self, |c| self.catalog_dump_on(c).await)
+    }
+
+    async fn catalog_dump_on(&self, c: &mut Conn<'_>) -> Result<CatalogDump, StoreError> {
         // The version first: anything written during the scan is in the feed after it.
         let version: Option<u64> = c.get(self.keys.catalog("version")).await?;
         let mut dump = CatalogDump {
             version: version.unwrap_or(0),
             ..CatalogDump::default()
         };
-        for (field, raw) in scan_hash(&mut c, &self.keys.catalog("plans")).await? {
+        for (field, raw) in scan_hash(c, &self.keys.catalog("plans")).await? {
             match parse_entity::<PlanRecord>(&raw) {
                 Some(p) => dump.plans.push(p),
                 None => tracing::warn!(plan = %field, "unreadable plan record skipped"),
             }
         }
-        for (field, raw) in scan_hash(&mut c, &self.keys.catalog("clients")).await? {
+        for (field, raw) in scan_hash(c, &self.keys.catalog("clients")).await? {
             match parse_entity::<ClientRecord>(&raw) {
                 Some(p) => dump.clients.push(p),
                 None => tracing::warn!(client = %field, "unreadable client record skipped"),
@@ -452,7 +510,19 @@ impl RedisStore {
     }
 
     pub async fn catalog_changes(&self, since: u64) -> Result<CatalogChanges, StoreError> {
-        let mut c = self.conn().await?;
+        match retrying!(self, |c| self.catalog_changes_on(c, since).await)?
+        {
+            Some(changes) => Ok(changes),
+            None => Ok(CatalogChanges::Reload(self.catalog_dump().await?)),
+        }
+    }
+
+    /// What changed after `since`; `None` when the feed cannot say (reload everything).
+    async fn catalog_changes_on(
+        &self,
+        c: &mut Conn<'_>,
+        since: u64,
+    ) -> Result<Option<CatalogChanges>, StoreError> {
         let (version, entries): (Option<u64>, Vec<FeedEntry>) = redis::pipe()
             .get(self.keys.catalog("version"))
             .cmd("XRANGE")
@@ -461,11 +531,11 @@ impl RedisStore {
             .arg("+")
             .arg("COUNT")
             .arg(FEED_PAGE)
-            .query_async(&mut c)
+            .query_async(c)
             .await?;
         let version = version.unwrap_or(0);
         if version == since {
-            return Ok(CatalogChanges::Unchanged);
+            return Ok(Some(CatalogChanges::Unchanged));
         }
         // A gap (trimmed feed, or a store that was reset) means the feed cannot be trusted
         // to say what changed: reload everything.
@@ -473,8 +543,7 @@ impl RedisStore {
             .first()
             .is_some_and(|(id, _)| *id == format!("{}-0", since + 1));
         if version < since || !contiguous {
-            drop(c);
-            return Ok(CatalogChanges::Reload(self.catalog_dump().await?));
+            return Ok(None);
         }
         let last = entries
             .last()
@@ -517,7 +586,7 @@ impl RedisStore {
             Vec<Option<String>>,
             Vec<Option<String>>,
             Option<String>,
-        ) = pipe.query_async(&mut c).await?;
+        ) = pipe.query_async(c).await?;
         let plans = plan_ids
             .iter()
             .zip(plan_vals)
@@ -534,13 +603,13 @@ impl RedisStore {
                 Some((id, raw.and_then(|r| parse_entity(&r))))
             })
             .collect();
-        Ok(CatalogChanges::Delta {
+        Ok(Some(CatalogChanges::Delta {
             version: last,
             plans,
             clients,
             safety: safety_changed.then(|| safety.and_then(|r| parse_entity(&r))),
             more: entries.len() == FEED_PAGE,
-        })
+        }))
     }
 
     pub async fn catalog_write(
@@ -554,6 +623,9 @@ impl RedisStore {
         ] {
             inv.key(self.keys.catalog(part));
         }
+        // This write's own id: a resend of a write that Redis already ran (its reply lost
+        // with the connection) answers the first run's reply and changes nothing.
+        inv.key(self.keys.catalog(&format!("write:{}", uuid::Uuid::new_v4().simple())));
         let (op, plan, hashes) = match write {
             CatalogWrite::PutClient(c, _) => (
                 "put",
@@ -581,8 +653,7 @@ impl RedisStore {
             .arg(&audit.actor)
             .arg(&audit.action)
             .arg(hashes);
-        let mut c = self.conn().await?;
-        let (status, rev, detail): (String, u64, Value) = inv.invoke_async(&mut c).await?;
+        let (status, rev, detail): (String, u64, Value) = retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
         Ok(match status.as_str() {
             "ok" => WriteOutcome::Written {
                 rev,
@@ -615,15 +686,12 @@ impl RedisStore {
         hash: &str,
         id: &str,
     ) -> Result<Option<Versioned<T>>, StoreError> {
-        let mut c = self.conn().await?;
-        let raw: Option<String> = c.hget(self.keys.catalog(hash), id).await?;
+        let raw: Option<String> = retrying!(self, |c| async { Ok(c.hget(self.keys.catalog(hash), id).await?) }.await)?;
         Ok(raw.and_then(|r| parse_entity(&r)))
     }
 
     pub async fn plans(&self) -> Result<Vec<Versioned<PlanRecord>>, StoreError> {
-        let mut c = self.conn().await?;
-        let mut out: Vec<Versioned<PlanRecord>> = scan_hash(&mut c, &self.keys.catalog("plans"))
-            .await?
+        let mut out: Vec<Versioned<PlanRecord>> = retrying!(self, |c| async { scan_hash(c, &self.keys.catalog("plans")).await }.await)?
             .into_iter()
             .filter_map(|(_, raw)| parse_entity(&raw))
             .collect();
@@ -637,67 +705,69 @@ impl RedisStore {
         after: Option<&str>,
         limit: usize,
     ) -> Result<Vec<Versioned<ClientRecord>>, StoreError> {
-        let mut c = self.conn().await?;
-        let start = after.map_or_else(|| "-".to_string(), |a| format!("({a}"));
-        let ids: Vec<String> = redis::cmd("ZRANGE")
-            .arg(self.keys.catalog("index"))
-            .arg(start)
-            .arg("+")
-            .arg("BYLEX")
-            .arg("LIMIT")
-            .arg(0)
-            .arg(limit)
-            .query_async(&mut c)
-            .await?;
-        if ids.is_empty() {
-            return Ok(vec![]);
-        }
-        let raws: Vec<Option<String>> = redis::cmd("HMGET")
-            .arg(self.keys.catalog("clients"))
-            .arg(&ids)
-            .query_async(&mut c)
-            .await?;
-        Ok(raws
-            .into_iter()
-            .flatten()
-            .filter_map(|r| parse_entity(&r))
-            .collect())
+        retrying!(self, |c| async {
+            let start = after.map_or_else(|| "-".to_string(), |a| format!("({a}"));
+            let ids: Vec<String> = redis::cmd("ZRANGE")
+                .arg(self.keys.catalog("index"))
+                .arg(start)
+                .arg("+")
+                .arg("BYLEX")
+                .arg("LIMIT")
+                .arg(0)
+                .arg(limit)
+                .query_async(c)
+                .await?;
+            if ids.is_empty() {
+                return Ok(vec![]);
+            }
+            let raws: Vec<Option<String>> = redis::cmd("HMGET")
+                .arg(self.keys.catalog("clients"))
+                .arg(&ids)
+                .query_async(c)
+                .await?;
+            Ok(raws
+                .into_iter()
+                .flatten()
+                .filter_map(|r| parse_entity(&r))
+                .collect())
+        }.await)
     }
 
     /// The newest `limit` audit entries, newest first.
     pub async fn audit(&self, limit: usize) -> Result<Vec<AuditEntry>, StoreError> {
-        let mut c = self.conn().await?;
-        let entries: Vec<FeedEntry> = redis::cmd("XREVRANGE")
-            .arg(self.keys.catalog("audit"))
-            .arg("+")
-            .arg("-")
-            .arg("COUNT")
-            .arg(limit)
-            .query_async(&mut c)
-            .await?;
-        Ok(entries
-            .into_iter()
-            .map(|(_, fields)| {
-                let get = |name: &str| {
-                    fields
-                        .iter()
-                        .find(|(k, _)| k == name)
-                        .map(|(_, v)| v.clone())
-                        .unwrap_or_default()
-                };
-                let json = |name: &str| serde_json::from_str(&get(name)).ok();
-                AuditEntry {
-                    at_ms: get("at_ms").parse().unwrap_or(0),
-                    actor: get("actor"),
-                    action: get("action"),
-                    kind: get("kind"),
-                    id: get("id"),
-                    rev: get("rev").parse().unwrap_or(0),
-                    before: json("before"),
-                    after: json("after"),
-                }
-            })
-            .collect())
+        retrying!(self, |c| async {
+            let entries: Vec<FeedEntry> = redis::cmd("XREVRANGE")
+                .arg(self.keys.catalog("audit"))
+                .arg("+")
+                .arg("-")
+                .arg("COUNT")
+                .arg(limit)
+                .query_async(c)
+                .await?;
+            Ok(entries
+                .into_iter()
+                .map(|(_, fields)| {
+                    let get = |name: &str| {
+                        fields
+                            .iter()
+                            .find(|(k, _)| k == name)
+                            .map(|(_, v)| v.clone())
+                            .unwrap_or_default()
+                    };
+                    let json = |name: &str| serde_json::from_str(&get(name)).ok();
+                    AuditEntry {
+                        at_ms: get("at_ms").parse().unwrap_or(0),
+                        actor: get("actor"),
+                        action: get("action"),
+                        kind: get("kind"),
+                        id: get("id"),
+                        rev: get("rev").parse().unwrap_or(0),
+                        before: json("before"),
+                        after: json("after"),
+                    }
+                })
+                .collect())
+        }.await)
     }
 
     /// Appends an audit entry for a change outside the catalog (a bucket refill).
@@ -745,26 +815,27 @@ impl RedisStore {
     /// The bucket's tokens now (refilled on Redis' clock), or `None` if it does not exist
     /// (a missing bucket is full).
     pub async fn tokens_now(&self, key: &str, plan: Plan) -> Result<Option<f64>, StoreError> {
-        let mut c = self.conn().await?;
-        let ((tk, ts), (secs, micros)): ((Option<String>, Option<String>), (u64, u64)) =
-            redis::pipe()
-                .cmd("HMGET")
-                .arg(key)
-                .arg("tk")
-                .arg("ts")
-                .cmd("TIME")
-                .query_async(&mut c)
-                .await?;
-        let (Some(tk), Some(ts)) = (tk, ts) else {
-            return Ok(None);
-        };
-        let state = BucketState {
-            tokens: tk.parse().unwrap_or(0.0),
-            ts_us: ts.parse().unwrap_or(0),
-        };
-        let (_, v) =
-            crate::limiter::bucket::take(Some(state), secs * 1_000_000 + micros, plan, 0.0);
-        Ok(Some(v.tokens))
+        retrying!(self, |c| async {
+            let ((tk, ts), (secs, micros)): ((Option<String>, Option<String>), (u64, u64)) =
+                redis::pipe()
+                    .cmd("HMGET")
+                    .arg(key)
+                    .arg("tk")
+                    .arg("ts")
+                    .cmd("TIME")
+                    .query_async(c)
+                    .await?;
+            let (Some(tk), Some(ts)) = (tk, ts) else {
+                return Ok(None);
+            };
+            let state = BucketState {
+                tokens: tk.parse().unwrap_or(0.0),
+                ts_us: ts.parse().unwrap_or(0),
+            };
+            let (_, v) =
+                crate::limiter::bucket::take(Some(state), secs * 1_000_000 + micros, plan, 0.0);
+            Ok(Some(v.tokens))
+        }.await)
     }
 }
 

@@ -1,41 +1,64 @@
-//! A bb8 manager for multiplexed Redis connections that notices dead ones.
+//! Connections to one Redis server, and how a dead one is noticed and left behind.
 //!
-//! bb8-redis's manager reports a connection as never broken, so after a Redis restart its
-//! pool keeps handing out connections whose socket is gone. Here a connection that failed
-//! with an I/O error is marked, and bb8 drops it and opens a fresh one.
+//! A connection can die three ways, and each is caught here:
+//! - **Closed** (Redis restarted, a reset): the connection's driver task sees the socket end
+//!   and marks the [`Link`] closed at once, before anybody sends on it. A closed link is
+//!   never handed out again, so a command is never written into a dead socket.
+//! - **Silent** (a partition, a failover that moved the name, a NAT that dropped its state):
+//!   nothing ends, nothing answers. The control plane's commands have a deadline
+//!   (`redis.control_timeout_ms`); one that passes it retires *every* connection opened so
+//!   far ([`Dialer::retire_all`]), since they share the path that just went quiet. On the
+//!   request path the circuit breaker opens, and its probe dials a *fresh* connection: if
+//!   that answers, Redis is fine and the old connections are the problem, so they are
+//!   retired too. TCP keepalive and `TCP_USER_TIMEOUT` on every socket let the kernel
+//!   catch what is left (a peer that stops acknowledging).
+//! - **Broken** (an I/O error on a command): the link is marked and replaced.
+//!
+//! The request path uses one multiplexed connection per worker thread ([`PerThread`]),
+//! kept open by a keeper task on that worker, which re-dials as soon as its link is
+//! closed or retired, so a request after a Redis restart finds a live connection. Every
+//! other caller checks out a pooled connection (bb8 with [`RedisManager`]; bb8-redis's own
+//! manager never reports a broken connection), and a link that is not usable is dropped
+//! at checkout instead of failing the caller's command.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::rc::Rc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::future::Future;
+use std::pin::Pin;
+use std::rc::{Rc, Weak};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::future::{FutureExt, Shared};
 use redis::aio::{ConnectionLike, MultiplexedConnection};
-use redis::{AsyncConnectionConfig, Cmd, Pipeline, RedisError, RedisFuture, Value};
+use redis::io::tcp::{socket2, TcpSettings};
+use redis::{
+    AsyncConnectionConfig, Cmd, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, Pipeline,
+    RedisError, RedisFuture, Value,
+};
+use tokio::sync::{watch, Notify};
 
-pub struct RedisManager {
-    client: redis::Client,
-}
+/// Keepalive probes on an idle socket: a dead peer is noticed within ~11 s.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(5);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
+const KEEPALIVE_RETRIES: u32 = 3;
+/// Data left unacknowledged this long fails the socket (Linux `TCP_USER_TIMEOUT`).
+const USER_TIMEOUT: Duration = Duration::from_secs(10);
+/// A keeper whose dial failed tries again after this, doubling up to [`REDIAL_MAX`].
+const REDIAL_MIN: Duration = Duration::from_millis(50);
+const REDIAL_MAX: Duration = Duration::from_millis(500);
 
-impl RedisManager {
-    pub fn new(url: &str) -> Result<RedisManager, RedisError> {
-        Ok(RedisManager {
-            client: redis::Client::open(url)?,
-        })
-    }
-
-    pub fn client(&self) -> redis::Client {
-        self.client.clone()
-    }
-}
-
-fn config() -> AsyncConnectionConfig {
-    // No response timeout of its own: the decision budget bounds every call, and a
-    // reply that arrives after it is matched to its own (abandoned) request by the
-    // multiplexer, never to the next one.
-    AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(Duration::from_secs(1)))
-        .set_response_timeout(None)
+/// The TCP options every Redis socket gets (cluster connections too).
+pub fn tcp_settings() -> TcpSettings {
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_RETRIES);
+    TcpSettings::default()
+        .set_nodelay(true)
+        .set_keepalive(keepalive)
+        .set_user_timeout(USER_TIMEOUT)
 }
 
 /// Whether an error means the connection itself is gone (not a Redis error reply).
@@ -43,62 +66,264 @@ pub fn is_transport_error(e: &RedisError) -> bool {
     e.is_io_error() || e.is_connection_dropped() || e.is_unrecoverable_error()
 }
 
+/// How to reach one server, and which of its connections are still trusted.
+pub struct Dialer {
+    info: ConnectionInfo,
+    /// Bounds a dial (TCP connect and handshake) and every control-plane command.
+    control_timeout: Duration,
+    /// Connections dialed before the current generation are retired.
+    generation: watch::Sender<u64>,
+}
+
+impl Dialer {
+    pub fn new(url: &str, control_timeout: Duration) -> Result<Dialer, RedisError> {
+        let info = url.into_connection_info()?.set_tcp_settings(tcp_settings());
+        Ok(Dialer {
+            info,
+            control_timeout,
+            generation: watch::Sender::new(0),
+        })
+    }
+
+    fn generation(&self) -> u64 {
+        *self.generation.borrow()
+    }
+
+    /// Retires every connection dialed so far: each is replaced before its next use.
+    pub fn retire_all(&self) {
+        self.generation.send_modify(|g| *g += 1);
+    }
+
+    /// A new connection. `response_timeout` bounds each of its commands (`None`: the
+    /// caller bounds them, as the request path does with its decision budget).
+    pub async fn dial(&self, response_timeout: Option<Duration>) -> Result<Link, RedisError> {
+        let generation = self.generation();
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.control_timeout))
+            .set_response_timeout(response_timeout);
+        let health = Arc::new(Health {
+            generation,
+            closed: AtomicBool::new(false),
+            broken: AtomicBool::new(false),
+            ended: Notify::new(),
+        });
+        let conn = match self.info.addr() {
+            ConnectionAddr::Tcp(host, port) => {
+                let connect = async {
+                    let stream = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
+                    let settings = self.info.tcp_settings();
+                    let sock = socket2::SockRef::from(&stream);
+                    sock.set_tcp_nodelay(settings.nodelay())?;
+                    if let Some(k) = settings.keepalive() {
+                        sock.set_tcp_keepalive(k)?;
+                    }
+                    if let Some(t) = settings.user_timeout() {
+                        sock.set_tcp_user_timeout(Some(t))?;
+                    }
+                    let (conn, driver) = MultiplexedConnection::new_with_config(
+                        self.info.redis_settings(),
+                        stream,
+                        config,
+                    )
+                    .await?;
+                    // The driver ends when the socket does: the link is closed from then on.
+                    let h = Arc::clone(&health);
+                    tokio::spawn(async move {
+                        driver.await;
+                        h.closed.store(true, Ordering::Release);
+                        h.ended.notify_waiters();
+                    });
+                    Ok::<_, RedisError>(conn)
+                };
+                tokio::time::timeout(self.control_timeout, connect)
+                    .await
+                    .map_err(|_| {
+                        RedisError::from(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            "connecting to redis timed out",
+                        ))
+                    })??
+            }
+            // Unix sockets and the like: the client's own connection (its end is noticed
+            // by the first command that fails on it instead).
+            _ => {
+                redis::Client::open(self.info.clone())?
+                    .get_multiplexed_async_connection_with_config(&config)
+                    .await?
+            }
+        };
+        Ok(Link { conn, health })
+    }
+
+    /// Whether the server answers a fresh connection within `budget` (after dialing it,
+    /// which has the control timeout): tells a Redis that is down from connections that
+    /// are dead.
+    pub async fn answers_fresh(&self, budget: Duration) -> Result<(), RedisError> {
+        let link = self.dial(Some(budget)).await?;
+        let mut conn = link.conn.clone();
+        redis::cmd("PING").query_async::<String>(&mut conn).await?;
+        Ok(())
+    }
+}
+
+/// What is known about one connection.
+struct Health {
+    generation: u64,
+    /// The socket ended (set by the driver task).
+    closed: AtomicBool,
+    /// A command on it failed at the transport level.
+    broken: AtomicBool,
+    ended: Notify,
+}
+
+/// One multiplexed connection and what is known about it.
+#[derive(Clone)]
+pub struct Link {
+    conn: MultiplexedConnection,
+    health: Arc<Health>,
+}
+
+impl Link {
+    /// Whether it can still be used: open, not broken, not retired.
+    pub fn usable(&self, dialer: &Dialer) -> bool {
+        !self.health.closed.load(Ordering::Acquire)
+            && !self.health.broken.load(Ordering::Relaxed)
+            && self.health.generation == dialer.generation()
+    }
+
+    pub fn connection(&self) -> MultiplexedConnection {
+        self.conn.clone()
+    }
+
+    /// Marks it broken when `r` failed at the transport level.
+    pub fn check<T>(&self, r: &Result<T, RedisError>) {
+        if r.as_ref().is_err_and(is_transport_error) {
+            self.health.broken.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+type Dial = Shared<Pin<Box<dyn Future<Output = Result<Link, RedisError>>>>>;
+
+/// One thread's request-path connection, or the dial that will bring it.
+#[derive(Default)]
+struct Slot {
+    link: RefCell<Option<Link>>,
+    dialing: RefCell<Option<Dial>>,
+}
+
+impl Slot {
+    /// The dial in flight, or a new one. It is shared: requests waiting for it and the
+    /// keeper all drive it, and a request that gives up does not cancel it.
+    fn dial(self: &Rc<Self>, dialer: &Arc<Dialer>) -> Dial {
+        if let Some(d) = &*self.dialing.borrow() {
+            return d.clone();
+        }
+        let (slot, dialer) = (Rc::downgrade(self), Arc::clone(dialer));
+        let dial: Pin<Box<dyn Future<Output = _>>> = Box::pin(async move {
+            let r = dialer.dial(None).await;
+            if let Some(slot) = Weak::upgrade(&slot) {
+                slot.dialing.borrow_mut().take();
+                if let Ok(link) = &r {
+                    *slot.link.borrow_mut() = Some(link.clone());
+                }
+            }
+            r
+        });
+        let dial = dial.shared();
+        *self.dialing.borrow_mut() = Some(dial.clone());
+        dial
+    }
+}
+
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
-type Slot = Rc<tokio::sync::OnceCell<MultiplexedConnection>>;
-
 thread_local! {
-    static CONNECTIONS: RefCell<HashMap<u64, Slot>> = RefCell::new(HashMap::new());
+    static SLOTS: RefCell<HashMap<u64, Rc<Slot>>> = RefCell::new(HashMap::new());
 }
 
 /// One multiplexed connection per thread, for the request path.
 ///
 /// Each actix worker runs its own single-threaded runtime. A connection made there has its
 /// reader and writer on that worker's thread, so a decision is one hop to Redis and back;
-/// a pooled connection made elsewhere would add a hop to another thread each way (and, on
-/// a busy machine, waits for that thread to be scheduled).
+/// a pooled connection made elsewhere would add a hop to another thread each way.
 pub struct PerThread {
     id: u64,
-    client: redis::Client,
+    dialer: Arc<Dialer>,
 }
 
 impl PerThread {
-    pub fn new(client: redis::Client) -> PerThread {
+    pub fn new(dialer: Arc<Dialer>) -> PerThread {
         PerThread {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            client,
+            dialer,
         }
     }
 
-    /// This thread's connection, made on first use; concurrent first uses share one
-    /// connection attempt.
-    pub async fn get(&self) -> Result<MultiplexedConnection, RedisError> {
-        let slot = CONNECTIONS.with(|m| m.borrow_mut().entry(self.id).or_default().clone());
-        slot.get_or_try_init(|| async {
-            self.client
-                .get_multiplexed_async_connection_with_config(&config())
-                .await
-        })
-        .await
-        .cloned()
+    fn slot(&self) -> Rc<Slot> {
+        SLOTS.with(|m| Rc::clone(m.borrow_mut().entry(self.id).or_default()))
     }
 
-    /// Drops this thread's connection after a transport error; the next call reconnects.
-    pub fn forget(&self) {
-        CONNECTIONS.with(|m| m.borrow_mut().remove(&self.id));
+    /// This thread's usable link, dialing one (or joining the dial in flight) if needed.
+    pub async fn get(&self) -> Result<Link, RedisError> {
+        let slot = self.slot();
+        if let Some(link) = &*slot.link.borrow() {
+            if link.usable(&self.dialer) {
+                return Ok(link.clone());
+            }
+        }
+        slot.link.borrow_mut().take();
+        let dial = slot.dial(&self.dialer);
+        drop(slot);
+        dial.await
+    }
+
+    /// Keeps this thread's link open for as long as the thread runs: re-dials as soon as
+    /// it is closed or retired, so requests do not find it dead. Spawn once per worker.
+    pub async fn keep(&self) {
+        let mut generation = self.dialer.generation.subscribe();
+        let mut backoff = REDIAL_MIN;
+        loop {
+            match self.get().await {
+                Ok(link) => {
+                    backoff = REDIAL_MIN;
+                    let ended = link.health.ended.notified();
+                    tokio::pin!(ended);
+                    // Registered before the check, so an end in between is not missed.
+                    ended.as_mut().enable();
+                    if link.usable(&self.dialer) {
+                        tokio::select! {
+                            _ = ended => {}
+                            _ = generation.changed() => {}
+                            // Broken links are found by a command, not by a signal.
+                            _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "request-path connection not open yet");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(REDIAL_MAX);
+                }
+            }
+        }
     }
 }
 
-/// A multiplexed connection that remembers whether it failed at the transport level.
+/// A pooled connection: a [`Link`] whose commands have the control timeout. A command that
+/// fails at the transport level breaks it; one that times out retires every connection.
 pub struct RedisConn {
-    inner: MultiplexedConnection,
-    broken: bool,
+    link: Link,
+    dialer: Arc<Dialer>,
 }
 
 impl RedisConn {
-    fn check<T>(&mut self, r: Result<T, RedisError>) -> Result<T, RedisError> {
-        if r.as_ref().is_err_and(is_transport_error) {
-            self.broken = true;
+    fn check<T>(&self, r: Result<T, RedisError>) -> Result<T, RedisError> {
+        self.link.check(&r);
+        if r.as_ref().is_err_and(|e| e.is_timeout()) {
+            self.link.health.broken.store(true, Ordering::Relaxed);
+            tracing::warn!("redis command timed out: replacing every connection to it");
+            self.dialer.retire_all();
         }
         r
     }
@@ -107,7 +332,7 @@ impl RedisConn {
 impl ConnectionLike for RedisConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         Box::pin(async move {
-            let r = self.inner.req_packed_command(cmd).await;
+            let r = self.link.conn.req_packed_command(cmd).await;
             self.check(r)
         })
     }
@@ -119,13 +344,24 @@ impl ConnectionLike for RedisConn {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         Box::pin(async move {
-            let r = self.inner.req_packed_commands(cmd, offset, count).await;
+            let r = self.link.conn.req_packed_commands(cmd, offset, count).await;
             self.check(r)
         })
     }
 
     fn get_db(&self) -> i64 {
-        self.inner.get_db()
+        self.link.conn.get_db()
+    }
+}
+
+/// The bb8 manager of the control plane's connections.
+pub struct RedisManager {
+    dialer: Arc<Dialer>,
+}
+
+impl RedisManager {
+    pub fn new(dialer: Arc<Dialer>) -> RedisManager {
+        RedisManager { dialer }
     }
 }
 
@@ -134,21 +370,29 @@ impl bb8::ManageConnection for RedisManager {
     type Error = RedisError;
 
     async fn connect(&self) -> Result<RedisConn, RedisError> {
+        let link = self
+            .dialer
+            .dial(Some(self.dialer.control_timeout))
+            .await?;
         Ok(RedisConn {
-            inner: self
-                .client
-                .get_multiplexed_async_connection_with_config(&config())
-                .await?,
-            broken: false,
+            link,
+            dialer: Arc::clone(&self.dialer),
         })
     }
 
+    /// At checkout, without a round trip: a closed, broken or retired link is dropped
+    /// and another (or a new one) is handed out instead.
     async fn is_valid(&self, conn: &mut RedisConn) -> Result<(), RedisError> {
-        let _: String = redis::cmd("PING").query_async(conn).await?;
-        Ok(())
+        if conn.link.usable(&self.dialer) {
+            Ok(())
+        } else {
+            Err(RedisError::from(std::io::Error::from(
+                std::io::ErrorKind::BrokenPipe,
+            )))
+        }
     }
 
     fn has_broken(&self, conn: &mut RedisConn) -> bool {
-        conn.broken
+        !conn.link.usable(&self.dialer)
     }
 }
