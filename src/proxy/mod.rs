@@ -1,5 +1,6 @@
-//! The data plane: [`guard`] (API key → client → route → decision) wraps [`forward`]
-//! (one upstream replica, streamed both ways).
+//! The data plane: [`guard`] (path → API key → client → route → decision) wraps
+//! [`forward`] (one upstream replica, streamed both ways). [`NormalPath`] is the one form
+//! a path is routed and forwarded in.
 
 mod forward;
 mod guard;
