@@ -20,6 +20,11 @@ pub enum ApiError {
     MissingKey(String),
     #[error("no route matches this path")]
     NoRoute,
+    /// A request path the gateway will not route (see `proxy::PathError`).
+    #[error("{0}")]
+    BadPath(String),
+    #[error("the path is longer than {0} bytes")]
+    PathTooLong(usize),
     #[error("rate limit exceeded; retry after {retry_after_s} s")]
     RateLimited {
         retry_after_ms: u64,
@@ -102,6 +107,8 @@ impl ApiError {
         match self {
             ApiError::MissingKey(_) => "unauthorized",
             ApiError::NoRoute => "not-found",
+            ApiError::BadPath(_) => "bad-path",
+            ApiError::PathTooLong(_) => "uri-too-long",
             ApiError::RateLimited { .. } | ApiError::CostExceedsCapacity => "rate-limited",
             ApiError::PayloadTooLarge(_) => "payload-too-large",
             ApiError::BadGateway => "bad-gateway",
@@ -124,6 +131,8 @@ impl ResponseError for ApiError {
         match self {
             ApiError::MissingKey(_) => StatusCode::UNAUTHORIZED,
             ApiError::NoRoute => StatusCode::NOT_FOUND,
+            ApiError::BadPath(_) => StatusCode::BAD_REQUEST,
+            ApiError::PathTooLong(_) => StatusCode::URI_TOO_LONG,
             ApiError::RateLimited { .. } | ApiError::CostExceedsCapacity => {
                 StatusCode::TOO_MANY_REQUESTS
             }

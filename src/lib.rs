@@ -1,7 +1,8 @@
 //! tollgate: an API gateway that enforces one token bucket per client, once, at the edge.
 //!
 //! How the pieces fit, in request order:
-//! - [`proxy::guard`] (middleware) hashes the API key and finds the client in the
+//! - [`proxy::guard`] (middleware) brings the path to its normal form
+//!   ([`proxy::NormalPath`]), hashes the API key and finds the client in the
 //!   [`catalog`] mirror (memory only), picks the route, and asks the [`limiter`] for a
 //!   decision: one atomic call into the [`store`] (a Redis script, or the same arithmetic
 //!   in process), bounded by `redis.timeout_ms`, failing open past it.

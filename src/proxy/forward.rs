@@ -56,8 +56,13 @@ pub async fn forward(
     span.record("service", &*route.service);
     span.record("upstream", upstream.base());
 
+    // The path the request was routed on: the guard's normal form when it rewrote it.
+    let path_and_query = admitted
+        .path_and_query
+        .as_ref()
+        .or(req.uri().path_and_query());
     let uri = upstream
-        .uri(req.uri().path_and_query())
+        .uri(path_and_query)
         .map_err(|e| ApiError::Internal(e.into()))?;
     let mut out = client
         .request(req.method().clone(), uri)

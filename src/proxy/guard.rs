@@ -5,10 +5,11 @@ use std::sync::Arc;
 use actix_web::body::{BoxBody, MessageBody};
 use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::http::header;
+use actix_web::http::uri::PathAndQuery;
 use actix_web::middleware::Next;
 use actix_web::{web, HttpMessage, ResponseError};
 
-use super::Route;
+use super::{NormalPath, Route};
 use crate::catalog::ClientEntry;
 use crate::domain::{KeyHash, Mode};
 use crate::error::ApiError;
@@ -20,11 +21,15 @@ use crate::state::AppState;
 pub struct Admitted {
     pub client: Arc<ClientEntry>,
     pub route: Arc<Route>,
+    /// The normal form of the path with the query as received, when it differs from the
+    /// request's; `None`: forward the request's own (most paths are already normal).
+    pub path_and_query: Option<PathAndQuery>,
 }
 
-/// Decides a request: `401` for a missing or unknown key (no store call), `404` without a
-/// route, `413` for a declared body over the limit, `429` when the bucket is empty. All
-/// before a token is spent or a service is called. Admitted requests go on to the
+/// Decides a request: `400`/`414` for a path it will not route (see [`NormalPath`]),
+/// `401` for a missing or unknown key (no store call), `404` without a route for the
+/// normal path, `413` for a declared body over the limit, `429` when the bucket is empty.
+/// All before a token is spent or a service is called. Admitted requests go on to the
 /// forwarder, and every answer carries the client's rate-limit headers.
 #[tracing::instrument(name = "guard", level = "debug", skip_all, fields(client_id = tracing::field::Empty))]
 pub async fn guard(
@@ -41,6 +46,12 @@ pub async fn guard(
         ));
     };
 
+    // First: it costs nothing, needs no key, and a bad path must never be charged.
+    let path = match NormalPath::parse(req.path()) {
+        Ok(path) => path,
+        Err(e) => return Ok(reject(req, e.into(), None)),
+    };
+
     let client = req
         .headers()
         .get(&state.api_key_header)
@@ -53,8 +64,13 @@ pub async fn guard(
     };
     tracing::Span::current().record("client_id", client.id.as_str());
 
-    let Some(route) = state.routes.find(req.path()).cloned() else {
+    let Some(route) = state.routes.find(path.as_str()).cloned() else {
         return Ok(reject(req, ApiError::NoRoute, None));
+    };
+    // The service must see exactly the path that was routed.
+    let path_and_query = match rewritten(&path, req.uri().query()) {
+        Ok(pq) => pq,
+        Err(e) => return Ok(reject(req, e, None)),
     };
     let declared_len = req
         .headers()
@@ -93,13 +109,32 @@ pub async fn guard(
     // limiter (and the client) after the forward.
     let shadow =
         (client.mode == Mode::Shadow).then(|| (Arc::clone(&state.limiter), Arc::clone(&client)));
-    req.extensions_mut().insert(Admitted { client, route });
+    req.extensions_mut().insert(Admitted {
+        client,
+        route,
+        path_and_query,
+    });
     let mut res = next.call(req).await?.map_into_boxed_body();
     if let Some((limiter, client)) = shadow {
         limiter.compare(&client, &decision, res.status().as_u16());
     }
     rl.apply(res.headers_mut());
     Ok(res)
+}
+
+/// The path and query to forward when the path was rewritten: the normal path, then the
+/// query byte for byte.
+fn rewritten(path: &NormalPath, query: Option<&str>) -> Result<Option<PathAndQuery>, ApiError> {
+    if !path.is_rewritten() {
+        return Ok(None);
+    }
+    let pq = match query {
+        Some(q) => format!("{}?{q}", path.as_str()),
+        None => path.as_str().to_string(),
+    };
+    PathAndQuery::try_from(pq)
+        .map(Some)
+        .map_err(|e| ApiError::Internal(e.into()))
 }
 
 fn reject(

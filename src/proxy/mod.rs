@@ -1,12 +1,15 @@
-//! The data plane: [`guard`] (API key → client → route → decision) wraps [`forward`]
-//! (one upstream replica, streamed both ways).
+//! The data plane: [`guard`] (path → API key → client → route → decision) wraps
+//! [`forward`] (one upstream replica, streamed both ways). [`NormalPath`] is the one form
+//! a path is routed and forwarded in.
 
 mod forward;
 mod guard;
 mod headers;
+mod path;
 mod routes;
 
 pub use forward::{forward, upstream_client};
 pub use guard::{guard, Admitted};
 pub use headers::{request_id, RequestId};
+pub use path::{NormalPath, PathError, MAX_PATH_BYTES};
 pub use routes::{Route, RouteTable, Upstream};

@@ -7,6 +7,7 @@ mod cluster;
 mod configuration;
 mod forwarding;
 mod limiting;
+mod paths;
 mod regions;
 mod resilience;
 mod stores;
