@@ -298,7 +298,10 @@ impl Settings {
             bad("redis.timeout_ms", "must be between 1 and 10000".into());
         }
         if self.redis.control_timeout_ms < 10 || self.redis.control_timeout_ms > 60_000 {
-            bad("redis.control_timeout_ms", "must be between 10 and 60000".into());
+            bad(
+                "redis.control_timeout_ms",
+                "must be between 10 and 60000".into(),
+            );
         }
         if self.redis.pool_size == 0 || self.redis.pool_size > 1024 {
             bad("redis.pool_size", "must be between 1 and 1024".into());

@@ -213,7 +213,7 @@ fn open_store(settings: &Settings, keys: &Keys) -> anyhow::Result<Store> {
             settings.redis.control_timeout(),
             keys.clone(),
         )
-            .context("redis.cluster_nodes")?;
+        .context("redis.cluster_nodes")?;
         return Ok(Store::Redis(Arc::new(store)));
     }
     let store = RedisStore::connect(
@@ -222,7 +222,7 @@ fn open_store(settings: &Settings, keys: &Keys) -> anyhow::Result<Store> {
         settings.redis.control_timeout(),
         keys.clone(),
     )
-        .context("redis.url")?;
+    .context("redis.url")?;
     Ok(Store::Redis(Arc::new(store)))
 }
 
@@ -239,7 +239,7 @@ fn open_regional_store(settings: &Settings, keys: &Keys, global: &Store) -> anyh
         settings.redis.control_timeout(),
         keys.clone(),
     )
-        .context("redis.regional_url")?;
+    .context("redis.regional_url")?;
     Ok(Store::Redis(Arc::new(store)))
 }
 

@@ -150,11 +150,8 @@ impl Limiter {
         if self.regional.same_as(&self.store) {
             self.store.keep_connected().await;
         } else {
-            futures_util::future::join(
-                self.store.keep_connected(),
-                self.regional.keep_connected(),
-            )
-            .await;
+            futures_util::future::join(self.store.keep_connected(), self.regional.keep_connected())
+                .await;
         }
     }
 

@@ -158,7 +158,11 @@ impl Store {
     /// Whether the store answers a round trip within `budget` (the breaker's probe): on the
     /// node owning `key` (Redis Cluster), else on a fresh connection (see
     /// [`RedisStore::probe`]).
-    pub async fn probe(&self, key: Option<&str>, budget: std::time::Duration) -> Result<(), StoreError> {
+    pub async fn probe(
+        &self,
+        key: Option<&str>,
+        budget: std::time::Duration,
+    ) -> Result<(), StoreError> {
         match (self, key) {
             (Store::Redis(s), Some(key)) if s.is_cluster() => {
                 tokio::time::timeout(budget, s.probe_key(key))

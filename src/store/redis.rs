@@ -210,7 +210,10 @@ impl RedisStore {
 
     /// Which node serves which slots: (first slot, last slot, "host:port") per range.
     pub async fn cluster_slots(&self) -> Result<Vec<(u16, u16, String)>, StoreError> {
-        let ranges: Vec<Value> = retrying!(self, |c| async { Ok(redis::cmd("CLUSTER").arg("SLOTS").query_async(c).await?) }.await)?;
+        let ranges: Vec<Value> = retrying!(self, |c| async {
+            Ok(redis::cmd("CLUSTER").arg("SLOTS").query_async(c).await?)
+        }
+        .await)?;
         let mut out = Vec::new();
         for r in ranges {
             let Value::Array(parts) = r else { continue };
@@ -259,13 +262,15 @@ impl RedisStore {
         &self,
         client: &ClientId,
     ) -> Result<(Option<ShardState>, Vec<serde_json::Value>), StoreError> {
-        let (fields, history): (std::collections::HashMap<String, String>, Vec<String>) = retrying!(self, |c| async {
+        let (fields, history): (std::collections::HashMap<String, String>, Vec<String>) =
+            retrying!(self, |c| async {
                 Ok(redis::pipe()
                     .hgetall(self.keys.shard_state(client))
                     .lrange(self.keys.shard_history(client), 0, 59)
                     .query_async(c)
                     .await?)
-            }.await)?;
+            }
+            .await)?;
         let history = history
             .iter()
             .filter_map(|h| serde_json::from_str(h).ok())
@@ -323,13 +328,13 @@ impl RedisStore {
     /// Shadow-mode counts per client, summed over every gateway sharing this store.
     pub async fn shadow_counts(&self) -> Result<Vec<(String, u64, u64)>, StoreError> {
         let (compared, disagreed) = retrying!(self, |c| async {
-                Ok((
-                    scan_hash(c, &self.keys.shadow("compared")).await?,
-                    scan_hash(c, &self.keys.shadow("disagreed")).await?,
-                ))
-            }.await)?;
-        let disagreed: std::collections::HashMap<String, String> =
-            disagreed.into_iter().collect();
+            Ok((
+                scan_hash(c, &self.keys.shadow("compared")).await?,
+                scan_hash(c, &self.keys.shadow("disagreed")).await?,
+            ))
+        }
+        .await)?;
+        let disagreed: std::collections::HashMap<String, String> = disagreed.into_iter().collect();
         Ok(compared
             .into_iter()
             .map(|(client, n)| {
@@ -352,17 +357,20 @@ impl RedisStore {
                 .query_async(c)
                 .await?;
             Ok(())
-        }.await)
+        }
+        .await)
     }
 
     async fn conn(&self) -> Result<Conn<'_>, StoreError> {
         match &self.backend {
-            Backend::Single { pool, .. } => pool.get().await.map(Conn::Pooled).map_err(|e| match e {
-                bb8::RunError::User(e) => StoreError::Redis(e),
-                bb8::RunError::TimedOut => {
-                    StoreError::Pool("timed out waiting for a connection".into())
-                }
-            }),
+            Backend::Single { pool, .. } => {
+                pool.get().await.map(Conn::Pooled).map_err(|e| match e {
+                    bb8::RunError::User(e) => StoreError::Redis(e),
+                    bb8::RunError::TimedOut => {
+                        StoreError::Pool("timed out waiting for a connection".into())
+                    }
+                })
+            }
             Backend::Cluster(c) => Ok(Conn::Cluster(c.clone())),
         }
     }
@@ -373,7 +381,8 @@ impl RedisStore {
             self.bucket.load_async(c).await?;
             self.catalog_write.load_async(c).await?;
             Ok(())
-        }.await)
+        }
+        .await)
     }
 
     /// Takes `cost` tokens from the bucket at `key`. Takes for one bucket that arrive on
@@ -468,7 +477,8 @@ impl RedisStore {
         retrying!(self, |c| async {
             let _: i64 = c.del(key).await?;
             Ok(())
-        }.await)
+        }
+        .await)
     }
 
     /// A round trip on a pooled connection (readiness). Dead connections are dropped at
@@ -478,7 +488,8 @@ impl RedisStore {
         retrying!(self, |c| async {
             redis::cmd("PING").query_async::<String>(c).await?;
             Ok(())
-        }.await)
+        }
+        .await)
     }
 
     pub async fn catalog_dump(&self) -> Result<CatalogDump, StoreError> {
@@ -510,8 +521,7 @@ impl RedisStore {
     }
 
     pub async fn catalog_changes(&self, since: u64) -> Result<CatalogChanges, StoreError> {
-        match retrying!(self, |c| self.catalog_changes_on(c, since).await)?
-        {
+        match retrying!(self, |c| self.catalog_changes_on(c, since).await)? {
             Some(changes) => Ok(changes),
             None => Ok(CatalogChanges::Reload(self.catalog_dump().await?)),
         }
@@ -625,7 +635,10 @@ impl RedisStore {
         }
         // This write's own id: a resend of a write that Redis already ran (its reply lost
         // with the connection) answers the first run's reply and changes nothing.
-        inv.key(self.keys.catalog(&format!("write:{}", uuid::Uuid::new_v4().simple())));
+        inv.key(
+            self.keys
+                .catalog(&format!("write:{}", uuid::Uuid::new_v4().simple())),
+        );
         let (op, plan, hashes) = match write {
             CatalogWrite::PutClient(c, _) => (
                 "put",
@@ -653,7 +666,8 @@ impl RedisStore {
             .arg(&audit.actor)
             .arg(&audit.action)
             .arg(hashes);
-        let (status, rev, detail): (String, u64, Value) = retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
+        let (status, rev, detail): (String, u64, Value) =
+            retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
         Ok(match status.as_str() {
             "ok" => WriteOutcome::Written {
                 rev,
@@ -686,15 +700,21 @@ impl RedisStore {
         hash: &str,
         id: &str,
     ) -> Result<Option<Versioned<T>>, StoreError> {
-        let raw: Option<String> = retrying!(self, |c| async { Ok(c.hget(self.keys.catalog(hash), id).await?) }.await)?;
+        let raw: Option<String> = retrying!(self, |c| async {
+            Ok(c.hget(self.keys.catalog(hash), id).await?)
+        }
+        .await)?;
         Ok(raw.and_then(|r| parse_entity(&r)))
     }
 
     pub async fn plans(&self) -> Result<Vec<Versioned<PlanRecord>>, StoreError> {
-        let mut out: Vec<Versioned<PlanRecord>> = retrying!(self, |c| async { scan_hash(c, &self.keys.catalog("plans")).await }.await)?
-            .into_iter()
-            .filter_map(|(_, raw)| parse_entity(&raw))
-            .collect();
+        let mut out: Vec<Versioned<PlanRecord>> = retrying!(self, |c| async {
+            scan_hash(c, &self.keys.catalog("plans")).await
+        }
+        .await)?
+        .into_iter()
+        .filter_map(|(_, raw)| parse_entity(&raw))
+        .collect();
         out.sort_by(|a, b| a.value.name.cmp(&b.value.name));
         Ok(out)
     }
@@ -730,7 +750,8 @@ impl RedisStore {
                 .flatten()
                 .filter_map(|r| parse_entity(&r))
                 .collect())
-        }.await)
+        }
+        .await)
     }
 
     /// The newest `limit` audit entries, newest first.
@@ -767,7 +788,8 @@ impl RedisStore {
                     }
                 })
                 .collect())
-        }.await)
+        }
+        .await)
     }
 
     /// Appends an audit entry for a change outside the catalog (a bucket refill).
@@ -835,7 +857,8 @@ impl RedisStore {
             let (_, v) =
                 crate::limiter::bucket::take(Some(state), secs * 1_000_000 + micros, plan, 0.0);
             Ok(Some(v.tokens))
-        }.await)
+        }
+        .await)
     }
 }
 

@@ -370,10 +370,7 @@ impl bb8::ManageConnection for RedisManager {
     type Error = RedisError;
 
     async fn connect(&self) -> Result<RedisConn, RedisError> {
-        let link = self
-            .dialer
-            .dial(Some(self.dialer.control_timeout))
-            .await?;
+        let link = self.dialer.dial(Some(self.dialer.control_timeout)).await?;
         Ok(RedisConn {
             link,
             dialer: Arc::clone(&self.dialer),

@@ -5,6 +5,7 @@ mod helpers;
 mod admin;
 mod cluster;
 mod configuration;
+mod faults;
 mod forwarding;
 mod limiting;
 mod paths;

@@ -21,7 +21,8 @@ async fn the_embedded_store_decides_like_the_redis_script_on_the_same_timeline()
             2,
             std::time::Duration::from_secs(1),
             Keys::new("t:"),
-        ).unwrap(),
+        )
+        .unwrap(),
     ));
     let plan = Plan::new(3.0, 2.0).unwrap();
     // (pause before, cost): a burst past capacity, a partial refill, a cost the refill

@@ -1,0 +1,305 @@
+//! Network faults between the gateway and Redis, injected with the test kit's TCP proxy
+//! (`FaultProxy`) in front of a real `redis-server`, and Redis restarts with signals: the
+//! gateway notices dead connections however they died, and limiting, admin writes and
+//! catalog changes come back on their own within the README's bounds.
+
+use std::time::{Duration, Instant};
+
+use reqwest::Method;
+use serde_json::{json, Value};
+use tollgate_testkit::FaultProxy;
+
+use crate::helpers::*;
+
+fn token() -> String {
+    admin_token("ops", "admin:read admin:write")
+}
+
+/// A gateway on Redis behind a fault proxy: plan `gold` with room to spare, client `acme`
+/// (key `key-acme-0000`), a route to one upstream, two workers.
+async fn gateway_behind(proxy_url: &str, up: &Upstream) -> TestGateway {
+    let toml = format!(
+        "{}[server]\nworkers = 2\n[redis]\nurl = \"{proxy_url}\"\n[catalog]\nrefresh_ms = 1000\n{}{}",
+        admin_toml(),
+        catalog_toml(("gold", 100_000.0, 1.0), &["acme"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    );
+    TestGateway::spawn(settings(&toml)).await
+}
+
+/// Whether a response carries a real bucket decision (only then is `RateLimit` sent).
+fn decided(r: &reqwest::Response) -> bool {
+    r.headers().contains_key("ratelimit")
+}
+
+/// A request with a short client timeout: a gateway that hangs counts as a failure.
+async fn get(gw: &TestGateway, key: &str) -> Option<reqwest::Response> {
+    gw.http
+        .get(format!("{}/orders", gw.address))
+        .header("x-api-key", key)
+        .timeout(Duration::from_secs(3))
+        .send()
+        .await
+        .ok()
+}
+
+/// A plan write; `None` when the gateway did not answer within 4 s.
+async fn put_plan(gw: &TestGateway, name: &str) -> Option<u16> {
+    gw.admin(Method::PUT, &format!("/plans/{name}"), &token())
+        .json(&json!({"capacity": 10, "rate": 1}))
+        .timeout(Duration::from_secs(4))
+        .send()
+        .await
+        .ok()
+        .map(|r| r.status().as_u16())
+}
+
+/// Polls `check` until it holds and returns how long that took; fails after `within`.
+async fn time_until<F, Fut>(within: Duration, what: &str, mut check: F) -> Duration
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let started = Instant::now();
+    eventually(within, what, &mut check).await;
+    started.elapsed()
+}
+
+/// A new key for `client` through the admin API.
+async fn new_key(gw: &TestGateway, client: &str) -> (String, String) {
+    let created: Value = gw
+        .admin(Method::POST, &format!("/clients/{client}/keys"), &token())
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    (
+        created["key_id"].as_str().unwrap().to_string(),
+        created["key"].as_str().unwrap().to_string(),
+    )
+}
+
+/// After the fault: limiting resumes within 5 s, an admin write succeeds within 5 s, and
+/// a key revoked then stops working within `catalog.refresh_ms` (plus one poll's slack).
+async fn assert_recovers(gw: &TestGateway, what: &str) {
+    let k = key("acme");
+    let t = time_until(Duration::from_secs(5), "limiting resumes", || async {
+        get(gw, &k).await.is_some_and(|r| decided(&r))
+    })
+    .await;
+    eprintln!("{what}: limiting resumed after {t:?}");
+    let t = time_until(
+        Duration::from_secs(5),
+        "an admin write succeeds",
+        || async { matches!(put_plan(gw, "after-fault").await, Some(200 | 201)) },
+    )
+    .await;
+    eprintln!("{what}: admin write after {t:?}");
+
+    // A catalog change made now is in force within refresh_ms: a revoked key stops working.
+    let (key_id, fresh) = new_key(gw, "acme").await;
+    eventually(Duration::from_secs(3), "the new key works", || async {
+        get(gw, &fresh).await.is_some_and(|r| r.status() == 200)
+    })
+    .await;
+    let revoked = gw
+        .admin(
+            Method::DELETE,
+            &format!("/clients/acme/keys/{key_id}"),
+            &token(),
+        )
+        .timeout(Duration::from_secs(4))
+        .send()
+        .await
+        .unwrap();
+    assert!(revoked.status().is_success(), "{}", revoked.status());
+    let t = time_until(
+        Duration::from_millis(1000 + 500),
+        "the revoked key refused within catalog.refresh_ms",
+        || async { get(gw, &fresh).await.is_some_and(|r| r.status() == 401) },
+    )
+    .await;
+    eprintln!("{what}: revocation in force after {t:?}");
+}
+
+#[tokio::test]
+async fn a_failover_behind_the_name_is_left_behind_and_everything_resumes_within_seconds() {
+    // Arrange: a gateway whose connections to Redis all work.
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway_behind(&proxy.redis_url(), &up).await;
+    let k = key("acme");
+    eventually(Duration::from_secs(5), "a first real decision", || async {
+        get(&gw, &k).await.is_some_and(|r| decided(&r))
+    })
+    .await;
+    assert!(put_plan(&gw, "before").await.is_some_and(|s| s == 201));
+    let accepted_before = proxy.accepted();
+
+    // Act: every open connection goes silent while the address serves new ones (a
+    // managed failover moving its name, a NAT dropping state): nothing is closed, so
+    // only the gateway's own deadlines can tell.
+    proxy.blackhole();
+    for _ in 0..20 {
+        let r = get(&gw, &k)
+            .await
+            .expect("the gateway answers while Redis is silent");
+        assert_eq!(r.status(), 200, "failing open admits");
+    }
+
+    // Assert: new connections were dialed, and everything works again.
+    assert_recovers(&gw, "failover").await;
+    assert!(
+        proxy.accepted() > accepted_before,
+        "the gateway dialed fresh connections"
+    );
+    let text = gw.get("/metrics", None).await.text().await.unwrap();
+    assert!(text.contains("tollgate_breaker_open 0"), "{text}");
+}
+
+#[tokio::test]
+async fn a_partition_is_bounded_in_time_and_healed_without_a_restart() {
+    // Arrange.
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway_behind(&proxy.redis_url(), &up).await;
+    let k = key("acme");
+    eventually(Duration::from_secs(5), "a first real decision", || async {
+        get(&gw, &k).await.is_some_and(|r| decided(&r))
+    })
+    .await;
+
+    // Act 1: a full partition: open connections go silent and new ones get no answer.
+    proxy.partition();
+    // Assert: requests are admitted at once (failing open) ...
+    let started = Instant::now();
+    for _ in 0..30 {
+        let r = get(&gw, &k).await.expect("the gateway answers");
+        assert_eq!(r.status(), 200);
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "30 requests took {:?}",
+        started.elapsed()
+    );
+    // ... the admin API answers 503 within its deadline instead of hanging ...
+    let started = Instant::now();
+    let status = put_plan(&gw, "during").await;
+    assert_eq!(status, Some(503), "an admin write while partitioned");
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        started.elapsed()
+    );
+    // ... and readiness says so.
+    let ready = gw
+        .http
+        .get(format!("{}/readyz", gw.address))
+        .timeout(Duration::from_secs(4))
+        .send()
+        .await
+        .expect("readyz answers while partitioned");
+    assert_eq!(ready.status(), 503);
+
+    // Act 2: the network heals (old connections stay dead, as their state is gone).
+    proxy.heal();
+
+    // Assert.
+    assert_recovers(&gw, "partition").await;
+}
+
+#[tokio::test]
+async fn a_restarted_redis_costs_no_decision_no_admin_call_and_no_flush() {
+    // Arrange: two workers, each with its request-path connection open, and a shadow
+    // client whose comparisons are flushed to Redis every second.
+    let mut redis = RedisServer::start();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let toml = format!(
+        "{}[server]\nworkers = 2\n[redis]\nurl = \"{}\"\n{}{}[[catalog.clients]]\nid = \"shadowy\"\nplan = \"gold\"\nmode = \"shadow\"\nkeys = [\"{}\"]\n",
+        admin_toml(),
+        redis.url(),
+        catalog_toml(("gold", 100_000.0, 1.0), &["acme"]),
+        route_toml("orders", "/orders", &[up.url()]),
+        key("shadowy"),
+    );
+    let gw = TestGateway::spawn(settings(&toml)).await;
+    let k = key("acme");
+    eventually(Duration::from_secs(5), "real decisions", || async {
+        futures_util::future::join_all((0..8).map(|_| get(&gw, &k)))
+            .await
+            .iter()
+            .all(|r| r.as_ref().is_some_and(decided))
+    })
+    .await;
+    assert_eq!(put_plan(&gw, "before").await, Some(201));
+
+    // Act: Redis restarts (SIGKILL, then an empty server on the same port). Nothing is
+    // sent in between, so every pooled and per-worker connection is dead when the next
+    // calls come.
+    redis.kill();
+    redis.restart();
+    // The keeper re-dials each worker's connection within its back-off (at most 500 ms).
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let fail_open_before = gw.app.metrics.fail_open_total();
+
+    // Assert: the very first decisions (on both workers), admin write and shadow flush
+    // after the restart all succeed.
+    let first = futures_util::future::join_all((0..8).map(|_| get(&gw, &k))).await;
+    for r in &first {
+        let r = r.as_ref().expect("the gateway answers");
+        assert!(decided(r), "a first decision after the restart failed open");
+    }
+    assert_eq!(gw.app.metrics.fail_open_total(), fail_open_before);
+    assert_eq!(
+        put_plan(&gw, "after").await,
+        Some(201),
+        "the first admin write after the restart"
+    );
+    assert_eq!(get(&gw, &key("shadowy")).await.unwrap().status(), 200);
+    eventually(
+        Duration::from_millis(2500),
+        "the shadow comparison flushed to the restarted Redis",
+        || async {
+            let counted: Option<u64> = redis::cmd("HGET")
+                .arg("tollgate:{shadow}:compared")
+                .arg("shadowy")
+                .query(&mut redis.conn())
+                .unwrap();
+            counted == Some(1)
+        },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn connections_reset_under_the_gateway_are_replaced_before_the_next_call() {
+    // Arrange.
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway_behind(&proxy.redis_url(), &up).await;
+    let k = key("acme");
+    eventually(Duration::from_secs(5), "a first real decision", || async {
+        get(&gw, &k).await.is_some_and(|r| decided(&r))
+    })
+    .await;
+
+    // Act: every connection is reset (RST) under the gateway, Redis itself untouched.
+    proxy.reset();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+
+    // Assert: no call pays for it.
+    let fail_open_before = gw.app.metrics.fail_open_total();
+    for _ in 0..10 {
+        assert!(get(&gw, &k).await.is_some_and(|r| decided(&r)));
+    }
+    assert_eq!(gw.app.metrics.fail_open_total(), fail_open_before);
+    assert_eq!(put_plan(&gw, "after-reset").await, Some(201));
+    let ready = gw.get("/readyz", None).await;
+    assert_eq!(ready.status(), 200);
+}
