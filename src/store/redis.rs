@@ -363,13 +363,23 @@ impl RedisStore {
 
     async fn conn(&self) -> Result<Conn<'_>, StoreError> {
         match &self.backend {
-            Backend::Single { pool, .. } => {
-                pool.get().await.map(Conn::Pooled).map_err(|e| match e {
-                    bb8::RunError::User(e) => StoreError::Redis(e),
-                    bb8::RunError::TimedOut => {
-                        StoreError::Pool("timed out waiting for a connection".into())
-                    }
-                })
+            Backend::Single { pool, dialer, .. } => {
+                // bb8 makes a caller wait out its checkout timeout when the connection it
+                // waits for cannot be dialed; a Redis that refuses gets a quick answer.
+                let mut failures = dialer.dial_failures();
+                tokio::select! {
+                    biased;
+                    r = pool.get() => r.map(Conn::Pooled).map_err(|e| match e {
+                        bb8::RunError::User(e) => StoreError::Redis(e),
+                        bb8::RunError::TimedOut => {
+                            StoreError::Pool("timed out waiting for a connection".into())
+                        }
+                    }),
+                    Ok(()) = failures.changed() => Err(failures
+                        .borrow()
+                        .clone()
+                        .map_or_else(|| StoreError::Pool("no connection".into()), StoreError::Redis)),
+                }
             }
             Backend::Cluster(c) => Ok(Conn::Cluster(c.clone())),
         }

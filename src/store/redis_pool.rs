@@ -73,6 +73,9 @@ pub struct Dialer {
     control_timeout: Duration,
     /// Connections dialed before the current generation are retired.
     generation: watch::Sender<u64>,
+    /// The latest failed dial: a caller waiting for a connection gets its error at once
+    /// instead of waiting out the pool's checkout timeout.
+    failed: watch::Sender<Option<RedisError>>,
 }
 
 impl Dialer {
@@ -82,6 +85,7 @@ impl Dialer {
             info,
             control_timeout,
             generation: watch::Sender::new(0),
+            failed: watch::Sender::new(None),
         })
     }
 
@@ -94,9 +98,24 @@ impl Dialer {
         self.generation.send_modify(|g| *g += 1);
     }
 
+    /// Notified of every failed dial from now on.
+    pub fn dial_failures(&self) -> watch::Receiver<Option<RedisError>> {
+        let mut rx = self.failed.subscribe();
+        rx.mark_unchanged();
+        rx
+    }
+
     /// A new connection. `response_timeout` bounds each of its commands (`None`: the
     /// caller bounds them, as the request path does with its decision budget).
     pub async fn dial(&self, response_timeout: Option<Duration>) -> Result<Link, RedisError> {
+        let r = self.try_dial(response_timeout).await;
+        if let Err(e) = &r {
+            self.failed.send_replace(Some(e.clone()));
+        }
+        r
+    }
+
+    async fn try_dial(&self, response_timeout: Option<Duration>) -> Result<Link, RedisError> {
         let generation = self.generation();
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(self.control_timeout))

@@ -16,10 +16,12 @@ fn token() -> String {
 }
 
 /// A gateway on Redis behind a fault proxy: plan `gold` with room to spare, client `acme`
-/// (key `key-acme-0000`), a route to one upstream, two workers.
+/// (key `key-acme-0000`), a route to one upstream, two workers. The decision budget is
+/// 100 ms, not 5: these tests are about dead connections (which fail at once, whatever
+/// the budget), not about a busy 2-core machine's scheduling stalls.
 async fn gateway_behind(proxy_url: &str, up: &Upstream) -> TestGateway {
     let toml = format!(
-        "{}[server]\nworkers = 2\n[redis]\nurl = \"{proxy_url}\"\n[catalog]\nrefresh_ms = 1000\n{}{}",
+        "{}[server]\nworkers = 2\n[redis]\nurl = \"{proxy_url}\"\ntimeout_ms = 100\n[catalog]\nrefresh_ms = 1000\n{}{}",
         admin_toml(),
         catalog_toml(("gold", 100_000.0, 1.0), &["acme"]),
         route_toml("orders", "/orders", &[up.url()]),
@@ -220,7 +222,7 @@ async fn a_restarted_redis_costs_no_decision_no_admin_call_and_no_flush() {
     let mut redis = RedisServer::start();
     let up = Upstream::start(Behaviour::Echo).await;
     let toml = format!(
-        "{}[server]\nworkers = 2\n[redis]\nurl = \"{}\"\n{}{}[[catalog.clients]]\nid = \"shadowy\"\nplan = \"gold\"\nmode = \"shadow\"\nkeys = [\"{}\"]\n",
+        "{}[server]\nworkers = 2\n[redis]\nurl = \"{}\"\ntimeout_ms = 100\n{}{}[[catalog.clients]]\nid = \"shadowy\"\nplan = \"gold\"\nmode = \"shadow\"\nkeys = [\"{}\"]\n",
         admin_toml(),
         redis.url(),
         catalog_toml(("gold", 100_000.0, 1.0), &["acme"]),
@@ -302,4 +304,81 @@ async fn connections_reset_under_the_gateway_are_replaced_before_the_next_call()
     assert_eq!(put_plan(&gw, "after-reset").await, Some(201));
     let ready = gw.get("/readyz", None).await;
     assert_eq!(ready.status(), 200);
+}
+
+#[tokio::test]
+async fn every_socket_to_redis_has_tcp_keepalive() {
+    // Arrange: every connection the gateway opens goes through the proxy's port (the
+    // test's own inspection connections go to Redis directly).
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway_behind(&proxy.redis_url(), &up).await;
+    eventually(Duration::from_secs(5), "a first real decision", || async {
+        get(&gw, &key("acme")).await.is_some_and(|r| decided(&r))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // Act: the kernel's view of this process's established connections to the proxy.
+    // /proc/net/tcp: "sl local remote st tx:rx tr:when ..."; timer 02 is keepalive.
+    let port = format!(":{:04X}", proxy.port());
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    let timers: Vec<String> = table
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.get(2)?.ends_with(&port) && f.get(3)? == &"01")
+                .then(|| f.get(5)?.split(':').next().map(str::to_string))?
+        })
+        .collect();
+
+    // Assert: the per-worker and pooled connections all run the keepalive timer.
+    assert!(timers.len() >= 3, "connections to Redis: {timers:?}");
+    assert!(
+        timers.iter().all(|t| t == "02"),
+        "a socket without keepalive: {timers:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_redis_that_refuses_connections_costs_nothing_and_is_rejoined() {
+    // Arrange.
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway_behind(&proxy.redis_url(), &up).await;
+    let k = key("acme");
+    eventually(Duration::from_secs(5), "a first real decision", || async {
+        get(&gw, &k).await.is_some_and(|r| decided(&r))
+    })
+    .await;
+
+    // Act: every connection is reset and new ones are refused (a Redis whose process is
+    // gone, a firewall answering RST).
+    proxy.reset();
+    proxy.refuse();
+    let started = Instant::now();
+    for _ in 0..30 {
+        let r = get(&gw, &k).await.expect("the gateway answers");
+        assert_eq!(r.status(), 200, "failing open admits");
+        assert!(!decided(&r));
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "30 requests took {:?}",
+        started.elapsed()
+    );
+    let started = Instant::now();
+    assert_eq!(put_plan(&gw, "refused").await, Some(503));
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+
+    // Assert: once connections are accepted again, everything resumes.
+    proxy.heal();
+    assert_recovers(&gw, "refused").await;
 }
