@@ -163,14 +163,9 @@ impl Store {
         key: Option<&str>,
         budget: std::time::Duration,
     ) -> Result<(), StoreError> {
-        match (self, key) {
-            (Store::Redis(s), Some(key)) if s.is_cluster() => {
-                tokio::time::timeout(budget, s.probe_key(key))
-                    .await
-                    .map_err(|_| StoreError::Pool("probe timed out".into()))?
-            }
-            (Store::Redis(s), _) => s.probe(budget).await,
-            (Store::Embedded(_), _) => Ok(()),
+        match self {
+            Store::Redis(s) => s.probe(key, budget).await,
+            Store::Embedded(_) => Ok(()),
         }
     }
 

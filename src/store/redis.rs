@@ -5,6 +5,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use redis::aio::ConnectionLike;
 use redis::cluster_async::ClusterConnection;
 use redis::{AsyncCommands, RedisError, RedisFuture, Script, Value};
@@ -39,7 +40,54 @@ enum Backend {
     },
     /// Redis Cluster: one multiplexed cluster connection (it follows MOVED/ASK and keeps a
     /// connection per node); cloning it is cheap.
-    Cluster(ClusterConnection),
+    Cluster(Box<ClusterBackend>),
+}
+
+/// The cluster connection, and how to make a fresh one. The cluster client re-dials a
+/// node connection that fails with an I/O error, but not one that merely stops answering
+/// (a partition, a node's name moved to a new host): its requests time out and are
+/// retried on the same socket. So when calls time out and a fresh cluster connection
+/// answers, the fresh one replaces the shared one.
+struct ClusterBackend {
+    conn: ArcSwap<ClusterConnection>,
+    client: redis::cluster::ClusterClient,
+    config: redis::cluster::ClusterConfig,
+    control_timeout: Duration,
+    /// One renewal at a time.
+    renewing: tokio::sync::Mutex<()>,
+}
+
+impl ClusterBackend {
+    fn conn(&self) -> ClusterConnection {
+        ClusterConnection::clone(&self.conn.load())
+    }
+
+    /// A fresh cluster connection (seed nodes, slot map, node connections), within the
+    /// control timeout. It replaces the shared one when `check` passes on it.
+    async fn renew<F, Fut>(&self, check: F) -> Result<(), StoreError>
+    where
+        F: FnOnce(ClusterConnection) -> Fut,
+        Fut: std::future::Future<Output = Result<(), StoreError>>,
+    {
+        let Ok(_one) = self.renewing.try_lock() else {
+            return Err(StoreError::Pool(
+                "a cluster reconnection is under way".into(),
+            ));
+        };
+        let fresh = tokio::time::timeout(
+            self.control_timeout,
+            self.client
+                .get_async_connection_with_config(self.config.clone()),
+        )
+        .await
+        .map_err(|_| StoreError::Pool("connecting to the cluster timed out".into()))??;
+        check(fresh.clone()).await?;
+        self.conn.store(Arc::new(fresh));
+        tracing::warn!(
+            "cluster connections stopped answering while the cluster answers: replaced them"
+        );
+        Ok(())
+    }
 }
 
 /// A connection for one operation.
@@ -96,6 +144,9 @@ macro_rules! retrying {
         match first {
             Err(StoreError::Redis(e)) if is_transport_error(&e) || e.is_timeout() => {
                 tracing::debug!(error = %e, "store call failed on its connection; once more on a fresh one");
+                if e.is_timeout() {
+                    $store.after_timeout().await;
+                }
                 let mut conn = $store.conn().await?;
                 let $c = &mut conn;
                 $body
@@ -174,11 +225,10 @@ impl RedisStore {
             .tcp_settings(tcp_settings())
             .retries(2)
             .build()?;
-        let conn = client.get_pending_async_connection_with_config(
-            redis::cluster::ClusterConfig::new()
-                .set_connection_timeout(control_timeout)
-                .set_response_timeout(control_timeout),
-        );
+        let config = redis::cluster::ClusterConfig::new()
+            .set_connection_timeout(control_timeout)
+            .set_response_timeout(control_timeout);
+        let conn = client.get_pending_async_connection_with_config(config.clone());
         let url = format!(
             "cluster {}",
             urls.iter()
@@ -186,7 +236,14 @@ impl RedisStore {
                 .collect::<Vec<_>>()
                 .join(",")
         );
-        Ok(RedisStore::new(Backend::Cluster(conn), keys, url))
+        let backend = Backend::Cluster(Box::new(ClusterBackend {
+            conn: ArcSwap::from_pointee(conn),
+            client,
+            config,
+            control_timeout,
+            renewing: tokio::sync::Mutex::new(()),
+        }));
+        Ok(RedisStore::new(backend, keys, url))
     }
 
     pub fn describe(&self) -> String {
@@ -302,13 +359,6 @@ impl RedisStore {
         ))
     }
 
-    /// A cheap command routed to the node that owns `key` (the breaker's probe).
-    pub async fn probe_key(&self, key: &str) -> Result<(), StoreError> {
-        let mut c = self.conn().await?;
-        let _: i64 = redis::cmd("EXISTS").arg(key).query_async(&mut c).await?;
-        Ok(())
-    }
-
     /// Adds shadow-mode comparison counts (compared, disagreed) per client.
     pub async fn shadow_add(&self, counts: &[(String, u64, u64)]) -> Result<(), StoreError> {
         let mut pipe = redis::pipe();
@@ -381,7 +431,7 @@ impl RedisStore {
                         .map_or_else(|| StoreError::Pool("no connection".into()), StoreError::Redis)),
                 }
             }
-            Backend::Cluster(c) => Ok(Conn::Cluster(c.clone())),
+            Backend::Cluster(c) => Ok(Conn::Cluster(c.conn())),
         }
     }
 
@@ -440,7 +490,7 @@ impl RedisStore {
                 link.check(&r);
                 r
             }
-            Backend::Cluster(c) => inv.invoke_async(&mut c.clone()).await,
+            Backend::Cluster(c) => inv.invoke_async(&mut c.conn()).await,
         };
         let (admitted, refilled) = reply?;
         let refilled = refilled
@@ -467,19 +517,41 @@ impl RedisStore {
     }
 
     /// Whether Redis answers a round trip within `budget` on a *fresh* connection (the
-    /// breaker's probe). When it does, the connections opened before are retired: the
-    /// breaker opened because they failed, and a fresh one works, so they may be dead
-    /// (a partition, a failover behind the name) even though Redis is not.
-    pub async fn probe(&self, budget: Duration) -> Result<(), StoreError> {
+    /// breaker's probe; `key`: a key on the node the breaker guards, in a cluster). When
+    /// it does, the connections opened before are retired: the breaker opened because
+    /// they failed, and a fresh one works, so they may be dead (a partition, a failover
+    /// behind the name) even though Redis is not.
+    pub async fn probe(&self, key: Option<&str>, budget: Duration) -> Result<(), StoreError> {
         match &self.backend {
             Backend::Single { dialer, .. } => {
                 dialer.answers_fresh(budget).await?;
                 dialer.retire_all();
                 Ok(())
             }
-            Backend::Cluster(_) => tokio::time::timeout(budget, self.ping())
-                .await
-                .map_err(|_| StoreError::Pool("probe timed out".into()))?,
+            Backend::Cluster(cluster) => {
+                let check = async |mut c: ClusterConnection| {
+                    let mut cmd = redis::cmd("EXISTS");
+                    cmd.arg(key.unwrap_or("tollgate:probe"));
+                    tokio::time::timeout(budget, cmd.query_async::<i64>(&mut c))
+                        .await
+                        .map_err(|_| StoreError::Pool("probe timed out".into()))??;
+                    Ok(())
+                };
+                if check(cluster.conn()).await.is_ok() {
+                    return Ok(());
+                }
+                cluster.renew(check).await
+            }
+        }
+    }
+
+    /// After a control-plane call timed out: a cluster gets a fresh connection (a single
+    /// server's connections were already retired by the one that timed out).
+    async fn after_timeout(&self) {
+        if let Backend::Cluster(cluster) = &self.backend {
+            if let Err(e) = cluster.renew(async |_| Ok(())).await {
+                tracing::debug!(error = %e, "cluster reconnection after a timeout failed");
+            }
         }
     }
 

@@ -382,3 +382,48 @@ async fn a_redis_that_refuses_connections_costs_nothing_and_is_rejoined() {
     proxy.heal();
     assert_recovers(&gw, "refused").await;
 }
+
+#[tokio::test]
+async fn cluster_connections_that_go_silent_are_replaced_by_fresh_ones() {
+    // Arrange: a three-master cluster reached only through fault proxies, clients spread
+    // over its nodes.
+    let cluster = RedisCluster::start();
+    let proxies = cluster.behind_proxies();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let clients: Vec<String> = (0..12).map(|i| format!("c{i}")).collect();
+    let mut names: Vec<&str> = clients.iter().map(String::as_str).collect();
+    names.push("acme");
+    let seeds: Vec<String> = proxies.iter().map(|p| p.redis_url()).collect();
+    let toml = format!(
+        "{}[server]\nworkers = 2\n[redis]\ncluster_nodes = {seeds:?}\ntimeout_ms = 100\n[catalog]\nrefresh_ms = 1000\n{}{}",
+        admin_toml(),
+        catalog_toml(("gold", 100_000.0, 1.0), &names),
+        route_toml("orders", "/orders", &[up.url()]),
+    );
+    let gw = TestGateway::spawn(settings(&toml)).await;
+    for c in &names {
+        eventually(Duration::from_secs(10), "a first real decision", || async {
+            get(&gw, &key(c)).await.is_some_and(|r| decided(&r))
+        })
+        .await;
+    }
+    let accepted_before: usize = proxies.iter().map(FaultProxy::accepted).sum();
+
+    // Act: every node connection goes silent while the nodes' addresses serve new ones.
+    for p in &proxies {
+        p.blackhole();
+    }
+
+    // Assert: every client's limit, the admin API and catalog changes come back.
+    for c in &clients {
+        eventually(
+            Duration::from_secs(5),
+            "limiting resumes on every node",
+            || async { get(&gw, &key(c)).await.is_some_and(|r| decided(&r)) },
+        )
+        .await;
+    }
+    assert_recovers(&gw, "cluster").await;
+    let accepted: usize = proxies.iter().map(FaultProxy::accepted).sum();
+    assert!(accepted > accepted_before, "fresh connections were made");
+}

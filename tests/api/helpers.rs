@@ -470,6 +470,57 @@ impl RedisCluster {
         self.nodes.iter().map(|n| n.url()).collect()
     }
 
+    /// Puts a fault proxy in front of every node and makes the nodes announce the
+    /// proxies' ports (`cluster-announce-port`), so a cluster client reaches every node,
+    /// seeds and redirects alike, through its proxy. Returns once every node's slot map
+    /// names only proxies.
+    pub fn behind_proxies(&self) -> Vec<tollgate_testkit::FaultProxy> {
+        let proxies: Vec<_> = self
+            .nodes
+            .iter()
+            .map(|n| {
+                tollgate_testkit::FaultProxy::start(
+                    format!("127.0.0.1:{}", n.port).parse().unwrap(),
+                )
+            })
+            .collect();
+        for (n, p) in self.nodes.iter().zip(&proxies) {
+            let _: () = redis::cmd("CONFIG")
+                .arg("SET")
+                .arg("cluster-announce-port")
+                .arg(p.port())
+                .query(&mut n.conn())
+                .unwrap();
+        }
+        let wanted: std::collections::BTreeSet<i64> =
+            proxies.iter().map(|p| p.port() as i64).collect();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for n in &self.nodes {
+            loop {
+                let slots: Vec<Vec<redis::Value>> = redis::cmd("CLUSTER")
+                    .arg("SLOTS")
+                    .query(&mut n.conn())
+                    .unwrap();
+                let ports: std::collections::BTreeSet<i64> = slots
+                    .iter()
+                    .filter_map(|r| match r.get(2)? {
+                        redis::Value::Array(m) => redis::from_redis_value_ref(m.get(1)?).ok(),
+                        _ => None,
+                    })
+                    .collect();
+                if ports == wanted {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "nodes did not announce the proxies"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        proxies
+    }
+
     /// Moves `key`'s slot, with its keys, from its node to node `to` (what resharding
     /// does), so clients that still route by the old map get `MOVED`.
     pub fn move_slot_of(&self, key: &str, to: usize) {
