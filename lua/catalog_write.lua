@@ -11,6 +11,7 @@
 -- KEYS[8] index    (sorted set of client ids, for ordered pagination)
 -- KEYS[9] audit    (stream: who changed what, when, before and after)
 -- KEYS[10] this write's id (string, kept 10 minutes: the reply of a write that ran)
+-- KEYS[11] epoch    (string: the catalog's identity, see catalog_restore.lua)
 -- All share the {catalog} hash tag, so this is one Redis Cluster slot.
 --
 -- A gateway that loses a reply with its connection resends the write on a fresh one
@@ -22,7 +23,10 @@
 -- ARGV[3] id                                     ARGV[4] condition: 'any' | 'absent' | <rev>
 -- ARGV[5] json (put)                             ARGV[6] the client's plan (client put)
 -- ARGV[7] actor (JWT sub)                        ARGV[8] action (e.g. 'plan.put')
--- ARGV[9..] the client's key hashes (client put)
+-- ARGV[9] an epoch for a catalog that has none yet ('' = leave it without: seeding the
+--         configuration's records must not give a store that lost its catalog an
+--         identity of its own, or the gateways could not restore it)
+-- ARGV[10..] the client's key hashes (client put)
 --
 -- Returns { status, rev, detail }: 'ok' (rev = the new version, detail = the old json or
 -- false), or a refusal: 'exists', 'stale' (rev = current), 'missing', 'unknown_plan',
@@ -70,16 +74,17 @@ if op == 'delete' then
 elseif kind == 'client' then
   local plan = ARGV[6]
   if redis.call('HEXISTS', KEYS[1], plan) == 0 then return { 'unknown_plan', 0, plan } end
-  for i = 9, #ARGV do
+  for i = 10, #ARGV do
     local owner = redis.call('HGET', KEYS[3], ARGV[i])
     if owner and owner ~= id then return { 'key_conflict', 0, ARGV[i] } end
   end
   if old then unlink_client(old_json) end
-  for i = 9, #ARGV do redis.call('HSET', KEYS[3], ARGV[i], id) end
+  for i = 10, #ARGV do redis.call('HSET', KEYS[3], ARGV[i], id) end
   redis.call('HINCRBY', KEYS[4], plan, 1)
   redis.call('ZADD', KEYS[8], 0, id)
 end
 
+if ARGV[9] ~= '' then redis.call('SET', KEYS[11], ARGV[9], 'NX') end
 local v = redis.call('INCR', KEYS[5])
 local after = ''
 if op ~= 'delete' then

@@ -33,22 +33,25 @@ pub struct PlanSlot {
 struct PlanState {
     limits: Plan,
     record: PlanRecord,
+    /// The catalog version that last wrote it (kept so a restore keeps every ETag).
+    rev: u64,
     /// The `RateLimit-Policy` value every response for this plan carries.
     policy: HeaderValue,
 }
 
 impl PlanState {
-    fn new(name: &PlanName, limits: Plan, record: PlanRecord) -> PlanState {
+    fn new(name: &PlanName, limits: Plan, record: Versioned<PlanRecord>) -> PlanState {
         PlanState {
             policy: crate::limiter::policy_header(name, limits),
             limits,
-            record,
+            record: record.value,
+            rev: record.rev,
         }
     }
 }
 
 impl PlanSlot {
-    pub fn new(name: PlanName, limits: Plan, record: PlanRecord) -> PlanSlot {
+    fn new(name: PlanName, limits: Plan, record: Versioned<PlanRecord>) -> PlanSlot {
         PlanSlot {
             current: ArcSwap::from_pointee(PlanState::new(&name, limits, record)),
             name,
@@ -88,6 +91,8 @@ pub struct ClientEntry {
     /// starts as full as its shards were).
     pub unsharded_at: Option<Instant>,
     pub record: ClientRecord,
+    /// The catalog version that last wrote it.
+    pub rev: u64,
 }
 
 /// A hot client's regional sharding, as this gateway sees it.
@@ -104,8 +109,12 @@ pub struct Catalog {
     /// By SHA-256 of the key: already uniform, so a fast hasher is as safe as SipHash.
     keys: DashMap<KeyHash, Arc<ClientEntry>, foldhash::fast::RandomState>,
     safety: ArcSwap<Option<SafetyRecord>>,
+    /// The catalog version that last wrote the safety settings.
+    safety_rev: AtomicU64,
     /// Clients whose buckets are sharded by region.
     sharded: DashMap<ClientId, Arc<ClientEntry>>,
+    /// The identity of the catalog this mirror follows (see [`CatalogDump::epoch`]).
+    epoch: parking_lot::Mutex<Option<String>>,
     version: AtomicU64,
     default_mode: Mode,
     key_names: Keys,
@@ -121,6 +130,8 @@ impl Catalog {
             clients: DashMap::new(),
             keys: DashMap::default(),
             safety: ArcSwap::from_pointee(None),
+            safety_rev: AtomicU64::new(0),
+            epoch: parking_lot::Mutex::new(None),
             version: AtomicU64::new(0),
             default_mode,
             key_names,
@@ -148,25 +159,36 @@ impl Catalog {
         self.version.load(Ordering::Acquire)
     }
 
+    /// The epoch of the catalog this mirror follows.
+    pub fn epoch(&self) -> Option<String> {
+        self.epoch.lock().clone()
+    }
+
     /// Follows the store until this mirror is current.
+    ///
+    /// When the store's catalog went back (Redis restarted empty, or from an older
+    /// snapshot), this gateway puts its own copy back: every gateway holds all of it. The
+    /// decision is made from the store's identity and version together, never the version
+    /// alone (see [`Catalog::should_restore`]); the restore itself is one atomic write that
+    /// happens only if the store is still as this gateway saw it, so gateways restoring at
+    /// once write one catalog, once, and the newest copy wins.
     pub async fn refresh(&self, store: &Store) -> Result<(), StoreError> {
         loop {
-            match store.catalog_changes(self.version()).await? {
+            let epoch = self.epoch();
+            match store.catalog_changes(self.version(), epoch.as_deref()).await? {
                 CatalogChanges::Unchanged => return Ok(()),
-                CatalogChanges::Reload(dump) if dump.version < self.version() => {
-                    // The store went back in time: it was restarted empty or reset. Every
-                    // gateway holds the whole catalog, so put it back rather than forget
-                    // every client.
+                CatalogChanges::Reload(dump) if self.should_restore(&dump) => {
                     tracing::error!(
-                        from = self.version(),
-                        to = dump.version,
-                        "the store's catalog was reset; restoring it from this gateway's copy"
+                        mirror = self.version(),
+                        store = dump.version,
+                        "the store's catalog went back; restoring it from this gateway's copy"
                     );
-                    self.restore_into(store).await?;
-                    let dump = store.catalog_dump().await?;
-                    self.merge(&dump);
-                    self.version.store(dump.version, Ordering::Release);
-                    return Ok(());
+                    let seen = (dump.epoch.as_deref(), dump.version);
+                    if store.catalog_restore(seen, &self.dump()).await? {
+                        return Ok(());
+                    }
+                    // The store moved meanwhile (another gateway restored it, or a write
+                    // landed): look again.
                 }
                 CatalogChanges::Reload(dump) => {
                     self.replace(dump);
@@ -180,13 +202,13 @@ impl Catalog {
                     more,
                 } => {
                     if let Some(s) = safety {
-                        self.safety.store(Arc::new(s.map(|s| s.value)));
+                        self.set_safety(s);
                     }
                     for (name, rec) in plans {
-                        self.apply_plan(name, rec.map(|r| r.value));
+                        self.apply_plan(name, rec);
                     }
                     for (id, rec) in clients {
-                        self.apply_client(id, rec.map(|r| r.value));
+                        self.apply_client(id, rec);
                     }
                     self.version.store(version, Ordering::Release);
                     if !more {
@@ -197,41 +219,60 @@ impl Catalog {
         }
     }
 
-    /// Writes every plan, client and setting of this mirror that the store lacks.
-    async fn restore_into(&self, store: &Store) -> Result<(), StoreError> {
-        let by = Audit::new("restore", "catalog.restore");
-        let plans: Vec<PlanRecord> = self.plans.iter().map(|p| p.record()).collect();
-        for p in plans {
-            store
-                .catalog_write(&CatalogWrite::PutPlan(p, Condition::Absent), &by)
-                .await?;
-        }
-        let clients: Vec<ClientRecord> = self.clients.iter().map(|c| c.record.clone()).collect();
-        for c in clients {
-            store
-                .catalog_write(&CatalogWrite::PutClient(c, Condition::Absent), &by)
-                .await?;
-        }
-        let safety = (*self.safety.load_full()).clone();
-        if let Some(s) = safety {
-            store
-                .catalog_write(&CatalogWrite::PutSafety(s, Condition::Absent), &by)
-                .await?;
-        }
-        Ok(())
+    /// Whether the store's catalog is this mirror's, gone back in time, so the mirror
+    /// (newer) should replace it; otherwise the store's view is taken.
+    ///
+    /// - the same epoch at an older version: a snapshot from before changes this mirror
+    ///   has seen (revocations and deletes among them): restore;
+    /// - no epoch at an older version: a store that lost its catalog (restarted empty; at
+    ///   most the configuration's records seeded since, which this mirror holds too):
+    ///   restore;
+    /// - another epoch, or a version this mirror has not reached: another catalog, or a
+    ///   newer one: take it, never write over it.
+    ///
+    /// An empty mirror restores nothing.
+    fn should_restore(&self, store: &CatalogDump) -> bool {
+        let mine = self.version();
+        mine > 0
+            && store.version < mine
+            && (store.epoch.is_none() || store.epoch == self.epoch())
     }
 
-    /// Applies a dump without removing anything the dump lacks.
-    fn merge(&self, dump: &CatalogDump) {
-        for p in &dump.plans {
-            self.apply_plan(p.value.name.clone(), Some(p.value.clone()));
+    /// This mirror as a dump: what a restore writes.
+    fn dump(&self) -> CatalogDump {
+        CatalogDump {
+            epoch: self.epoch(),
+            version: self.version(),
+            plans: self
+                .plans
+                .iter()
+                .map(|p| {
+                    let state = p.current.load();
+                    Versioned {
+                        rev: state.rev,
+                        value: state.record.clone(),
+                    }
+                })
+                .collect(),
+            clients: self
+                .clients
+                .iter()
+                .map(|c| Versioned {
+                    rev: c.rev,
+                    value: c.record.clone(),
+                })
+                .collect(),
+            safety: (*self.safety.load_full()).clone().map(|value| Versioned {
+                rev: self.safety_rev.load(Ordering::Acquire),
+                value,
+            }),
         }
-        for c in &dump.clients {
-            self.apply_client(c.value.id.clone(), Some(c.value.clone()));
-        }
-        if let Some(s) = &dump.safety {
-            self.safety.store(Arc::new(Some(s.value.clone())));
-        }
+    }
+
+    fn set_safety(&self, s: Option<Versioned<SafetyRecord>>) {
+        self.safety_rev
+            .store(s.as_ref().map_or(0, |s| s.rev), Ordering::Release);
+        self.safety.store(Arc::new(s.map(|s| s.value)));
     }
 
     /// Replaces the whole mirror with a dump.
@@ -241,10 +282,10 @@ impl Catalog {
         let client_ids: std::collections::HashSet<_> =
             dump.clients.iter().map(|c| c.value.id.clone()).collect();
         for p in dump.plans {
-            self.apply_plan(p.value.name.clone(), Some(p.value));
+            self.apply_plan(p.value.name.clone(), Some(p));
         }
         for c in dump.clients {
-            self.apply_client(c.value.id.clone(), Some(c.value));
+            self.apply_client(c.value.id.clone(), Some(c));
         }
         let gone: Vec<ClientId> = self
             .clients
@@ -256,16 +297,17 @@ impl Catalog {
             self.apply_client(id, None);
         }
         self.plans.retain(|name, _| plan_names.contains(name));
-        self.safety.store(Arc::new(dump.safety.map(|s| s.value)));
+        self.set_safety(dump.safety);
+        *self.epoch.lock() = dump.epoch;
         self.version.store(dump.version, Ordering::Release);
     }
 
-    fn apply_plan(&self, name: PlanName, rec: Option<PlanRecord>) {
+    fn apply_plan(&self, name: PlanName, rec: Option<Versioned<PlanRecord>>) {
         let Some(rec) = rec else {
             self.plans.remove(&name);
             return;
         };
-        let limits = match rec.plan() {
+        let limits = match rec.value.plan() {
             Ok(p) => p,
             Err(e) => {
                 tracing::warn!(plan = %name, error = %e, "invalid plan in the store ignored");
@@ -288,49 +330,72 @@ impl Catalog {
         self.sharded.iter().map(|e| Arc::clone(e.value())).collect()
     }
 
-    fn apply_client(&self, id: ClientId, rec: Option<ClientRecord>) {
-        let old = self.clients.remove(&id).map(|(_, old)| old);
+    /// Puts a client's new version in place (`None`: deleted). Never flickers: each of its
+    /// keys moves from the old entry to the new one in a single insert, and only then are
+    /// the keys the new version dropped removed, so a request in between finds the old
+    /// entry or the new one, never neither.
+    fn apply_client(&self, id: ClientId, rec: Option<Versioned<ClientRecord>>) {
+        let old = self.clients.get(&id).map(|e| Arc::clone(e.value()));
+        let entry = rec.and_then(|rec| self.entry(&id, rec, old.as_deref()));
+        match &entry {
+            Some(entry) => {
+                for k in &entry.record.keys {
+                    self.keys.insert(k.hash, Arc::clone(entry));
+                }
+                if entry.shard.is_some() {
+                    self.sharded.insert(id.clone(), Arc::clone(entry));
+                } else {
+                    self.sharded.remove(&id);
+                }
+                self.clients.insert(id, Arc::clone(entry));
+            }
+            None => {
+                self.clients.remove(&id);
+                self.sharded.remove(&id);
+            }
+        }
         if let Some(old) = &old {
             for k in &old.record.keys {
                 self.keys
-                    .remove_if(&k.hash, |_, entry| Arc::ptr_eq(entry, old));
+                    .remove_if(&k.hash, |_, e| Arc::ptr_eq(e, old));
             }
         }
-        self.sharded.remove(&id);
-        let Some(rec) = rec else { return };
-        let Some(plan) = self.plans.get(&rec.plan).map(|p| Arc::clone(p.value())) else {
-            tracing::warn!(client = %id, plan = %rec.plan, "client on an unknown plan ignored");
-            return;
+    }
+
+    /// What the request path needs of a client's version; `None` when its plan is unknown.
+    fn entry(
+        &self,
+        id: &ClientId,
+        rec: Versioned<ClientRecord>,
+        old: Option<&ClientEntry>,
+    ) -> Option<Arc<ClientEntry>> {
+        let Some(plan) = self.plans.get(&rec.value.plan).map(|p| Arc::clone(p.value())) else {
+            tracing::warn!(client = %id, plan = %rec.value.plan, "client on an unknown plan ignored");
+            return None;
         };
-        let shard = rec.shards.as_ref().map(|s| ShardEntry {
+        let shard = rec.value.shards.as_ref().map(|s| ShardEntry {
             local_key: s.regions.contains(&self.region).then(|| {
                 self.key_names
-                    .regional_bucket(&id, &self.region)
+                    .regional_bucket(id, &self.region)
                     .into_boxed_str()
             }),
             regions: s.regions.clone(),
         });
-        let unsharded_at = match &old {
+        let unsharded_at = match old {
             Some(o) if shard.is_none() && o.shard.is_some() => Some(Instant::now()),
             Some(o) if shard.is_none() => o.unsharded_at,
             _ => None,
         };
-        let entry = Arc::new(ClientEntry {
-            bucket_key: self.key_names.bucket(&id).into_boxed_str(),
-            mode: rec.mode.unwrap_or(self.default_mode),
+        Some(Arc::new(ClientEntry {
+            bucket_key: self.key_names.bucket(id).into_boxed_str(),
+            mode: rec.value.mode.unwrap_or(self.default_mode),
             id: id.clone(),
             plan,
             shard,
             unsharded_at,
-            record: rec,
-        });
-        for k in &entry.record.keys {
-            self.keys.insert(k.hash, Arc::clone(&entry));
-        }
-        if entry.shard.is_some() {
-            self.sharded.insert(id.clone(), Arc::clone(&entry));
-        }
-        self.clients.insert(id, entry);
+            record: rec.value,
+            rev: rec.rev,
+        }))
     }
 
     /// Follows the store every `period` until the process ends.
@@ -372,7 +437,7 @@ pub async fn seed(store: &Store, settings: &Settings) -> anyhow::Result<()> {
         store
             .catalog_write(
                 &CatalogWrite::PutPlan(rec, Condition::Absent),
-                &Audit::new("config", "plan.seed"),
+                &Audit::seed("plan.seed"),
             )
             .await?;
     }
@@ -400,7 +465,7 @@ pub async fn seed(store: &Store, settings: &Settings) -> anyhow::Result<()> {
         match store
             .catalog_write(
                 &CatalogWrite::PutClient(rec, Condition::Absent),
-                &Audit::new("config", "client.seed"),
+                &Audit::seed("client.seed"),
             )
             .await?
         {

@@ -80,6 +80,10 @@ pub struct Audit {
     pub actor: String,
     /// e.g. `plan.put`, `key.revoke`.
     pub action: String,
+    /// Whether the write gives a catalog without an identity (epoch) one. Seeding the
+    /// configuration's records does not: a store that lost its catalog must stay
+    /// recognisably empty until a gateway restores it (see `Catalog::refresh`).
+    pub names_catalog: bool,
 }
 
 impl Audit {
@@ -87,6 +91,15 @@ impl Audit {
         Audit {
             actor: actor.to_string(),
             action: action.to_string(),
+            names_catalog: true,
+        }
+    }
+
+    /// A record declared in the configuration, created at start when absent.
+    pub fn seed(action: &str) -> Audit {
+        Audit {
+            names_catalog: false,
+            ..Audit::new("config", action)
         }
     }
 }
@@ -120,6 +133,9 @@ pub struct Versioned<T> {
 /// The whole catalog, read at `version` or later.
 #[derive(Debug, Clone, Default)]
 pub struct CatalogDump {
+    /// The catalog's identity: written with its first write (a random id), kept by
+    /// restores, gone when the store loses its data. `None`: a catalog that has none yet.
+    pub epoch: Option<String>,
     pub version: u64,
     pub plans: Vec<Versioned<PlanRecord>>,
     pub clients: Vec<Versioned<ClientRecord>>,
@@ -139,7 +155,8 @@ pub enum CatalogChanges {
         safety: Option<Option<Versioned<SafetyRecord>>>,
         more: bool,
     },
-    /// The feed no longer reaches back that far: start over from everything.
+    /// The feed no longer reaches back that far, or the catalog is another one (its epoch
+    /// differs): start over from everything.
     Reload(CatalogDump),
 }
 

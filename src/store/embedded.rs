@@ -169,8 +169,53 @@ impl EmbeddedStore {
         self.catalog.lock().dump()
     }
 
-    pub fn catalog_changes(&self, since: u64) -> CatalogChanges {
-        self.catalog.lock().changes(since)
+    pub fn catalog_changes(&self, since: u64, epoch: Option<&str>) -> CatalogChanges {
+        self.catalog.lock().changes(since, epoch)
+    }
+
+    /// Replaces the catalog with `mirror` if it is still at `seen` (as the Redis side's
+    /// `lua/catalog_restore.lua`); the audit log stays.
+    pub fn catalog_restore(
+        &self,
+        seen: (Option<&str>, u64),
+        mirror: &CatalogDump,
+    ) -> Result<bool, StoreError> {
+        let mut cat = self.catalog.lock();
+        if cat.data.epoch.as_deref() != seen.0 || cat.data.version != seen.1 {
+            return Ok(false);
+        }
+        let mut next = CatalogFile {
+            epoch: mirror.epoch.clone(),
+            version: mirror.version,
+            plans: mirror
+                .plans
+                .iter()
+                .map(|p| (p.value.name.clone(), p.clone()))
+                .collect(),
+            clients: mirror
+                .clients
+                .iter()
+                .map(|c| (c.value.id.clone(), c.clone()))
+                .collect(),
+            safety: mirror.safety.clone(),
+            audit: cat.data.audit.clone(),
+        };
+        push_audit(
+            &mut next.audit,
+            AuditEntry {
+                at_ms: now_ms(),
+                actor: "restore".into(),
+                action: "catalog.restore".into(),
+                kind: "catalog".into(),
+                id: mirror.epoch.clone().unwrap_or_default(),
+                rev: mirror.version,
+                before: Some(serde_json::json!({"epoch": seen.0, "version": seen.1})),
+                after: Some(serde_json::json!({"epoch": mirror.epoch, "version": mirror.version})),
+            },
+        );
+        persist(&cat.path, &next)?;
+        *cat = FileCatalog::from_data(cat.path.clone(), next);
+        Ok(true)
     }
 
     pub fn catalog_write(
@@ -274,6 +319,9 @@ impl EmbeddedShard {
 /// The catalog file's contents.
 #[derive(Default, Clone, Serialize, Deserialize)]
 struct CatalogFile {
+    /// The catalog's identity, given by its first write (see `CatalogDump::epoch`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    epoch: Option<String>,
     version: u64,
     plans: BTreeMap<PlanName, Versioned<PlanRecord>>,
     clients: BTreeMap<ClientId, Versioned<ClientRecord>>,
@@ -316,8 +364,13 @@ impl FileCatalog {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => CatalogFile::default(),
             Err(e) => return Err(StoreError::File(format!("{}: {e}", path.display()))),
         };
+        Ok(FileCatalog::from_data(path.to_path_buf(), data))
+    }
+
+    /// The catalog over `data`, with its derived indexes and an empty change feed.
+    fn from_data(path: PathBuf, data: CatalogFile) -> FileCatalog {
         let mut cat = FileCatalog {
-            path: path.to_path_buf(),
+            path,
             data,
             users: HashMap::new(),
             keys: HashMap::new(),
@@ -329,11 +382,12 @@ impl FileCatalog {
                 cat.keys.insert(k.hash, c.value.id.clone());
             }
         }
-        Ok(cat)
+        cat
     }
 
     fn dump(&self) -> CatalogDump {
         CatalogDump {
+            epoch: self.data.epoch.clone(),
             version: self.data.version,
             plans: self.data.plans.values().cloned().collect(),
             clients: self.data.clients.values().cloned().collect(),
@@ -341,7 +395,10 @@ impl FileCatalog {
         }
     }
 
-    fn changes(&self, since: u64) -> CatalogChanges {
+    fn changes(&self, since: u64, epoch: Option<&str>) -> CatalogChanges {
+        if self.data.epoch.as_deref() != epoch {
+            return CatalogChanges::Reload(self.dump());
+        }
         if since == self.data.version {
             return CatalogChanges::Unchanged;
         }
@@ -404,6 +461,9 @@ impl FileCatalog {
         let mut next_keys = self.keys.clone();
         let mut next = self.data.clone();
         next.version = rev;
+        if next.epoch.is_none() && audit.names_catalog {
+            next.epoch = Some(uuid::Uuid::new_v4().simple().to_string());
+        }
         match write {
             CatalogWrite::PutSafety(rec, _) => {
                 next.safety = Some(Versioned {
@@ -651,7 +711,9 @@ mod tests {
             &by(),
         )
         .unwrap();
-        match s.catalog_changes(1) {
+        let epoch = s.catalog_dump().epoch;
+        assert!(epoch.is_some(), "the first write names the catalog");
+        match s.catalog_changes(1, epoch.as_deref()) {
             CatalogChanges::Delta { version, plans, .. } => {
                 assert_eq!(version, 2);
                 assert_eq!(plans.len(), 1);
@@ -659,6 +721,13 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        assert!(matches!(s.catalog_changes(2), CatalogChanges::Unchanged));
+        assert!(matches!(
+            s.catalog_changes(2, epoch.as_deref()),
+            CatalogChanges::Unchanged
+        ));
+        assert!(
+            matches!(s.catalog_changes(2, Some("another")), CatalogChanges::Reload(_)),
+            "another catalog's versions mean nothing here"
+        );
     }
 }

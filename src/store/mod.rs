@@ -185,11 +185,30 @@ impl Store {
         }
     }
 
-    /// What changed after version `since`.
-    pub async fn catalog_changes(&self, since: u64) -> Result<CatalogChanges, StoreError> {
+    /// What changed after version `since` of the catalog `epoch`; a catalog of another
+    /// epoch is answered with all of it.
+    pub async fn catalog_changes(
+        &self,
+        since: u64,
+        epoch: Option<&str>,
+    ) -> Result<CatalogChanges, StoreError> {
         match self {
-            Store::Embedded(s) => Ok(s.catalog_changes(since)),
-            Store::Redis(s) => s.catalog_changes(since).await,
+            Store::Embedded(s) => Ok(s.catalog_changes(since, epoch)),
+            Store::Redis(s) => s.catalog_changes(since, epoch).await,
+        }
+    }
+
+    /// Replaces the store's catalog with `mirror` (its epoch, version and records), in one
+    /// atomic step, only if the store is still at `seen` (epoch, version). `false`: it
+    /// moved (another gateway restored it, or it was written), and nothing was written.
+    pub async fn catalog_restore(
+        &self,
+        seen: (Option<&str>, u64),
+        mirror: &CatalogDump,
+    ) -> Result<bool, StoreError> {
+        match self {
+            Store::Embedded(s) => s.catalog_restore(seen, mirror),
+            Store::Redis(s) => s.catalog_restore(seen, mirror).await,
         }
     }
 

@@ -162,6 +162,7 @@ pub struct RedisStore {
     keys: Keys,
     bucket: Script,
     catalog_write: Script,
+    catalog_restore: Script,
     reconcile: Script,
     url: String,
     coalescer: Coalescer,
@@ -174,6 +175,7 @@ impl RedisStore {
             keys,
             bucket: Script::new(include_str!("../../lua/bucket.lua")),
             catalog_write: Script::new(include_str!("../../lua/catalog_write.lua")),
+            catalog_restore: Script::new(include_str!("../../lua/catalog_restore.lua")),
             reconcile: Script::new(include_str!("../../lua/reconcile.lua")),
             url,
             coalescer: Coalescer::default(),
@@ -580,8 +582,13 @@ impl RedisStore {
 
     async fn catalog_dump_on(&self, c: &mut Conn<'_>) -> Result<CatalogDump, StoreError> {
         // The version first: anything written during the scan is in the feed after it.
-        let version: Option<u64> = c.get(self.keys.catalog("version")).await?;
+        let (version, epoch): (Option<u64>, Option<String>) = redis::pipe()
+            .get(self.keys.catalog("version"))
+            .get(self.keys.catalog("epoch"))
+            .query_async(c)
+            .await?;
         let mut dump = CatalogDump {
+            epoch,
             version: version.unwrap_or(0),
             ..CatalogDump::default()
         };
@@ -602,8 +609,12 @@ impl RedisStore {
         Ok(dump)
     }
 
-    pub async fn catalog_changes(&self, since: u64) -> Result<CatalogChanges, StoreError> {
-        match retrying!(self, |c| self.catalog_changes_on(c, since).await)? {
+    pub async fn catalog_changes(
+        &self,
+        since: u64,
+        epoch: Option<&str>,
+    ) -> Result<CatalogChanges, StoreError> {
+        match retrying!(self, |c| self.catalog_changes_on(c, since, epoch).await)? {
             Some(changes) => Ok(changes),
             None => Ok(CatalogChanges::Reload(self.catalog_dump().await?)),
         }
@@ -614,9 +625,12 @@ impl RedisStore {
         &self,
         c: &mut Conn<'_>,
         since: u64,
+        epoch: Option<&str>,
     ) -> Result<Option<CatalogChanges>, StoreError> {
-        let (version, entries): (Option<u64>, Vec<FeedEntry>) = redis::pipe()
+        let (version, stored_epoch, entries): (Option<u64>, Option<String>, Vec<FeedEntry>) =
+            redis::pipe()
             .get(self.keys.catalog("version"))
+            .get(self.keys.catalog("epoch"))
             .cmd("XRANGE")
             .arg(self.keys.catalog("changes"))
             .arg(format!("{}-0", since + 1))
@@ -626,6 +640,10 @@ impl RedisStore {
             .query_async(c)
             .await?;
         let version = version.unwrap_or(0);
+        // Another catalog (or one that lost its identity): versions cannot be compared.
+        if stored_epoch.as_deref() != epoch {
+            return Ok(None);
+        }
         if version == since {
             return Ok(Some(CatalogChanges::Unchanged));
         }
@@ -720,7 +738,8 @@ impl RedisStore {
         inv.key(
             self.keys
                 .catalog(&format!("write:{}", uuid::Uuid::new_v4().simple())),
-        );
+        )
+        .key(self.keys.catalog("epoch"));
         let (op, plan, hashes) = match write {
             CatalogWrite::PutClient(c, _) => (
                 "put",
@@ -747,6 +766,11 @@ impl RedisStore {
             .arg(plan)
             .arg(&audit.actor)
             .arg(&audit.action)
+            .arg(if audit.names_catalog {
+                uuid::Uuid::new_v4().simple().to_string()
+            } else {
+                String::new()
+            })
             .arg(hashes);
         let (status, rev, detail): (String, u64, Value) =
             retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
@@ -763,6 +787,67 @@ impl RedisStore {
             "key_conflict" => WriteOutcome::KeyConflict,
             other => return Err(StoreError::Protocol(format!("catalog write: {other}"))),
         })
+    }
+
+    /// Puts `mirror` in place of the store's catalog if the store is still at `seen`
+    /// (`lua/catalog_restore.lua`). Retried on a fresh connection like any write: a resend
+    /// after a lost reply finds the store moved (to the mirror) and writes nothing.
+    pub async fn catalog_restore(
+        &self,
+        seen: (Option<&str>, u64),
+        mirror: &CatalogDump,
+    ) -> Result<bool, StoreError> {
+        let record = |kind: &str, id: &str, rev: u64, json: Option<String>| {
+            json.map(|json| serde_json::json!({"kind": kind, "id": id, "rev": rev, "json": json}))
+        };
+        let mut records = Vec::new();
+        for p in &mirror.plans {
+            records.extend(record(
+                "plan",
+                p.value.name.as_str(),
+                p.rev,
+                serde_json::to_string(&p.value).ok(),
+            ));
+        }
+        for c in &mirror.clients {
+            if let Some(mut r) = record(
+                "client",
+                c.value.id.as_str(),
+                c.rev,
+                serde_json::to_string(&c.value).ok(),
+            ) {
+                r["plan"] = c.value.plan.as_str().into();
+                r["hashes"] = c
+                    .value
+                    .keys
+                    .iter()
+                    .map(|k| serde_json::Value::from(k.hash.to_string()))
+                    .collect();
+                records.push(r);
+            }
+        }
+        if let Some(s) = &mirror.safety {
+            records.extend(record(
+                "setting",
+                SAFETY,
+                s.rev,
+                serde_json::to_string(&s.value).ok(),
+            ));
+        }
+        let mut inv = self.catalog_restore.prepare_invoke();
+        for part in [
+            "plans", "clients", "keys", "users", "version", "changes", "settings", "index", "audit",
+            "epoch",
+        ] {
+            inv.key(self.keys.catalog(part));
+        }
+        inv.arg(seen.0.unwrap_or(""))
+            .arg(seen.1)
+            .arg(mirror.epoch.as_deref().unwrap_or(""))
+            .arg(mirror.version)
+            .arg(serde_json::Value::Array(records).to_string());
+        let status: String = retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
+        Ok(status == "restored")
     }
 
     pub async fn plan(&self, name: &str) -> Result<Option<Versioned<PlanRecord>>, StoreError> {
