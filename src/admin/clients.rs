@@ -183,19 +183,17 @@ pub async fn list(
     if let Some(c) = &page.cursor {
         client_id(c).map_err(|_| ApiError::field("cursor", "is not a cursor from next_cursor"))?;
     }
-    let items = state
+    let page = state
         .store
         .clients_page(page.cursor.as_deref(), limit)
         .await?;
-    let next_cursor = (items.len() == limit)
-        .then(|| items.last().map(|c| c.value.id.to_string()))
-        .flatten();
     Ok(HttpResponse::Ok().json(ClientList {
-        items: items
+        next_cursor: page.next,
+        items: page
+            .items
             .into_iter()
             .map(|c| ClientView::from(c.value))
             .collect(),
-        next_cursor,
     }))
 }
 

@@ -175,7 +175,10 @@ impl Catalog {
     pub async fn refresh(&self, store: &Store) -> Result<(), StoreError> {
         loop {
             let epoch = self.epoch();
-            match store.catalog_changes(self.version(), epoch.as_deref()).await? {
+            match store
+                .catalog_changes(self.version(), epoch.as_deref())
+                .await?
+            {
                 CatalogChanges::Unchanged => return Ok(()),
                 CatalogChanges::Reload(dump) if self.should_restore(&dump) => {
                     tracing::error!(
@@ -233,9 +236,7 @@ impl Catalog {
     /// An empty mirror restores nothing.
     fn should_restore(&self, store: &CatalogDump) -> bool {
         let mine = self.version();
-        mine > 0
-            && store.version < mine
-            && (store.epoch.is_none() || store.epoch == self.epoch())
+        mine > 0 && store.version < mine && (store.epoch.is_none() || store.epoch == self.epoch())
     }
 
     /// This mirror as a dump: what a restore writes.
@@ -356,8 +357,7 @@ impl Catalog {
         }
         if let Some(old) = &old {
             for k in &old.record.keys {
-                self.keys
-                    .remove_if(&k.hash, |_, e| Arc::ptr_eq(e, old));
+                self.keys.remove_if(&k.hash, |_, e| Arc::ptr_eq(e, old));
             }
         }
     }
@@ -369,7 +369,11 @@ impl Catalog {
         rec: Versioned<ClientRecord>,
         old: Option<&ClientEntry>,
     ) -> Option<Arc<ClientEntry>> {
-        let Some(plan) = self.plans.get(&rec.value.plan).map(|p| Arc::clone(p.value())) else {
+        let Some(plan) = self
+            .plans
+            .get(&rec.value.plan)
+            .map(|p| Arc::clone(p.value()))
+        else {
             tracing::warn!(client = %id, plan = %rec.value.plan, "client on an unknown plan ignored");
             return None;
         };
@@ -483,4 +487,74 @@ pub async fn seed(store: &Store, settings: &Settings) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    fn plan(name: &str) -> Versioned<PlanRecord> {
+        Versioned {
+            rev: 1,
+            value: PlanRecord {
+                name: PlanName::parse(name).unwrap(),
+                capacity: 10.0,
+                rate: 1.0,
+                description: None,
+            },
+        }
+    }
+
+    #[test]
+    fn a_key_never_disappears_while_its_client_is_replaced() {
+        // Arrange: a client with one key on one of two plans.
+        let catalog = Arc::new(Catalog::new(
+            Mode::Enforce,
+            Keys::new("t:"),
+            Region::parse("eu").unwrap(),
+        ));
+        for p in ["gold", "silver"] {
+            catalog.apply_plan(PlanName::parse(p).unwrap(), Some(plan(p)));
+        }
+        let hash = KeyHash::of("key-busy-0000");
+        let id = ClientId::parse("busy").unwrap();
+        let version = |rev: u64| Versioned {
+            rev,
+            value: ClientRecord {
+                id: id.clone(),
+                plan: PlanName::parse(if rev.is_multiple_of(2) { "gold" } else { "silver" }).unwrap(),
+                mode: None,
+                shards: None,
+                keys: vec![KeyRecord::new(hash)],
+            },
+        };
+        catalog.apply_client(id.clone(), Some(version(0)));
+
+        // Act: one thread replaces the client over and over while another looks its key up.
+        let done = Arc::new(AtomicBool::new(false));
+        let reader = {
+            let (catalog, done) = (Arc::clone(&catalog), Arc::clone(&done));
+            std::thread::spawn(move || {
+                let (mut misses, mut lookups) = (0u64, 0u64);
+                while !done.load(Ordering::Relaxed) {
+                    lookups += 1;
+                    if catalog.by_key(&hash).is_none() {
+                        misses += 1;
+                    }
+                }
+                (misses, lookups)
+            })
+        };
+        for rev in 1..=20_000 {
+            catalog.apply_client(id.clone(), Some(version(rev)));
+        }
+        done.store(true, Ordering::Relaxed);
+        let (misses, lookups) = reader.join().unwrap();
+
+        // Assert.
+        assert!(lookups > 1000, "the reader ran only {lookups} lookups");
+        assert_eq!(misses, 0, "{misses} of {lookups} lookups found no client");
+        assert_eq!(catalog.by_key(&hash).unwrap().rev, 20_000);
+    }
 }

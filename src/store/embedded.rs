@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-use super::{LocalBuckets, Reconcile, RegionShare, ShardState, StoreError};
+use super::{ClientsPage, LocalBuckets, Reconcile, RegionShare, ShardState, StoreError};
 use crate::catalog::{
     Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition,
     PlanRecord, SafetyRecord, Versioned, WriteOutcome,
@@ -245,7 +245,7 @@ impl EmbeddedStore {
     }
 
     /// Up to `limit` clients in id order, after the id `after`.
-    pub fn clients_page(&self, after: Option<&str>, limit: usize) -> Vec<Versioned<ClientRecord>> {
+    pub fn clients_page(&self, after: Option<&str>, limit: usize) -> ClientsPage {
         let cat = self.catalog.lock();
         let after = after.and_then(|a| ClientId::parse(a).ok());
         let range = match &after {
@@ -255,7 +255,13 @@ impl EmbeddedStore {
             )),
             None => cat.data.clients.range(..),
         };
-        range.take(limit).map(|(_, v)| v.clone()).collect()
+        let items: Vec<_> = range.take(limit).map(|(_, v)| v.clone()).collect();
+        ClientsPage {
+            next: (items.len() == limit)
+                .then(|| items.last().map(|c| c.value.id.to_string()))
+                .flatten(),
+            items,
+        }
     }
 
     /// The newest `limit` audit entries, newest first.
@@ -726,7 +732,10 @@ mod tests {
             CatalogChanges::Unchanged
         ));
         assert!(
-            matches!(s.catalog_changes(2, Some("another")), CatalogChanges::Reload(_)),
+            matches!(
+                s.catalog_changes(2, Some("another")),
+                CatalogChanges::Reload(_)
+            ),
             "another catalog's versions mean nothing here"
         );
     }

@@ -65,6 +65,14 @@ pub struct Reconcile<'a> {
     pub floor: f64,
 }
 
+/// One page of clients in id order.
+#[derive(Debug, Default)]
+pub struct ClientsPage {
+    pub items: Vec<Versioned<ClientRecord>>,
+    /// Where the next page starts; `None` on the last page.
+    pub next: Option<String>,
+}
+
 /// Why the store could not answer.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
@@ -250,7 +258,7 @@ impl Store {
         &self,
         after: Option<&str>,
         limit: usize,
-    ) -> Result<Vec<Versioned<ClientRecord>>, StoreError> {
+    ) -> Result<ClientsPage, StoreError> {
         match self {
             Store::Embedded(s) => Ok(s.clients_page(after, limit)),
             Store::Redis(s) => s.clients_page(after, limit).await,

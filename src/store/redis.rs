@@ -13,7 +13,7 @@ use secrecy::{ExposeSecret, SecretString};
 
 use super::coalesce::{Batch, Coalescer, Take};
 use super::redis_pool::{is_transport_error, tcp_settings, Dialer, PerThread, RedisManager};
-use super::{Keys, Reconcile, RegionShare, ShardState, StoreError};
+use super::{ClientsPage, Keys, Reconcile, RegionShare, ShardState, StoreError};
 use crate::catalog::{
     Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition,
     PlanRecord, SafetyRecord, Versioned, WriteOutcome, SAFETY,
@@ -629,16 +629,16 @@ impl RedisStore {
     ) -> Result<Option<CatalogChanges>, StoreError> {
         let (version, stored_epoch, entries): (Option<u64>, Option<String>, Vec<FeedEntry>) =
             redis::pipe()
-            .get(self.keys.catalog("version"))
-            .get(self.keys.catalog("epoch"))
-            .cmd("XRANGE")
-            .arg(self.keys.catalog("changes"))
-            .arg(format!("{}-0", since + 1))
-            .arg("+")
-            .arg("COUNT")
-            .arg(FEED_PAGE)
-            .query_async(c)
-            .await?;
+                .get(self.keys.catalog("version"))
+                .get(self.keys.catalog("epoch"))
+                .cmd("XRANGE")
+                .arg(self.keys.catalog("changes"))
+                .arg(format!("{}-0", since + 1))
+                .arg("+")
+                .arg("COUNT")
+                .arg(FEED_PAGE)
+                .query_async(c)
+                .await?;
         let version = version.unwrap_or(0);
         // Another catalog (or one that lost its identity): versions cannot be compared.
         if stored_epoch.as_deref() != epoch {
@@ -836,8 +836,8 @@ impl RedisStore {
         }
         let mut inv = self.catalog_restore.prepare_invoke();
         for part in [
-            "plans", "clients", "keys", "users", "version", "changes", "settings", "index", "audit",
-            "epoch",
+            "plans", "clients", "keys", "users", "version", "changes", "settings", "index",
+            "audit", "epoch",
         ] {
             inv.key(self.keys.catalog(part));
         }
@@ -891,7 +891,7 @@ impl RedisStore {
         &self,
         after: Option<&str>,
         limit: usize,
-    ) -> Result<Vec<Versioned<ClientRecord>>, StoreError> {
+    ) -> Result<ClientsPage, StoreError> {
         retrying!(self, |c| async {
             let start = after.map_or_else(|| "-".to_string(), |a| format!("({a}"));
             let ids: Vec<String> = redis::cmd("ZRANGE")
@@ -905,18 +905,23 @@ impl RedisStore {
                 .query_async(c)
                 .await?;
             if ids.is_empty() {
-                return Ok(vec![]);
+                return Ok(ClientsPage::default());
             }
             let raws: Vec<Option<String>> = redis::cmd("HMGET")
                 .arg(self.keys.catalog("clients"))
                 .arg(&ids)
                 .query_async(c)
                 .await?;
-            Ok(raws
-                .into_iter()
-                .flatten()
-                .filter_map(|r| parse_entity(&r))
-                .collect())
+            // The cursor is the last id the index gave, whether or not its client was
+            // deleted between the two reads: a page thinned by deletes is not the last.
+            Ok(ClientsPage {
+                next: (ids.len() == limit).then(|| ids[ids.len() - 1].clone()),
+                items: raws
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|r| parse_entity(&r))
+                    .collect(),
+            })
         }
         .await)
     }

@@ -3,6 +3,7 @@
 mod helpers;
 
 mod admin;
+mod catalog;
 mod cluster;
 mod configuration;
 mod faults;

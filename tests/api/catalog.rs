@@ -1,0 +1,404 @@
+//! The catalog keeps its promises across resets: a store that goes back is restored from
+//! the gateways' copies by its identity (epoch) and version, nothing deleted or revoked
+//! comes back, gateways restoring at once write one catalog once, and paging never ends
+//! early. (That edits never flicker is tested where the race can be forced: the mirror's
+//! unit test `a_key_never_disappears_while_its_client_is_replaced`.)
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use reqwest::Method;
+use serde_json::{json, Value};
+use tollgate_testkit::FaultProxy;
+
+use crate::helpers::*;
+
+fn rw() -> String {
+    admin_token("ops", "admin:read admin:write")
+}
+
+/// A gateway on `redis_url` with the admin API, a route, plan `gold` and a fast catalog.
+async fn gateway(redis_url: &str, up: &Upstream, refresh_ms: u64) -> TestGateway {
+    let toml = format!(
+        "{}[redis]\nurl = \"{redis_url}\"\ntimeout_ms = 100\n[catalog]\nrefresh_ms = {refresh_ms}\n{}{}",
+        admin_toml(),
+        catalog_toml(("gold", 1_000_000.0, 1.0), &["declared"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    );
+    TestGateway::spawn(settings(&toml)).await
+}
+
+async fn put_client(gw: &TestGateway, id: &str, plan: &str) {
+    let r = gw
+        .admin(Method::PUT, &format!("/clients/{id}"), &rw())
+        .json(&json!({"plan": plan}))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.status());
+}
+
+/// A new key for `client`: (key_id, key).
+async fn new_key(gw: &TestGateway, client: &str) -> (String, String) {
+    let created: Value = gw
+        .admin(Method::POST, &format!("/clients/{client}/keys"), &rw())
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    (
+        created["key_id"].as_str().unwrap().to_string(),
+        created["key"].as_str().unwrap().to_string(),
+    )
+}
+
+async fn status(gw: &TestGateway, key: &str) -> u16 {
+    gw.get("/orders", Some(key)).await.status().as_u16()
+}
+
+fn store_version(redis: &RedisServer) -> u64 {
+    redis::cmd("GET")
+        .arg("tollgate:{catalog}:version")
+        .query::<Option<u64>>(&mut redis.conn())
+        .unwrap()
+        .unwrap_or(0)
+}
+
+fn stored_client(redis: &RedisServer, id: &str) -> Option<String> {
+    redis::cmd("HGET")
+        .arg("tollgate:{catalog}:clients")
+        .arg(id)
+        .query(&mut redis.conn())
+        .unwrap()
+}
+
+/// How many restores the audit log records.
+fn restores(redis: &RedisServer) -> usize {
+    let entries: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
+        .arg("tollgate:{catalog}:audit")
+        .arg("-")
+        .arg("+")
+        .query(&mut redis.conn())
+        .unwrap();
+    entries
+        .iter()
+        .filter(|(_, f)| {
+            f.iter()
+                .any(|(k, v)| k == "action" && v == "catalog.restore")
+        })
+        .count()
+}
+
+/// Sends requests with `key` until stopped and counts the ones admitted.
+fn watch_key(gw: &TestGateway, key: &str) -> (Arc<AtomicBool>, Arc<AtomicUsize>) {
+    let (stop, admitted) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicUsize::new(0)),
+    );
+    let (s, a) = (Arc::clone(&stop), Arc::clone(&admitted));
+    let (http, url, key) = (
+        gw.http.clone(),
+        format!("{}/orders", gw.address),
+        key.to_string(),
+    );
+    tokio::spawn(async move {
+        while !s.load(Ordering::SeqCst) {
+            if let Ok(r) = http.get(&url).header("x-api-key", &key).send().await {
+                if r.status() != 401 {
+                    a.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    });
+    (stop, admitted)
+}
+
+#[tokio::test]
+async fn a_redis_restored_from_a_snapshot_older_than_a_revocation_never_lets_the_key_back() {
+    // Arrange: a client with a key, saved in a snapshot; then the key is revoked.
+    let mut redis = RedisServer::start();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway(&redis.url(), &up, 100).await;
+    put_client(&gw, "acme", "gold").await;
+    let (key_id, key) = new_key(&gw, "acme").await;
+    eventually(Duration::from_secs(3), "the key works", || async {
+        status(&gw, &key).await == 200
+    })
+    .await;
+    let _: () = redis::cmd("SAVE").query(&mut redis.conn()).unwrap();
+    let snapshot_version = store_version(&redis);
+    let r = gw
+        .admin(
+            Method::DELETE,
+            &format!("/clients/acme/keys/{key_id}"),
+            &rw(),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    eventually(
+        Duration::from_secs(3),
+        "the revocation in force",
+        || async { status(&gw, &key).await == 401 },
+    )
+    .await;
+    let mirror_version = store_version(&redis);
+    assert!(mirror_version > snapshot_version);
+    let (stop, admitted) = watch_key(&gw, &key);
+
+    // Act: Redis restarts from the snapshot taken before the revocation.
+    redis.kill();
+    redis.restart();
+    assert_eq!(
+        store_version(&redis),
+        snapshot_version,
+        "the snapshot loaded"
+    );
+
+    // Assert: the gateway restores its newer copy, and the key never works again.
+    eventually(
+        Duration::from_secs(5),
+        "the newer catalog restored",
+        || async { store_version(&redis) == mirror_version },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::SeqCst);
+    assert_eq!(
+        admitted.load(Ordering::SeqCst),
+        0,
+        "the revoked key was admitted"
+    );
+    let keys: Vec<String> = redis::cmd("HKEYS")
+        .arg("tollgate:{catalog}:keys")
+        .query(&mut redis.conn())
+        .unwrap();
+    assert!(
+        keys.iter().all(|h| !h.contains(&key_id[..8])),
+        "the revoked key's hash is back in the store: {keys:?}"
+    );
+    assert_eq!(restores(&redis), 1);
+    assert_eq!(status(&gw, &key).await, 401);
+}
+
+#[tokio::test]
+async fn a_redis_restarted_empty_gets_the_catalog_back_without_what_was_deleted() {
+    // Arrange: one client deleted, one kept.
+    let mut redis = RedisServer::start();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway(&redis.url(), &up, 100).await;
+    put_client(&gw, "gone", "gold").await;
+    let (_, gone_key) = new_key(&gw, "gone").await;
+    put_client(&gw, "kept", "gold").await;
+    let (_, kept_key) = new_key(&gw, "kept").await;
+    let r = gw
+        .admin(Method::DELETE, "/clients/gone", &rw())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    let version = store_version(&redis);
+    eventually(Duration::from_secs(3), "the mirror current", || async {
+        status(&gw, &gone_key).await == 401 && status(&gw, &kept_key).await == 200
+    })
+    .await;
+
+    // Act.
+    redis.kill();
+    redis.restart();
+
+    // Assert: the same catalog, at the same version, with the same ETags.
+    eventually(Duration::from_secs(5), "restored", || async {
+        store_version(&redis) == version
+    })
+    .await;
+    assert!(stored_client(&redis, "gone").is_none());
+    assert!(stored_client(&redis, "kept").is_some());
+    assert!(stored_client(&redis, "declared").is_some());
+    assert_eq!(status(&gw, &gone_key).await, 401);
+    assert_eq!(status(&gw, &kept_key).await, 200);
+    let r = gw
+        .admin(Method::GET, "/clients/kept", &rw())
+        .send()
+        .await
+        .unwrap();
+    let etag = r.headers()["etag"].to_str().unwrap().to_string();
+    let r = gw
+        .admin(Method::PUT, "/clients/kept", &rw())
+        .header("if-match", etag)
+        .json(&json!({"plan": "gold", "mode": "shadow"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.status(),
+        200,
+        "an ETag from before the restore still matches"
+    );
+    // And the catalog keeps its identity, so other gateways recognise it.
+    let epoch: Option<String> = redis::cmd("GET")
+        .arg("tollgate:{catalog}:epoch")
+        .query(&mut redis.conn())
+        .unwrap();
+    assert!(epoch.is_some());
+}
+
+#[tokio::test]
+async fn a_gateway_cut_off_across_a_reset_never_brings_back_what_was_deleted_meanwhile() {
+    // Arrange: gateway A through a fault proxy, gateway B direct; client "doomed" known
+    // to both.
+    let mut redis = RedisServer::start();
+    let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
+    let up = Upstream::start(Behaviour::Echo).await;
+    let a = gateway(&proxy.redis_url(), &up, 100).await;
+    let b = gateway(&redis.url(), &up, 300).await;
+    put_client(&b, "doomed", "gold").await;
+    let (_, doomed) = new_key(&b, "doomed").await;
+    eventually(Duration::from_secs(3), "A knows the client", || async {
+        status(&a, &doomed).await == 200
+    })
+    .await;
+
+    // Act: A is cut off; the client is deleted through B; Redis restarts empty; A comes
+    // back (with its copy from before the delete) while B also restores.
+    proxy.partition();
+    let r = b
+        .admin(Method::DELETE, "/clients/doomed", &rw())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    let version = store_version(&redis);
+    eventually(Duration::from_secs(3), "B applied the delete", || async {
+        b.app.catalog.version() == version
+    })
+    .await;
+    assert_eq!(status(&b, &doomed).await, 401);
+    let (stop, admitted_by_b) = watch_key(&b, &doomed);
+    redis.kill();
+    redis.restart();
+    proxy.heal();
+
+    // Assert: whoever restores first, the catalog converges on the newest copy (B's), A
+    // takes it, and B never admitted the deleted client again.
+    eventually(Duration::from_secs(8), "converged on B's copy", || async {
+        store_version(&redis) == version
+            && stored_client(&redis, "doomed").is_none()
+            && status(&a, &doomed).await == 401
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::SeqCst);
+    assert_eq!(admitted_by_b.load(Ordering::SeqCst), 0);
+    assert!(stored_client(&redis, "doomed").is_none(), "came back");
+    assert_eq!(status(&a, &doomed).await, 401);
+}
+
+#[tokio::test]
+async fn gateways_restoring_at_once_write_one_catalog_once() {
+    // Arrange: three gateways polling every 20 ms, all with the same copy.
+    let mut redis = RedisServer::start();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gws = [
+        gateway(&redis.url(), &up, 20).await,
+        gateway(&redis.url(), &up, 20).await,
+        gateway(&redis.url(), &up, 20).await,
+    ];
+    for i in 0..20 {
+        put_client(&gws[0], &format!("c{i}"), "gold").await;
+    }
+    let version = store_version(&redis);
+    for gw in &gws {
+        eventually(Duration::from_secs(3), "every gateway current", || async {
+            gw.app.catalog.version() == version
+        })
+        .await;
+    }
+
+    // Act.
+    redis.kill();
+    redis.restart();
+
+    // Assert: one restore, to the version every gateway holds, and nothing after it.
+    eventually(Duration::from_secs(5), "restored", || async {
+        store_version(&redis) == version
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(restores(&redis), 1);
+    assert_eq!(store_version(&redis), version);
+    let clients: usize = redis::cmd("HLEN")
+        .arg("tollgate:{catalog}:clients")
+        .query(&mut redis.conn())
+        .unwrap();
+    assert_eq!(clients, 21);
+}
+
+#[tokio::test]
+async fn paging_through_clients_while_others_are_deleted_reaches_every_survivor() {
+    // Arrange: 200 clients; the even ones are deleted while the list is paged.
+    let redis = RedisServer::start();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway(&redis.url(), &up, 1000).await;
+    let ids: Vec<String> = (0..200).map(|i| format!("p{i:03}")).collect();
+    for id in &ids {
+        put_client(&gw, id, "gold").await;
+    }
+    let deleter = {
+        let (http, base, token) = (gw.http.clone(), gw.address.clone(), rw());
+        let doomed: Vec<String> = ids.iter().step_by(2).cloned().collect();
+        tokio::spawn(async move {
+            for id in doomed {
+                http.delete(format!("{base}/admin/v1/clients/{id}"))
+                    .bearer_auth(&token)
+                    .send()
+                    .await
+                    .unwrap();
+            }
+        })
+    };
+
+    // Act: page 5 at a time until the server says there is no next page.
+    let mut seen = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let path = match &cursor {
+            Some(c) => format!("/clients?limit=5&cursor={c}"),
+            None => "/clients?limit=5".to_string(),
+        };
+        let page: Value = gw
+            .admin(Method::GET, &path, &rw())
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        for c in page["items"].as_array().unwrap() {
+            seen.push(c["id"].as_str().unwrap().to_string());
+        }
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = Some(c.to_string()),
+            None => break,
+        }
+    }
+    deleter.await.unwrap();
+
+    // Assert: every client that was never deleted was listed, in order.
+    let survivors: Vec<&String> = ids.iter().skip(1).step_by(2).collect();
+    for s in &survivors {
+        assert!(
+            seen.contains(s),
+            "{s} missing: paging ended early at {seen:?}"
+        );
+    }
+    let mut sorted = seen.clone();
+    sorted.sort();
+    assert_eq!(seen, sorted);
+}
