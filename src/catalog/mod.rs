@@ -523,7 +523,12 @@ mod tests {
             rev,
             value: ClientRecord {
                 id: id.clone(),
-                plan: PlanName::parse(if rev.is_multiple_of(2) { "gold" } else { "silver" }).unwrap(),
+                plan: PlanName::parse(if rev.is_multiple_of(2) {
+                    "gold"
+                } else {
+                    "silver"
+                })
+                .unwrap(),
                 mode: None,
                 shards: None,
                 keys: vec![KeyRecord::new(hash)],

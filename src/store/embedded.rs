@@ -20,21 +20,57 @@ const FEED_LEN: usize = 10_000;
 const AUDIT_LEN: usize = 10_000;
 
 /// Buckets and catalog of a single instance.
+///
+/// Writes to the catalog file are made off the async workers (`Store` runs them with
+/// `spawn_blocking`), one at a time (`writer`), and without holding the catalog's lock
+/// while the file is written and synced: a write is staged under the lock, written to disk
+/// without it, then committed under it again, so readers never wait for the disk.
 pub struct EmbeddedStore {
     buckets: LocalBuckets<Box<str>>,
     shards: Mutex<HashMap<ClientId, EmbeddedShard>>,
     catalog: Mutex<FileCatalog>,
+    /// Held for a whole write (stage, persist, commit); only in blocking threads.
+    writer: Mutex<()>,
+    path: PathBuf,
     shadow: Mutex<HashMap<String, (u64, u64)>>,
+    /// An exclusive lock on `<catalog file>.lock`, held while the store is open: a second
+    /// process on the same file is refused (the embedded store is for one instance).
+    _lock: std::fs::File,
 }
 
 impl EmbeddedStore {
-    /// Opens (or creates) the catalog file.
+    /// Opens (or creates) the catalog file, refusing it when another process has it open.
     pub fn open(file: &Path) -> Result<EmbeddedStore, StoreError> {
+        let err = |e: std::io::Error| StoreError::File(format!("{}: {e}", file.display()));
+        if let Some(dir) = file.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(err)?;
+        }
+        let mut lock_path = file.as_os_str().to_owned();
+        lock_path.push(".lock");
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(err)?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(StoreError::File(format!(
+                    "{} is in use by another tollgate process (the embedded store is for one instance; use Redis to run several)",
+                    file.display()
+                )))
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(err(e)),
+        }
         Ok(EmbeddedStore {
             buckets: LocalBuckets::default(),
             shards: Mutex::new(HashMap::new()),
             catalog: Mutex::new(FileCatalog::open(file)?),
+            writer: Mutex::new(()),
+            path: file.to_path_buf(),
             shadow: Mutex::new(HashMap::new()),
+            _lock: lock,
         })
     }
 
@@ -180,10 +216,14 @@ impl EmbeddedStore {
         seen: (Option<&str>, u64),
         mirror: &CatalogDump,
     ) -> Result<bool, StoreError> {
-        let mut cat = self.catalog.lock();
-        if cat.data.epoch.as_deref() != seen.0 || cat.data.version != seen.1 {
-            return Ok(false);
-        }
+        let _one = self.writer.lock();
+        let audit = {
+            let cat = self.catalog.lock();
+            if cat.data.epoch.as_deref() != seen.0 || cat.data.version != seen.1 {
+                return Ok(false);
+            }
+            cat.data.audit.clone()
+        };
         let mut next = CatalogFile {
             epoch: mirror.epoch.clone(),
             version: mirror.version,
@@ -198,7 +238,7 @@ impl EmbeddedStore {
                 .map(|c| (c.value.id.clone(), c.clone()))
                 .collect(),
             safety: mirror.safety.clone(),
-            audit: cat.data.audit.clone(),
+            audit,
         };
         push_audit(
             &mut next.audit,
@@ -213,8 +253,8 @@ impl EmbeddedStore {
                 after: Some(serde_json::json!({"epoch": mirror.epoch, "version": mirror.version})),
             },
         );
-        persist(&cat.path, &next)?;
-        *cat = FileCatalog::from_data(cat.path.clone(), next);
+        persist(&self.path, &next)?;
+        *self.catalog.lock() = FileCatalog::from_data(next);
         Ok(true)
     }
 
@@ -223,7 +263,13 @@ impl EmbeddedStore {
         write: &CatalogWrite,
         audit: &Audit,
     ) -> Result<WriteOutcome, StoreError> {
-        self.catalog.lock().write(write, audit)
+        let _one = self.writer.lock();
+        let staged = match self.catalog.lock().stage(write, audit) {
+            Ok(staged) => staged,
+            Err(refusal) => return Ok(refusal),
+        };
+        persist(&self.path, &staged.data)?;
+        Ok(self.catalog.lock().commit(staged))
     }
 
     pub fn plan(&self, name: &str) -> Option<Versioned<PlanRecord>> {
@@ -279,11 +325,11 @@ impl EmbeddedStore {
 
     /// Appends an audit entry for a change outside the catalog (a bucket refill).
     pub fn record_audit(&self, entry: AuditEntry) -> Result<(), StoreError> {
-        let mut cat = self.catalog.lock();
-        let mut next = cat.data.clone();
+        let _one = self.writer.lock();
+        let mut next = self.catalog.lock().data.clone();
         push_audit(&mut next.audit, entry);
-        persist(&cat.path, &next)?;
-        cat.data = next;
+        persist(&self.path, &next)?;
+        self.catalog.lock().data = next;
         Ok(())
     }
 }
@@ -353,7 +399,6 @@ fn now_ms() -> u64 {
 }
 
 struct FileCatalog {
-    path: PathBuf,
     data: CatalogFile,
     /// Plan name → clients on it.
     users: HashMap<PlanName, usize>,
@@ -370,13 +415,12 @@ impl FileCatalog {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => CatalogFile::default(),
             Err(e) => return Err(StoreError::File(format!("{}: {e}", path.display()))),
         };
-        Ok(FileCatalog::from_data(path.to_path_buf(), data))
+        Ok(FileCatalog::from_data(data))
     }
 
     /// The catalog over `data`, with its derived indexes and an empty change feed.
-    fn from_data(path: PathBuf, data: CatalogFile) -> FileCatalog {
+    fn from_data(data: CatalogFile) -> FileCatalog {
         let mut cat = FileCatalog {
-            path,
             data,
             users: HashMap::new(),
             keys: HashMap::new(),
@@ -437,8 +481,9 @@ impl FileCatalog {
         }
     }
 
-    /// The same checks, in the same order, as `lua/catalog_write.lua`.
-    fn write(&mut self, write: &CatalogWrite, audit: &Audit) -> Result<WriteOutcome, StoreError> {
+    /// The same checks, in the same order, as `lua/catalog_write.lua`, on a copy: the
+    /// write staged for [`FileCatalog::commit`] once it is on disk, or the refusal.
+    fn stage(&self, write: &CatalogWrite, audit: &Audit) -> Result<Staged, WriteOutcome> {
         let id = write.id();
         let old: Option<(u64, String)> = match write {
             CatalogWrite::PutSafety(..) => {
@@ -454,10 +499,10 @@ impl FileCatalog {
                 .map(|v| (v.rev, json(&v.value))),
         };
         match (write.condition(), &old) {
-            (Condition::Absent, Some(_)) => return Ok(WriteOutcome::Exists),
-            (Condition::Rev(_), None) => return Ok(WriteOutcome::Missing),
+            (Condition::Absent, Some(_)) => return Err(WriteOutcome::Exists),
+            (Condition::Rev(_), None) => return Err(WriteOutcome::Missing),
             (Condition::Rev(r), Some((rev, _))) if r != *rev => {
-                return Ok(WriteOutcome::Stale { current: *rev })
+                return Err(WriteOutcome::Stale { current: *rev })
             }
             _ => {}
         }
@@ -488,22 +533,22 @@ impl FileCatalog {
             }
             CatalogWrite::DeletePlan(name, _) => {
                 if old.is_none() {
-                    return Ok(WriteOutcome::Missing);
+                    return Err(WriteOutcome::Missing);
                 }
                 if next_users.get(name).copied().unwrap_or(0) > 0 {
-                    return Ok(WriteOutcome::PlanInUse);
+                    return Err(WriteOutcome::PlanInUse);
                 }
                 next.plans.remove(name);
             }
             CatalogWrite::PutClient(c, _) => {
                 if !next.plans.contains_key(&c.plan) {
-                    return Ok(WriteOutcome::UnknownPlan);
+                    return Err(WriteOutcome::UnknownPlan);
                 }
                 if c.keys
                     .iter()
                     .any(|k| next_keys.get(&k.hash).is_some_and(|owner| *owner != c.id))
                 {
-                    return Ok(WriteOutcome::KeyConflict);
+                    return Err(WriteOutcome::KeyConflict);
                 }
                 if let Some(prev) = next.clients.get(&c.id) {
                     unlink(&prev.value, &mut next_users, &mut next_keys);
@@ -522,7 +567,7 @@ impl FileCatalog {
             }
             CatalogWrite::DeleteClient(cid, _) => {
                 let Some(prev) = next.clients.remove(cid) else {
-                    return Ok(WriteOutcome::Missing);
+                    return Err(WriteOutcome::Missing);
                 };
                 unlink(&prev.value, &mut next_users, &mut next_keys);
             }
@@ -541,19 +586,39 @@ impl FileCatalog {
                 after: write.json().as_deref().and_then(parse),
             },
         );
-        persist(&self.path, &next)?;
-        self.data = next;
-        self.users = next_users;
-        self.keys = next_keys;
-        self.feed.push_back((rev, write.kind(), id.to_string()));
+        Ok(Staged {
+            data: next,
+            users: next_users,
+            keys: next_keys,
+            change: (rev, write.kind(), id.to_string()),
+            outcome: WriteOutcome::Written {
+                rev,
+                before: old.map(|(_, j)| j),
+            },
+        })
+    }
+
+    /// Puts a staged write in place (it is on disk).
+    fn commit(&mut self, staged: Staged) -> WriteOutcome {
+        self.data = staged.data;
+        self.users = staged.users;
+        self.keys = staged.keys;
+        self.feed.push_back(staged.change);
         if self.feed.len() > FEED_LEN {
             self.feed.pop_front();
         }
-        Ok(WriteOutcome::Written {
-            rev,
-            before: old.map(|(_, j)| j),
-        })
+        staged.outcome
     }
+}
+
+/// A write checked and applied to a copy of the catalog, not yet on disk.
+struct Staged {
+    data: CatalogFile,
+    users: HashMap<PlanName, usize>,
+    keys: HashMap<KeyHash, ClientId>,
+    /// The change-feed entry (version, kind, id).
+    change: (u64, &'static str, String),
+    outcome: WriteOutcome,
 }
 
 fn unlink(
@@ -582,15 +647,18 @@ fn persist(path: &Path, data: &CatalogFile) -> Result<(), StoreError> {
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(err)?;
-    let tmp = path.with_extension("json.tmp");
-    {
-        let mut f = std::fs::File::create(&tmp).map_err(err)?;
-        serde_json::to_writer_pretty(&mut f, data)
-            .map_err(|e| StoreError::File(format!("{}: {e}", path.display())))?;
-        f.write_all(b"\n").map_err(err)?;
-        f.sync_all().map_err(err)?;
-    }
-    std::fs::rename(&tmp, path).map_err(err)?;
+    // A temporary file of its own (a unique name, removed if anything fails), never one
+    // another writer could be writing too.
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".catalog-")
+        .suffix(".tmp")
+        .tempfile_in(dir)
+        .map_err(err)?;
+    serde_json::to_writer_pretty(&mut tmp, data)
+        .map_err(|e| StoreError::File(format!("{}: {e}", path.display())))?;
+    tmp.write_all(b"\n").map_err(err)?;
+    tmp.as_file().sync_all().map_err(err)?;
+    tmp.persist(path).map_err(|e| err(e.error))?;
     if let Ok(d) = std::fs::File::open(dir) {
         let _ = d.sync_all();
     }

@@ -215,7 +215,14 @@ impl Store {
         mirror: &CatalogDump,
     ) -> Result<bool, StoreError> {
         match self {
-            Store::Embedded(s) => s.catalog_restore(seen, mirror),
+            Store::Embedded(s) => {
+                let seen = (seen.0.map(str::to_string), seen.1);
+                let mirror = mirror.clone();
+                off_worker(s, move |s| {
+                    s.catalog_restore((seen.0.as_deref(), seen.1), &mirror)
+                })
+                .await
+            }
             Store::Redis(s) => s.catalog_restore(seen, mirror).await,
         }
     }
@@ -227,7 +234,10 @@ impl Store {
         audit: &Audit,
     ) -> Result<WriteOutcome, StoreError> {
         match self {
-            Store::Embedded(s) => s.catalog_write(write, audit),
+            Store::Embedded(s) => {
+                let (write, audit) = (write.clone(), audit.clone());
+                off_worker(s, move |s| s.catalog_write(&write, &audit)).await
+            }
             Store::Redis(s) => s.catalog_write(write, audit).await,
         }
     }
@@ -283,7 +293,7 @@ impl Store {
     /// Records a change made outside the catalog (a bucket refill).
     pub async fn record_audit(&self, entry: AuditEntry) -> Result<(), StoreError> {
         match self {
-            Store::Embedded(s) => s.record_audit(entry),
+            Store::Embedded(s) => off_worker(s, move |s| s.record_audit(entry)).await,
             Store::Redis(s) => s.record_audit(&entry).await,
         }
     }
@@ -344,4 +354,16 @@ impl Store {
             Store::Redis(s) => s.describe(),
         }
     }
+}
+
+/// Runs an embedded-store call that writes the catalog file on a blocking thread, so an
+/// fsync never stalls an async worker.
+async fn off_worker<T: Send + 'static>(
+    store: &Arc<EmbeddedStore>,
+    f: impl FnOnce(&EmbeddedStore) -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, StoreError> {
+    let store = Arc::clone(store);
+    tokio::task::spawn_blocking(move || f(&store))
+        .await
+        .map_err(|e| StoreError::File(format!("catalog file writer: {e}")))?
 }

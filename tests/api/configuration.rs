@@ -121,3 +121,58 @@ async fn sigterm_lets_in_flight_requests_finish_then_exits_0() {
         .unwrap();
     assert_eq!(status.code(), Some(0));
 }
+
+#[test]
+fn a_second_process_on_the_same_embedded_catalog_file_is_refused() {
+    // Arrange: a gateway running on the embedded store with catalog file F.
+    let first = GatewayProcess::spawn("", &[]);
+    let catalog = first.catalog.clone();
+
+    // Act: a second gateway is started on F.
+    let out = Command::new(binary())
+        .env(
+            "TOLLGATE__SERVER__LISTEN",
+            format!("127.0.0.1:{}", free_port()),
+        )
+        .env("TOLLGATE__CATALOG__FILE", &catalog)
+        .output()
+        .unwrap();
+
+    // Assert: it stops with a line that says why, and the first one still serves.
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("in use by another tollgate process"), "{err}");
+    let health = std::net::TcpStream::connect(first.address.trim_start_matches("http://"));
+    assert!(health.is_ok(), "the first gateway still listens");
+}
+
+#[tokio::test]
+async fn concurrent_embedded_catalog_writes_all_land_and_leave_no_temporary_file() {
+    // Arrange.
+    let s = settings(&admin_toml());
+    let file = s.catalog.file.clone();
+    let gw = TestGateway::spawn(s).await;
+    let token = admin_token("ops", "admin:read admin:write");
+
+    // Act: writes from several requests at once.
+    let writes = (0..20).map(|i| {
+        gw.admin(reqwest::Method::PUT, &format!("/plans/p{i}"), &token)
+            .json(&serde_json::json!({"capacity": 10, "rate": 1}))
+            .send()
+    });
+    for r in futures_util::future::join_all(writes).await {
+        assert_eq!(r.unwrap().status(), 201);
+    }
+
+    // Assert: every write is in the file, and nothing else is beside it but its lock.
+    let stored: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    assert_eq!(stored["plans"].as_object().unwrap().len(), 20);
+    let beside: Vec<String> = std::fs::read_dir(file.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .filter(|n| n.contains("catalog") && !n.ends_with(".toml"))
+        .collect();
+    let mut beside = beside;
+    beside.sort();
+    assert_eq!(beside, ["catalog.json", "catalog.json.lock"], "{beside:?}");
+}

@@ -327,6 +327,8 @@ impl TestGateway {
 pub struct GatewayProcess {
     pub child: Child,
     pub address: String,
+    /// Its embedded catalog file.
+    pub catalog: PathBuf,
 }
 
 impl GatewayProcess {
@@ -355,6 +357,7 @@ impl GatewayProcess {
         let gw = GatewayProcess {
             child,
             address: format!("http://127.0.0.1:{port}"),
+            catalog: dir.join("catalog.json"),
         };
         let deadline = Instant::now() + Duration::from_secs(20);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
