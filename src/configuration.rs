@@ -82,6 +82,10 @@ pub struct CatalogSettings {
     pub file: PathBuf,
     /// Upper bound on how stale a gateway's in-memory copy of the catalog may be.
     pub refresh_ms: u64,
+    /// Redis mode: where the last catalog this gateway mirrored is kept (key hashes only,
+    /// owner-only permissions), to serve from when it starts while Redis is down; empty:
+    /// keep none.
+    pub cache_file: PathBuf,
     /// Plans created at start when absent.
     #[serde(default)]
     pub plans: Vec<PlanSettings>,

@@ -24,24 +24,36 @@ async fn healthz() -> HttpResponse {
     HttpResponse::Ok().json(json!({"status": "ok"}))
 }
 
-/// `200` when the store answers within a second, else `503` with the reason.
+/// `200` when the store answers within a second, else `503` with the reason; both say
+/// which catalog the gateway serves (`store`, `cache` with its age, or `config`).
 async fn readyz(state: web::Data<AppState>) -> HttpResponse {
     let reason = match tokio::time::timeout(Duration::from_secs(1), state.store.ping()).await {
         Ok(Ok(())) => None,
         Ok(Err(e)) => Some(e.to_string()),
         Err(_) => Some("the store did not answer within 1 s".to_string()),
     };
-    match reason {
-        None => HttpResponse::Ok().json(json!({
+    let source = state.catalog.source();
+    let mut body = match reason {
+        None => json!({
             "status": "ready",
             "store": state.store.describe(),
             "catalog_version": state.catalog.version(),
-        })),
-        Some(reason) => HttpResponse::ServiceUnavailable().json(json!({
+        }),
+        Some(reason) => json!({
             "status": "unavailable",
             "store": state.store.describe(),
             "reason": reason,
-        })),
+        }),
+    };
+    body["catalog"] = source.label().into();
+    if let crate::catalog::Source::Cache { saved_at_ms } = source {
+        body["catalog_age_s"] =
+            (crate::catalog::cache::now_ms().saturating_sub(saved_at_ms) / 1000).into();
+    }
+    if body["status"] == "ready" {
+        HttpResponse::Ok().json(body)
+    } else {
+        HttpResponse::ServiceUnavailable().json(body)
     }
 }
 
@@ -124,6 +136,30 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
         "The catalog version this gateway's copy reflects.",
     );
     let _ = writeln!(out, "tollgate_catalog_version {}", state.catalog.version());
+    let source = state.catalog.source();
+    family(
+        &mut out,
+        "tollgate_catalog_source",
+        "gauge",
+        "Which catalog this gateway serves (1): the store's, the cache file's (the store has not answered since start), or only the configuration's.",
+    );
+    for s in ["store", "cache", "config"] {
+        let _ = writeln!(
+            out,
+            "tollgate_catalog_source{{source=\"{s}\"}} {}",
+            u8::from(source.label() == s)
+        );
+    }
+    if let crate::catalog::Source::Cache { saved_at_ms } = source {
+        family(
+            &mut out,
+            "tollgate_catalog_cache_age_seconds",
+            "gauge",
+            "How old the cache file being served is.",
+        );
+        let age = crate::catalog::cache::now_ms().saturating_sub(saved_at_ms) as f64 / 1000.0;
+        let _ = writeln!(out, "tollgate_catalog_cache_age_seconds {age}");
+    }
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4")
         .body(out)

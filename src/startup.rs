@@ -37,11 +37,17 @@ impl Application {
         let keys = Keys::new(&settings.redis.key_prefix);
         let store = open_store(&settings, &keys)?;
         let catalog_region = crate::domain::Region::parse(&settings.server.region)?;
-        let catalog = Arc::new(Catalog::new(
-            settings.default_mode(),
-            keys.clone(),
-            catalog_region.clone(),
-        ));
+        let cache_file = (!settings.uses_embedded_store()
+            && !settings.catalog.cache_file.as_os_str().is_empty())
+        .then(|| settings.catalog.cache_file.clone());
+        let catalog = Arc::new(
+            Catalog::new(
+                settings.default_mode(),
+                keys.clone(),
+                catalog_region.clone(),
+            )
+            .with_cache_file(cache_file),
+        );
         prepare_store(&store, &catalog, &settings).await?;
         catalog.spawn_refresh(
             store.clone(),
@@ -264,6 +270,18 @@ async fn prepare_store(
         Err(e) if e.downcast_ref::<crate::store::StoreError>().is_none() => Err(e),
         Err(e) => {
             tracing::warn!(error = %e, "store unavailable at start; failing open and retrying");
+            match catalog.serve_fallback(settings)? {
+                catalog::Source::Cache { saved_at_ms } => tracing::warn!(
+                    file = %settings.catalog.cache_file.display(),
+                    age_s = catalog::cache::now_ms().saturating_sub(saved_at_ms) / 1000,
+                    clients = catalog.len(),
+                    "serving the last-known catalog from the cache file until the store answers"
+                ),
+                _ => tracing::warn!(
+                    clients = catalog.len(),
+                    "no catalog cache file: serving only the configuration's clients until the store answers"
+                ),
+            }
             let (store, catalog, settings) = (store.clone(), Arc::clone(catalog), settings.clone());
             tokio::spawn(async move {
                 loop {

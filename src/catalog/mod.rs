@@ -2,6 +2,7 @@
 //! memory. The request path reads only the mirror ([`Catalog::by_key`]); a background task
 //! follows the store's change feed and applies what changed, at most `refresh_ms` late.
 
+pub mod cache;
 mod records;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -102,6 +103,30 @@ pub struct ShardEntry {
     pub local_key: Option<Box<str>>,
 }
 
+/// Which catalog a gateway is serving.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// The store's (the mirror has caught up with it at least once since start).
+    Store,
+    /// The last-known catalog from `catalog.cache_file`, written at `saved_at_ms`: the
+    /// store has not answered since start.
+    Cache { saved_at_ms: u64 },
+    /// Only what the configuration declares: the store has not answered since start and
+    /// there was no cache file.
+    Config,
+}
+
+impl Source {
+    /// The `source` label of `tollgate_catalog_source`, and what `/readyz` says.
+    pub fn label(self) -> &'static str {
+        match self {
+            Source::Store => "store",
+            Source::Cache { .. } => "cache",
+            Source::Config => "config",
+        }
+    }
+}
+
 /// The in-memory mirror of the catalog.
 pub struct Catalog {
     plans: DashMap<PlanName, Arc<PlanSlot>>,
@@ -115,6 +140,11 @@ pub struct Catalog {
     sharded: DashMap<ClientId, Arc<ClientEntry>>,
     /// The identity of the catalog this mirror follows (see [`CatalogDump::epoch`]).
     epoch: parking_lot::Mutex<Option<String>>,
+    /// Where this mirror came from.
+    source: parking_lot::Mutex<Source>,
+    /// Where the last catalog seen is kept on disk (Redis mode), and what was written last.
+    cache: Option<std::path::PathBuf>,
+    cached: parking_lot::Mutex<(Option<String>, u64)>,
     version: AtomicU64,
     default_mode: Mode,
     key_names: Keys,
@@ -132,6 +162,9 @@ impl Catalog {
             safety: ArcSwap::from_pointee(None),
             safety_rev: AtomicU64::new(0),
             epoch: parking_lot::Mutex::new(None),
+            source: parking_lot::Mutex::new(Source::Config),
+            cache: None,
+            cached: parking_lot::Mutex::new((None, 0)),
             version: AtomicU64::new(0),
             default_mode,
             key_names,
@@ -164,6 +197,79 @@ impl Catalog {
         self.epoch.lock().clone()
     }
 
+    /// Keeps the last catalog seen in `file` (Redis mode; see [`cache`]).
+    pub fn with_cache_file(mut self, file: Option<std::path::PathBuf>) -> Catalog {
+        self.cache = file;
+        self
+    }
+
+    /// How many clients the mirror holds.
+    pub fn len(&self) -> usize {
+        self.clients.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.clients.is_empty()
+    }
+
+    /// Which catalog this gateway serves.
+    pub fn source(&self) -> Source {
+        *self.source.lock()
+    }
+
+    /// The store did not answer at start: serve the last-known catalog from the cache
+    /// file, or else what the configuration declares, until it does. Decisions fail open
+    /// meanwhile (the store is down), within the safety limits; keys are recognised.
+    pub fn serve_fallback(&self, settings: &Settings) -> anyhow::Result<Source> {
+        let source = match self.cache.as_deref().and_then(cache::load) {
+            Some(cached) => {
+                self.replace(cached.catalog);
+                Source::Cache {
+                    saved_at_ms: cached.saved_at_ms,
+                }
+            }
+            None => {
+                let (plans, clients) = declared(settings)?;
+                self.replace(CatalogDump {
+                    epoch: None,
+                    version: 0,
+                    plans: plans
+                        .into_iter()
+                        .map(|value| Versioned { rev: 0, value })
+                        .collect(),
+                    clients: clients
+                        .into_iter()
+                        .map(|value| Versioned { rev: 0, value })
+                        .collect(),
+                    safety: None,
+                });
+                Source::Config
+            }
+        };
+        *self.source.lock() = source;
+        Ok(source)
+    }
+
+    /// Writes the mirror to the cache file when it changed since the last write, off the
+    /// async workers. Errors are logged: the cache only matters at a start during an
+    /// outage.
+    async fn save_cache(&self) {
+        let Some(file) = self.cache.clone() else {
+            return;
+        };
+        let now = (self.epoch(), self.version());
+        if *self.cached.lock() == now || now.1 == 0 {
+            return;
+        }
+        let dump = self.dump();
+        let written = tokio::task::spawn_blocking(move || cache::save(&file, &dump)).await;
+        match written {
+            Ok(Ok(())) => *self.cached.lock() = now,
+            Ok(Err(e)) => tracing::warn!(error = %e, "the catalog cache file cannot be written"),
+            Err(e) => tracing::warn!(error = %e, "the catalog cache writer failed"),
+        }
+    }
+
     /// Follows the store until this mirror is current.
     ///
     /// When the store's catalog went back (Redis restarted empty, or from an older
@@ -173,6 +279,13 @@ impl Catalog {
     /// happens only if the store is still as this gateway saw it, so gateways restoring at
     /// once write one catalog, once, and the newest copy wins.
     pub async fn refresh(&self, store: &Store) -> Result<(), StoreError> {
+        self.follow(store).await?;
+        *self.source.lock() = Source::Store;
+        self.save_cache().await;
+        Ok(())
+    }
+
+    async fn follow(&self, store: &Store) -> Result<(), StoreError> {
         loop {
             let epoch = self.epoch();
             match store
@@ -428,23 +541,18 @@ impl Catalog {
     }
 }
 
-/// Creates the plans and clients declared in the settings that the store lacks. Existing
-/// ones (perhaps edited through the admin API since) are left as they are.
-pub async fn seed(store: &Store, settings: &Settings) -> anyhow::Result<()> {
+/// The plans and clients the settings declare, as records.
+fn declared(settings: &Settings) -> anyhow::Result<(Vec<PlanRecord>, Vec<ClientRecord>)> {
+    let mut plans = Vec::new();
     for p in &settings.catalog.plans {
-        let rec = PlanRecord {
+        plans.push(PlanRecord {
             name: PlanName::parse(&p.name)?,
             capacity: p.capacity,
             rate: p.rate,
             description: p.description.clone(),
-        };
-        store
-            .catalog_write(
-                &CatalogWrite::PutPlan(rec, Condition::Absent),
-                &Audit::seed("plan.seed"),
-            )
-            .await?;
+        });
     }
+    let mut clients = Vec::new();
     for c in &settings.catalog.clients {
         let mut keys: Vec<KeyRecord> = c
             .keys
@@ -454,7 +562,7 @@ pub async fn seed(store: &Store, settings: &Settings) -> anyhow::Result<()> {
         for h in &c.key_hashes {
             keys.push(KeyRecord::new(h.parse().map_err(anyhow::Error::msg)?));
         }
-        let rec = ClientRecord {
+        clients.push(ClientRecord {
             id: ClientId::parse(&c.id)?,
             plan: PlanName::parse(&c.plan)?,
             mode: c
@@ -465,7 +573,25 @@ pub async fn seed(store: &Store, settings: &Settings) -> anyhow::Result<()> {
                 .map_err(anyhow::Error::msg)?,
             shards: None,
             keys,
-        };
+        });
+    }
+    Ok((plans, clients))
+}
+
+/// Creates the plans and clients declared in the settings that the store lacks. Existing
+/// ones (perhaps edited through the admin API since) are left as they are.
+pub async fn seed(store: &Store, settings: &Settings) -> anyhow::Result<()> {
+    let (plans, clients) = declared(settings)?;
+    for rec in plans {
+        store
+            .catalog_write(
+                &CatalogWrite::PutPlan(rec, Condition::Absent),
+                &Audit::seed("plan.seed"),
+            )
+            .await?;
+    }
+    for rec in clients {
+        let (id, plan) = (rec.id.to_string(), rec.plan.to_string());
         match store
             .catalog_write(
                 &CatalogWrite::PutClient(rec, Condition::Absent),
@@ -475,15 +601,12 @@ pub async fn seed(store: &Store, settings: &Settings) -> anyhow::Result<()> {
         {
             WriteOutcome::Written { .. } | WriteOutcome::Exists => {}
             WriteOutcome::UnknownPlan => anyhow::bail!(
-                "catalog.clients: client {:?} is on plan {:?}, which does not exist",
-                c.id,
-                c.plan
+                "catalog.clients: client {id:?} is on plan {plan:?}, which does not exist"
             ),
             WriteOutcome::KeyConflict => anyhow::bail!(
-                "catalog.clients: a key of client {:?} already belongs to another client",
-                c.id
+                "catalog.clients: a key of client {id:?} already belongs to another client"
             ),
-            other => anyhow::bail!("catalog.clients: client {:?}: {other:?}", c.id),
+            other => anyhow::bail!("catalog.clients: client {id:?}: {other:?}"),
         }
     }
     Ok(())

@@ -131,7 +131,7 @@ pub struct Versioned<T> {
 }
 
 /// The whole catalog, read at `version` or later.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct CatalogDump {
     /// The catalog's identity: written with its first write (a random id), kept by
     /// restores, gone when the store loses its data. `None`: a catalog that has none yet.

@@ -261,8 +261,9 @@ pub fn settings(toml: &str) -> Settings {
     std::fs::write(&file, toml).unwrap();
     let catalog = dir.keep().join("catalog.json");
     let base = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nworkers = 1\nshutdown_timeout_s = 1\n[catalog]\nfile = {:?}\n",
-        catalog.to_str().unwrap()
+        "[server]\nlisten = \"127.0.0.1:0\"\nworkers = 1\nshutdown_timeout_s = 1\n[catalog]\nfile = {:?}\ncache_file = {:?}\n",
+        catalog.to_str().unwrap(),
+        catalog.with_file_name("catalog-cache.json").to_str().unwrap()
     );
     let base_file = file.with_file_name("base.toml");
     std::fs::write(&base_file, base).unwrap();
@@ -329,6 +330,9 @@ pub struct GatewayProcess {
     pub address: String,
     /// Its embedded catalog file.
     pub catalog: PathBuf,
+    port: u16,
+    config: PathBuf,
+    env: Vec<(String, String)>,
 }
 
 impl GatewayProcess {
@@ -336,35 +340,54 @@ impl GatewayProcess {
     pub fn spawn(toml: &str, env: &[(&str, &str)]) -> GatewayProcess {
         let port = free_port();
         let dir = tempfile::tempdir().unwrap().keep();
-        let file = dir.join("gw.toml");
+        let config = dir.join("gw.toml");
         std::fs::write(
-            &file,
+            &config,
             format!(
-                "[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = 1\n[catalog]\nfile = {:?}\n{toml}",
-                dir.join("catalog.json").to_str().unwrap()
+                "[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = 1\n[catalog]\nfile = {:?}\ncache_file = {:?}\n{toml}",
+                dir.join("catalog.json").to_str().unwrap(),
+                dir.join("catalog-cache.json").to_str().unwrap()
             ),
         )
         .unwrap();
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let child = GatewayProcess::start(&config, &env, port);
+        GatewayProcess {
+            child,
+            address: format!("http://127.0.0.1:{port}"),
+            catalog: dir.join("catalog.json"),
+            port,
+            config,
+            env,
+        }
+    }
+
+    /// Kills it (SIGKILL) and starts it again with the same configuration and files.
+    pub fn restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.child = GatewayProcess::start(&self.config, &self.env, self.port);
+    }
+
+    fn start(config: &std::path::Path, env: &[(String, String)], port: u16) -> Child {
         let child = Command::new(binary())
             .arg("--config")
-            .arg(&file)
-            .envs(env.iter().copied())
+            .arg(config)
+            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        let gw = GatewayProcess {
-            child,
-            address: format!("http://127.0.0.1:{port}"),
-            catalog: dir.join("catalog.json"),
-        };
         let deadline = Instant::now() + Duration::from_secs(20);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
             assert!(Instant::now() < deadline, "gateway process did not start");
             std::thread::sleep(Duration::from_millis(20));
         }
-        gw
+        child
     }
 }
 

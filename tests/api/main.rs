@@ -9,6 +9,7 @@ mod configuration;
 mod faults;
 mod forwarding;
 mod limiting;
+mod outage_start;
 mod paths;
 mod regions;
 mod resilience;

@@ -1,0 +1,236 @@
+//! A gateway that starts while Redis is down still knows its clients: the last-known
+//! catalog from its cache file, or else what its configuration declares, until Redis
+//! answers; then the store's catalog, by the usual restore rules.
+
+use std::time::Duration;
+
+use reqwest::Method;
+use serde_json::{json, Value};
+
+use crate::helpers::*;
+
+fn rw() -> String {
+    admin_token("ops", "admin:read admin:write")
+}
+
+fn decided(r: &reqwest::Response) -> bool {
+    r.headers().contains_key("ratelimit")
+}
+
+async fn get(http: &reqwest::Client, base: &str, key: &str) -> reqwest::Response {
+    http.get(format!("{base}/orders"))
+        .header("x-api-key", key)
+        .send()
+        .await
+        .expect("the gateway answers")
+}
+
+async fn metrics(http: &reqwest::Client, base: &str) -> String {
+    http.get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+async fn readyz(http: &reqwest::Client, base: &str) -> Value {
+    http.get(format!("{base}/readyz"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_first_start_with_redis_down_serves_the_declared_clients_failing_open() {
+    // Arrange: a Redis that is down, and nothing cached.
+    let mut redis = RedisServer::start();
+    redis.kill();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let toml = format!(
+        "[redis]\nurl = \"{}\"\n{}{}",
+        redis.url(),
+        catalog_toml(("gold", 3.0, 0.001), &["acme"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    );
+    let gw = GatewayProcess::spawn(&toml, &[]);
+    // No kept-alive connections: the gateway process is restarted under them.
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
+
+    // Act + Assert: the declared client is known and fails open, with its policy but no
+    // token count; an unknown key is refused; the gateway says what it serves.
+    for _ in 0..5 {
+        let r = get(&http, &gw.address, &key("acme")).await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["ratelimit-policy"], "\"gold\";q=3;w=3000");
+        assert!(!decided(&r), "no token count while failing open");
+    }
+    assert_eq!(
+        get(&http, &gw.address, "key-nobody-000").await.status(),
+        401
+    );
+    let text = metrics(&http, &gw.address).await;
+    assert!(
+        text.contains("tollgate_catalog_source{source=\"config\"} 1"),
+        "{text}"
+    );
+    assert_eq!(readyz(&http, &gw.address).await["catalog"], "config");
+
+    // Act: Redis comes back.
+    redis.restart();
+
+    // Assert: limiting resumes within 5 s, on the store's catalog.
+    eventually(Duration::from_secs(5), "limiting resumes", || async {
+        decided(&get(&http, &gw.address, &key("acme")).await)
+    })
+    .await;
+    eventually(
+        Duration::from_secs(3),
+        "serving the store's catalog",
+        || async {
+            metrics(&http, &gw.address)
+                .await
+                .contains("tollgate_catalog_source{source=\"store\"} 1")
+        },
+    )
+    .await;
+    let mut denied = 0;
+    for _ in 0..5 {
+        if get(&http, &gw.address, &key("acme")).await.status() == 429 {
+            denied += 1;
+        }
+    }
+    assert!(
+        denied >= 3,
+        "the plan of 3 is enforced again ({denied} of 5 denied)"
+    );
+}
+
+#[tokio::test]
+async fn a_gateway_restarted_during_an_outage_still_knows_what_the_admin_api_changed() {
+    // Arrange: a client created through the admin API with two keys, one revoked, all
+    // before Redis goes down; the gateway has cached that catalog.
+    let mut redis = RedisServer::start();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let toml = format!(
+        "{}[redis]\nurl = \"{}\"\n{}{}",
+        admin_toml(),
+        redis.url(),
+        catalog_toml(("gold", 1000.0, 1.0), &["declared"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    );
+    let mut gw = GatewayProcess::spawn(&toml, &[("TOLLGATE__CATALOG__REFRESH_MS", "100")]);
+    // No kept-alive connections: the gateway process is restarted under them.
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
+    let admin = |m: Method, path: &str| {
+        http.request(m, format!("{}/admin/v1{path}", gw.address))
+            .bearer_auth(rw())
+    };
+    let r = admin(Method::PUT, "/clients/fresh")
+        .json(&json!({"plan": "gold"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let mut keys = Vec::new();
+    for _ in 0..2 {
+        let k: Value = admin(Method::POST, "/clients/fresh/keys")
+            .json(&json!({}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        keys.push((
+            k["key_id"].as_str().unwrap().to_string(),
+            k["key"].as_str().unwrap().to_string(),
+        ));
+    }
+    let (kept, revoked) = (keys[0].1.clone(), keys[1].1.clone());
+    let r = admin(
+        Method::DELETE,
+        &format!("/clients/fresh/keys/{}", keys[1].0),
+    )
+    .send()
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 204);
+    let version: u64 = redis::cmd("GET")
+        .arg("tollgate:{catalog}:version")
+        .query(&mut redis.conn())
+        .unwrap();
+    let cache = gw.catalog.with_file_name("catalog-cache.json");
+    eventually(Duration::from_secs(3), "the catalog cached", || async {
+        std::fs::read(&cache)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+            .is_some_and(|c| c["catalog"]["version"] == version)
+    })
+    .await;
+    let cached = std::fs::read_to_string(&cache).unwrap();
+    assert!(
+        !cached.contains(&kept) && !cached.contains(&revoked),
+        "keys in plaintext"
+    );
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&cache).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+
+    // Act: Redis goes down, then the gateway restarts.
+    redis.kill();
+    gw.restart();
+
+    // Assert: the client the admin API created is known (failing open), the revoked key
+    // is still refused, and the gateway says it serves its cache.
+    let r = get(&http, &gw.address, &kept).await;
+    assert_eq!(r.status(), 200);
+    assert!(r.headers().contains_key("ratelimit-policy"));
+    assert!(!decided(&r));
+    assert_eq!(get(&http, &gw.address, &revoked).await.status(), 401);
+    let text = metrics(&http, &gw.address).await;
+    assert!(
+        text.contains("tollgate_catalog_source{source=\"cache\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("tollgate_catalog_cache_age_seconds"),
+        "{text}"
+    );
+    assert_eq!(readyz(&http, &gw.address).await["catalog"], "cache");
+
+    // Act: Redis comes back, empty.
+    redis.restart();
+
+    // Assert: limiting resumes within 5 s, and the store gets the cached catalog back
+    // (its version, the client, not the revoked key).
+    eventually(Duration::from_secs(5), "limiting resumes", || async {
+        decided(&get(&http, &gw.address, &kept).await)
+    })
+    .await;
+    eventually(Duration::from_secs(3), "the store restored", || async {
+        redis::cmd("GET")
+            .arg("tollgate:{catalog}:version")
+            .query::<Option<u64>>(&mut redis.conn())
+            .unwrap()
+            == Some(version)
+    })
+    .await;
+    let stored: Option<String> = redis::cmd("HGET")
+        .arg("tollgate:{catalog}:clients")
+        .arg("fresh")
+        .query(&mut redis.conn())
+        .unwrap();
+    assert!(stored.is_some_and(|c| !c.contains(&keys[1].0)));
+    assert_eq!(get(&http, &gw.address, &revoked).await.status(), 401);
+}
