@@ -398,6 +398,16 @@ impl Settings {
             );
         }
 
+        let secret = self.admin.jwt_hs256_secret.expose_secret();
+        if !secret.is_empty() && secret.len() < MIN_HS256_SECRET {
+            bad(
+                "admin.jwt_hs256_secret",
+                format!(
+                    "must be at least {MIN_HS256_SECRET} bytes (got {}): a short HMAC secret can be guessed offline from one token",
+                    secret.len()
+                ),
+            );
+        }
         if !self.admin.jwt_public_key_pem.is_empty()
             && !Path::new(&self.admin.jwt_public_key_pem).is_file()
         {
@@ -478,6 +488,9 @@ impl Settings {
             .collect()
     }
 }
+
+/// RFC 7518 3.2: an HS256 key must be at least as long as the hash, 256 bits.
+pub const MIN_HS256_SECRET: usize = 32;
 
 fn parse_listen(s: &str) -> Result<SocketAddr, String> {
     s.parse::<SocketAddr>()
@@ -608,13 +621,24 @@ mod tests {
     #[test]
     fn secrets_do_not_show_in_debug_output() {
         let s = load(
-            "[redis]\nurl = \"redis://:hunter2@127.0.0.1:6379\"\n[admin]\njwt_hs256_secret = \"s3cret-value\"\n",
+            "[redis]\nurl = \"redis://:hunter2@127.0.0.1:6379\"\n[admin]\njwt_hs256_secret = \"s3cret-value-long-enough-0123456789\"\n",
             &[],
         )
         .unwrap();
         let dbg = format!("{s:?}");
         assert!(!dbg.contains("hunter2"));
         assert!(!dbg.contains("s3cret-value"));
+    }
+
+    #[test]
+    fn a_short_hs256_secret_is_refused_by_name() {
+        let keys = problems("[admin]\njwt_hs256_secret = \"0123456789abcdef0123456789abcde\"\n");
+        assert_eq!(keys, ["admin.jwt_hs256_secret"]);
+        assert!(load(
+            "[admin]\njwt_hs256_secret = \"0123456789abcdef0123456789abcdef\"\n",
+            &[]
+        )
+        .is_ok());
     }
 
     #[test]

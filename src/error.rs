@@ -48,6 +48,9 @@ pub enum ApiError {
     Forbidden(String),
     #[error("{0}")]
     NotFound(String),
+    /// The path exists, the method does not; the value is the `Allow` header.
+    #[error("this resource allows {0}")]
+    MethodNotAllowed(&'static str),
     #[error("{0}")]
     Conflict(String),
     #[error("{0}")]
@@ -117,6 +120,7 @@ impl ApiError {
             ApiError::InvalidToken(_) => "invalid-token",
             ApiError::Forbidden(_) => "forbidden",
             ApiError::NotFound(_) => "not-found",
+            ApiError::MethodNotAllowed(_) => "method-not-allowed",
             ApiError::Conflict(_) => "conflict",
             ApiError::PreconditionFailed(_) => "precondition-failed",
             ApiError::Validation(_) => "validation",
@@ -143,6 +147,7 @@ impl ResponseError for ApiError {
             ApiError::InvalidToken(_) => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::PreconditionFailed(_) => StatusCode::PRECONDITION_FAILED,
             ApiError::Validation(_) => StatusCode::UNPROCESSABLE_ENTITY,
@@ -181,6 +186,9 @@ impl ResponseError for ApiError {
             }
             ApiError::RateLimited { retry_after_s, .. } => {
                 resp.insert_header((header::RETRY_AFTER, retry_after_s.to_string()));
+            }
+            ApiError::MethodNotAllowed(allow) => {
+                resp.insert_header((header::ALLOW, *allow));
             }
             ApiError::InvalidToken(_) => {
                 resp.insert_header((

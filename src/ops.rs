@@ -24,36 +24,35 @@ async fn healthz() -> HttpResponse {
     HttpResponse::Ok().json(json!({"status": "ok"}))
 }
 
-/// `200` when the store answers within a second, else `503` with the reason; both say
-/// which catalog the gateway serves (`store`, `cache` with its age, or `config`).
+/// `200` when the store answers within a second, else `503` with a generic reason; both
+/// say which catalog the gateway serves (`store`, `cache` with its age, or `config`).
+/// `/readyz` is served on the public listener, so it names no Redis host, user or error
+/// text: the store's error goes to the log (a `WARN` per failed probe), for operators.
 async fn readyz(state: web::Data<AppState>) -> HttpResponse {
     let reason = match tokio::time::timeout(Duration::from_secs(1), state.store.ping()).await {
         Ok(Ok(())) => None,
-        Ok(Err(e)) => Some(e.to_string()),
-        Err(_) => Some("the store did not answer within 1 s".to_string()),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, store = %state.store.describe(), "not ready: the store failed");
+            Some("the store failed; the gateway's log has the error")
+        }
+        Err(_) => {
+            tracing::warn!(store = %state.store.describe(), "not ready: the store did not answer within 1 s");
+            Some("the store did not answer within 1 s")
+        }
     };
     let source = state.catalog.source();
     let mut body = match reason {
-        None => json!({
-            "status": "ready",
-            "store": state.store.describe(),
-            "catalog_version": state.catalog.version(),
-        }),
-        Some(reason) => json!({
-            "status": "unavailable",
-            "store": state.store.describe(),
-            "reason": reason,
-        }),
+        None => json!({"status": "ready"}),
+        Some(reason) => json!({"status": "unavailable", "reason": reason}),
     };
     body["catalog"] = source.label().into();
     if let crate::catalog::Source::Cache { saved_at_ms } = source {
         body["catalog_age_s"] =
             (crate::catalog::cache::now_ms().saturating_sub(saved_at_ms) / 1000).into();
     }
-    if body["status"] == "ready" {
-        HttpResponse::Ok().json(body)
-    } else {
-        HttpResponse::ServiceUnavailable().json(body)
+    match reason {
+        None => HttpResponse::Ok().json(body),
+        Some(_) => HttpResponse::ServiceUnavailable().json(body),
     }
 }
 

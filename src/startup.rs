@@ -157,6 +157,9 @@ impl Application {
             servers.push(admin.listen(listener)?.run());
         }
 
+        if !separate_admin {
+            tracing::warn!("server.admin_listen is empty: the admin API, its docs and /metrics share the public listener; set it to a private address to serve them apart");
+        }
         tracing::info!(
             listen = %format!("{}:{port}", host_of(&settings.server.listen)),
             admin_port = ?admin_port,

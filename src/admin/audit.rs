@@ -11,6 +11,7 @@ use crate::state::AppState;
 #[derive(Deserialize, IntoParams)]
 pub struct AuditQuery {
     /// How many entries, newest first: 1-1000 (default 100).
+    #[param(minimum = 1, maximum = 1000)]
     limit: Option<usize>,
 }
 

@@ -23,13 +23,25 @@ pub const WRITE: &str = "admin:write";
 pub struct Claims {
     pub sub: String,
     pub iss: String,
-    pub aud: String,
+    /// One audience or several (RFC 7519 4.1.3); the configured one must be among them.
+    pub aud: Audience,
     pub exp: u64,
+    /// Not before: checked when present (with the same 30 s leeway as `exp`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbf: Option<u64>,
     #[serde(default)]
     pub iat: u64,
     /// Space-separated scopes.
     #[serde(default)]
     pub scope: String,
+}
+
+/// The `aud` claim: a string or an array of strings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Audience {
+    One(String),
+    Many(Vec<String>),
 }
 
 /// Who is making an admin request (for the audit log).
@@ -69,6 +81,7 @@ impl JwtVerifier {
         v.set_issuer(&[&s.jwt_issuer]);
         v.set_audience(&[&s.jwt_audience]);
         v.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
+        v.validate_nbf = true;
         v.leeway = 30;
         Ok(JwtVerifier {
             key: Some((key, v)),
@@ -144,8 +157,9 @@ pub fn mint(s: &AdminSettings, sub: &str, scope: &str, ttl_s: u64) -> anyhow::Re
     let claims = Claims {
         sub: sub.to_string(),
         iss: s.jwt_issuer.clone(),
-        aud: s.jwt_audience.clone(),
+        aud: Audience::One(s.jwt_audience.clone()),
         exp: now + ttl_s,
+        nbf: None,
         iat: now,
         scope: scope.to_string(),
     };

@@ -4,6 +4,8 @@
 use actix_web::http::header::{self, HeaderMap};
 use actix_web::web;
 use futures_util::StreamExt;
+use serde::de::{DeserializeOwned, Deserializer, Visitor};
+use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use crate::error::{ApiError, FieldError};
@@ -55,6 +57,79 @@ fn field_before(text: &str, line: usize, column: usize) -> Option<String> {
     Some(before[key_start + 1..key_end].to_string())
 }
 
+/// One field of a request body, parsed on its own: a bad value becomes an error naming the
+/// field instead of ending the parse, so a body with several bad fields gets them all.
+/// `null` counts as absent. Request types use it for every field, with `#[serde(default)]`.
+#[derive(Debug, Default)]
+pub enum Field<T> {
+    #[default]
+    Absent,
+    Valid(T),
+    Invalid(String),
+}
+
+impl<'de, T: DeserializeOwned> Deserialize<'de> for Field<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Field<T>, D::Error> {
+        Ok(match Value::deserialize(d)? {
+            Value::Null => Field::Absent,
+            v => match serde_json::from_value::<T>(v) {
+                Ok(t) => Field::Valid(t),
+                Err(e) => Field::Invalid(e.to_string()),
+            },
+        })
+    }
+}
+
+/// Reads a JSON object body (an empty body counts as `{}`) into `T`, whose fields are all
+/// [`Field`]s: members `T` does not have are refused by name (`T` denies unknown fields, so
+/// its schema says `additionalProperties: false`); each field's problem is collected by
+/// [`Fields`].
+pub async fn read_body<T: DeserializeOwned>(
+    payload: web::Payload,
+) -> Result<(T, Fields), ApiError> {
+    let mut obj = read_object(payload).await?;
+    let mut f = Fields::default();
+    let names = field_names::<T>();
+    obj.retain(|k, _| {
+        let known = names.contains(&k.as_str());
+        if !known {
+            f.bad(k, "is not a field of this resource");
+        }
+        known
+    });
+    let body = serde_json::from_value(Value::Object(obj))
+        .map_err(|e| ApiError::BadRequest(format!("the body does not fit: {e}")))?;
+    Ok((body, f))
+}
+
+/// The field names of a struct that derives `Deserialize`, read from the derive itself.
+fn field_names<T: DeserializeOwned>() -> &'static [&'static str] {
+    struct Names<'a>(&'a mut &'static [&'static str]);
+    impl<'de> Deserializer<'de> for Names<'_> {
+        type Error = serde::de::value::Error;
+        fn deserialize_any<V: Visitor<'de>>(self, _: V) -> Result<V::Value, Self::Error> {
+            Err(serde::de::Error::custom("not a struct"))
+        }
+        fn deserialize_struct<V: Visitor<'de>>(
+            self,
+            _: &'static str,
+            fields: &'static [&'static str],
+            _: V,
+        ) -> Result<V::Value, Self::Error> {
+            *self.0 = fields;
+            Err(serde::de::Error::custom("names read"))
+        }
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes
+            byte_buf option unit unit_struct newtype_struct seq tuple tuple_struct map enum
+            identifier ignored_any
+        }
+    }
+    let mut names: &'static [&'static str] = &[];
+    let _ = T::deserialize(Names(&mut names));
+    names
+}
+
 /// Collects field problems; `finish` turns them into one `422`.
 #[derive(Default)]
 pub struct Fields {
@@ -69,66 +144,50 @@ impl Fields {
         });
     }
 
-    /// A required finite number.
-    pub fn number(&mut self, obj: &Map<String, Value>, field: &str) -> Option<f64> {
-        match obj.get(field) {
-            None | Some(Value::Null) => {
+    /// A field that must be present and valid.
+    pub fn required<T>(&mut self, field: &str, value: Field<T>) -> Option<T> {
+        match value {
+            Field::Valid(t) => Some(t),
+            Field::Absent => {
                 self.bad(field, "is required");
                 None
             }
-            Some(Value::Number(n)) => match n.as_f64() {
-                Some(x) if x.is_finite() => Some(x),
-                _ => {
-                    self.bad(field, "must be a finite number");
-                    None
-                }
-            },
-            Some(_) => {
-                self.bad(field, "must be a number");
+            Field::Invalid(e) => {
+                self.bad(field, e);
                 None
             }
         }
     }
 
-    /// An optional string of at most `max` characters.
-    pub fn opt_string(
+    /// A field that may be left out (or `null`), but must be valid when present.
+    pub fn optional<T>(&mut self, field: &str, value: Field<T>) -> Option<T> {
+        match value {
+            Field::Valid(t) => Some(t),
+            Field::Absent => None,
+            Field::Invalid(e) => {
+                self.bad(field, e);
+                None
+            }
+        }
+    }
+
+    /// A read-only id sent back in a body, if present, must equal the one in the path.
+    pub fn same_id<T: PartialEq + std::fmt::Display>(
         &mut self,
-        obj: &Map<String, Value>,
         field: &str,
-        max: usize,
-    ) -> Option<String> {
-        match obj.get(field) {
-            None | Some(Value::Null) => None,
-            Some(Value::String(s)) if s.chars().count() <= max => Some(s.clone()),
-            Some(Value::String(_)) => {
-                self.bad(field, format!("must be at most {max} characters"));
-                None
-            }
-            Some(_) => {
-                self.bad(field, "must be a string");
-                None
-            }
-        }
-    }
-
-    /// Refuses fields the resource does not have (read-only ones are ignored).
-    pub fn only(&mut self, obj: &Map<String, Value>, allowed: &[&str], read_only: &[&str]) {
-        for k in obj.keys() {
-            if !allowed.contains(&k.as_str()) && !read_only.contains(&k.as_str()) {
-                self.bad(k, "is not a field of this resource");
-            }
-        }
-    }
-
-    /// An id in the body, if present, must equal the one in the path.
-    pub fn same_id(&mut self, obj: &Map<String, Value>, field: &str, path_id: &str) {
-        if let Some(v) = obj.get(field) {
-            if v.as_str() != Some(path_id) {
-                self.bad(
-                    field,
-                    format!("must match the path ({path_id:?}) or be left out"),
-                );
-            }
+        value: Field<T>,
+        path_id: &T,
+    ) {
+        match value {
+            Field::Valid(v) if v == *path_id => {}
+            Field::Absent => {}
+            _ => self.bad(
+                field,
+                format!(
+                    "must match the path ({:?}) or be left out",
+                    path_id.to_string()
+                ),
+            ),
         }
     }
 
@@ -141,26 +200,163 @@ impl Fields {
     }
 }
 
-/// An `If-Match` precondition: `None` without the header, `Some(None)` for `*`.
-pub fn if_match(headers: &HeaderMap) -> Result<Option<Option<u64>>, ApiError> {
-    let Some(v) = headers.get(header::IF_MATCH) else {
-        return Ok(None);
-    };
-    let v = v
-        .to_str()
-        .map_err(|_| ApiError::BadRequest("If-Match is not ASCII".into()))?
-        .trim();
-    if v == "*" {
-        return Ok(Some(None));
-    }
-    let first = v.split(',').next().unwrap_or("").trim();
-    let rev = first
-        .trim_start_matches("W/")
-        .trim_matches('"')
-        .parse::<u64>()
-        .map_err(|_| ApiError::PreconditionFailed(format!("If-Match {v:?} matches no version")))?;
-    Ok(Some(Some(rev)))
+/// An `If-Match` precondition (RFC 9110 13.1.1), compared strongly as a write needs.
+#[derive(Debug, Clone, PartialEq)]
+pub enum IfMatch {
+    /// `*`: any current representation.
+    Any,
+    /// The revisions of the strong tags listed; weak tags (`W/"3"`) and tags that are no
+    /// revision of ours are dropped, since they can never match strongly.
+    Revisions(Vec<u64>),
 }
+
+impl IfMatch {
+    /// Whether a resource at revision `current` (`None`: it does not exist) matches.
+    pub fn matches(&self, current: Option<u64>) -> bool {
+        match (self, current) {
+            (_, None) => false,
+            (IfMatch::Any, Some(_)) => true,
+            (IfMatch::Revisions(revs), Some(cur)) => revs.contains(&cur),
+        }
+    }
+}
+
+/// The `If-Match` header(s), `None` without one; `400` when it is not `*` or a list of
+/// entity tags.
+pub fn if_match(headers: &HeaderMap) -> Result<Option<IfMatch>, ApiError> {
+    let mut values = headers.get_all(header::IF_MATCH).peekable();
+    if values.peek().is_none() {
+        return Ok(None);
+    }
+    let bad = |v: &str| {
+        ApiError::BadRequest(format!(
+            "If-Match {v:?} is not * or a list of entity tags like \"3\""
+        ))
+    };
+    let mut revs = Vec::new();
+    let mut star = false;
+    for v in values {
+        let v = v.to_str().map_err(|_| bad("(not ASCII)"))?;
+        for tag in entity_tags(v).ok_or_else(|| bad(v))? {
+            match tag {
+                Tag::Star => star = true,
+                Tag::Weak => {}
+                Tag::Strong(opaque) => revs.extend(opaque.parse::<u64>().ok()),
+            }
+        }
+    }
+    Ok(Some(if star {
+        IfMatch::Any
+    } else {
+        IfMatch::Revisions(revs)
+    }))
+}
+
+enum Tag<'a> {
+    Star,
+    Weak,
+    Strong(&'a str),
+}
+
+/// The syntax [`entity_tags`] accepts, as a JSON Schema (ECMA-262) pattern: `*`, or a list
+/// of entity tags (empty list elements allowed, as RFC 9110 5.6.1 asks).
+pub const IF_MATCH_PATTERN: &str =
+    r#"^(\*|[ \t,]*(W/)?"[\x21\x23-\x7E]*"([ \t]*,[ \t,]*(W/)?"[\x21\x23-\x7E]*")*[ \t,]*)$"#;
+
+/// Splits `*` or `#entity-tag` (RFC 9110 8.8.3); `None` on a syntax error. A tag's
+/// characters are `%x21 / %x23-7E` (no space, no quote; a comma is allowed inside).
+fn entity_tags(v: &str) -> Option<Vec<Tag<'_>>> {
+    let v = v.trim_matches([' ', '\t']);
+    if v == "*" {
+        return Some(vec![Tag::Star]);
+    }
+    let mut tags = Vec::new();
+    let mut rest = v;
+    loop {
+        rest = rest.trim_start_matches([' ', '\t']);
+        if let Some(r) = rest.strip_prefix(',') {
+            rest = r; // empty list elements are allowed
+            continue;
+        }
+        if rest.is_empty() {
+            break;
+        }
+        let (weak, r) = match rest.strip_prefix("W/") {
+            Some(r) => (true, r),
+            None => (false, rest),
+        };
+        let r = r.strip_prefix('"')?;
+        let end = r.find('"')?;
+        let opaque = &r[..end];
+        if !opaque
+            .bytes()
+            .all(|b| b == 0x21 || (0x23..=0x7e).contains(&b))
+        {
+            return None;
+        }
+        tags.push(if weak { Tag::Weak } else { Tag::Strong(opaque) });
+        rest = r[end + 1..].trim_start_matches([' ', '\t']);
+        match rest.strip_prefix(',') {
+            Some(r) => rest = r,
+            None if rest.is_empty() => break,
+            None => return None,
+        }
+    }
+    (!tags.is_empty()).then_some(tags)
+}
+
+/// `schema`, marked `readOnly`: a field a client may send back as it read it.
+pub fn read_only(
+    schema: utoipa::openapi::RefOr<utoipa::openapi::Schema>,
+) -> utoipa::openapi::RefOr<utoipa::openapi::Schema> {
+    use utoipa::openapi::{RefOr, Schema};
+    match schema {
+        RefOr::T(Schema::Object(mut o)) => {
+            o.read_only = Some(true);
+            RefOr::T(Schema::Object(o))
+        }
+        other => other,
+    }
+}
+
+/// A free-text description: at most [`Description::MAX_CHARS`] characters.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(try_from = "String")]
+pub struct Description(String);
+
+impl Description {
+    pub const MAX_CHARS: usize = 1024;
+}
+
+impl TryFrom<String> for Description {
+    type Error = String;
+    fn try_from(s: String) -> Result<Description, String> {
+        if s.chars().count() <= Self::MAX_CHARS {
+            Ok(Description(s))
+        } else {
+            Err(format!("must be at most {} characters", Self::MAX_CHARS))
+        }
+    }
+}
+
+impl From<Description> for String {
+    fn from(d: Description) -> String {
+        d.0
+    }
+}
+
+impl utoipa::PartialSchema for Description {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::Schema> {
+        use utoipa::openapi::schema::{ObjectBuilder, SchemaType, Type};
+        ObjectBuilder::new()
+            .schema_type(SchemaType::Type(Type::String))
+            .max_length(Some(Self::MAX_CHARS))
+            .description(Some("Free text, at most 1024 characters."))
+            .into()
+    }
+}
+
+impl utoipa::ToSchema for Description {}
 
 /// A `limit` query parameter: 1-1000, 100 when absent.
 pub fn page_limit(limit: Option<usize>) -> Result<usize, ApiError> {
@@ -191,13 +387,90 @@ mod tests {
         );
     }
 
+    fn parsed(values: &[&str]) -> Result<Option<IfMatch>, ApiError> {
+        let mut h = HeaderMap::new();
+        for v in values {
+            h.append(header::IF_MATCH, v.parse().unwrap());
+        }
+        if_match(&h)
+    }
+
     #[test]
     fn if_match_takes_a_quoted_revision_or_a_star() {
-        let mut h = HeaderMap::new();
-        assert_eq!(if_match(&h).unwrap(), None);
-        h.insert(header::IF_MATCH, "\"12\"".parse().unwrap());
-        assert_eq!(if_match(&h).unwrap(), Some(Some(12)));
-        h.insert(header::IF_MATCH, "*".parse().unwrap());
-        assert_eq!(if_match(&h).unwrap(), Some(None));
+        assert_eq!(parsed(&[]).unwrap(), None);
+        assert_eq!(
+            parsed(&["\"12\""]).unwrap(),
+            Some(IfMatch::Revisions(vec![12]))
+        );
+        assert_eq!(parsed(&["*"]).unwrap(), Some(IfMatch::Any));
+    }
+
+    #[test]
+    fn a_list_matches_when_any_listed_tag_matches() {
+        let m = parsed(&["\"1\", \"3\""]).unwrap().unwrap();
+        assert!(m.matches(Some(3)) && m.matches(Some(1)));
+        assert!(!m.matches(Some(2)));
+        // Several header lines make one list.
+        let m = parsed(&["\"1\"", "\"3\""]).unwrap().unwrap();
+        assert!(m.matches(Some(3)));
+    }
+
+    #[test]
+    fn a_weak_tag_never_matches_for_a_write() {
+        let m = parsed(&["W/\"3\""]).unwrap().unwrap();
+        assert!(!m.matches(Some(3)));
+        let m = parsed(&["W/\"3\", \"4\""]).unwrap().unwrap();
+        assert!(!m.matches(Some(3)));
+        assert!(m.matches(Some(4)));
+    }
+
+    #[test]
+    fn a_star_matches_any_existing_representation_and_no_missing_one() {
+        let m = parsed(&["*"]).unwrap().unwrap();
+        assert!(m.matches(Some(7)));
+        assert!(!m.matches(None));
+        assert!(!IfMatch::Revisions(vec![1]).matches(None));
+    }
+
+    #[test]
+    fn tags_that_are_no_revision_of_ours_match_nothing() {
+        let m = parsed(&["\"abc\", \"a,b\""]).unwrap().unwrap();
+        assert_eq!(m, IfMatch::Revisions(vec![]));
+    }
+
+    #[test]
+    fn malformed_if_match_is_a_bad_request() {
+        for v in ["3", "\"3", "W/3", "\"1\" \"2\"", "", "*, \"1\"", "\"a b\""] {
+            assert!(
+                matches!(parsed(&[v]), Err(ApiError::BadRequest(_))),
+                "{v:?}"
+            );
+        }
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    #[allow(dead_code)]
+    struct Two {
+        #[serde(default)]
+        a: Field<u8>,
+        #[serde(default)]
+        b: Field<Option<String>>,
+    }
+
+    #[test]
+    fn every_bad_field_of_a_body_is_named() {
+        assert_eq!(field_names::<Two>(), ["a", "b"]);
+        let t: Two = serde_json::from_str(r#"{"a": 300, "b": 5}"#).unwrap();
+        let mut f = Fields::default();
+        f.required("a", t.a);
+        f.optional("b", t.b);
+        let fields: Vec<_> = f.errors.iter().map(|e| e.field.as_str()).collect();
+        assert_eq!(fields, ["a", "b"]);
+        let t: Two = serde_json::from_str(r#"{"b": null}"#).unwrap();
+        let mut f = Fields::default();
+        assert_eq!(f.optional("b", t.b), None);
+        assert_eq!(f.required("a", t.a), None);
+        assert_eq!(f.errors[0].message, "is required");
     }
 }

@@ -3,11 +3,11 @@
 use actix_web::http::{header, StatusCode};
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
+use serde_json::Value;
 use utoipa::{IntoParams, ToSchema};
 
-use super::body::{etag, if_match, read_object, Fields};
-use super::{path_id, refusal, Actor};
+use super::body::{etag, if_match, read_body, Field};
+use super::{path_id, precondition, refusal, Actor};
 use crate::catalog::{
     Audit, AuditEntry, CatalogWrite, ClientRecord, Condition, KeyRecord, Shards, Versioned,
     WriteOutcome,
@@ -58,14 +58,77 @@ pub struct ClientView {
 }
 
 /// The body of `PUT /admin/v1/clients/{client}` (its keys are kept as they are).
-#[derive(ToSchema)]
-#[allow(dead_code)]
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct ClientInput {
-    #[schema(example = "gold")]
-    plan: String,
-    #[schema(example = "enforce")]
-    mode: Option<String>,
-    shards: Option<ShardsView>,
+    /// An existing plan (an unknown one is refused with `422`).
+    #[serde(default)]
+    #[schema(value_type = PlanName, required = true)]
+    plan: Field<PlanName>,
+    /// Absent means the gateway's `limits.default_mode`.
+    #[serde(default)]
+    #[schema(value_type = Option<Mode>)]
+    mode: Field<Mode>,
+    #[serde(default)]
+    #[schema(value_type = Option<ShardsInput>)]
+    shards: Field<ShardsInput>,
+    /// Read-only: a client read with GET may be sent back as it is; the id must then be
+    /// the one in the path.
+    #[serde(default)]
+    #[schema(schema_with = read_only_id)]
+    id: Field<ClientId>,
+    /// Ignored (a client read with GET may be sent back as it is): keys are managed
+    /// under `/keys`.
+    #[serde(default)]
+    #[schema(value_type = Vec<Object>)]
+    keys: Field<Vec<serde_json::Map<String, Value>>>,
+}
+
+fn read_only_id() -> utoipa::openapi::RefOr<utoipa::openapi::Schema> {
+    super::body::read_only(<ClientId as utoipa::PartialSchema>::schema())
+}
+
+/// Regional sharding of a hot client's bucket: 1-16 distinct regions.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields, try_from = "RawShards")]
+pub struct ShardsInput {
+    #[schema(schema_with = distinct_regions)]
+    regions: Vec<Region>,
+}
+
+fn distinct_regions() -> utoipa::openapi::schema::Array {
+    use utoipa::PartialSchema;
+    utoipa::openapi::schema::ArrayBuilder::new()
+        .items(Region::schema())
+        .min_items(Some(1))
+        .max_items(Some(MAX_REGIONS))
+        .unique_items(true)
+        .build()
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawShards {
+    regions: Vec<Region>,
+}
+
+impl TryFrom<RawShards> for ShardsInput {
+    type Error = String;
+    fn try_from(r: RawShards) -> Result<ShardsInput, String> {
+        let mut regions: Vec<Region> = Vec::new();
+        for g in r.regions {
+            if regions.contains(&g) {
+                return Err(format!("regions: {g} is listed twice"));
+            }
+            regions.push(g);
+        }
+        if regions.is_empty() || regions.len() > MAX_REGIONS {
+            return Err(format!(
+                "regions: must be a list of 1-{MAX_REGIONS} regions"
+            ));
+        }
+        Ok(ShardsInput { regions })
+    }
 }
 
 /// A page of clients, in id order.
@@ -79,17 +142,21 @@ pub struct ClientList {
 #[derive(Deserialize, IntoParams)]
 pub struct Page {
     /// Page size, 1-1000 (default 100).
+    #[param(minimum = 1, maximum = 1000)]
     limit: Option<usize>,
-    /// `next_cursor` of the previous page.
+    /// `next_cursor` of the previous page (a client id).
+    #[param(value_type = Option<ClientId>)]
     cursor: Option<String>,
 }
 
 /// The body of `POST .../keys`: `{}` generates a key, `{"key": "..."}` imports one.
-#[derive(ToSchema)]
-#[allow(dead_code)]
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct KeyInput {
     /// An existing key to import (8-256 printable ASCII characters, no spaces).
-    key: Option<String>,
+    #[serde(default)]
+    #[schema(value_type = Option<ApiKey>)]
+    key: Field<ApiKey>,
 }
 
 /// A key just created: the only time the key is shown.
@@ -199,7 +266,7 @@ pub async fn list(
 
 /// Read one client.
 #[utoipa::path(operation_id = "getClient", get, path = "/admin/v1/clients/{client}", tag = "clients",
-    params(("client" = String, Path, description = "Client id")),
+    params(("client" = ClientId, Path, description = "Client id")),
     responses(
         (status = 200, description = "The client", body = ClientView,
             headers(("ETag" = String, description = "Version, for If-Match"))),
@@ -214,73 +281,26 @@ pub async fn get(
     Ok(one(current(&state, &id).await?, StatusCode::OK))
 }
 
-/// Parses and checks a client body.
+/// Checks a client body: every bad field is named.
 fn parse_client(
-    obj: &Map<String, Value>,
+    input: ClientInput,
+    mut f: super::body::Fields,
     id: &ClientId,
 ) -> Result<(PlanName, Option<Mode>, Option<Shards>), ApiError> {
-    let mut f = Fields::default();
-    f.only(obj, &["plan", "mode", "shards", "id"], &["keys"]);
-    f.same_id(obj, "id", id.as_str());
-    let plan = match obj.get("plan") {
-        Some(Value::String(p)) => PlanName::parse(p)
-            .map_err(|e| f.bad("plan", e.to_string()))
-            .ok(),
-        None | Some(Value::Null) => {
-            f.bad("plan", "is required");
-            None
-        }
-        Some(_) => {
-            f.bad("plan", "must be a string");
-            None
-        }
-    };
-    let mode = match obj.get("mode") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(m)) => m.parse::<Mode>().map_err(|e| f.bad("mode", e)).ok(),
-        Some(_) => {
-            f.bad("mode", "must be \"enforce\" or \"shadow\"");
-            None
-        }
-    };
-    let shards = match obj.get("shards") {
-        None | Some(Value::Null) => None,
-        Some(Value::Object(s)) => match s.get("regions") {
-            Some(Value::Array(rs)) if !rs.is_empty() && rs.len() <= MAX_REGIONS => {
-                let mut regions: Vec<Region> = Vec::new();
-                for (i, r) in rs.iter().enumerate() {
-                    match r.as_str().map(Region::parse) {
-                        Some(Ok(r)) if !regions.contains(&r) => regions.push(r),
-                        Some(Ok(_)) => f.bad(&format!("shards.regions[{i}]"), "is listed twice"),
-                        Some(Err(e)) => f.bad(&format!("shards.regions[{i}]"), e.to_string()),
-                        None => f.bad(&format!("shards.regions[{i}]"), "must be a string"),
-                    }
-                }
-                Some(Shards { regions })
-            }
-            _ => {
-                f.bad(
-                    "shards.regions",
-                    format!("must be a list of 1-{MAX_REGIONS} regions"),
-                );
-                None
-            }
-        },
-        Some(_) => {
-            f.bad(
-                "shards",
-                "must be an object like {\"regions\": [\"eu\", \"us\"]}",
-            );
-            None
-        }
-    };
+    f.same_id("id", input.id, id);
+    f.optional("keys", input.keys);
+    let plan = f.required("plan", input.plan);
+    let mode = f.optional("mode", input.mode);
+    let shards = f
+        .optional("shards", input.shards)
+        .map(|s| Shards { regions: s.regions });
     f.finish()?;
     Ok((plan.expect("checked"), mode, shards))
 }
 
 /// Create (201) or replace (200) a client; its keys are kept. Unknown plan: 422.
 #[utoipa::path(operation_id = "putClient", put, path = "/admin/v1/clients/{client}", tag = "clients",
-    params(("client" = String, Path, description = "Client id"),
+    params(("client" = ClientId, Path, description = "Client id"),
         ("If-Match" = Option<String>, Header, description = "Only if the client is at this ETag")),
     request_body(content = ClientInput, content_type = "application/json"),
     responses(
@@ -299,22 +319,17 @@ pub async fn put(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let id = client_id(&id)?;
-    let obj = read_object(payload).await?;
-    let (plan, mode, shards) = parse_client(&obj, &id)?;
+    let (input, f) = read_body::<ClientInput>(payload).await?;
+    let (plan, mode, shards) = parse_client(input, f, &id)?;
     let wanted = if_match(req.headers())?;
     for _ in 0..WRITE_TRIES {
         let existing = state.store.client(id.as_str()).await?;
-        let cond = match (&wanted, &existing) {
-            (Some(_), None) => {
-                return Err(ApiError::PreconditionFailed(format!(
-                    "client {id} does not exist"
-                )))
-            }
-            (Some(Some(rev)), Some(cur)) if *rev != cur.rev => {
-                return Err(refusal(WriteOutcome::Stale { current: cur.rev }, "client"))
-            }
-            (_, Some(cur)) => Condition::Rev(cur.rev),
-            (None, None) => Condition::Absent,
+        if let Some(wanted) = &wanted {
+            precondition(wanted, existing.as_ref().map(|c| c.rev), "client")?;
+        }
+        let cond = match &existing {
+            Some(cur) => Condition::Rev(cur.rev),
+            None => Condition::Absent,
         };
         let rec = ClientRecord {
             id: id.clone(),
@@ -354,7 +369,7 @@ pub async fn put(
 
 /// Delete a client and all its keys.
 #[utoipa::path(operation_id = "deleteClient", delete, path = "/admin/v1/clients/{client}", tag = "clients",
-    params(("client" = String, Path, description = "Client id"),
+    params(("client" = ClientId, Path, description = "Client id"),
         ("If-Match" = Option<String>, Header, description = "Only if the client is at this ETag")),
     responses(
         (status = 204, description = "Deleted"),
@@ -369,7 +384,7 @@ pub async fn delete(
     actor: Actor,
 ) -> Result<HttpResponse, ApiError> {
     let id = client_id(&id)?;
-    let cond = super::condition(&req, || async {
+    let cond = super::condition(&req, "client", || async {
         Ok(state.store.client(id.as_str()).await?.map(|c| c.rev))
     })
     .await?;
@@ -422,7 +437,7 @@ async fn update_client<T>(
 /// Generate a key (`{}`) or import an existing one (`{"key": "..."}`). The key is shown in
 /// this response only; the gateway stores its SHA-256 hash.
 #[utoipa::path(operation_id = "createKey", post, path = "/admin/v1/clients/{client}/keys", tag = "clients",
-    params(("client" = String, Path, description = "Client id")),
+    params(("client" = ClientId, Path, description = "Client id")),
     request_body(content = KeyInput, content_type = "application/json"),
     responses(
         (status = 201, description = "Created; the key is shown only here", body = NewKey),
@@ -438,19 +453,10 @@ pub async fn create_key(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let id = client_id(&id)?;
-    let obj = read_object(payload).await?;
-    let mut f = Fields::default();
-    f.only(&obj, &["key"], &[]);
-    let key = match obj.get("key") {
-        None | Some(Value::Null) => Some(ApiKey::generate()),
-        Some(Value::String(k)) => ApiKey::parse(k).map_err(|e| f.bad("key", e)).ok(),
-        Some(_) => {
-            f.bad("key", "must be a string");
-            None
-        }
-    };
+    let (input, mut f) = read_body::<KeyInput>(payload).await?;
+    let key = f.optional("key", input.key);
     f.finish()?;
-    let key = key.expect("checked");
+    let key = key.unwrap_or_else(ApiKey::generate);
     let record = KeyRecord::new(key.hash());
     let key_id = record.key_id.clone();
     update_client(&state, &id, Audit::new(&actor.sub, "key.create"), |c| {
@@ -477,7 +483,7 @@ pub async fn create_key(
 
 /// Revoke a key: it stops working on every gateway within `catalog.refresh_ms`.
 #[utoipa::path(operation_id = "revokeKey", delete, path = "/admin/v1/clients/{client}/keys/{key_id}", tag = "clients",
-    params(("client" = String, Path, description = "Client id"),
+    params(("client" = ClientId, Path, description = "Client id"),
         ("key_id" = String, Path, description = "The key's id")),
     responses(
         (status = 204, description = "Revoked"),
@@ -507,7 +513,7 @@ pub async fn revoke_key(
 
 /// The client's bucket now: tokens available, capacity and rate.
 #[utoipa::path(operation_id = "getBucket", get, path = "/admin/v1/clients/{client}/bucket", tag = "clients",
-    params(("client" = String, Path, description = "Client id")),
+    params(("client" = ClientId, Path, description = "Client id")),
     responses(
         (status = 200, description = "The live bucket", body = BucketView),
         (status = 404, description = "No such client", body = Problem, content_type = "application/problem+json"),
@@ -549,7 +555,7 @@ pub async fn bucket(
 
 /// Refill the client's bucket (it starts full again).
 #[utoipa::path(operation_id = "refillBucket", delete, path = "/admin/v1/clients/{client}/bucket", tag = "clients",
-    params(("client" = String, Path, description = "Client id")),
+    params(("client" = ClientId, Path, description = "Client id")),
     responses(
         (status = 204, description = "Refilled"),
         (status = 404, description = "No such client", body = Problem, content_type = "application/problem+json"),

@@ -30,33 +30,72 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.service(
         web::scope("/admin/v1")
             .wrap(from_fn(auth::require_token))
-            .route("/plans", web::get().to(plans::list))
-            .route("/plans/{plan}", web::get().to(plans::get))
-            .route("/plans/{plan}", web::put().to(plans::put))
-            .route("/plans/{plan}", web::delete().to(plans::delete))
-            .route("/clients", web::get().to(clients::list))
-            .route("/clients/{client}", web::get().to(clients::get))
-            .route("/clients/{client}", web::put().to(clients::put))
-            .route("/clients/{client}", web::delete().to(clients::delete))
-            .route(
-                "/clients/{client}/keys",
-                web::post().to(clients::create_key),
+            // A malformed query string is a 400 problem like every other error.
+            .app_data(web::QueryConfig::default().error_handler(|e, _| {
+                ApiError::BadRequest(format!("malformed query string: {e}")).into()
+            }))
+            .service(
+                web::resource("/plans")
+                    .get(plans::list)
+                    .default_service(allow("GET")),
             )
-            .route(
-                "/clients/{client}/keys/{key_id}",
-                web::delete().to(clients::revoke_key),
+            .service(
+                web::resource("/plans/{plan}")
+                    .get(plans::get)
+                    .put(plans::put)
+                    .delete(plans::delete)
+                    .default_service(allow("GET, PUT, DELETE")),
             )
-            .route("/clients/{client}/bucket", web::get().to(clients::bucket))
-            .route(
-                "/clients/{client}/bucket",
-                web::delete().to(clients::refill),
+            .service(
+                web::resource("/clients")
+                    .get(clients::list)
+                    .default_service(allow("GET")),
             )
-            .route("/safety", web::get().to(safety::get))
-            .route("/safety", web::put().to(safety::put))
-            .route("/hot", web::get().to(hot::hot))
-            .route("/shadow", web::get().to(shadow::get))
-            .route("/shadow", web::delete().to(shadow::reset))
-            .route("/audit", web::get().to(audit::list))
+            .service(
+                web::resource("/clients/{client}")
+                    .get(clients::get)
+                    .put(clients::put)
+                    .delete(clients::delete)
+                    .default_service(allow("GET, PUT, DELETE")),
+            )
+            .service(
+                web::resource("/clients/{client}/keys")
+                    .post(clients::create_key)
+                    .default_service(allow("POST")),
+            )
+            .service(
+                web::resource("/clients/{client}/keys/{key_id}")
+                    .delete(clients::revoke_key)
+                    .default_service(allow("DELETE")),
+            )
+            .service(
+                web::resource("/clients/{client}/bucket")
+                    .get(clients::bucket)
+                    .delete(clients::refill)
+                    .default_service(allow("GET, DELETE")),
+            )
+            .service(
+                web::resource("/safety")
+                    .get(safety::get)
+                    .put(safety::put)
+                    .default_service(allow("GET, PUT")),
+            )
+            .service(
+                web::resource("/hot")
+                    .get(hot::hot)
+                    .default_service(allow("GET")),
+            )
+            .service(
+                web::resource("/shadow")
+                    .get(shadow::get)
+                    .delete(shadow::reset)
+                    .default_service(allow("GET, DELETE")),
+            )
+            .service(
+                web::resource("/audit")
+                    .get(audit::list)
+                    .default_service(allow("GET")),
+            )
             .default_service(web::to(|| async {
                 Err::<actix_web::HttpResponse, _>(ApiError::NotFound(
                     "no such admin resource".into(),
@@ -64,6 +103,13 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
             })),
     )
     .service(SwaggerUi::new("/swagger-ui/{_:.*}").url("/api-docs/openapi.json", ApiDoc::openapi()));
+}
+
+/// A resource's answer to a method it does not have: `405` with `Allow`.
+fn allow(methods: &'static str) -> actix_web::Route {
+    web::to(move || async move {
+        Err::<actix_web::HttpResponse, _>(ApiError::MethodNotAllowed(methods))
+    })
 }
 
 /// The OpenAPI document, collected from the handlers' annotations.
@@ -84,8 +130,13 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         shadow::get, shadow::reset, hot::hot,
         audit::list,
     ),
-    components(schemas(crate::error::Problem, crate::error::FieldError)),
-    modifiers(&BearerAuth),
+    components(schemas(
+        crate::error::Problem,
+        crate::error::FieldError,
+        crate::domain::PlanName,
+        crate::domain::ClientId,
+    )),
+    modifiers(&BearerAuth, &CommonResponses),
     tags(
         (name = "plans", description = "What each plan allows"),
         (name = "clients", description = "Clients, their plans, keys and buckets"),
@@ -105,6 +156,99 @@ impl Modify for BearerAuth {
         let mut http = Http::new(HttpAuthScheme::Bearer);
         http.bearer_format = Some("JWT".to_string());
         components.add_security_scheme("bearer", SecurityScheme::Http(http));
+    }
+}
+
+/// The statuses every operation of a kind can answer, added in one place so no operation
+/// misses one: the token's (`401`, `403`) and the store's (`503`) and `500` everywhere;
+/// an invalid id in the path (`422`); a body's `400`, `413` and `422`; a query string's
+/// `400` and `422`; `If-Match`'s `400` and `412`. Each is a problem (`application/problem+json`).
+/// Operations keep the statuses (and descriptions) their annotations give.
+struct CommonResponses;
+
+impl Modify for CommonResponses {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::path::{Operation, ParameterIn};
+        use utoipa::openapi::schema::{ObjectBuilder, SchemaType, Type};
+        use utoipa::openapi::{ContentBuilder, HeaderBuilder, Ref, ResponseBuilder};
+
+        let problem = |description: &str| {
+            ResponseBuilder::new().description(description).content(
+                "application/problem+json",
+                ContentBuilder::new()
+                    .schema(Some(Ref::from_schema_name("Problem")))
+                    .build(),
+            )
+        };
+        let add = |op: &mut Operation, status: &str, response: ResponseBuilder| {
+            op.responses
+                .responses
+                .entry(status.to_string())
+                .or_insert_with(|| response.build().into());
+        };
+        let string = || ObjectBuilder::new().schema_type(SchemaType::Type(Type::String));
+        for item in openapi.paths.paths.values_mut() {
+            let ops = [
+                &mut item.get,
+                &mut item.put,
+                &mut item.post,
+                &mut item.delete,
+                &mut item.patch,
+            ];
+            for op in ops.into_iter().flatten() {
+                let params = op.parameters.iter().flatten();
+                let in_path = params.clone().any(|p| p.parameter_in == ParameterIn::Path);
+                let in_query = params.clone().any(|p| p.parameter_in == ParameterIn::Query);
+                let if_match = params.clone().any(|p| p.name == "If-Match");
+                if in_path {
+                    add(op, "422", problem("An id in the path is not a valid id"));
+                }
+                if in_query {
+                    add(op, "400", problem("A malformed query string"));
+                    add(op, "422", problem("An invalid query parameter, named"));
+                }
+                if op.request_body.is_some() {
+                    add(op, "400", problem("Malformed JSON, or not an object"));
+                    add(op, "413", problem("Body over 64 KiB"));
+                    add(op, "422", problem("Invalid fields, each named"));
+                }
+                if if_match {
+                    add(op, "400", problem("A malformed If-Match"));
+                    add(
+                        op,
+                        "412",
+                        problem("If-Match does not match the current version"),
+                    );
+                    for p in op.parameters.iter_mut().flatten() {
+                        if p.name == "If-Match" {
+                            p.schema = Some(string().pattern(Some(body::IF_MATCH_PATTERN)).into());
+                        }
+                    }
+                }
+                add(
+                    op,
+                    "401",
+                    problem("Missing or invalid token").header(
+                        "WWW-Authenticate",
+                        HeaderBuilder::new()
+                            .schema(string())
+                            .description(Some(
+                                "Bearer realm=\"tollgate-admin\", error=\"invalid_token\"",
+                            ))
+                            .build(),
+                    ),
+                );
+                add(
+                    op,
+                    "403",
+                    problem(
+                        "The token lacks the scope (admin:read for GET, admin:write otherwise)",
+                    ),
+                );
+                add(op, "500", problem("An internal error (logged)"));
+                add(op, "503", problem("The store is unavailable"));
+            }
+        }
     }
 }
 
@@ -148,21 +292,29 @@ fn path_id<T, E: std::fmt::Display>(
     parse(raw).map_err(|e| ApiError::field(field, e.to_string()))
 }
 
-/// The write condition from `If-Match`; `*` needs the current revision.
-async fn condition<F, Fut>(req: &HttpRequest, current: F) -> Result<Condition, ApiError>
+/// The write condition from `If-Match`: without it, any; with it, the current revision
+/// when the header matches it (the store checks it again, atomically), else `412`.
+async fn condition<F, Fut>(req: &HttpRequest, what: &str, current: F) -> Result<Condition, ApiError>
 where
     F: FnOnce() -> Fut,
     Fut: Future<Output = Result<Option<u64>, ApiError>>,
 {
     match body::if_match(req.headers())? {
         None => Ok(Condition::Any),
-        Some(Some(rev)) => Ok(Condition::Rev(rev)),
-        Some(None) => match current().await? {
-            Some(rev) => Ok(Condition::Rev(rev)),
-            None => Err(ApiError::PreconditionFailed(
-                "If-Match: * but the resource does not exist".into(),
-            )),
-        },
+        Some(wanted) => {
+            let current = current().await?;
+            precondition(&wanted, current, what)?;
+            Ok(Condition::Rev(current.expect("matched")))
+        }
+    }
+}
+
+/// `412` unless `If-Match` matches the revision `current` (`None`: missing).
+fn precondition(wanted: &body::IfMatch, current: Option<u64>, what: &str) -> Result<(), ApiError> {
+    match current {
+        _ if wanted.matches(current) => Ok(()),
+        None => Err(refusal(WriteOutcome::Missing, what)),
+        Some(current) => Err(refusal(WriteOutcome::Stale { current }, what)),
     }
 }
 

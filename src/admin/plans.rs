@@ -2,13 +2,13 @@
 
 use actix_web::http::header;
 use actix_web::{web, HttpRequest, HttpResponse};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::body::{etag, read_object, Fields};
+use super::body::{etag, read_body, Description, Field};
 use super::{condition, path_id, Actor};
 use crate::catalog::{Audit, CatalogWrite, Condition, PlanRecord, Versioned, WriteOutcome};
-use crate::domain::{Plan, PlanName};
+use crate::domain::{Capacity, Plan, PlanName, Rate};
 use crate::error::{ApiError, Problem};
 use crate::state::AppState;
 
@@ -18,26 +18,39 @@ pub struct PlanView {
     /// 1-64 characters of `A-Z a-z 0-9 - _ .`.
     #[schema(example = "gold")]
     pub name: String,
-    /// Bucket size in tokens: the largest burst (≥ 1, ≤ 1e12).
+    /// Bucket size in tokens: the largest burst (1 to 1e9).
     #[schema(example = 100)]
     pub capacity: f64,
-    /// Refill in tokens per second: the sustained rate (> 0, ≤ 1e9).
+    /// Refill in tokens per second: the sustained rate (0.001 to 1e9).
     #[schema(example = 50)]
     pub rate: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
 }
 
-/// The body of `PUT /admin/v1/plans/{plan}`.
-#[derive(ToSchema)]
-#[allow(dead_code)]
+/// The body of `PUT /admin/v1/plans/{plan}`. `capacity / rate` (the time an empty bucket
+/// takes to fill) is at most 1e12 s by these bounds.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct PlanInput {
-    #[schema(example = 100)]
-    capacity: f64,
-    #[schema(example = 50)]
-    rate: f64,
-    /// At most 1024 characters.
-    description: Option<String>,
+    #[serde(default)]
+    #[schema(value_type = Capacity, required = true)]
+    capacity: Field<Capacity>,
+    #[serde(default)]
+    #[schema(value_type = Rate, required = true)]
+    rate: Field<Rate>,
+    #[serde(default)]
+    #[schema(value_type = Option<Description>)]
+    description: Field<Description>,
+    /// Read-only: a plan read with GET may be sent back as it is; the name must then be
+    /// the one in the path.
+    #[serde(default)]
+    #[schema(schema_with = read_only_name)]
+    name: Field<PlanName>,
+}
+
+fn read_only_name() -> utoipa::openapi::RefOr<utoipa::openapi::Schema> {
+    super::body::read_only(<PlanName as utoipa::PartialSchema>::schema())
 }
 
 #[derive(Serialize, ToSchema)]
@@ -87,7 +100,7 @@ pub async fn list(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> 
 
 /// Read one plan.
 #[utoipa::path(operation_id = "getPlan", get, path = "/admin/v1/plans/{plan}", tag = "plans",
-    params(("plan" = String, Path, description = "Plan name")),
+    params(("plan" = PlanName, Path, description = "Plan name")),
     responses(
         (status = 200, description = "The plan; its ETag is its version", body = PlanView,
             headers(("ETag" = String, description = "Version, for If-Match"))),
@@ -108,7 +121,7 @@ pub async fn get(
 /// Create (201) or replace (200) a plan. Takes effect on every gateway within
 /// `catalog.refresh_ms`.
 #[utoipa::path(operation_id = "putPlan", put, path = "/admin/v1/plans/{plan}", tag = "plans",
-    params(("plan" = String, Path, description = "Plan name"),
+    params(("plan" = PlanName, Path, description = "Plan name"),
         ("If-Match" = Option<String>, Header, description = "Only if the plan is at this ETag")),
     request_body(content = PlanInput, content_type = "application/json"),
     responses(
@@ -128,26 +141,20 @@ pub async fn put(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let name = path_id(&name, PlanName::parse, "plan")?;
-    let obj = read_object(payload).await?;
-    let mut f = Fields::default();
-    f.only(&obj, &["capacity", "rate", "description", "name"], &[]);
-    f.same_id(&obj, "name", name.as_str());
-    let capacity = f.number(&obj, "capacity");
-    let rate = f.number(&obj, "rate");
-    let description = f.opt_string(&obj, "description", 1024);
-    if let (Some(c), Some(r)) = (capacity, rate) {
-        if let Err(e) = Plan::new(c, r) {
-            f.bad(e.field(), e.to_string());
-        }
-    }
+    let (input, mut f) = read_body::<PlanInput>(payload).await?;
+    f.same_id("name", input.name, &name);
+    let capacity = f.required("capacity", input.capacity);
+    let rate = f.required("rate", input.rate);
+    let description = f.optional("description", input.description);
     f.finish()?;
+    let plan = Plan::from_parts(capacity.expect("checked"), rate.expect("checked"));
     let rec = PlanRecord {
         name: name.clone(),
-        capacity: capacity.unwrap_or_default(),
-        rate: rate.unwrap_or_default(),
-        description,
+        capacity: plan.capacity(),
+        rate: plan.rate(),
+        description: description.map(String::from),
     };
-    let cond = condition(&req, || async {
+    let cond = condition(&req, "plan", || async {
         Ok(state.store.plan(name.as_str()).await?.map(|p| p.rev))
     })
     .await?;
@@ -173,7 +180,7 @@ pub async fn put(
 
 /// Delete a plan no client uses.
 #[utoipa::path(operation_id = "deletePlan", delete, path = "/admin/v1/plans/{plan}", tag = "plans",
-    params(("plan" = String, Path, description = "Plan name"),
+    params(("plan" = PlanName, Path, description = "Plan name"),
         ("If-Match" = Option<String>, Header, description = "Only if the plan is at this ETag")),
     responses(
         (status = 204, description = "Deleted"),
@@ -189,7 +196,7 @@ pub async fn delete(
     actor: Actor,
 ) -> Result<HttpResponse, ApiError> {
     let name = path_id(&name, PlanName::parse, "plan")?;
-    let cond = condition(&req, || async {
+    let cond = condition(&req, "plan", || async {
         Ok(state.store.plan(name.as_str()).await?.map(|p| p.rev))
     })
     .await?;

@@ -4,11 +4,11 @@ use std::collections::BTreeMap;
 
 use actix_web::http::header;
 use actix_web::{web, HttpRequest, HttpResponse};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
 
-use super::body::{etag, read_object, Fields};
+use super::body::{etag, read_body, Field};
 use super::{condition, refusal, Actor};
 use crate::catalog::{Audit, CatalogWrite, SafetyRecord, WriteOutcome};
 use crate::error::{ApiError, Problem};
@@ -24,25 +24,64 @@ pub struct SafetyView {
     pub services: BTreeMap<String, f64>,
 }
 
-fn check_multiplier(f: &mut Fields, field: &str, v: Option<&Value>) -> Option<f64> {
-    match v.and_then(Value::as_f64) {
-        Some(m) if m.is_finite() && (1.0..=1000.0).contains(&m) => Some(m),
-        Some(_) => {
-            f.bad(field, "must be between 1 and 1000");
-            None
-        }
-        None => {
-            f.bad(
-                field,
-                if v.is_none() {
-                    "is required"
-                } else {
-                    "must be a number"
-                },
-            );
-            None
+/// A safety multiplier: 1-1000.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(try_from = "f64")]
+struct Multiplier(f64);
+
+impl TryFrom<f64> for Multiplier {
+    type Error = &'static str;
+    fn try_from(m: f64) -> Result<Multiplier, &'static str> {
+        if m.is_finite() && (1.0..=1000.0).contains(&m) {
+            Ok(Multiplier(m))
+        } else {
+            Err("must be between 1 and 1000")
         }
     }
+}
+
+/// The body of `PUT /admin/v1/safety`.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SafetyInput {
+    /// The default multiplier of a client's plan, 1-1000.
+    #[serde(default)]
+    #[schema(value_type = f64, required = true, minimum = 1, maximum = 1000, example = 10.0)]
+    multiplier: Field<Multiplier>,
+    /// Per service (1-64 characters of `A-Z a-z 0-9 - _ .`): its own multiplier, 1-1000.
+    #[serde(default)]
+    #[schema(schema_with = services_schema)]
+    services: Field<BTreeMap<String, Value>>,
+}
+
+fn services_schema() -> utoipa::openapi::schema::Object {
+    use utoipa::openapi::schema::{ObjectBuilder, SchemaType, Type};
+    ObjectBuilder::new()
+        .schema_type(SchemaType::from_iter([Type::Object, Type::Null]))
+        .property_names(Some(
+            ObjectBuilder::new()
+                .schema_type(SchemaType::Type(Type::String))
+                .min_length(Some(1))
+                .max_length(Some(64))
+                .pattern(Some(crate::domain::ID_PATTERN))
+                .build(),
+        ))
+        .additional_properties(Some(
+            ObjectBuilder::new()
+                .schema_type(SchemaType::Type(Type::Number))
+                .minimum(Some(1.0))
+                .maximum(Some(1000.0)),
+        ))
+        .examples([serde_json::json!({"orders": 20.0})])
+        .build()
+}
+
+fn service_name_ok(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
 }
 
 /// Read the safety limits (the configured `limits.safety_multiplier` until set here).
@@ -67,7 +106,7 @@ pub async fn get(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
 /// Replace the safety limits. Live on every gateway within `catalog.refresh_ms`.
 #[utoipa::path(operation_id = "putSafety", put, path = "/admin/v1/safety", tag = "safety",
     params(("If-Match" = Option<String>, Header, description = "Only if the settings are at this ETag")),
-    request_body(content = SafetyView, content_type = "application/json"),
+    request_body(content = SafetyInput, content_type = "application/json"),
     responses(
         (status = 200, description = "Stored", body = SafetyView),
         (status = 412, description = "If-Match no longer matches", body = Problem, content_type = "application/problem+json"),
@@ -80,42 +119,31 @@ pub async fn put(
     actor: Actor,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let obj = read_object(payload).await?;
-    let mut f = Fields::default();
-    f.only(&obj, &["multiplier", "services"], &[]);
-    let multiplier = check_multiplier(&mut f, "multiplier", obj.get("multiplier"));
+    let (input, mut f) = read_body::<SafetyInput>(payload).await?;
+    let multiplier = f.required("multiplier", input.multiplier);
     let mut services = BTreeMap::new();
-    match obj.get("services") {
-        None | Some(Value::Null) => {}
-        Some(Value::Object(m)) => {
-            for (name, v) in m {
-                let field = format!("services.{name}");
-                let ok_name = !name.is_empty()
-                    && name.len() <= 64
-                    && name
-                        .bytes()
-                        .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
-                if !ok_name {
-                    f.bad(
-                        &field,
-                        "service names are 1-64 characters of A-Z a-z 0-9 - _ .",
-                    );
-                } else if let Some(m) = check_multiplier(&mut f, &field, Some(v)) {
-                    services.insert(name.clone(), m);
-                }
-            }
+    // Each service is its own field, so every bad one is named.
+    for (name, v) in f.optional("services", input.services).unwrap_or_default() {
+        let field = format!("services.{name}");
+        if !service_name_ok(&name) {
+            f.bad(
+                &field,
+                "service names are 1-64 characters of A-Z a-z 0-9 - _ .",
+            );
+        } else if let Some(m) = f.required(
+            &field,
+            serde_json::from_value::<Field<Multiplier>>(v)
+                .unwrap_or_else(|e| Field::Invalid(e.to_string())),
+        ) {
+            services.insert(name, m.0);
         }
-        Some(_) => f.bad(
-            "services",
-            "must be an object of service name to multiplier",
-        ),
     }
     f.finish()?;
     let rec = SafetyRecord {
-        multiplier: multiplier.expect("checked"),
+        multiplier: multiplier.expect("checked").0,
         services,
     };
-    let cond = condition(&req, || async {
+    let cond = condition(&req, "safety settings", || async {
         Ok(state.store.safety().await?.map(|s| s.rev))
     })
     .await?;

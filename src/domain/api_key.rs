@@ -41,6 +41,31 @@ impl ApiKey {
     }
 }
 
+impl<'de> Deserialize<'de> for ApiKey {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<ApiKey, D::Error> {
+        let s = String::deserialize(d)?;
+        ApiKey::parse(&s).map_err(serde::de::Error::custom)
+    }
+}
+
+/// The schema states what [`ApiKey::parse`] accepts.
+impl utoipa::PartialSchema for ApiKey {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::Schema> {
+        use utoipa::openapi::schema::{ObjectBuilder, SchemaType, Type};
+        ObjectBuilder::new()
+            .schema_type(SchemaType::Type(Type::String))
+            .min_length(Some(Self::MIN_LEN))
+            .max_length(Some(Self::MAX_LEN))
+            .pattern(Some("^[!-~]+$"))
+            .description(Some(
+                "An API key: 8-256 printable ASCII characters, no spaces.",
+            ))
+            .into()
+    }
+}
+
+impl utoipa::ToSchema for ApiKey {}
+
 impl fmt::Debug for ApiKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("ApiKey(***)")

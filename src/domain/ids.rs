@@ -28,8 +28,11 @@ fn check(s: &str, max: usize) -> Result<(), IdError> {
     }
 }
 
+/// The charset of [`check`] as a JSON Schema (ECMA-262) pattern.
+pub const ID_PATTERN: &str = "^[A-Za-z0-9._-]+$";
+
 macro_rules! id_type {
-    ($(#[$doc:meta])* $name:ident, $max:expr) => {
+    ($(#[$doc:meta])* $name:ident, $max:expr, $example:expr) => {
         $(#[$doc])*
         #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
         #[serde(try_from = "String", into = "String")]
@@ -79,23 +82,46 @@ macro_rules! id_type {
                 &self.0
             }
         }
+
+        /// The schema states what [`Self::parse`] accepts.
+        impl utoipa::PartialSchema for $name {
+            fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::Schema> {
+                use utoipa::openapi::schema::{ObjectBuilder, SchemaType, Type};
+                ObjectBuilder::new()
+                    .schema_type(SchemaType::Type(Type::String))
+                    .min_length(Some(1))
+                    .max_length(Some($max))
+                    .pattern(Some(ID_PATTERN))
+                    .description(Some(format!(
+                        "1-{} characters of A-Z a-z 0-9 - _ .",
+                        $max
+                    )))
+                    .examples([serde_json::json!($example)])
+                    .into()
+            }
+        }
+
+        impl utoipa::ToSchema for $name {}
     };
 }
 
 id_type!(
     /// A client of the gateway (an account); its API keys map to it.
     ClientId,
-    128
+    128,
+    "acme"
 );
 id_type!(
     /// The name of a plan (capacity, rate).
     PlanName,
-    64
+    64,
+    "gold"
 );
 id_type!(
     /// A deployment region, e.g. `eu-west`.
     Region,
-    32
+    32,
+    "eu"
 );
 
 #[cfg(test)]

@@ -5,5 +5,8 @@ mod ids;
 mod plan;
 
 pub use api_key::{ApiKey, KeyHash};
-pub use ids::{ClientId, IdError, PlanName, Region};
-pub use plan::{Mode, Plan, PlanError};
+pub use ids::{ClientId, IdError, PlanName, Region, ID_PATTERN};
+pub use plan::{
+    Capacity, Mode, Plan, PlanError, Rate, MAX_CAPACITY, MAX_RATE, MAX_REFILL_SECS, MIN_CAPACITY,
+    MIN_RATE,
+};

@@ -35,7 +35,48 @@ pub struct EmbeddedStore {
     shadow: Mutex<HashMap<String, (u64, u64)>>,
     /// An exclusive lock on `<catalog file>.lock`, held while the store is open: a second
     /// process on the same file is refused (the embedded store is for one instance).
-    _lock: std::fs::File,
+    _lock: std::sync::Arc<std::fs::File>,
+}
+
+/// The catalog-file locks this process holds, by lock path. A gateway rebuilt in the same
+/// process (as the tests restart one) shares its predecessor's lock: the lock keeps other
+/// processes out, and background tasks may keep the old store alive for a while.
+static LOCKS: Mutex<Vec<(PathBuf, std::sync::Weak<std::fs::File>)>> = Mutex::new(Vec::new());
+
+/// Takes (or, within this process, shares) the exclusive lock on `lock_path`.
+fn lock_catalog(
+    file: &Path,
+    lock_path: PathBuf,
+) -> Result<std::sync::Arc<std::fs::File>, StoreError> {
+    let err = |e: std::io::Error| StoreError::File(format!("{}: {e}", file.display()));
+    let mut locks = LOCKS.lock();
+    locks.retain(|(_, l)| l.strong_count() > 0);
+    if let Some(held) = locks
+        .iter()
+        .find(|(p, _)| *p == lock_path)
+        .and_then(|(_, l)| l.upgrade())
+    {
+        return Ok(held);
+    }
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(err)?;
+    match lock.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            return Err(StoreError::File(format!(
+                "{} is in use by another tollgate process (the embedded store is for one instance; use Redis to run several)",
+                file.display()
+            )))
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(err(e)),
+    }
+    let lock = std::sync::Arc::new(lock);
+    locks.push((lock_path, std::sync::Arc::downgrade(&lock)));
+    Ok(lock)
 }
 
 impl EmbeddedStore {
@@ -47,22 +88,7 @@ impl EmbeddedStore {
         }
         let mut lock_path = file.as_os_str().to_owned();
         lock_path.push(".lock");
-        let lock = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(err)?;
-        match lock.try_lock() {
-            Ok(()) => {}
-            Err(std::fs::TryLockError::WouldBlock) => {
-                return Err(StoreError::File(format!(
-                    "{} is in use by another tollgate process (the embedded store is for one instance; use Redis to run several)",
-                    file.display()
-                )))
-            }
-            Err(std::fs::TryLockError::Error(e)) => return Err(err(e)),
-        }
+        let lock = lock_catalog(file, PathBuf::from(lock_path))?;
         Ok(EmbeddedStore {
             buckets: LocalBuckets::default(),
             shards: Mutex::new(HashMap::new()),

@@ -802,3 +802,172 @@ fn tollgate_token_refuses_without_a_secret_and_mints_with_one() {
     let token = String::from_utf8(out.stdout).unwrap();
     assert_eq!(token.trim().split('.').count(), 3);
 }
+
+/// An HS256 token with the test secret and these claims.
+fn signed(claims: &Value) -> String {
+    jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+        claims,
+        &jsonwebtoken::EncodingKey::from_secret(ADMIN_SECRET.as_bytes()),
+    )
+    .unwrap()
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+#[tokio::test]
+async fn an_audience_may_be_one_of_a_list_and_a_token_is_refused_before_its_nbf() {
+    let gw = admin_gateway("").await;
+    let now = unix_now();
+    let claims = |aud: Value, nbf: Option<u64>| {
+        let mut c = json!({"sub": "alice", "iss": "tollgate", "aud": aud, "exp": now + 600,
+            "scope": "admin:read"});
+        if let Some(nbf) = nbf {
+            c["nbf"] = json!(nbf);
+        }
+        c
+    };
+    let status = |claims: Value| {
+        let gw = &gw;
+        async move {
+            gw.admin(Method::GET, "/plans", &signed(&claims))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+
+    assert_eq!(status(claims(json!("tollgate-admin"), None)).await, 200);
+    assert_eq!(
+        status(claims(json!(["billing", "tollgate-admin"]), None)).await,
+        200
+    );
+    assert_eq!(status(claims(json!(["billing", "other"]), None)).await, 401);
+    assert_eq!(
+        status(claims(json!("tollgate-admin"), Some(now - 10))).await,
+        200
+    );
+    assert_eq!(
+        status(claims(json!("tollgate-admin"), Some(now + 3600))).await,
+        401,
+        "a token whose nbf is in the future"
+    );
+}
+
+#[test]
+fn an_hs256_secret_under_32_bytes_stops_the_gateway_naming_the_key() {
+    let out = std::process::Command::new(binary())
+        .env("TOLLGATE__ADMIN__JWT_HS256_SECRET", "only-sixteen-byt")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("admin.jwt_hs256_secret"), "{err}");
+    assert!(
+        !err.contains("only-sixteen-byt"),
+        "the secret is not printed: {err}"
+    );
+}
+
+#[tokio::test]
+async fn if_match_takes_lists_refuses_weak_tags_and_star_needs_a_resource() {
+    let gw = admin_gateway("").await;
+    let put = |if_match: &'static str, capacity: u32| {
+        let gw = &gw;
+        async move {
+            gw.admin(Method::PUT, "/plans/gold", &rw())
+                .header("if-match", if_match)
+                .json(&json!({"capacity": capacity, "rate": 1}))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+
+    assert_eq!(put("*", 10).await, 412, "* fails for a missing plan");
+    let created = put_plan(&gw, "gold", json!({"capacity": 10, "rate": 1})).await;
+    assert_eq!(created.status(), 201);
+    assert_eq!(created.headers()["etag"], "\"1\"");
+
+    assert_eq!(
+        put("W/\"1\"", 11).await,
+        412,
+        "a weak tag never matches a write"
+    );
+    assert_eq!(
+        put("\"7\", \"1\"", 12).await,
+        200,
+        "any listed tag may match"
+    );
+    assert_eq!(
+        put("\"1\", \"7\"", 13).await,
+        412,
+        "the plan is at \"2\" now"
+    );
+    assert_eq!(put("*", 14).await, 200, "* matches any existing plan");
+    assert_eq!(put("1", 15).await, 400, "not an entity tag");
+
+    let got: Value = gw
+        .admin(Method::GET, "/plans/gold", &rw())
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(got["capacity"], 14.0);
+}
+
+#[tokio::test]
+async fn several_bad_fields_get_one_error_each_and_bounds_hold() {
+    let gw = admin_gateway("").await;
+    let r = put_plan(
+        &gw,
+        "gold",
+        json!({"capacity": 1e10, "rate": 0.0001, "description": 5, "burst": 1, "name": "silver"}),
+    )
+    .await;
+    assert_eq!(r.status(), 422);
+    let problem: Value = r.json().await.unwrap();
+    let mut fields: Vec<&str> = problem["errors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["field"].as_str().unwrap())
+        .collect();
+    fields.sort();
+    assert_eq!(fields, ["burst", "capacity", "description", "name", "rate"]);
+
+    let at_bounds = put_plan(&gw, "gold", json!({"capacity": 1e9, "rate": 0.001})).await;
+    assert_eq!(at_bounds.status(), 201);
+    // A plan read back may be sent back as it is.
+    let read: Value = at_bounds.json().await.unwrap();
+    assert_eq!(put_plan(&gw, "gold", read).await.status(), 200);
+}
+
+#[tokio::test]
+async fn an_unknown_method_is_405_with_allow() {
+    let gw = admin_gateway("").await;
+    let r = gw
+        .admin(Method::PATCH, "/plans/gold", &rw())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 405);
+    assert_eq!(r.headers()["allow"], "GET, PUT, DELETE");
+    assert_eq!(r.headers()["content-type"], "application/problem+json");
+    let r = gw
+        .admin(Method::GET, "/clients?limit=abc", &rw())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    assert_eq!(r.headers()["content-type"], "application/problem+json");
+}

@@ -37,15 +37,73 @@ fn an_environment_override_is_validated_too() {
 #[tokio::test]
 async fn health_and_readiness_answer() {
     let redis = RedisServer::start();
+    let redis_port = redis.port;
     let gw = TestGateway::spawn(settings(&format!("[redis]\nurl = \"{}\"\n", redis.url()))).await;
     assert_eq!(gw.get("/healthz", None).await.status(), 200);
     let ready = gw.get("/readyz", None).await;
     assert_eq!(ready.status(), 200);
+    let body: serde_json::Value = ready.json().await.unwrap();
+    assert_eq!(
+        body,
+        serde_json::json!({"status": "ready", "catalog": "store"})
+    );
     drop(redis);
     let ready = gw.get("/readyz", None).await;
     assert_eq!(ready.status(), 503);
-    let body: serde_json::Value = ready.json().await.unwrap();
-    assert!(body["reason"].is_string());
+    let body = ready.text().await.unwrap();
+    assert!(body.contains("\"reason\""), "{body}");
+    // The public listener names no Redis host, port or user.
+    assert!(
+        !body.contains("127.0.0.1") && !body.contains(&redis_port.to_string()),
+        "{body}"
+    );
+}
+
+/// The start-up log lines of the binary (stdout), up to "tollgate started".
+fn startup_log(toml: &str) -> String {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("gw.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\nworkers = 1\n{toml}[catalog]\nfile = {:?}\n",
+            dir.path().join("catalog.json").to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(binary())
+        .arg("--config")
+        .arg(&file)
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut log = String::new();
+    for line in std::io::BufReader::new(child.stdout.take().unwrap()).lines() {
+        let line = line.unwrap();
+        log.push_str(&line);
+        log.push('\n');
+        if line.contains("tollgate started") {
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    log
+}
+
+#[test]
+fn one_warning_at_start_when_admin_and_metrics_share_the_public_listener() {
+    let shared = startup_log("");
+    let warnings: Vec<&str> = shared
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("admin_listen"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{shared}");
+    let apart = startup_log("admin_listen = \"127.0.0.1:0\"\n");
+    assert!(!apart.contains("admin_listen is empty"), "{apart}");
 }
 
 #[tokio::test]
