@@ -70,11 +70,11 @@ pub fn probe(listen: &str, path: &str, timeout: Duration) -> anyhow::Result<u16>
         .with_context(|| format!("cannot connect to {addr}"))?;
     stream.set_read_timeout(Some(timeout))?;
     stream.set_write_timeout(Some(timeout))?;
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .with_context(|| format!("cannot send to {addr}"))?;
+    // One write: `write!` on the stream could send the request in pieces.
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream
+        .write_all(request.as_bytes())
+        .with_context(|| format!("cannot send to {addr}"))?;
     // Only the status line matters: read until its end (bounded), ignore the rest.
     let mut head = Vec::with_capacity(256);
     let mut buf = [0u8; 256];
@@ -195,8 +195,15 @@ mod tests {
         let port = listener.local_addr().unwrap().port();
         std::thread::spawn(move || {
             let (mut conn, _) = listener.accept().unwrap();
+            // The whole request first: closing on a half-read one would reset it.
+            let mut request = Vec::new();
             let mut buf = [0u8; 1024];
-            let _ = conn.read(&mut buf);
+            while !request.ends_with(b"\r\n\r\n") {
+                match conn.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => request.extend_from_slice(&buf[..n]),
+                }
+            }
             conn.write_all(response.as_bytes()).unwrap();
         });
         port
