@@ -1,4 +1,4 @@
-//! The command line: `tollgate [serve] [--config FILE]...`.
+//! The command line: `tollgate [serve|token|openapi|healthcheck] [--config FILE]...`.
 
 use std::path::PathBuf;
 
@@ -37,4 +37,11 @@ pub enum Command {
     },
     /// Print the admin API's OpenAPI 3.1 document as JSON.
     Openapi,
+    /// Exit 0 when the gateway on `server.listen` answers 200 to `GET PATH`, else 1
+    /// (the container image's HEALTHCHECK: it has no shell or curl).
+    Healthcheck {
+        /// `/healthz` (liveness) or `/readyz` (readiness: the store answers).
+        #[arg(long, default_value = "/healthz")]
+        path: String,
+    },
 }

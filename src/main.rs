@@ -12,6 +12,13 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// Exit code for a configuration that cannot start.
 const BAD_CONFIG: i32 = 2;
 
+/// Exit code of `healthcheck` when the gateway does not answer 200 (what Docker's
+/// HEALTHCHECK reads as unhealthy).
+const UNHEALTHY: i32 = 1;
+
+/// How long `healthcheck` waits to connect, and for each read and write.
+const PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
 #[tokio::main]
 async fn main() {
     let cli = Cli::parse();
@@ -54,6 +61,19 @@ async fn main() {
                 Err(e) => {
                     eprintln!("tollgate token: {e}");
                     std::process::exit(BAD_CONFIG);
+                }
+            }
+        }
+        Command::Healthcheck { path } => {
+            match tollgate::ops::probe(&settings.server.listen, &path, PROBE_TIMEOUT) {
+                Ok(200) => {}
+                Ok(status) => {
+                    eprintln!("tollgate healthcheck: {path} answered {status}");
+                    std::process::exit(UNHEALTHY);
+                }
+                Err(e) => {
+                    eprintln!("tollgate healthcheck: {e:#}");
+                    std::process::exit(UNHEALTHY);
                 }
             }
         }

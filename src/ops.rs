@@ -1,6 +1,11 @@
-//! Operational endpoints: liveness, readiness, metrics.
+//! Operational endpoints: liveness, readiness, metrics; and [`probe`], the client the
+//! `healthcheck` subcommand uses to ask a running gateway for one of them.
 
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, TcpStream, ToSocketAddrs};
 use std::time::Duration;
+
+use anyhow::{bail, Context};
 
 use actix_web::{web, HttpResponse};
 use serde_json::json;
@@ -53,6 +58,53 @@ async fn readyz(state: web::Data<AppState>) -> HttpResponse {
     match reason {
         None => HttpResponse::Ok().json(body),
         Some(_) => HttpResponse::ServiceUnavailable().json(body),
+    }
+}
+
+/// `GET path` from the gateway listening on `listen` (`server.listen`); returns the
+/// response's status code. An unspecified address (`0.0.0.0`, `[::]`) is asked on
+/// loopback. For container health checks: the runtime image has no shell and no curl.
+/// `timeout` bounds the connect and each read and write.
+pub fn probe(listen: &str, path: &str, timeout: Duration) -> anyhow::Result<u16> {
+    let mut addr = listen
+        .to_socket_addrs()
+        .with_context(|| format!("server.listen {listen:?} is not an address"))?
+        .next()
+        .with_context(|| format!("server.listen {listen:?} resolves to nothing"))?;
+    if addr.ip().is_unspecified() {
+        addr.set_ip(match addr.ip() {
+            IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        });
+    }
+    let mut stream = TcpStream::connect_timeout(&addr, timeout)
+        .with_context(|| format!("cannot connect to {addr}"))?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    // One write: `write!` on the stream could send the request in pieces.
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream
+        .write_all(request.as_bytes())
+        .with_context(|| format!("cannot send to {addr}"))?;
+    // Only the status line matters: read until its end (bounded), ignore the rest.
+    let mut head = Vec::with_capacity(256);
+    let mut buf = [0u8; 256];
+    while !head.windows(2).any(|w| w == b"\r\n") && head.len() < 1024 {
+        let n = stream
+            .read(&mut buf)
+            .with_context(|| format!("no answer from {addr}"))?;
+        if n == 0 {
+            break;
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    let line = String::from_utf8_lossy(&head);
+    let line = line.lines().next().unwrap_or_default();
+    match line.split_whitespace().collect::<Vec<_>>()[..] {
+        [version, status, ..] if version.starts_with("HTTP/") => status
+            .parse()
+            .with_context(|| format!("bad status line from {addr}: {line:?}")),
+        _ => bail!("not an HTTP answer from {addr}: {line:?}"),
     }
 }
 
@@ -162,4 +214,66 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4")
         .body(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::net::TcpListener;
+    use std::time::Duration;
+
+    use super::probe;
+
+    /// A one-shot server that answers the first request with `response`.
+    fn answer_once(response: &'static str) -> u16 {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().unwrap();
+            // The whole request first: closing on a half-read one would reset it.
+            let mut request = Vec::new();
+            let mut buf = [0u8; 1024];
+            while !request.ends_with(b"\r\n\r\n") {
+                match conn.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => request.extend_from_slice(&buf[..n]),
+                }
+            }
+            conn.write_all(response.as_bytes()).unwrap();
+        });
+        port
+    }
+
+    #[test]
+    fn a_probe_returns_the_status_the_server_answers() {
+        let port = answer_once("HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n");
+        let status = probe(
+            &format!("127.0.0.1:{port}"),
+            "/readyz",
+            Duration::from_secs(2),
+        );
+        assert_eq!(status.unwrap(), 503);
+    }
+
+    #[test]
+    fn a_probe_of_an_unspecified_address_asks_loopback() {
+        let port = answer_once("HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n");
+        let status = probe(
+            &format!("0.0.0.0:{port}"),
+            "/healthz",
+            Duration::from_secs(2),
+        );
+        assert_eq!(status.unwrap(), 200);
+    }
+
+    #[test]
+    fn a_probe_of_something_that_is_not_http_fails() {
+        let port = answer_once("-ERR unknown command\r\n");
+        let err = probe(
+            &format!("127.0.0.1:{port}"),
+            "/healthz",
+            Duration::from_secs(2),
+        );
+        assert!(err.unwrap_err().to_string().contains("not an HTTP answer"));
+    }
 }

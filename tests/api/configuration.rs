@@ -34,6 +34,32 @@ fn an_environment_override_is_validated_too() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("server.listen"));
 }
 
+/// `tollgate healthcheck` (the image's HEALTHCHECK) under the environment the gateway has.
+fn healthcheck(listen: &str) -> Option<i32> {
+    Command::new(binary())
+        .arg("healthcheck")
+        .env("TOLLGATE__SERVER__LISTEN", listen)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap()
+        .status
+        .code()
+}
+
+#[test]
+fn the_healthcheck_command_exits_0_while_the_gateway_serves_and_1_once_it_is_gone() {
+    let mut gw = GatewayProcess::spawn("", &[]);
+    let port = gw.address.rsplit(':').next().unwrap().to_string();
+
+    assert_eq!(healthcheck(&format!("127.0.0.1:{port}")), Some(0));
+    // The image listens on 0.0.0.0: the check asks loopback.
+    assert_eq!(healthcheck(&format!("0.0.0.0:{port}")), Some(0));
+
+    gw.child.kill().unwrap();
+    gw.child.wait().unwrap();
+    assert_eq!(healthcheck(&format!("127.0.0.1:{port}")), Some(1));
+}
+
 #[tokio::test]
 async fn health_and_readiness_answer() {
     let redis = RedisServer::start();
