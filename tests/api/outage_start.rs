@@ -234,3 +234,81 @@ async fn a_gateway_restarted_during_an_outage_still_knows_what_the_admin_api_cha
     assert!(stored.is_some_and(|c| !c.contains(&keys[1].0)));
     assert_eq!(get(&http, &gw.address, &revoked).await.status(), 401);
 }
+
+#[tokio::test]
+async fn a_cache_older_than_the_store_gives_way_to_the_store_when_it_answers() {
+    // Arrange: gateway G caches the catalog, then stops; through gateway H a client is
+    // created; Redis saves a snapshot and goes down.
+    let mut redis = RedisServer::start();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let toml = format!(
+        "{}[redis]\nurl = \"{}\"\n{}{}",
+        admin_toml(),
+        redis.url(),
+        catalog_toml(("gold", 1000.0, 1.0), &["declared"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    );
+    let env = [("TOLLGATE__CATALOG__REFRESH_MS", "100")];
+    let mut g = GatewayProcess::spawn(&toml, &env);
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
+    eventually(Duration::from_secs(3), "G cached the catalog", || async {
+        g.catalog.with_file_name("catalog-cache.json").exists()
+    })
+    .await;
+    let _ = g.child.kill();
+    let _ = g.child.wait();
+    let h = GatewayProcess::spawn(&toml, &env);
+    let r = http
+        .put(format!("{}/admin/v1/clients/later", h.address))
+        .bearer_auth(rw())
+        .json(&json!({"plan": "gold"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let k: Value = http
+        .post(format!("{}/admin/v1/clients/later/keys", h.address))
+        .bearer_auth(rw())
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let later = k["key"].as_str().unwrap().to_string();
+    let _: () = redis::cmd("SAVE").query(&mut redis.conn()).unwrap();
+    drop(h);
+    redis.kill();
+
+    // Act: G starts while Redis is down (its cache predates "later"), then Redis comes
+    // back from its snapshot.
+    g.restart();
+    assert_eq!(get(&http, &g.address, &later).await.status(), 401);
+    assert_eq!(readyz(&http, &g.address).await["catalog"], "cache");
+    redis.restart();
+
+    // Assert: G takes the store's newer catalog (and writes nothing of its own).
+    eventually(
+        Duration::from_secs(5),
+        "G limits the later client",
+        || async { decided(&get(&http, &g.address, &later).await) },
+    )
+    .await;
+    assert_eq!(readyz(&http, &g.address).await["catalog"], "store");
+    let restores: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
+        .arg("tollgate:{catalog}:audit")
+        .arg("-")
+        .arg("+")
+        .query(&mut redis.conn())
+        .unwrap();
+    assert!(
+        restores
+            .iter()
+            .all(|(_, f)| !f.iter().any(|(_, v)| v == "catalog.restore")),
+        "a cache older than the store was written over it"
+    );
+}
