@@ -39,23 +39,6 @@ async fn put_client(gw: &TestGateway, id: &str, plan: &str) {
     assert!(r.status().is_success(), "{}", r.status());
 }
 
-/// A new key for `client`: (key_id, key).
-async fn new_key(gw: &TestGateway, client: &str) -> (String, String) {
-    let created: Value = gw
-        .admin(Method::POST, &format!("/clients/{client}/keys"), &rw())
-        .json(&json!({}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    (
-        created["key_id"].as_str().unwrap().to_string(),
-        created["key"].as_str().unwrap().to_string(),
-    )
-}
-
 async fn status(gw: &TestGateway, key: &str) -> u16 {
     gw.get("/orders", Some(key)).await.status().as_u16()
 }

@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use reqwest::Method;
-use serde_json::{json, Value};
+use serde_json::json;
 use tollgate_testkit::FaultProxy;
 
 use crate::helpers::*;
@@ -27,6 +27,34 @@ async fn gateway_behind(proxy_url: &str, up: &Upstream) -> TestGateway {
         route_toml("orders", "/orders", &[up.url()]),
     );
     TestGateway::spawn(settings(&toml)).await
+}
+
+/// A real Redis behind a fault proxy, an upstream, and a gateway through the proxy that has
+/// made its first real decision.
+struct Behind {
+    redis: RedisServer,
+    proxy: FaultProxy,
+    up: Upstream,
+    gw: TestGateway,
+}
+
+impl Behind {
+    async fn start() -> Behind {
+        let redis = RedisServer::start();
+        let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
+        let up = Upstream::start(Behaviour::Echo).await;
+        let gw = gateway_behind(&proxy.redis_url(), &up).await;
+        eventually(Duration::from_secs(5), "a first real decision", || async {
+            get(&gw, &key("acme")).await.is_some_and(|r| decided(&r))
+        })
+        .await;
+        Behind {
+            redis,
+            proxy,
+            up,
+            gw,
+        }
+    }
 }
 
 /// Whether a response carries a real bucket decision (only then is `RateLimit` sent).
@@ -65,23 +93,6 @@ where
     let started = Instant::now();
     eventually(within, what, &mut check).await;
     started.elapsed()
-}
-
-/// A new key for `client` through the admin API.
-async fn new_key(gw: &TestGateway, client: &str) -> (String, String) {
-    let created: Value = gw
-        .admin(Method::POST, &format!("/clients/{client}/keys"), &token())
-        .json(&json!({}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    (
-        created["key_id"].as_str().unwrap().to_string(),
-        created["key"].as_str().unwrap().to_string(),
-    )
 }
 
 /// After the fault: limiting resumes within 5 s, an admin write succeeds within 5 s, and
@@ -130,15 +141,13 @@ async fn assert_recovers(gw: &TestGateway, what: &str) {
 #[tokio::test]
 async fn a_failover_behind_the_name_is_left_behind_and_everything_resumes_within_seconds() {
     // Arrange: a gateway whose connections to Redis all work.
-    let redis = RedisServer::start();
-    let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
-    let up = Upstream::start(Behaviour::Echo).await;
-    let gw = gateway_behind(&proxy.redis_url(), &up).await;
+    let Behind {
+        redis: _redis,
+        proxy,
+        up: _up,
+        gw,
+    } = Behind::start().await;
     let k = key("acme");
-    eventually(Duration::from_secs(5), "a first real decision", || async {
-        get(&gw, &k).await.is_some_and(|r| decided(&r))
-    })
-    .await;
     assert!(put_plan(&gw, "before").await.is_some_and(|s| s == 201));
     let accepted_before = proxy.accepted();
 
@@ -166,15 +175,13 @@ async fn a_failover_behind_the_name_is_left_behind_and_everything_resumes_within
 #[tokio::test]
 async fn a_partition_is_bounded_in_time_and_healed_without_a_restart() {
     // Arrange.
-    let redis = RedisServer::start();
-    let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
-    let up = Upstream::start(Behaviour::Echo).await;
-    let gw = gateway_behind(&proxy.redis_url(), &up).await;
+    let Behind {
+        redis: _redis,
+        proxy,
+        up: _up,
+        gw,
+    } = Behind::start().await;
     let k = key("acme");
-    eventually(Duration::from_secs(5), "a first real decision", || async {
-        get(&gw, &k).await.is_some_and(|r| decided(&r))
-    })
-    .await;
 
     // Act 1: a full partition: open connections go silent and new ones get no answer.
     proxy.partition();
@@ -281,15 +288,13 @@ async fn a_restarted_redis_costs_no_decision_no_admin_call_and_no_flush() {
 #[tokio::test]
 async fn connections_reset_under_the_gateway_are_replaced_before_the_next_call() {
     // Arrange.
-    let redis = RedisServer::start();
-    let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
-    let up = Upstream::start(Behaviour::Echo).await;
-    let gw = gateway_behind(&proxy.redis_url(), &up).await;
+    let Behind {
+        redis: _redis,
+        proxy,
+        up: _up,
+        gw,
+    } = Behind::start().await;
     let k = key("acme");
-    eventually(Duration::from_secs(5), "a first real decision", || async {
-        get(&gw, &k).await.is_some_and(|r| decided(&r))
-    })
-    .await;
 
     // Act: every connection is reset (RST) under the gateway, Redis itself untouched.
     proxy.reset();
@@ -310,14 +315,12 @@ async fn connections_reset_under_the_gateway_are_replaced_before_the_next_call()
 async fn every_socket_to_redis_has_tcp_keepalive() {
     // Arrange: every connection the gateway opens goes through the proxy's port (the
     // test's own inspection connections go to Redis directly).
-    let redis = RedisServer::start();
-    let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
-    let up = Upstream::start(Behaviour::Echo).await;
-    let gw = gateway_behind(&proxy.redis_url(), &up).await;
-    eventually(Duration::from_secs(5), "a first real decision", || async {
-        get(&gw, &key("acme")).await.is_some_and(|r| decided(&r))
-    })
-    .await;
+    let Behind {
+        redis: _redis,
+        proxy,
+        up: _up,
+        gw: _gw,
+    } = Behind::start().await;
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     // Act: the kernel's view of this process's established connections to the proxy.
@@ -345,15 +348,13 @@ async fn every_socket_to_redis_has_tcp_keepalive() {
 #[tokio::test]
 async fn a_redis_that_refuses_connections_costs_nothing_and_is_rejoined() {
     // Arrange.
-    let redis = RedisServer::start();
-    let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
-    let up = Upstream::start(Behaviour::Echo).await;
-    let gw = gateway_behind(&proxy.redis_url(), &up).await;
+    let Behind {
+        redis: _redis,
+        proxy,
+        up: _up,
+        gw,
+    } = Behind::start().await;
     let k = key("acme");
-    eventually(Duration::from_secs(5), "a first real decision", || async {
-        get(&gw, &k).await.is_some_and(|r| decided(&r))
-    })
-    .await;
 
     // Act: every connection is reset and new ones are refused (a Redis whose process is
     // gone, a firewall answering RST).

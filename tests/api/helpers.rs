@@ -650,3 +650,24 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A new API key for `client` through the admin API: (key_id, key).
+pub async fn new_key(gw: &TestGateway, client: &str) -> (String, String) {
+    let created: serde_json::Value = gw
+        .admin(
+            reqwest::Method::POST,
+            &format!("/clients/{client}/keys"),
+            &admin_token("ops", "admin:read admin:write"),
+        )
+        .json(&serde_json::json!({}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    (
+        created["key_id"].as_str().unwrap().to_string(),
+        created["key"].as_str().unwrap().to_string(),
+    )
+}
