@@ -3,9 +3,13 @@
 FROM rust:1-bookworm AS build
 WORKDIR /src
 # Dependencies first, so source edits reuse the cached layer.
+# The workspace's other members (the test kit, the load tool) only need to exist here.
 COPY Cargo.toml Cargo.lock ./
-RUN mkdir src && echo 'fn main() {}' > src/main.rs && touch src/lib.rs \
-    && cargo build --release --locked && rm -rf src
+COPY testkit/Cargo.toml testkit/
+COPY bench/Cargo.toml bench/
+RUN mkdir -p src testkit/src bench/src && echo 'fn main() {}' > src/main.rs \
+    && touch src/lib.rs testkit/src/lib.rs && echo 'fn main() {}' > bench/src/main.rs \
+    && cargo build --release --locked -p tollgate && rm -rf src testkit/src bench/src
 COPY . .
 RUN touch src/main.rs src/lib.rs && cargo build --release --locked --bin tollgate
 
