@@ -19,8 +19,13 @@ pub struct RedisManager {
 
 impl RedisManager {
     pub fn new(url: &str) -> Result<RedisManager, RedisError> {
+        // TCP_NODELAY (redis-rs leaves Nagle on): several calls in flight on one
+        // multiplexed connection must not wait for the previous one's ACK, which a slow
+        // Redis sends only with its reply or after the delayed-ACK timer (40 ms on Linux).
+        let info = redis::IntoConnectionInfo::into_connection_info(url)?;
+        let tcp = info.tcp_settings().clone().set_nodelay(true);
         Ok(RedisManager {
-            client: redis::Client::open(url)?,
+            client: redis::Client::open(info.set_tcp_settings(tcp))?,
         })
     }
 
