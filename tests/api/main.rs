@@ -9,5 +9,6 @@ mod forwarding;
 mod limiting;
 mod regions;
 mod resilience;
+mod slow_redis;
 mod stores;
 mod swagger_ui;
