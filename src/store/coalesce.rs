@@ -11,8 +11,10 @@
 //!   the only moment that ever comes, so a hot client costs Redis one script call per
 //!   round trip per worker instead of one per request;
 //! - **the oldest queued take could no longer afford to wait**: its budget's end, less one
-//!   round trip (a pessimistic estimate: see [`RoundTrip`]) and a little slack. Then it
-//!   leads a call for the queue at once, *beside* the calls still in flight.
+//!   round trip (a pessimistic estimate: see [`RoundTrip`]) and a little slack, or, if the
+//!   call in flight is late (a Redis that just slowed down makes the estimate stale), a
+//!   third of the way from that call's start to the take's deadline. Then the queue goes
+//!   at once, as a call *beside* the calls still in flight.
 //!
 //! A take that arrives when even that moment has passed (the round trip is as long as its
 //! budget) sends its own call at once, with the queue on it.
@@ -794,20 +796,21 @@ mod tests {
         let local = tokio::task::LocalSet::new();
         local
             .run_until(async {
-                // Calls have taken 100 ms: a take with 300 ms to go can wait ~175 ms.
+                // Calls have taken 300 ms; a take with 1 s to go waits behind a call in
+                // flight for at most a third of its budget (~333 ms) when that call is late.
                 let c = Rc::new(Coalescer::default());
-                c.rtt.observe(Duration::from_millis(100));
+                c.rtt.observe(Duration::from_millis(300));
                 let store = Pipelined::new(2.0);
-                let first = spawn_deadline_take(&c, &store, Some(300));
+                let first = spawn_deadline_take(&c, &store, Some(1_000));
                 settle().await;
-                let second = spawn_deadline_take(&c, &store, Some(300));
+                let second = spawn_deadline_take(&c, &store, Some(1_000));
                 settle().await;
-                let third = spawn_deadline_take(&c, &store, Some(300));
+                let third = spawn_deadline_take(&c, &store, Some(1_000));
                 settle().await;
                 assert_eq!(store.sizes(), [1], "the queue waits while it can");
 
                 // The first call has not answered when the oldest queued take must send.
-                tokio::time::sleep(Duration::from_millis(230)).await;
+                tokio::time::sleep(Duration::from_millis(550)).await;
                 settle().await;
                 assert_eq!(store.sizes(), [1, 2], "a second call beside the first");
                 store.go.notify_waiters();
