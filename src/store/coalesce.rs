@@ -467,8 +467,9 @@ impl Coalescer {
                             // goes now, beside the calls in flight.
                             let launched = {
                                 let mut l = lane.borrow_mut();
-                                l.in_flight += 1;
-                                l.launch()
+                                let launched = l.launch();
+                                l.in_flight += usize::from(launched.is_some());
+                                launched
                             };
                             match launched {
                                 Some((leader, riders)) if Rc::ptr_eq(&leader, &me) => {

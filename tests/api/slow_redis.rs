@@ -33,12 +33,13 @@ fn decisions(m: &HashMap<String, f64>, outcome: &str) -> f64 {
 #[tokio::test]
 async fn a_hot_client_on_a_redis_at_60_percent_of_the_budget_is_decided_exactly_and_the_breaker_stays_closed(
 ) {
-    // Arrange: Redis behind a proxy that delays every reply by 60% of a 100 ms budget
-    // (values with room for a loaded two-core machine: 40 ms to spare), two workers, a hot client whose
-    // bucket allows exactly its capacity (no refill to speak of), and a quiet one.
-    const BUDGET_MS: u64 = 100;
-    const DELAY_MS: u64 = 60;
-    const CAPACITY: f64 = 400.0;
+    // Arrange: Redis behind a proxy that delays every reply by 60% of a 200 ms budget
+    // (80 ms to spare: CI runs other tests beside this one on two cores), two workers, a
+    // hot client whose bucket allows exactly its capacity (no refill to speak of), and a
+    // quiet one.
+    const BUDGET_MS: u64 = 200;
+    const DELAY_MS: u64 = 120;
+    const CAPACITY: f64 = 200.0;
     let redis = RedisServer::start();
     let proxy = FaultProxy::start(([127, 0, 0, 1], redis.port).into());
     let up = Upstream::start(Behaviour::Echo).await;
@@ -99,7 +100,7 @@ async fn a_hot_client_on_a_redis_at_60_percent_of_the_budget_is_decided_exactly_
     let total = allowed + denied + fail_open;
     let hot_sent = hot.iter().map(Vec::len).sum::<usize>();
     assert!(
-        hot_sent > 600,
+        hot_sent > 300,
         "only {hot_sent} hot requests: too few to judge"
     );
     assert!(
