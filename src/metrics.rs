@@ -127,7 +127,7 @@ impl Metrics {
         use crate::store::StoreError;
         let kind = match e {
             StoreError::Redis(r) if r.is_timeout() => 0,
-            StoreError::Abandoned => 0,
+            StoreError::Abandoned | StoreError::Deadline { .. } => 0,
             StoreError::Redis(r)
                 if r.is_io_error() || r.is_connection_dropped() || r.is_connection_refusal() =>
             {

@@ -3,6 +3,13 @@
 //! probe checks it, and the breaker closes as soon as it answers within the budget again.
 //! A store that keeps failing right after recovering gets longer back-offs, so a flapping
 //! one does not make every request wait.
+//!
+//! It judges the store, not one bucket's queue ([`Breaker::observe`]): a failure is a store
+//! call that went out and did not answer within the budget, or an error. A request that
+//! ran out of budget while queued for a call (one hot client's backlog on a slow store)
+//! spent nothing and proves nothing, and a request whose call was abandoned by its leader
+//! is counted once, by that leader. Any reply is a success. A stalled or dead store still
+//! opens it: every call that goes out to it fails.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -10,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 
 /// Failures in a row that open the breaker...
 pub const THRESHOLD: u32 = 3;
@@ -68,6 +75,15 @@ impl Breaker {
     /// How many times the breaker has opened.
     pub fn times_opened(&self) -> u64 {
         self.opened.load(Relaxed)
+    }
+
+    /// Counts what a store call's answer says about the store (see the module docs).
+    pub fn observe<T>(&self, answer: &Result<T, StoreError>) {
+        match answer {
+            Ok(_) => self.success(),
+            Err(StoreError::Deadline { sent: false } | StoreError::Abandoned) => {}
+            Err(_) => self.failure(),
+        }
     }
 
     pub fn success(&self) {
@@ -181,6 +197,45 @@ mod tests {
         b.failure();
         assert!(b.is_open());
         assert_eq!(b.times_opened(), 1);
+    }
+
+    #[test]
+    fn requests_that_ran_out_of_budget_in_a_queue_never_open_it() {
+        let b = Breaker::new(Duration::ZERO);
+        for _ in 0..100 {
+            b.observe::<()>(&Err(StoreError::Deadline { sent: false }));
+            b.observe::<()>(&Err(StoreError::Abandoned));
+        }
+        assert!(!b.is_open());
+        assert_eq!(b.failures.load(Relaxed), 0);
+    }
+
+    #[test]
+    fn calls_that_went_out_and_did_not_answer_open_it() {
+        let b = Breaker::new(Duration::ZERO);
+        for _ in 0..THRESHOLD {
+            b.observe::<()>(&Err(StoreError::Deadline { sent: true }));
+        }
+        assert!(
+            b.is_open(),
+            "a store that does not answer its calls is down"
+        );
+        let e = Breaker::new(Duration::ZERO);
+        for _ in 0..THRESHOLD {
+            e.observe::<()>(&Err(StoreError::Pool("no connection".into())));
+        }
+        assert!(e.is_open(), "a store that errors is down");
+    }
+
+    #[test]
+    fn any_reply_ends_a_streak_of_failures() {
+        let b = Breaker::new(Duration::ZERO);
+        for _ in 0..THRESHOLD * 10 {
+            b.observe::<()>(&Err(StoreError::Deadline { sent: true }));
+            b.observe::<()>(&Err(StoreError::Deadline { sent: false }));
+            b.observe(&Ok(()));
+        }
+        assert!(!b.is_open());
     }
 
     #[test]

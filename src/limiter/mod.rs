@@ -3,7 +3,7 @@
 //! Every request takes the same steps, each of which can settle it:
 //! 1. the coarse safety limit (in process, per client and service) — `SafetyDenied`;
 //! 2. the circuit breaker: if the store is known to be down, fail open at once;
-//! 3. the store's bucket, one call bounded by `redis.timeout_ms` — `FailOpen` past it;
+//! 3. the store's bucket, answered by `redis.timeout_ms` — `FailOpen` past it;
 //! 4. the client's mode: in shadow mode a deny becomes `ShadowDenied` and is forwarded.
 
 pub mod breaker;
@@ -31,7 +31,7 @@ use crate::catalog::{Catalog, ClientEntry};
 use crate::domain::{Mode, Plan};
 use crate::metrics::{FailOpenReason, Metrics};
 use crate::proxy::Route;
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 
 /// What the gateway does with a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -221,25 +221,26 @@ impl Limiter {
             self.metrics.fail_open(FailOpenReason::BreakerOpen);
             None
         } else {
-            match tokio::time::timeout(
-                self.timeout,
-                store.take_seeded(key, plan, route.cost, initial),
+            // The store answers by the deadline itself, saying whether the call went out;
+            // the timeout around it only guards against a store that would not.
+            let deadline = tokio::time::Instant::now() + self.timeout;
+            let answer = tokio::time::timeout_at(
+                deadline,
+                store.take_seeded(key, plan, route.cost, initial, Some(deadline)),
             )
             .await
-            {
-                Ok(Ok(v)) => {
-                    breakers.with(key, Breaker::success);
-                    Some(v)
-                }
-                Ok(Err(e)) => {
-                    self.metrics.store_error(&e);
-                    self.metrics.fail_open(FailOpenReason::Error);
-                    breakers.with(key, Breaker::failure);
+            .unwrap_or(Err(StoreError::Deadline { sent: true }));
+            // The breaker judges the store: see `Breaker::observe`.
+            breakers.with(key, |b| b.observe(&answer));
+            match answer {
+                Ok(v) => Some(v),
+                Err(StoreError::Deadline { .. }) => {
+                    self.metrics.fail_open(FailOpenReason::Timeout);
                     None
                 }
-                Err(_) => {
-                    self.metrics.fail_open(FailOpenReason::Timeout);
-                    breakers.with(key, Breaker::failure);
+                Err(e) => {
+                    self.metrics.store_error(&e);
+                    self.metrics.fail_open(FailOpenReason::Error);
                     None
                 }
             }

@@ -1,28 +1,61 @@
-//! One script call for the takes that pile up behind a busy bucket.
+//! One script call for the takes that pile up behind a busy bucket, sent in time.
 //!
 //! A worker sends a take for a bucket straight away when no call for that bucket is in
 //! flight on its thread: an idle gateway decides every request in one round trip, as
 //! before. Takes for the same bucket (at the same cost) that arrive while a call is in
-//! flight queue behind it; when it returns, the first of them leads the next call, which
-//! decides the whole queue at once (`lua/bucket.lua` with `n`), in arrival order. So a hot
-//! client costs Redis one script call per round trip per worker instead of one per
-//! request, and every request still gets the exact verdict that one-by-one calls at that
-//! instant would have given it.
+//! flight queue behind it, and the queue goes to Redis as one call (`lua/bucket.lua` with
+//! `n`), in arrival order, at the first of two moments:
 //!
-//! No task is spawned: the lead passes from future to future. A leader that is dropped
-//! mid-call (its decision budget ran out) answers the requests riding on its call with
+//! - **a call for the bucket returns**: the first queued take leads the next call, for the
+//!   whole queue (≤ [`MAX_BATCH`]). With Redis answering well within the budget this is
+//!   the only moment that ever comes, so a hot client costs Redis one script call per
+//!   round trip per worker instead of one per request;
+//! - **the oldest queued take could no longer afford to wait**: its budget's end, less one
+//!   round trip (a pessimistic estimate: see [`RoundTrip`]) and a little slack, or, if the
+//!   call in flight is late (a Redis that just slowed down makes the estimate stale), a
+//!   third of the way from that call's start to the take's deadline. Then the queue goes
+//!   at once, as a call *beside* the calls still in flight.
+//!
+//! A take that arrives when even that moment has passed (the round trip is as long as its
+//! budget) sends its own call at once, with the queue on it.
+//!
+//! **Why a deadline rather than a fixed number of calls in flight.** Waiting behind a call
+//! costs up to one round trip before the take's own round trip, so a queued take needs up to
+//! two round trips of its budget: with Redis answering in 60% of it, most queued takes failed
+//! open, although each call alone would have been answered in time. Sending at the last
+//! affordable moment keeps every take within one round trip plus the wait it can afford,
+//! whatever the round trip, and still coalesces as much as the budget allows: a fixed depth
+//! of pipelining would be too shallow for a slow Redis and needlessly deep for a fast one.
+//!
+//! **Why verdicts stay exact with several calls for one bucket in flight.** Redis runs each
+//! script atomically, and the calls of one connection in the order they were written. Each
+//! call returns the tokens at its own start, after every earlier call's subtractions, and
+//! the gateway replays its `n` takes from there (`bucket::take_many`): each request gets
+//! the verdict that one-by-one calls in Redis' order would have given it. Admissions never
+//! exceed what the bucket held, because the bucket itself, not the gateway, does the
+//! counting.
+//!
+//! No task is spawned: the lead passes from future to future, and only the oldest queued
+//! take keeps a timer. A take whose budget runs out answers [`StoreError::Deadline`], saying
+//! whether its call went out (`sent`): a take that ran out of budget in the queue spent
+//! nothing and says nothing about the store, which the circuit breaker relies on. A leader
+//! that is dropped mid-call answers the requests riding on its call with
 //! [`StoreError::Abandoned`], so they fail open at once instead of waiting for a reply
 //! nobody will read, and hands the lead to the next queued request.
 //!
 //! Lanes live in a thread-local map: an actix worker is one thread, so nothing here is
 //! shared between threads or needs a lock.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
 use std::future::{poll_fn, Future};
+use std::pin::pin;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Poll, Waker};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use super::StoreError;
 use crate::domain::Plan;
@@ -30,6 +63,10 @@ use crate::limiter::Verdict;
 
 /// Most requests one call decides; more wait for the next call.
 pub const MAX_BATCH: usize = 512;
+
+/// Kept free at the end of a queued take's budget, beyond the round trip: a timer that
+/// fires late, a worker busy with other requests.
+const SLACK: Duration = Duration::from_micros(200);
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -40,6 +77,9 @@ pub struct Take {
     pub cost: f64,
     /// Tokens a bucket that does not exist yet starts with (default: full).
     pub initial: Option<f64>,
+    /// When the request's budget runs out. `None`: no deadline here (the caller bounds
+    /// the wait), and a queued take waits for a call in flight to return.
+    pub deadline: Option<Instant>,
 }
 
 /// One call: `n` takes of `cost` from one bucket, under the leader's plan.
@@ -52,9 +92,12 @@ pub struct Batch {
 }
 
 enum State {
-    Waiting,
-    /// This request leads the next call.
-    Lead,
+    /// In the queue, waiting for a call.
+    Queued,
+    /// Riding on a call in flight (or about to be sent) that another request leads.
+    Sent,
+    /// This request leads the next call, for itself and these riders (older, in order).
+    Lead(Vec<Rc<Waiter>>),
     Done(Result<Verdict, StoreError>),
     Finished,
 }
@@ -67,17 +110,50 @@ struct Waiter {
 impl Waiter {
     fn settle(&self, state: State) {
         *self.state.borrow_mut() = state;
+        self.wake();
+    }
+
+    fn wake(&self) {
         if let Some(w) = self.waker.borrow_mut().take() {
             w.wake();
         }
     }
 }
 
-/// The takes queued behind a bucket's in-flight call. A lane exists exactly while a call
-/// for its bucket is in flight (or its lead is being handed on).
+/// A bucket's calls in flight on this worker and the takes queued for the next one. A lane
+/// exists exactly while a call for its bucket is in flight (or a lead is being handed on).
 #[derive(Default)]
 struct Lane {
+    /// Calls in flight, and leads handed on but not yet taken up.
+    in_flight: usize,
+    /// When the calls in flight were sent, oldest first.
+    sent: VecDeque<Instant>,
     queue: VecDeque<Rc<Waiter>>,
+}
+
+impl Lane {
+    /// Takes up to `n` of the queue, oldest first, for a call, marking them sent. The next
+    /// oldest left behind (a queue past [`MAX_BATCH`]) keeps the timer from now on.
+    fn board(&mut self, n: usize) -> Vec<Rc<Waiter>> {
+        let n = self.queue.len().min(n);
+        let riders: Vec<Rc<Waiter>> = self.queue.drain(..n).collect();
+        for w in &riders {
+            *w.state.borrow_mut() = State::Sent;
+        }
+        if let Some(w) = self.queue.front() {
+            w.wake();
+        }
+        riders
+    }
+
+    /// Makes the queue (up to a batch) the next call, led by its newest member: the one
+    /// with the most budget left, so the call is dropped only when nobody on it can still
+    /// use the answer. Its place in `in_flight` must be reserved already.
+    fn launch(&mut self) -> Option<(Rc<Waiter>, Vec<Rc<Waiter>>)> {
+        let mut batch = self.board(MAX_BATCH);
+        let leader = batch.pop()?;
+        Some((leader, batch))
+    }
 }
 
 type LaneRef = Rc<RefCell<Lane>>;
@@ -89,11 +165,59 @@ thread_local! {
     static LANES: RefCell<Lanes> = RefCell::new(HashMap::default());
 }
 
+/// How long a bucket call takes, pessimistically: any longer call raises the estimate at
+/// once, shorter ones lower it by an eighth of the difference per call. A queued take
+/// trusts it to decide how long it can still wait, so erring long costs a few more calls
+/// while erring short costs fail-opens. Shared by the workers (a race between two updates
+/// loses one sample, which is harmless).
+#[derive(Default)]
+struct RoundTrip {
+    us: AtomicU64,
+}
+
+impl RoundTrip {
+    fn estimate(&self) -> Duration {
+        Duration::from_micros(self.us.load(Ordering::Relaxed))
+    }
+
+    fn observe(&self, took: Duration) {
+        let sample = took.as_micros() as u64;
+        let old = self.us.load(Ordering::Relaxed);
+        let new = if sample >= old {
+            sample
+        } else {
+            old - (old - sample) / 8
+        };
+        self.us.store(new, Ordering::Relaxed);
+    }
+
+    /// The latest moment a take due at `deadline` can still send its call: one round
+    /// trip, a quarter more for the variation a call sees, and [`SLACK`] before it.
+    ///
+    /// A call in flight since `oldest` that has not answered yet says the round trip is at
+    /// least its age, whatever the estimate (a store that just slowed down); then the take
+    /// also assumes its own call may take twice that age, and sends by the moment that
+    /// still fits: a third of the way from `oldest` to `deadline`.
+    fn last_send(&self, deadline: Instant, oldest: Option<Instant>) -> Option<Instant> {
+        let rtt = self.estimate();
+        let by_estimate = deadline.checked_sub(rtt + rtt / 4 + SLACK)?;
+        let by_age = oldest
+            .filter(|o| *o < deadline)
+            .map(|o| o + (deadline - o) / 3)
+            .and_then(|t| t.checked_sub(SLACK));
+        match by_age {
+            Some(a) => Some(a.min(by_estimate)),
+            None => Some(by_estimate),
+        }
+    }
+}
+
 /// Coalesces takes for one store.
 pub struct Coalescer {
     id: u64,
     calls: AtomicU64,
     takes: AtomicU64,
+    rtt: RoundTrip,
 }
 
 impl Default for Coalescer {
@@ -102,6 +226,7 @@ impl Default for Coalescer {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             calls: AtomicU64::new(0),
             takes: AtomicU64::new(0),
+            rtt: RoundTrip::default(),
         }
     }
 }
@@ -149,13 +274,24 @@ impl LaneId<'_> {
         });
     }
 
-    /// The call in flight is over: the first queued request leads the next one, or, with
-    /// nobody queued, the lane closes.
+    /// A call (or a lead reserved for one) is over: the queue becomes the next call, or,
+    /// with nobody queued, the call's place is given up and the lane closes once nothing
+    /// is in flight.
     fn hand_on(self, lane: &LaneRef) {
-        let next = lane.borrow_mut().queue.pop_front();
-        match next {
-            Some(w) => w.settle(State::Lead),
-            None => self.close(),
+        let mut l = lane.borrow_mut();
+        match l.launch() {
+            Some((leader, riders)) => {
+                drop(l);
+                leader.settle(State::Lead(riders));
+            }
+            None => {
+                l.in_flight = l.in_flight.saturating_sub(1);
+                let idle = l.in_flight == 0;
+                drop(l);
+                if idle {
+                    self.close();
+                }
+            }
         }
     }
 }
@@ -165,10 +301,23 @@ struct Leading<'a> {
     id: LaneId<'a>,
     lane: LaneRef,
     riders: Vec<Rc<Waiter>>,
+    rtt: &'a RoundTrip,
+    sent_at: Instant,
+    answered: bool,
 }
 
 impl Drop for Leading<'_> {
     fn drop(&mut self) {
+        if !self.answered {
+            // Dropped mid-call: the call took at least this long.
+            self.rtt.observe(self.sent_at.elapsed());
+        }
+        {
+            let mut lane = self.lane.borrow_mut();
+            if let Some(i) = lane.sent.iter().position(|t| *t == self.sent_at) {
+                lane.sent.remove(i);
+            }
+        }
         // Riders still here were not answered: the leader was dropped mid-call.
         for w in self.riders.drain(..) {
             w.settle(State::Done(Err(StoreError::Abandoned)));
@@ -177,11 +326,13 @@ impl Drop for Leading<'_> {
     }
 }
 
-/// A queued request; if it is dropped, it leaves the queue (or passes on a lead it got).
+/// A queued request; if it is dropped, it leaves the queue (or passes on a lead it got),
+/// and says whether its call had gone out.
 struct Queued<'a> {
     id: LaneId<'a>,
     lane: LaneRef,
     me: Rc<Waiter>,
+    sent: &'a Cell<bool>,
     armed: bool,
 }
 
@@ -192,12 +343,21 @@ impl Drop for Queued<'_> {
         }
         let state = std::mem::replace(&mut *self.me.state.borrow_mut(), State::Finished);
         match state {
-            State::Waiting => self
-                .lane
-                .borrow_mut()
-                .queue
-                .retain(|w| !Rc::ptr_eq(w, &self.me)),
-            State::Lead => self.id.hand_on(&self.lane),
+            State::Queued => {
+                let mut lane = self.lane.borrow_mut();
+                let was_front = lane.queue.front().is_some_and(|w| Rc::ptr_eq(w, &self.me));
+                lane.queue.retain(|w| !Rc::ptr_eq(w, &self.me));
+                // The next oldest keeps the timer now.
+                if let Some(w) = lane.queue.front().filter(|_| was_front) {
+                    w.wake();
+                }
+            }
+            State::Sent => self.sent.set(true),
+            // Given the lead and gone before sending: the newest rider leads instead.
+            State::Lead(mut riders) => match riders.pop() {
+                Some(next) => next.settle(State::Lead(riders)),
+                None => self.id.hand_on(&self.lane),
+            },
             State::Done(_) | State::Finished => {}
         }
     }
@@ -212,9 +372,29 @@ impl Coalescer {
         )
     }
 
-    /// Decides `take` on the bucket `key` with `call`, alone or with the takes queued
-    /// behind the call in flight. `call` must return one verdict per request, in order.
+    /// Decides `take` on the bucket `key` with `call`, alone or with other takes queued
+    /// for the same bucket. `call` must return one verdict per request, in order. Past
+    /// `take.deadline` the answer is [`StoreError::Deadline`].
     pub async fn take<F, Fut>(&self, key: &str, take: Take, call: F) -> Result<Verdict, StoreError>
+    where
+        F: Fn(Batch) -> Fut,
+        Fut: Future<Output = Result<Vec<Verdict>, StoreError>>,
+    {
+        let sent = Cell::new(false);
+        let Some(deadline) = take.deadline else {
+            return self.decide(key, take, &sent, call).await;
+        };
+        let answer = tokio::time::timeout_at(deadline, self.decide(key, take, &sent, call)).await;
+        answer.unwrap_or(Err(StoreError::Deadline { sent: sent.get() }))
+    }
+
+    async fn decide<F, Fut>(
+        &self,
+        key: &str,
+        take: Take,
+        sent: &Cell<bool>,
+        call: F,
+    ) -> Result<Verdict, StoreError>
     where
         F: Fn(Batch) -> Fut,
         Fut: Future<Output = Result<Vec<Verdict>, StoreError>>,
@@ -224,62 +404,134 @@ impl Coalescer {
             store: self.id,
             cost: take.cost.to_bits(),
         };
-        let lane = match id.find() {
-            None => id.open(),
-            Some(lane) => {
-                let me = Rc::new(Waiter {
-                    state: RefCell::new(State::Waiting),
-                    waker: RefCell::new(None),
-                });
-                lane.borrow_mut().queue.push_back(Rc::clone(&me));
-                let mut queued = Queued {
-                    id,
-                    lane: Rc::clone(&lane),
-                    me: Rc::clone(&me),
-                    armed: true,
-                };
-                let lead = poll_fn(|cx| {
-                    let mut state = me.state.borrow_mut();
-                    match std::mem::replace(&mut *state, State::Finished) {
-                        State::Waiting => {
-                            *state = State::Waiting;
-                            *me.waker.borrow_mut() = Some(cx.waker().clone());
-                            Poll::Pending
-                        }
-                        State::Lead => Poll::Ready(None),
-                        State::Done(r) => Poll::Ready(Some(r)),
-                        State::Finished => Poll::Ready(Some(Err(StoreError::Abandoned))),
-                    }
-                })
-                .await;
-                queued.armed = false;
-                if let Some(answer) = lead {
-                    return answer;
-                }
-                lane
-            }
+        let Some(lane) = id.find() else {
+            // Idle: send at once.
+            let lane = id.open();
+            lane.borrow_mut().in_flight = 1;
+            return self.lead(id, lane, take, sent, Vec::new(), call).await;
         };
-        self.lead(id, lane, take, call).await
+        let oldest = lane.borrow().sent.front().copied();
+        let deadline = match take.deadline {
+            Some(d) => match self.rtt.last_send(d, oldest) {
+                Some(t) if t > Instant::now() => Some(d),
+                // It cannot afford to wait at all: its own call now, the queue on it.
+                _ => {
+                    let riders = {
+                        let mut l = lane.borrow_mut();
+                        l.in_flight += 1;
+                        l.board(MAX_BATCH - 1)
+                    };
+                    return self.lead(id, lane, take, sent, riders, call).await;
+                }
+            },
+            None => None,
+        };
+        let me = Rc::new(Waiter {
+            state: RefCell::new(State::Queued),
+            waker: RefCell::new(None),
+        });
+        lane.borrow_mut().queue.push_back(Rc::clone(&me));
+        let mut queued = Queued {
+            id,
+            lane: Rc::clone(&lane),
+            me: Rc::clone(&me),
+            sent,
+            armed: true,
+        };
+        // Armed only while this take is the oldest in the queue.
+        let mut timer = pin!(None::<tokio::time::Sleep>);
+        let answer = poll_fn(|cx| {
+            let state = std::mem::replace(&mut *me.state.borrow_mut(), State::Finished);
+            match state {
+                State::Queued => {
+                    *me.state.borrow_mut() = State::Queued;
+                    let front = lane
+                        .borrow()
+                        .queue
+                        .front()
+                        .is_some_and(|w| Rc::ptr_eq(w, &me));
+                    if let (true, Some(deadline)) = (front, deadline) {
+                        if timer.is_none() {
+                            let since = lane.borrow().sent.front().copied();
+                            let at = self.rtt.last_send(deadline, since);
+                            // None: no time left to wait at all.
+                            let at = at.unwrap_or_else(Instant::now);
+                            timer.set(Some(tokio::time::sleep_until(at)));
+                        }
+                        let due = timer
+                            .as_mut()
+                            .as_pin_mut()
+                            .is_some_and(|t| t.poll(cx).is_ready());
+                        if due {
+                            // Waiting any longer would cost this take its budget: the queue
+                            // goes now, beside the calls in flight.
+                            let launched = {
+                                let mut l = lane.borrow_mut();
+                                let launched = l.launch();
+                                l.in_flight += usize::from(launched.is_some());
+                                launched
+                            };
+                            match launched {
+                                Some((leader, riders)) if Rc::ptr_eq(&leader, &me) => {
+                                    return Poll::Ready(Err(riders));
+                                }
+                                Some((leader, riders)) => leader.settle(State::Lead(riders)),
+                                None => {}
+                            }
+                        }
+                    }
+                    *me.waker.borrow_mut() = Some(cx.waker().clone());
+                    Poll::Pending
+                }
+                State::Sent => {
+                    *me.state.borrow_mut() = State::Sent;
+                    *me.waker.borrow_mut() = Some(cx.waker().clone());
+                    Poll::Pending
+                }
+                State::Lead(riders) => Poll::Ready(Err(riders)),
+                State::Done(r) => Poll::Ready(Ok(r)),
+                State::Finished => Poll::Ready(Ok(Err(StoreError::Abandoned))),
+            }
+        })
+        .await;
+        queued.armed = false;
+        match answer {
+            Ok(answer) => {
+                sent.set(true);
+                answer
+            }
+            Err(riders) => self.lead(id, lane, take, sent, riders, call).await,
+        }
     }
 
+    /// Sends one call for `riders` (older, in order) and this take, last (its place in the
+    /// lane is reserved).
     async fn lead<F, Fut>(
         &self,
         id: LaneId<'_>,
         lane: LaneRef,
         take: Take,
+        sent: &Cell<bool>,
+        riders: Vec<Rc<Waiter>>,
         call: F,
     ) -> Result<Verdict, StoreError>
     where
         F: Fn(Batch) -> Fut,
         Fut: Future<Output = Result<Vec<Verdict>, StoreError>>,
     {
-        let riders: Vec<Rc<Waiter>> = {
-            let mut lane = lane.borrow_mut();
-            let n = lane.queue.len().min(MAX_BATCH - 1);
-            lane.queue.drain(..n).collect()
+        let n = 1 + riders.len();
+        let mine = riders.len();
+        let sent_at = Instant::now();
+        lane.borrow_mut().sent.push_back(sent_at);
+        let mut leading = Leading {
+            id,
+            lane,
+            riders,
+            rtt: &self.rtt,
+            sent_at,
+            answered: false,
         };
-        let mut leading = Leading { id, lane, riders };
-        let n = 1 + leading.riders.len();
+        sent.set(true);
         self.calls.fetch_add(1, Ordering::Relaxed);
         self.takes.fetch_add(n as u64, Ordering::Relaxed);
         let reply = call(Batch {
@@ -289,15 +541,21 @@ impl Coalescer {
             n,
         })
         .await;
+        leading.answered = true;
+        self.rtt.observe(leading.sent_at.elapsed());
         let riders = std::mem::take(&mut leading.riders);
         let mine = match reply {
             Ok(verdicts) if verdicts.len() == n => {
-                let mut verdicts = verdicts.into_iter();
-                let mine = verdicts.next();
-                for (w, v) in riders.iter().zip(verdicts) {
-                    w.settle(State::Done(Ok(v)));
+                let mut riders = riders.iter();
+                let mut own = None;
+                for (i, v) in verdicts.into_iter().enumerate() {
+                    if i == mine {
+                        own = Some(v);
+                    } else if let Some(w) = riders.next() {
+                        w.settle(State::Done(Ok(v)));
+                    }
                 }
-                mine.ok_or(StoreError::Abandoned)
+                own.ok_or(StoreError::Abandoned)
             }
             Ok(verdicts) => {
                 let e =
@@ -335,6 +593,7 @@ mod tests {
             plan: Plan::new(3.0, 0.001).unwrap(),
             cost: 1.0,
             initial: None,
+            deadline: None,
         }
     }
 
@@ -436,11 +695,12 @@ mod tests {
                 let spawn = |budget_ms| spawn_take(&c, &store, budget_ms);
                 let first = spawn(1_000);
                 settle().await;
-                // Queued behind the first call: `leader` will lead the next one, with
-                // `rider` on it, and give up (its budget) while that call is in flight.
-                let leader = spawn(500);
-                settle().await;
+                // Queued behind the first call: `rider`, then `leader`, which (the newest)
+                // will lead the next call with `rider` on it, and give up (a budget
+                // shorter than the rider's) while that call is in flight.
                 let rider = spawn(1_000);
+                settle().await;
+                let leader = spawn(500);
                 settle().await;
                 store.go.notify_one();
                 assert!(first.await.unwrap().unwrap().unwrap().allowed);
@@ -481,6 +741,180 @@ mod tests {
                 assert!(stayer.await.unwrap().unwrap().unwrap().allowed);
                 // The one that gave up took nothing: the second call decided one request.
                 assert_eq!(*store.batches.borrow(), [1, 1]);
+            })
+            .await;
+    }
+
+    /// A Redis seen through a slow network: a call is run (in order, atomically) as it is
+    /// sent, and its reply arrives when `go` says so. Records (size, tokens at start) per
+    /// call.
+    struct Pipelined {
+        calls: RefCell<Vec<(usize, f64)>>,
+        tokens: Cell<f64>,
+        go: tokio::sync::Notify,
+    }
+
+    impl Pipelined {
+        fn new(tokens: f64) -> Rc<Pipelined> {
+            Rc::new(Pipelined {
+                calls: RefCell::new(Vec::new()),
+                tokens: Cell::new(tokens),
+                go: tokio::sync::Notify::new(),
+            })
+        }
+
+        async fn call(&self, b: Batch) -> Result<Vec<Verdict>, StoreError> {
+            let start = self.tokens.get();
+            self.calls.borrow_mut().push((b.n, start));
+            let verdicts = bucket::take_many(start, b.plan, b.cost, b.n);
+            let spent = verdicts.iter().filter(|v| v.allowed).count() as f64 * b.cost;
+            self.tokens.set(start - spent);
+            self.go.notified().await;
+            Ok(verdicts)
+        }
+
+        fn sizes(&self) -> Vec<usize> {
+            self.calls.borrow().iter().map(|(n, _)| *n).collect()
+        }
+    }
+
+    /// A take of one token from "k" with a deadline `budget_ms` from now (`None`: none).
+    fn spawn_deadline_take(
+        c: &Rc<Coalescer>,
+        store: &Rc<Pipelined>,
+        budget_ms: Option<u64>,
+    ) -> tokio::task::JoinHandle<Result<Verdict, StoreError>> {
+        let (c, store) = (Rc::clone(c), Rc::clone(store));
+        let t = Take {
+            deadline: budget_ms.map(|ms| Instant::now() + Duration::from_millis(ms)),
+            ..take()
+        };
+        tokio::task::spawn_local(async move { c.take("k", t, |b| store.call(b)).await })
+    }
+
+    #[tokio::test]
+    async fn a_queue_that_cannot_wait_for_the_call_in_flight_sends_its_own_beside_it() {
+        let local = tokio::task::LocalSet::new();
+        local
+            .run_until(async {
+                // Calls have taken 300 ms; a take with 1 s to go waits behind a call in
+                // flight for at most a third of its budget (~333 ms) when that call is late.
+                let c = Rc::new(Coalescer::default());
+                c.rtt.observe(Duration::from_millis(300));
+                let store = Pipelined::new(2.0);
+                let first = spawn_deadline_take(&c, &store, Some(1_000));
+                settle().await;
+                let second = spawn_deadline_take(&c, &store, Some(1_000));
+                settle().await;
+                let third = spawn_deadline_take(&c, &store, Some(1_000));
+                settle().await;
+                assert_eq!(store.sizes(), [1], "the queue waits while it can");
+
+                // The first call has not answered when the oldest queued take must send.
+                tokio::time::sleep(Duration::from_millis(550)).await;
+                settle().await;
+                assert_eq!(store.sizes(), [1, 2], "a second call beside the first");
+                store.go.notify_waiters();
+
+                // Exact: each call started from the tokens the one before it left, and the
+                // verdicts follow arrival order.
+                assert_eq!(*store.calls.borrow(), [(1, 2.0), (2, 1.0)]);
+                assert!(first.await.unwrap().unwrap().allowed);
+                assert!(second.await.unwrap().unwrap().allowed);
+                assert!(!third.await.unwrap().unwrap().allowed);
+                assert!(LANES.with(|m| m.borrow().is_empty()));
+            })
+            .await;
+    }
+
+    #[tokio::test]
+    async fn with_a_quick_round_trip_the_queue_waits_for_the_call_in_flight() {
+        let local = tokio::task::LocalSet::new();
+        local
+            .run_until(async {
+                let c = Rc::new(Coalescer::default());
+                c.rtt.observe(Duration::from_millis(1));
+                let store = Pipelined::new(10.0);
+                let first = spawn_deadline_take(&c, &store, Some(1_000));
+                settle().await;
+                let queued: Vec<_> = (0..3)
+                    .map(|_| spawn_deadline_take(&c, &store, Some(1_000)))
+                    .collect();
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                assert_eq!(store.sizes(), [1]);
+                store.go.notify_waiters();
+                assert!(first.await.unwrap().unwrap().allowed);
+                settle().await;
+                assert_eq!(
+                    store.sizes(),
+                    [1, 3],
+                    "one call for the queue when it returns"
+                );
+                store.go.notify_waiters();
+                for q in queued {
+                    assert!(q.await.unwrap().unwrap().allowed);
+                }
+                assert_eq!(c.counts(), (2, 4));
+            })
+            .await;
+    }
+
+    #[tokio::test]
+    async fn a_take_that_cannot_afford_any_wait_sends_at_once_after_the_queue() {
+        let local = tokio::task::LocalSet::new();
+        local
+            .run_until(async {
+                // Calls take longer than this take's whole budget.
+                let c = Rc::new(Coalescer::default());
+                c.rtt.observe(Duration::from_millis(500));
+                let store = Pipelined::new(2.0);
+                let first = spawn_deadline_take(&c, &store, None);
+                settle().await;
+                let queued = spawn_deadline_take(&c, &store, None);
+                settle().await;
+                let hurried = spawn_deadline_take(&c, &store, Some(100));
+                settle().await;
+                // Its own call at once, with the older queued take first on it.
+                assert_eq!(store.sizes(), [1, 2]);
+                store.go.notify_waiters();
+                assert!(first.await.unwrap().unwrap().allowed);
+                assert!(queued.await.unwrap().unwrap().allowed);
+                assert!(!hurried.await.unwrap().unwrap().allowed);
+            })
+            .await;
+    }
+
+    #[tokio::test]
+    async fn past_its_deadline_a_take_says_whether_its_call_went_out() {
+        let local = tokio::task::LocalSet::new();
+        local
+            .run_until(async {
+                let c = Rc::new(Coalescer::default());
+                let store = Pipelined::new(10.0);
+                // A leader whose call never answers in time...
+                let leader = spawn_deadline_take(&c, &store, Some(100));
+                settle().await;
+                // ...an older queued take without a deadline, then one that runs out of
+                // budget behind it, never having been sent.
+                let patient = spawn_deadline_take(&c, &store, None);
+                settle().await;
+                let queued = spawn_deadline_take(&c, &store, Some(50));
+                settle().await;
+                assert!(matches!(
+                    queued.await.unwrap(),
+                    Err(StoreError::Deadline { sent: false })
+                ));
+                assert!(matches!(
+                    leader.await.unwrap(),
+                    Err(StoreError::Deadline { sent: true })
+                ));
+                // The leader gave up: the patient take leads the next call.
+                settle().await;
+                assert_eq!(store.sizes(), [1, 1]);
+                store.go.notify_waiters();
+                assert!(patient.await.unwrap().unwrap().allowed);
+                // The abandoned call spent its token: Redis ran it.
+                assert_eq!(*store.calls.borrow(), [(1, 10.0), (1, 9.0)]);
             })
             .await;
     }

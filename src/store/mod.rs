@@ -88,6 +88,11 @@ pub enum StoreError {
     /// sent it ran out of time.
     #[error("the call deciding this request was abandoned at its budget")]
     Abandoned,
+    /// The request's budget ran out. `sent`: its call had gone out and did not answer in
+    /// time (a slow or dead store); otherwise it ran out while queued for a call, spent
+    /// nothing, and says nothing about the store.
+    #[error("no answer within the budget ({})", if *sent { "call sent" } else { "queued, not sent" })]
+    Deadline { sent: bool },
 }
 
 /// Embedded or Redis; cheap to clone.
@@ -100,21 +105,23 @@ pub enum Store {
 impl Store {
     /// Refills the bucket at `key` and takes `cost` tokens, atomically, on the store's clock.
     pub async fn take(&self, key: &str, plan: Plan, cost: f64) -> Result<Verdict, StoreError> {
-        self.take_seeded(key, plan, cost, None).await
+        self.take_seeded(key, plan, cost, None, None).await
     }
 
     /// [`Store::take`]; a bucket that does not exist yet starts with `initial` tokens (at
-    /// most the capacity) instead of full.
+    /// most the capacity) instead of full. With a `deadline`, the answer past it is
+    /// [`StoreError::Deadline`] (the embedded store always answers at once).
     pub async fn take_seeded(
         &self,
         key: &str,
         plan: Plan,
         cost: f64,
         initial: Option<f64>,
+        deadline: Option<tokio::time::Instant>,
     ) -> Result<Verdict, StoreError> {
         match self {
             Store::Embedded(s) => Ok(s.take_seeded(key, plan, cost, initial)),
-            Store::Redis(s) => s.take(key, plan, cost, initial).await,
+            Store::Redis(s) => s.take(key, plan, cost, initial, deadline).await,
         }
     }
 

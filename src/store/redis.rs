@@ -447,8 +447,9 @@ impl RedisStore {
         .await)
     }
 
-    /// Takes `cost` tokens from the bucket at `key`. Takes for one bucket that arrive on
-    /// this worker while its previous call is in flight go to Redis together (see
+    /// Takes `cost` tokens from the bucket at `key`, answering by `deadline` (then with
+    /// [`StoreError::Deadline`]). Takes for one bucket that arrive on this worker while a
+    /// call for it is in flight go to Redis together, in time for their deadlines (see
     /// `coalesce`); each still gets the verdict one-by-one calls would have given it.
     pub async fn take(
         &self,
@@ -456,11 +457,13 @@ impl RedisStore {
         plan: Plan,
         cost: f64,
         initial: Option<f64>,
+        deadline: Option<tokio::time::Instant>,
     ) -> Result<Verdict, StoreError> {
         let take = Take {
             plan,
             cost,
             initial,
+            deadline,
         };
         self.coalescer
             .take(key, take, |batch| self.take_batch(key, batch))
@@ -472,7 +475,9 @@ impl RedisStore {
         self.coalescer.counts()
     }
 
-    /// One `EVALSHA` deciding `batch.n` takes, in order.
+    /// One `EVALSHA` deciding `batch.n` takes, in order. Several may be in flight for one
+    /// bucket: they go out on this worker's one connection, which Redis serves in order,
+    /// and each reply carries the tokens at its own start.
     async fn take_batch(&self, key: &str, batch: Batch) -> Result<Vec<Verdict>, StoreError> {
         // `invoke_async` sends EVALSHA and, on NOSCRIPT (a restarted or flushed Redis),
         // loads the script and retries once.

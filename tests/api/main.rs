@@ -13,5 +13,6 @@ mod outage_start;
 mod paths;
 mod regions;
 mod resilience;
+mod slow_redis;
 mod stores;
 mod swagger_ui;

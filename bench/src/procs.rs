@@ -237,20 +237,44 @@ impl Drop for Redis {
     }
 }
 
-/// The release `tollgate` binary, found next to this one.
+/// The `tollgate` binary, found next to this one (the workspace shares one `target/`).
+///
+/// `cargo run -p tollgate-bench` builds only this tool and the library it uses, not the
+/// gateway's binary; so when cargo started this tool (it sets `CARGO`), the gateway is
+/// built first with the same profile, and a stale binary is never measured.
 pub fn tollgate_binary() -> anyhow::Result<PathBuf> {
+    static BUILT: std::sync::Once = std::sync::Once::new();
     let exe = std::env::current_exe().context("where is tollgate-bench?")?;
-    let bin = exe
+    let dir = exe
         .parent()
-        .map(|d| d.join("tollgate"))
         .context("tollgate-bench has no parent directory")?;
+    let bin = dir.join("tollgate");
+    let release = !dir.ends_with("debug");
+    if let Some(cargo) = std::env::var_os("CARGO") {
+        let mut failed = None;
+        BUILT.call_once(|| {
+            let mut cmd = Command::new(cargo);
+            cmd.args(["build", "-q", "-p", "tollgate", "--bin", "tollgate"]);
+            if release {
+                cmd.arg("--release");
+            }
+            match cmd.status() {
+                Ok(s) if s.success() => {}
+                Ok(s) => failed = Some(format!("cargo build of the gateway: {s}")),
+                Err(e) => failed = Some(format!("cargo build of the gateway: {e}")),
+            }
+        });
+        if let Some(f) = failed {
+            bail!(f);
+        }
+    }
     if !bin.is_file() {
         bail!(
-            "{} is missing: build the gateway first (cargo build --release --bins)",
+            "{} is missing: build the gateway first (cargo build --release -p tollgate)",
             bin.display()
         );
     }
-    if exe.parent().is_some_and(|d| d.ends_with("debug")) {
+    if !release {
         eprintln!("warning: measuring a debug build; use cargo run --release");
     }
     Ok(bin)
@@ -360,8 +384,9 @@ impl GatewayConfig {
         );
         let _ = writeln!(
             t,
-            "[catalog]\nfile = {:?}\n",
-            dir.join("catalog.json").to_string_lossy()
+            "[catalog]\nfile = {:?}\ncache_file = {:?}\n",
+            dir.join("catalog.json").to_string_lossy(),
+            dir.join("catalog-cache.json").to_string_lossy()
         );
         let _ = writeln!(t, "[limits]\ndefault_mode = {:?}\n", self.default_mode);
         for p in &self.plans {

@@ -328,6 +328,8 @@ pub struct ClosedResult {
     /// Failed exchanges (connection errors), over the whole run.
     pub errors: u64,
     pub window: Duration,
+    /// Latencies of the answers completed inside the window, in ns, sorted.
+    pub latencies_ns: Vec<u64>,
 }
 
 impl ClosedResult {
@@ -373,13 +375,15 @@ async fn closed(
     let completed = Rc::new(Cell::new(0u64));
     let non_2xx = Rc::new(Cell::new(0u64));
     let errors = Rc::new(Cell::new(0u64));
+    let latencies = Rc::new(RefCell::new(Vec::new()));
     let mut tasks = Vec::new();
     for c in 0..conns {
-        let (requests, completed, non_2xx, errors) = (
+        let (requests, completed, non_2xx, errors, latencies) = (
             Rc::clone(&requests),
             Rc::clone(&completed),
             Rc::clone(&non_2xx),
             Rc::clone(&errors),
+            Rc::clone(&latencies),
         );
         tasks.push(tokio::task::spawn_local(async move {
             let mut conn: Option<Conn> = None;
@@ -398,11 +402,13 @@ async fn closed(
                 let Some(open) = conn.as_mut() else { continue };
                 let req = &requests[i % requests.len()];
                 i += 1;
+                let sent = Instant::now();
                 match tokio::time::timeout(REQUEST_TIMEOUT, open.send(req)).await {
                     Ok(Ok(reply)) => {
                         let now = Instant::now();
                         if now >= from && now < until {
                             completed.set(completed.get() + 1);
+                            latencies.borrow_mut().push((now - sent).as_nanos() as u64);
                             if !(200..300).contains(&reply.status) {
                                 non_2xx.set(non_2xx.get() + 1);
                             }
@@ -422,11 +428,14 @@ async fn closed(
     for t in tasks {
         t.await.context("a closed-loop connection task failed")?;
     }
+    let mut latencies_ns = latencies.take();
+    latencies_ns.sort_unstable();
     Ok(ClosedResult {
         completed: completed.get(),
         non_2xx: non_2xx.get(),
         errors: errors.get(),
         window: duration,
+        latencies_ns,
     })
 }
 

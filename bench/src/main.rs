@@ -14,7 +14,7 @@
 //! - [`http`]: a minimal keep-alive HTTP/1.1 client and server (the upstreams and the
 //!   modelled service replicas), so the tool's own overhead stays small and predictable.
 //! - [`procs`]: child processes (redis-server, tollgate, nginx), killed on drop.
-//! - [`scenarios`]: latency, throughput, accuracy, failopen, replay.
+//! - [`scenarios`]: latency, throughput, accuracy, failopen, slowredis, replay.
 //! - [`report`] and [`svg`]: the table, the JSON and the charts.
 
 mod floor;
@@ -31,7 +31,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-/// Measures tollgate: added latency, throughput, accuracy, fail-open and the incident replay.
+/// Measures tollgate: added latency, throughput, accuracy, fail-open, a slow Redis and the
+/// incident replay.
 #[derive(Debug, Parser)]
 #[command(name = "tollgate-bench", version)]
 struct Cli {
@@ -70,6 +71,9 @@ enum Scenario {
     Failopen(scenarios::failopen::Args),
     /// The September incident: per-service limiters only, then the edge limiter.
     Replay(scenarios::replay::Args),
+    /// A slow (not stalled) Redis: fail-opens, breaker openings, throughput and p99 per
+    /// injected reply delay, one hot client and a few others.
+    Slowredis(scenarios::slowredis::Args),
     /// (Internal) the bare actix-web + awc proxy `throughput` measures as the stack's floor.
     #[command(hide = true)]
     Floor(floor::Args),
@@ -103,6 +107,7 @@ fn main() -> ExitCode {
         Scenario::Accuracy(a) => scenarios::accuracy::run(&a),
         Scenario::Failopen(a) => scenarios::failopen::run(&a),
         Scenario::Replay(a) => scenarios::replay::run(&a),
+        Scenario::Slowredis(a) => scenarios::slowredis::run(&a),
         Scenario::Floor(_) => unreachable!("handled above"),
     };
     let mut outcome = match result {

@@ -4,6 +4,7 @@ pub mod accuracy;
 pub mod failopen;
 pub mod latency;
 pub mod replay;
+pub mod slowredis;
 pub mod throughput;
 
 use serde_json::{json, Value};
