@@ -11,7 +11,7 @@
 //!   the only moment that ever comes, so a hot client costs Redis one script call per
 //!   round trip per worker instead of one per request;
 //! - **the oldest queued take could no longer afford to wait**: its budget's end, less one
-//!   round trip (a pessimistic estimate: see [`RoundTrip`]) and a little slack, or, if the
+//!   round trip and a half (a pessimistic estimate: see [`RoundTrip`]) and 0.5 ms, or, if the
 //!   call in flight is late (a Redis that just slowed down makes the estimate stale), a
 //!   third of the way from that call's start to the take's deadline. Then the queue goes
 //!   at once, as a call *beside* the calls still in flight.
@@ -66,7 +66,7 @@ pub const MAX_BATCH: usize = 512;
 
 /// Kept free at the end of a queued take's budget, beyond the round trip: a timer that
 /// fires late, a worker busy with other requests.
-const SLACK: Duration = Duration::from_micros(200);
+const SLACK: Duration = Duration::from_micros(500);
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -192,7 +192,8 @@ impl RoundTrip {
     }
 
     /// The latest moment a take due at `deadline` can still send its call: one round
-    /// trip, a quarter more for the variation a call sees, and [`SLACK`] before it.
+    /// trip, half as much again for the variation a call sees on a busy worker (the reply
+    /// waits for the worker to poll it), and [`SLACK`] before it.
     ///
     /// A call in flight since `oldest` that has not answered yet says the round trip is at
     /// least its age, whatever the estimate (a store that just slowed down); then the take
@@ -200,7 +201,7 @@ impl RoundTrip {
     /// still fits: a third of the way from `oldest` to `deadline`.
     fn last_send(&self, deadline: Instant, oldest: Option<Instant>) -> Option<Instant> {
         let rtt = self.estimate();
-        let by_estimate = deadline.checked_sub(rtt + rtt / 4 + SLACK)?;
+        let by_estimate = deadline.checked_sub(rtt + rtt / 2 + SLACK)?;
         let by_age = oldest
             .filter(|o| *o < deadline)
             .map(|o| o + (deadline - o) / 3)
