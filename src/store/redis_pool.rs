@@ -71,7 +71,10 @@ pub struct Dialer {
     info: ConnectionInfo,
     /// Bounds a dial (TCP connect and handshake) and every control-plane command.
     control_timeout: Duration,
-    /// Connections dialed before the current generation are retired.
+    /// Connections dialed before the current generation are retired. Read on every
+    /// request (an atomic load: the watch's lock would be a write every worker shares);
+    /// the watch wakes the keepers.
+    current: AtomicU64,
     generation: watch::Sender<u64>,
     /// The latest failed dial: a caller waiting for a connection gets its error at once
     /// instead of waiting out the pool's checkout timeout.
@@ -84,18 +87,20 @@ impl Dialer {
         Ok(Dialer {
             info,
             control_timeout,
+            current: AtomicU64::new(0),
             generation: watch::Sender::new(0),
             failed: watch::Sender::new(None),
         })
     }
 
     fn generation(&self) -> u64 {
-        *self.generation.borrow()
+        self.current.load(Ordering::Acquire)
     }
 
     /// Retires every connection dialed so far: each is replaced before its next use.
     pub fn retire_all(&self) {
-        self.generation.send_modify(|g| *g += 1);
+        let next = self.current.fetch_add(1, Ordering::AcqRel) + 1;
+        self.generation.send_replace(next);
     }
 
     /// Notified of every failed dial from now on.
