@@ -13,6 +13,25 @@ fn rw() -> String {
     admin_token("ops", "admin:read admin:write")
 }
 
+/// A gateway with the admin API on `redis`: plan `gold`, client `declared`, a route.
+fn admin_gateway_toml(redis: &RedisServer, up: &Upstream) -> String {
+    format!(
+        "{}[redis]\nurl = \"{}\"\n{}{}",
+        admin_toml(),
+        redis.url(),
+        catalog_toml(("gold", 1000.0, 1.0), &["declared"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    )
+}
+
+/// A client that keeps no connections alive: gateway processes are restarted under it.
+fn unpooled_client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap()
+}
+
 fn decided(r: &reqwest::Response) -> bool {
     r.headers().contains_key("ratelimit")
 }
@@ -58,11 +77,7 @@ async fn a_first_start_with_redis_down_serves_the_declared_clients_failing_open(
         route_toml("orders", "/orders", &[up.url()]),
     );
     let gw = GatewayProcess::spawn(&toml, &[]);
-    // No kept-alive connections: the gateway process is restarted under them.
-    let http = reqwest::Client::builder()
-        .pool_max_idle_per_host(0)
-        .build()
-        .unwrap();
+    let http = unpooled_client();
 
     // Act + Assert: the declared client is known and fails open, with its policy but no
     // token count; an unknown key is refused; the gateway says what it serves.
@@ -119,19 +134,9 @@ async fn a_gateway_restarted_during_an_outage_still_knows_what_the_admin_api_cha
     // before Redis goes down; the gateway has cached that catalog.
     let mut redis = RedisServer::start();
     let up = Upstream::start(Behaviour::Echo).await;
-    let toml = format!(
-        "{}[redis]\nurl = \"{}\"\n{}{}",
-        admin_toml(),
-        redis.url(),
-        catalog_toml(("gold", 1000.0, 1.0), &["declared"]),
-        route_toml("orders", "/orders", &[up.url()]),
-    );
+    let toml = admin_gateway_toml(&redis, &up);
     let mut gw = GatewayProcess::spawn(&toml, &[("TOLLGATE__CATALOG__REFRESH_MS", "100")]);
-    // No kept-alive connections: the gateway process is restarted under them.
-    let http = reqwest::Client::builder()
-        .pool_max_idle_per_host(0)
-        .build()
-        .unwrap();
+    let http = unpooled_client();
     let admin = |m: Method, path: &str| {
         http.request(m, format!("{}/admin/v1{path}", gw.address))
             .bearer_auth(rw())
@@ -241,19 +246,10 @@ async fn a_cache_older_than_the_store_gives_way_to_the_store_when_it_answers() {
     // created; Redis saves a snapshot and goes down.
     let mut redis = RedisServer::start();
     let up = Upstream::start(Behaviour::Echo).await;
-    let toml = format!(
-        "{}[redis]\nurl = \"{}\"\n{}{}",
-        admin_toml(),
-        redis.url(),
-        catalog_toml(("gold", 1000.0, 1.0), &["declared"]),
-        route_toml("orders", "/orders", &[up.url()]),
-    );
+    let toml = admin_gateway_toml(&redis, &up);
     let env = [("TOLLGATE__CATALOG__REFRESH_MS", "100")];
     let mut g = GatewayProcess::spawn(&toml, &env);
-    let http = reqwest::Client::builder()
-        .pool_max_idle_per_host(0)
-        .build()
-        .unwrap();
+    let http = unpooled_client();
     eventually(Duration::from_secs(3), "G cached the catalog", || async {
         g.catalog.with_file_name("catalog-cache.json").exists()
     })
