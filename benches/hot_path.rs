@@ -6,8 +6,8 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use tollgate::configuration::RouteSettings;
+use tollgate::domain::{bucket, BucketState, Decision, Outcome, RateLimitHeaders, Verdict};
 use tollgate::domain::{KeyHash, Plan, PlanName};
-use tollgate::limiter::{bucket, BucketState, Decision, Outcome, RateLimitHeaders, Verdict};
 use tollgate::proxy::RouteTable;
 use tollgate::store::{EmbeddedStore, LocalBuckets};
 

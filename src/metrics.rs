@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use dashmap::DashMap;
 
-use crate::limiter::Outcome;
+use crate::domain::Outcome;
 
 /// Upper bounds (seconds) of the decision-time histogram.
 const BUCKETS: [f64; 10] = [
@@ -36,7 +36,18 @@ pub enum FailOpenReason {
 }
 
 const REASONS: [&str; 3] = ["timeout", "error", "breaker_open"];
+/// The `kind` label of `tollgate_store_errors_total`, in [`StoreErrorKind`] order.
 const ERROR_KINDS: [&str; 5] = ["timeout", "connection", "script", "reply", "pool"];
+
+/// What kind of store failure a call met (the store classifies its own errors).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreErrorKind {
+    Timeout,
+    Connection,
+    Script,
+    Reply,
+    Pool,
+}
 
 /// Writes a metric family's `# HELP` and `# TYPE` lines.
 pub fn family(out: &mut String, name: &str, kind: &str, help: &str) {
@@ -123,21 +134,8 @@ impl Metrics {
         self.fail_open_reasons[reason as usize].load(Relaxed)
     }
 
-    pub fn store_error(&self, e: &crate::store::StoreError) {
-        use crate::store::StoreError;
-        let kind = match e {
-            StoreError::Redis(r) if r.is_timeout() => 0,
-            StoreError::Abandoned | StoreError::Deadline { .. } => 0,
-            StoreError::Redis(r)
-                if r.is_io_error() || r.is_connection_dropped() || r.is_connection_refusal() =>
-            {
-                1
-            }
-            StoreError::Redis(r) if r.code() == Some("NOSCRIPT") => 2,
-            StoreError::Redis(_) | StoreError::Protocol(_) | StoreError::File(_) => 3,
-            StoreError::Pool(_) => 4,
-        };
-        self.store_errors[kind].fetch_add(1, Relaxed);
+    pub fn store_error(&self, kind: StoreErrorKind) {
+        self.store_errors[kind as usize].fetch_add(1, Relaxed);
     }
 
     pub fn record_shadow(&self, gateway_denied: bool, service_denied: bool) {

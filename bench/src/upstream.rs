@@ -15,7 +15,7 @@ use rand::{Rng, SeedableRng};
 use tokio::net::TcpListener;
 use tokio::sync::{oneshot, Semaphore};
 use tollgate::domain::Plan;
-use tollgate::limiter::{bucket, BucketState};
+use tollgate::domain::{bucket, BucketState};
 
 use crate::http::{serve_conn, OK};
 

@@ -7,7 +7,8 @@ use serde_json::Value;
 use utoipa::{IntoParams, ToSchema};
 
 use super::body::{etag, if_match, read_body, Field};
-use super::{path_id, precondition, refusal, Actor};
+use super::shared::{path_id, precondition, refusal};
+use super::Actor;
 use crate::catalog::{
     Audit, AuditEntry, CatalogWrite, ClientRecord, Condition, KeyRecord, Shards, Versioned,
     WriteOutcome,
@@ -384,7 +385,7 @@ pub async fn delete(
     actor: Actor,
 ) -> Result<HttpResponse, ApiError> {
     let id = client_id(&id)?;
-    let cond = super::condition(&req, "client", || async {
+    let cond = super::shared::condition(&req, "client", || async {
         Ok(state.store.client(id.as_str()).await?.map(|c| c.rev))
     })
     .await?;
@@ -575,7 +576,7 @@ pub async fn refill(
     state
         .store
         .record_audit(AuditEntry {
-            at_ms: super::now_ms(),
+            at_ms: super::shared::now_ms(),
             actor: actor.sub,
             action: "bucket.refill".into(),
             kind: "bucket".into(),

@@ -10,8 +10,7 @@ mod hot;
 mod plans;
 mod safety;
 mod shadow;
-
-use std::future::Future;
+mod shared;
 
 use actix_web::dev::Payload;
 use actix_web::middleware::from_fn;
@@ -22,7 +21,6 @@ use utoipa_swagger_ui::SwaggerUi;
 
 pub use auth::{Actor, JwtVerifier};
 
-use crate::catalog::{Condition, WriteOutcome};
 use crate::error::ApiError;
 
 /// Registers `/admin/v1/...`, `/api-docs/openapi.json` and `/swagger-ui/`.
@@ -272,71 +270,5 @@ impl FromRequest for Actor {
                 .cloned()
                 .ok_or_else(|| ApiError::InvalidToken("no authenticated caller".into())),
         )
-    }
-}
-
-/// Unix milliseconds on this gateway's clock (for audit entries outside the catalog).
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
-/// Parses an id from the path, as a `422` naming it when it is not a valid id.
-fn path_id<T, E: std::fmt::Display>(
-    raw: &str,
-    parse: impl Fn(&str) -> Result<T, E>,
-    field: &str,
-) -> Result<T, ApiError> {
-    parse(raw).map_err(|e| ApiError::field(field, e.to_string()))
-}
-
-/// The write condition from `If-Match`: without it, any; with it, the current revision
-/// when the header matches it (the store checks it again, atomically), else `412`.
-async fn condition<F, Fut>(req: &HttpRequest, what: &str, current: F) -> Result<Condition, ApiError>
-where
-    F: FnOnce() -> Fut,
-    Fut: Future<Output = Result<Option<u64>, ApiError>>,
-{
-    match body::if_match(req.headers())? {
-        None => Ok(Condition::Any),
-        Some(wanted) => {
-            let current = current().await?;
-            precondition(&wanted, current, what)?;
-            Ok(Condition::Rev(current.expect("matched")))
-        }
-    }
-}
-
-/// `412` unless `If-Match` matches the revision `current` (`None`: missing).
-fn precondition(wanted: &body::IfMatch, current: Option<u64>, what: &str) -> Result<(), ApiError> {
-    match current {
-        _ if wanted.matches(current) => Ok(()),
-        None => Err(refusal(WriteOutcome::Missing, what)),
-        Some(current) => Err(refusal(WriteOutcome::Stale { current }, what)),
-    }
-}
-
-/// The error for a write the store refused.
-fn refusal(outcome: WriteOutcome, what: &str) -> ApiError {
-    match outcome {
-        WriteOutcome::Stale { current } => ApiError::PreconditionFailed(format!(
-            "the {what} changed: it is at ETag \"{current}\" now"
-        )),
-        WriteOutcome::Missing => {
-            ApiError::PreconditionFailed(format!("the {what} does not exist (If-Match)"))
-        }
-        WriteOutcome::Exists => ApiError::Conflict(format!("the {what} exists already")),
-        WriteOutcome::UnknownPlan => ApiError::field("plan", "no such plan"),
-        WriteOutcome::PlanInUse => {
-            ApiError::Conflict("clients still use this plan: move them to another first".into())
-        }
-        WriteOutcome::KeyConflict => {
-            ApiError::Conflict("that API key already belongs to another client".into())
-        }
-        WriteOutcome::Written { .. } => {
-            ApiError::Internal(anyhow::anyhow!("a written {what} reported as refused"))
-        }
     }
 }

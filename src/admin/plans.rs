@@ -6,7 +6,8 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::body::{etag, read_body, Description, Field};
-use super::{condition, path_id, Actor};
+use super::shared::{condition, path_id};
+use super::Actor;
 use crate::catalog::{Audit, CatalogWrite, Condition, PlanRecord, Versioned, WriteOutcome};
 use crate::domain::{Capacity, Plan, PlanName, Rate};
 use crate::error::{ApiError, Problem};
@@ -174,7 +175,7 @@ pub async fn put(
             };
             Ok(one(Versioned { rev, value: rec }, status))
         }
-        other => Err(super::refusal(other, "plan")),
+        other => Err(super::shared::refusal(other, "plan")),
     }
 }
 
@@ -212,6 +213,6 @@ pub async fn delete(
         WriteOutcome::Missing if cond == Condition::Any => {
             Err(ApiError::NotFound(format!("no plan {name}")))
         }
-        other => Err(super::refusal(other, "plan")),
+        other => Err(super::shared::refusal(other, "plan")),
     }
 }

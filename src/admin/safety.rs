@@ -9,7 +9,8 @@ use serde_json::Value;
 use utoipa::ToSchema;
 
 use super::body::{etag, read_body, Field};
-use super::{condition, refusal, Actor};
+use super::shared::{condition, refusal};
+use super::Actor;
 use crate::catalog::{Audit, CatalogWrite, SafetyRecord, WriteOutcome};
 use crate::error::{ApiError, Problem};
 use crate::state::AppState;

@@ -92,7 +92,7 @@ pub async fn reset(state: web::Data<AppState>, actor: Actor) -> Result<HttpRespo
     state
         .store
         .record_audit(AuditEntry {
-            at_ms: super::now_ms(),
+            at_ms: super::shared::now_ms(),
             actor: actor.sub,
             action: "shadow.reset".into(),
             kind: "shadow".into(),

@@ -3,7 +3,6 @@
 //! follows the store's change feed and applies what changed, at most `refresh_ms` late.
 
 pub mod cache;
-mod records;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -13,7 +12,7 @@ use arc_swap::ArcSwap;
 use dashmap::DashMap;
 use secrecy::ExposeSecret;
 
-pub use records::{
+pub use crate::store::records::{
     Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition,
     KeyRecord, PlanRecord, SafetyRecord, Shards, Versioned, WriteOutcome, SAFETY,
 };
@@ -43,7 +42,7 @@ struct PlanState {
 impl PlanState {
     fn new(name: &PlanName, limits: Plan, record: Versioned<PlanRecord>) -> PlanState {
         PlanState {
-            policy: crate::limiter::policy_header(name, limits),
+            policy: crate::domain::policy_header(name, limits),
             limits,
             record: record.value,
             rev: record.rev,
@@ -74,7 +73,7 @@ impl PlanSlot {
         if current.limits == limits {
             current.policy.clone()
         } else {
-            crate::limiter::policy_header(&self.name, limits)
+            crate::domain::policy_header(&self.name, limits)
         }
     }
 }

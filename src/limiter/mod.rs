@@ -1,4 +1,4 @@
-//! The decision path: given a client and a route, decide allow / deny / fail open.
+//! The decision path: given a client, a service and a cost, decide allow / deny / fail open.
 //!
 //! Every request takes the same steps, each of which can settle it:
 //! 1. the coarse safety limit (in process, per client and service) — `SafetyDenied`;
@@ -8,8 +8,6 @@
 
 pub mod breaker;
 mod breakers;
-pub mod bucket;
-mod headers;
 mod hot;
 mod safety;
 mod shadow;
@@ -20,62 +18,15 @@ use std::time::{Duration, Instant};
 
 pub use breaker::Breaker;
 pub use breakers::Breakers;
-pub use bucket::{BucketState, Verdict};
-pub use headers::{policy_header, RateLimitHeaders};
 pub use hot::{HotClient, HotClients};
 pub use safety::SafetyLimit;
 pub use shadow::ShadowStats;
 pub use shares::ShareBook;
 
 use crate::catalog::{Catalog, ClientEntry};
-use crate::domain::{Mode, Plan};
+use crate::domain::{Decision, Mode, Outcome, Plan};
 use crate::metrics::{FailOpenReason, Metrics};
-use crate::proxy::Route;
 use crate::store::{Store, StoreError};
-
-/// What the gateway does with a request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    /// Forward it.
-    Allowed,
-    /// Answer 429.
-    Denied,
-    /// Over the limit, but the client is in shadow mode: forward it.
-    ShadowDenied,
-    /// The store did not answer in time: forward it.
-    FailOpen,
-    /// Past the coarse per-service safety limit: answer 429.
-    SafetyDenied,
-}
-
-impl Outcome {
-    /// Whether the request goes on to the service.
-    pub fn forwards(self) -> bool {
-        !matches!(self, Outcome::Denied | Outcome::SafetyDenied)
-    }
-
-    /// The `outcome` label of `tollgate_decisions_total`.
-    pub fn label(self) -> &'static str {
-        match self {
-            Outcome::Allowed => "allowed",
-            Outcome::Denied => "denied",
-            Outcome::ShadowDenied => "shadow_denied",
-            Outcome::FailOpen => "fail_open",
-            Outcome::SafetyDenied => "safety_denied",
-        }
-    }
-}
-
-/// A decision and what the response headers need from it.
-#[derive(Debug, Clone, Copy)]
-pub struct Decision {
-    pub outcome: Outcome,
-    pub plan: Plan,
-    /// The client bucket's verdict; `None` when the store did not answer.
-    pub verdict: Option<Verdict>,
-    /// For `SafetyDenied`: the wait until the safety bucket has the tokens.
-    pub safety_wait_us: Option<u64>,
-}
 
 /// Decides requests: safety limit, breaker, store, mode.
 pub struct Limiter {
@@ -155,24 +106,28 @@ impl Limiter {
         }
     }
 
-    /// Decides one request for `client` on `route`.
-    pub async fn decide(&self, client: &ClientEntry, route: &Route) -> Decision {
+    /// Decides one request for `client` to `service`, costing `cost` tokens.
+    pub async fn decide(&self, client: &ClientEntry, service: &Arc<str>, cost: f64) -> Decision {
         let started = Instant::now();
         self.hot.observe(&client.id);
         let plan = client.plan.limits();
-        let decision = self.decide_inner(client, route, plan).await;
+        let decision = self.decide_inner(client, service, cost, plan).await;
         self.metrics
             .record_decision(decision.outcome, started.elapsed());
         decision
     }
 
-    async fn decide_inner(&self, client: &ClientEntry, route: &Route, plan: Plan) -> Decision {
+    async fn decide_inner(
+        &self,
+        client: &ClientEntry,
+        service: &Arc<str>,
+        cost: f64,
+        plan: Plan,
+    ) -> Decision {
         let multiplier = self
             .safety
-            .multiplier(&self.catalog.safety_guard(), &route.service);
-        let safety = self
-            .safety
-            .take(client, &route.service, plan, multiplier, route.cost);
+            .multiplier(&self.catalog.safety_guard(), service);
+        let safety = self.safety.take(client, service, plan, multiplier, cost);
         if !safety.allowed {
             return Decision {
                 outcome: Outcome::SafetyDenied,
@@ -191,7 +146,7 @@ impl Limiter {
             .and_then(|k| Some((k, self.shares.observe(&client.id)?)));
         let (store, breakers, key, plan, initial) = match shard {
             Some((key, now)) => {
-                let portion = plan.portion(now.share, route.cost.max(1.0));
+                let portion = plan.portion(now.share, cost.max(1.0));
                 let initial = now.seed.map(|s| s * portion.capacity());
                 (
                     &self.regional,
@@ -226,7 +181,7 @@ impl Limiter {
             let deadline = tokio::time::Instant::now() + self.timeout;
             let answer = tokio::time::timeout_at(
                 deadline,
-                store.take_seeded(key, plan, route.cost, initial, Some(deadline)),
+                store.take_seeded(key, plan, cost, initial, Some(deadline)),
             )
             .await
             .unwrap_or(Err(StoreError::Deadline { sent: true }));
@@ -239,7 +194,7 @@ impl Limiter {
                     None
                 }
                 Err(e) => {
-                    self.metrics.store_error(&e);
+                    self.metrics.store_error(e.kind());
                     self.metrics.fail_open(FailOpenReason::Error);
                     None
                 }

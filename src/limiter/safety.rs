@@ -6,8 +6,8 @@
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-use super::Verdict;
 use crate::catalog::{ClientEntry, SafetyRecord};
+use crate::domain::Verdict;
 use crate::domain::{ClientId, Plan};
 use crate::store::LocalBuckets;
 

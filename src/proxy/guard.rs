@@ -12,8 +12,8 @@ use actix_web::{web, HttpMessage, ResponseError};
 use super::{NormalPath, Route};
 use crate::catalog::ClientEntry;
 use crate::domain::{KeyHash, Mode};
+use crate::domain::{Outcome, RateLimitHeaders};
 use crate::error::ApiError;
-use crate::limiter::{Outcome, RateLimitHeaders};
 use crate::state::AppState;
 
 /// What the guard hands the forwarder for an admitted request.
@@ -82,7 +82,10 @@ pub async fn guard(
         return Ok(reject(req, err, None));
     }
 
-    let decision = state.limiter.decide(&client, &route).await;
+    let decision = state
+        .limiter
+        .decide(&client, &route.service, route.cost)
+        .await;
     let rl = RateLimitHeaders::with_policy(
         &client.plan.name,
         &decision,

@@ -59,7 +59,7 @@ use tokio::time::Instant;
 
 use super::StoreError;
 use crate::domain::Plan;
-use crate::limiter::Verdict;
+use crate::domain::Verdict;
 
 /// Most requests one call decides; more wait for the next call.
 pub const MAX_BATCH: usize = 512;
@@ -587,7 +587,7 @@ mod tests {
     use tokio::sync::mpsc;
 
     use super::*;
-    use crate::limiter::bucket;
+    use crate::domain::bucket;
 
     fn take() -> Take {
         Take {

@@ -8,13 +8,13 @@ use std::path::{Path, PathBuf};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-use super::{ClientsPage, LocalBuckets, Reconcile, RegionShare, ShardState, StoreError};
-use crate::catalog::{
+use super::records::{
     Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition,
     PlanRecord, SafetyRecord, Versioned, WriteOutcome,
 };
+use super::{ClientsPage, LocalBuckets, Reconcile, RegionShare, ShardState, StoreError};
+use crate::domain::{bucket, BucketState, Verdict};
 use crate::domain::{ClientId, KeyHash, Plan, PlanName, Region};
-use crate::limiter::{bucket, BucketState, Verdict};
 
 const FEED_LEN: usize = 10_000;
 const AUDIT_LEN: usize = 10_000;
@@ -694,7 +694,7 @@ fn persist(path: &Path, data: &CatalogFile) -> Result<(), StoreError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::catalog::KeyRecord;
+    use crate::store::records::KeyRecord;
 
     fn store() -> (tempfile::TempDir, EmbeddedStore) {
         let dir = tempfile::tempdir().unwrap();

@@ -12,7 +12,7 @@ use std::time::Instant;
 use parking_lot::Mutex;
 
 use crate::domain::Plan;
-use crate::limiter::{bucket, BucketState, Verdict};
+use crate::domain::{bucket, BucketState, Verdict};
 
 const SHARDS: usize = 64;
 

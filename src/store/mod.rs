@@ -9,6 +9,7 @@ mod coalesce;
 mod embedded;
 mod keys;
 mod local;
+pub mod records;
 mod redis;
 mod redis_pool;
 
@@ -19,12 +20,13 @@ pub use self::keys::{key_in_slot, key_slot, Keys};
 pub use self::local::LocalBuckets;
 pub use self::redis::RedisStore;
 
-use crate::catalog::{
+use self::records::{
     Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, PlanRecord,
     SafetyRecord, Versioned, WriteOutcome,
 };
 use crate::domain::Plan;
-use crate::limiter::Verdict;
+use crate::domain::Verdict;
+use crate::metrics::StoreErrorKind;
 
 /// One region's part of a sharded client's plan.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, utoipa::ToSchema)]
@@ -93,6 +95,26 @@ pub enum StoreError {
     /// nothing, and says nothing about the store.
     #[error("no answer within the budget ({})", if *sent { "call sent" } else { "queued, not sent" })]
     Deadline { sent: bool },
+}
+
+impl StoreError {
+    /// The `kind` label this failure counts under in `tollgate_store_errors_total`.
+    pub fn kind(&self) -> StoreErrorKind {
+        match self {
+            StoreError::Redis(r) if r.is_timeout() => StoreErrorKind::Timeout,
+            StoreError::Abandoned | StoreError::Deadline { .. } => StoreErrorKind::Timeout,
+            StoreError::Redis(r)
+                if r.is_io_error() || r.is_connection_dropped() || r.is_connection_refusal() =>
+            {
+                StoreErrorKind::Connection
+            }
+            StoreError::Redis(r) if r.code() == Some("NOSCRIPT") => StoreErrorKind::Script,
+            StoreError::Redis(_) | StoreError::Protocol(_) | StoreError::File(_) => {
+                StoreErrorKind::Reply
+            }
+            StoreError::Pool(_) => StoreErrorKind::Pool,
+        }
+    }
 }
 
 /// Embedded or Redis; cheap to clone.

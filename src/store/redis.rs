@@ -12,15 +12,15 @@ use redis::{AsyncCommands, RedisError, RedisFuture, Script, Value};
 use secrecy::{ExposeSecret, SecretString};
 
 use super::coalesce::{Batch, Coalescer, Take};
-use super::redis_pool::{is_transport_error, tcp_settings, Dialer, PerThread, RedisManager};
-use super::{ClientsPage, Keys, Reconcile, RegionShare, ShardState, StoreError};
-use crate::catalog::{
+use super::records::{
     Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition,
     PlanRecord, SafetyRecord, Versioned, WriteOutcome, SAFETY,
 };
+use super::redis_pool::{is_transport_error, tcp_settings, Dialer, PerThread, RedisManager};
+use super::{ClientsPage, Keys, Reconcile, RegionShare, ShardState, StoreError};
 use crate::configuration::redact_url;
+use crate::domain::{bucket, BucketState, Verdict};
 use crate::domain::{ClientId, Plan, PlanName};
-use crate::limiter::{bucket, BucketState, Verdict};
 
 /// One change-feed entry: its id and fields.
 type FeedEntry = (String, Vec<(String, String)>);
@@ -1032,7 +1032,7 @@ impl RedisStore {
                 ts_us: ts.parse().unwrap_or(0),
             };
             let (_, v) =
-                crate::limiter::bucket::take(Some(state), secs * 1_000_000 + micros, plan, 0.0);
+                crate::domain::bucket::take(Some(state), secs * 1_000_000 + micros, plan, 0.0);
             Ok(Some(v.tokens))
         }
         .await)

@@ -1,7 +1,7 @@
 //! The token bucket arithmetic, once. `lua/bucket.lua` performs the same operations in
 //! the same order, so the embedded store and Redis decide identically.
 
-use crate::domain::Plan;
+use super::plan::Plan;
 
 /// What a bucket stores between requests.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -8,8 +8,9 @@
 
 use actix_web::http::header::{HeaderName, HeaderValue};
 
-use super::Decision;
-use crate::domain::{Plan, PlanName};
+use super::decision::Decision;
+use super::ids::PlanName;
+use super::plan::Plan;
 
 pub struct RateLimitHeaders {
     pub policy: HeaderValue,
@@ -62,7 +63,7 @@ impl RateLimitHeaders {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limiter::{Outcome, Verdict};
+    use crate::domain::{Outcome, Verdict};
 
     #[test]
     fn headers_follow_the_draft() {
