@@ -74,6 +74,7 @@ impl Application {
             Duration::from_millis(settings.redis.timeout_ms),
             Arc::clone(&metrics),
             settings.limits.safety_multiplier,
+            crate::limiter::Periods::default(),
         ));
         limiter.spawn_background();
         let state = web::Data::new(AppState {

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
+use super::periods::BackOff;
 use crate::store::{Store, StoreError};
 
 /// Failures in a row that open the breaker...
@@ -26,10 +27,6 @@ pub const THRESHOLD: u32 = 3;
 /// a store that stopped answering, and opening on it would admit everything for a
 /// back-off. A store that is really down keeps failing past two budgets.
 const STREAK_BUDGETS: u32 = 2;
-const BASE_BACKOFF: Duration = Duration::from_millis(100);
-const MAX_BACKOFF: Duration = Duration::from_secs(2);
-/// Closed this long without re-opening, the back-off starts over from its base.
-const STABLE: Duration = Duration::from_secs(5);
 
 pub struct Breaker {
     open: AtomicBool,
@@ -39,6 +36,7 @@ pub struct Breaker {
     /// How long a streak must last to open the breaker.
     streak_us: u64,
     backoff_ms: AtomicU64,
+    backoff: BackOff,
     opened: AtomicU64,
     wake: Notify,
     epoch: Instant,
@@ -47,19 +45,20 @@ pub struct Breaker {
 
 impl Default for Breaker {
     fn default() -> Self {
-        Breaker::new(Duration::from_millis(5))
+        Breaker::new(Duration::from_millis(5), BackOff::default())
     }
 }
 
 impl Breaker {
-    /// A breaker for calls bounded by `budget`.
-    pub fn new(budget: Duration) -> Breaker {
+    /// A breaker for calls bounded by `budget`, backing off by `backoff` while open.
+    pub fn new(budget: Duration, backoff: BackOff) -> Breaker {
         Breaker {
             open: AtomicBool::new(false),
             failures: AtomicU32::new(0),
             streak_start_us: AtomicU64::new(0),
             streak_us: (budget * STREAK_BUDGETS).as_micros() as u64,
-            backoff_ms: AtomicU64::new(BASE_BACKOFF.as_millis() as u64),
+            backoff_ms: AtomicU64::new(backoff.base.as_millis() as u64),
+            backoff,
             opened: AtomicU64::new(0),
             wake: Notify::new(),
             epoch: Instant::now(),
@@ -109,12 +108,13 @@ impl Breaker {
         if n >= THRESHOLD && lasted && !self.open.swap(true, Relaxed) {
             let now = self.epoch.elapsed().as_millis() as u64;
             let closed_at = self.closed_at_ms.load(Relaxed);
-            let backoff =
-                if closed_at > 0 && now.saturating_sub(closed_at) < STABLE.as_millis() as u64 {
-                    (self.backoff_ms.load(Relaxed) * 2).min(MAX_BACKOFF.as_millis() as u64)
-                } else {
-                    BASE_BACKOFF.as_millis() as u64
-                };
+            let backoff = if closed_at > 0
+                && now.saturating_sub(closed_at) < self.backoff.stable.as_millis() as u64
+            {
+                (self.backoff_ms.load(Relaxed) * 2).min(self.backoff.max.as_millis() as u64)
+            } else {
+                self.backoff.base.as_millis() as u64
+            };
             self.backoff_ms.store(backoff, Relaxed);
             self.opened.fetch_add(1, Relaxed);
             tracing::warn!(
@@ -169,7 +169,7 @@ mod tests {
 
     #[test]
     fn one_stall_that_times_out_every_call_at_once_does_not_open_it() {
-        let b = Breaker::new(Duration::from_millis(50));
+        let b = Breaker::new(Duration::from_millis(50), BackOff::default());
         for _ in 0..20 {
             b.failure();
         }
@@ -187,7 +187,7 @@ mod tests {
 
     #[test]
     fn it_opens_after_the_threshold_of_failures_in_a_row() {
-        let b = Breaker::new(Duration::ZERO);
+        let b = Breaker::new(Duration::ZERO, BackOff::default());
         b.failure();
         b.failure();
         b.success();
@@ -201,7 +201,7 @@ mod tests {
 
     #[test]
     fn requests_that_ran_out_of_budget_in_a_queue_never_open_it() {
-        let b = Breaker::new(Duration::ZERO);
+        let b = Breaker::new(Duration::ZERO, BackOff::default());
         for _ in 0..100 {
             b.observe::<()>(&Err(StoreError::Deadline { sent: false }));
             b.observe::<()>(&Err(StoreError::Abandoned));
@@ -212,7 +212,7 @@ mod tests {
 
     #[test]
     fn calls_that_went_out_and_did_not_answer_open_it() {
-        let b = Breaker::new(Duration::ZERO);
+        let b = Breaker::new(Duration::ZERO, BackOff::default());
         for _ in 0..THRESHOLD {
             b.observe::<()>(&Err(StoreError::Deadline { sent: true }));
         }
@@ -220,7 +220,7 @@ mod tests {
             b.is_open(),
             "a store that does not answer its calls is down"
         );
-        let e = Breaker::new(Duration::ZERO);
+        let e = Breaker::new(Duration::ZERO, BackOff::default());
         for _ in 0..THRESHOLD {
             e.observe::<()>(&Err(StoreError::Pool("no connection".into())));
         }
@@ -229,7 +229,7 @@ mod tests {
 
     #[test]
     fn any_reply_ends_a_streak_of_failures() {
-        let b = Breaker::new(Duration::ZERO);
+        let b = Breaker::new(Duration::ZERO, BackOff::default());
         for _ in 0..THRESHOLD * 10 {
             b.observe::<()>(&Err(StoreError::Deadline { sent: true }));
             b.observe::<()>(&Err(StoreError::Deadline { sent: false }));
@@ -240,7 +240,7 @@ mod tests {
 
     #[test]
     fn reopening_soon_after_closing_backs_off_longer() {
-        let b = Breaker::new(Duration::ZERO);
+        let b = Breaker::new(Duration::ZERO, BackOff::default());
         for _ in 0..THRESHOLD {
             b.failure();
         }

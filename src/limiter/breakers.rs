@@ -9,6 +9,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 
+use super::periods::BackOff;
 use super::Breaker;
 use crate::store::{key_in_slot, key_slot, Store};
 
@@ -27,24 +28,26 @@ pub struct NodeBreakers {
     by_node: Mutex<HashMap<String, Arc<Breaker>>>,
     store: Store,
     budget: Duration,
+    backoff: BackOff,
 }
 
 impl Breakers {
-    pub fn new(store: &Store, budget: Duration) -> Breakers {
+    pub fn new(store: &Store, budget: Duration, backoff: BackOff) -> Breakers {
         match store {
             Store::Redis(r) if r.is_cluster() => {
                 // Until the slot map is known, one breaker stands for the whole cluster.
-                let unknown = Arc::new(Breaker::new(budget));
+                let unknown = Arc::new(Breaker::new(budget, backoff));
                 unknown.spawn_prober(store.clone(), None, budget);
                 Breakers::PerNode(Arc::new(NodeBreakers {
                     by_slot: ArcSwap::from_pointee(vec![unknown; SLOTS]),
                     by_node: Mutex::new(HashMap::new()),
                     store: store.clone(),
                     budget,
+                    backoff,
                 }))
             }
             _ => {
-                let b = Arc::new(Breaker::new(budget));
+                let b = Arc::new(Breaker::new(budget, backoff));
                 b.spawn_prober(store.clone(), None, budget);
                 Breakers::One(b)
             }
@@ -109,7 +112,7 @@ impl NodeBreakers {
             let breaker = nodes
                 .entry(node)
                 .or_insert_with(|| {
-                    let b = Arc::new(Breaker::new(self.budget));
+                    let b = Arc::new(Breaker::new(self.budget, self.backoff));
                     b.spawn_prober(self.store.clone(), Some(key_in_slot(start)), self.budget);
                     b
                 })

@@ -1,4 +1,5 @@
-//! Which clients are hot: a sampled count of requests per client over a 10 s window, so a
+//! Which clients are hot: a sampled count of requests per client over a window (10 s by
+//! default, `periods.hot_window_ms`), so a
 //! client worth sharding by region shows up without a per-request map update for every
 //! client. `/admin/v1/hot` lists the top ones; `/metrics` has the busiest client's share of
 //! traffic (without its id: labels never carry client ids).
@@ -15,7 +16,6 @@ use crate::domain::ClientId;
 
 /// One request in this many is counted.
 const SAMPLE: u64 = 16;
-const WINDOW: Duration = Duration::from_secs(10);
 const KEEP: usize = 100;
 
 /// A client's estimated request rate over the last window.
@@ -34,13 +34,22 @@ thread_local! {
     static SEEN: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
-#[derive(Default)]
 pub struct HotClients {
     counts: DashMap<ClientId, AtomicU64>,
     top: ArcSwap<Vec<HotClient>>,
+    window: Duration,
 }
 
 impl HotClients {
+    /// Counts over windows of `window`.
+    pub fn new(window: Duration) -> HotClients {
+        HotClients {
+            counts: DashMap::new(),
+            top: ArcSwap::default(),
+            window,
+        }
+    }
+
     /// Counts a request (one in [`SAMPLE`] is recorded).
     pub fn observe(&self, client: &ClientId) {
         let seen = SEEN.with(|n| n.replace(n.get().wrapping_add(1)));
@@ -72,7 +81,7 @@ impl HotClients {
         let total: u64 = all.iter().map(|(_, n)| n).sum();
         all.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
         all.truncate(KEEP);
-        let secs = WINDOW.as_secs_f64();
+        let secs = self.window.as_secs_f64();
         self.top.store(Arc::new(
             all.into_iter()
                 .map(|(id, n)| HotClient {
@@ -87,7 +96,7 @@ impl HotClients {
     pub fn spawn_rotation(self: &Arc<Self>) {
         let me = Arc::clone(self);
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(WINDOW);
+            let mut tick = tokio::time::interval(me.window);
             tick.tick().await;
             loop {
                 tick.tick().await;

@@ -9,6 +9,7 @@
 pub mod breaker;
 mod breakers;
 mod hot;
+mod periods;
 mod safety;
 mod shadow;
 pub mod shares;
@@ -19,6 +20,7 @@ use std::time::{Duration, Instant};
 pub use breaker::Breaker;
 pub use breakers::Breakers;
 pub use hot::{HotClient, HotClients};
+pub use periods::{BackOff, Periods};
 pub use safety::SafetyLimit;
 pub use shadow::ShadowStats;
 pub use shares::ShareBook;
@@ -43,6 +45,7 @@ pub struct Limiter {
     breakers: Breakers,
     safety: SafetyLimit,
     shadow: Arc<ShadowStats>,
+    periods: Periods,
 }
 
 impl Limiter {
@@ -55,20 +58,22 @@ impl Limiter {
         timeout: Duration,
         metrics: Arc<Metrics>,
         default_multiplier: f64,
+        periods: Periods,
     ) -> Limiter {
         Limiter {
-            regional_breakers: Breakers::new(&regional, timeout),
+            regional_breakers: Breakers::new(&regional, timeout, periods.backoff),
             regional,
             region,
-            shares: Arc::new(ShareBook::default()),
-            hot: Arc::new(HotClients::default()),
+            shares: Arc::new(ShareBook::new(periods)),
+            hot: Arc::new(HotClients::new(periods.hot_window)),
             store: store.clone(),
             catalog,
             timeout,
             metrics,
-            breakers: Breakers::new(&store, timeout),
+            breakers: Breakers::new(&store, timeout, periods.backoff),
             safety: SafetyLimit::new(default_multiplier),
             shadow: Arc::new(ShadowStats::default()),
+            periods,
         }
     }
 
@@ -84,7 +89,7 @@ impl Limiter {
             self.region.clone(),
         );
         self.shadow
-            .spawn_flush(self.store.clone(), Duration::from_secs(1));
+            .spawn_flush(self.store.clone(), self.periods.shadow_flush);
         let me = Arc::clone(self);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(5));
@@ -160,7 +165,7 @@ impl Limiter {
                 // Just un-sharded: the global bucket starts as full as the shards were.
                 let initial = client
                     .unsharded_at
-                    .filter(|t| t.elapsed() < shares::UNSHARD_WINDOW)
+                    .filter(|t| t.elapsed() < self.periods.unshard_window)
                     .and_then(|_| self.shares.fill(&client.id))
                     .map(|f| f * plan.capacity());
                 (

@@ -14,20 +14,14 @@ use std::time::Duration;
 
 use dashmap::DashMap;
 
+use super::periods::Periods;
 use crate::catalog::{Catalog, ClientEntry};
 use crate::domain::{ClientId, Region};
 use crate::store::{Reconcile, ShardState, Store};
 
-/// How often shares are recomputed (in the global store).
-pub const PERIOD: Duration = Duration::from_secs(1);
-/// How often each gateway reports its demand and reads the shares: twice a period, so the
-/// demand a recomputation sees is at most half a period old.
-const FLUSH: Duration = Duration::from_millis(500);
 /// The part of the plan that idle regions keep, summed over all regions, so a region whose
 /// demand starts is not starved until the next reconciliation.
 pub const FLOOR: f64 = 0.1;
-/// How long after un-sharding the global bucket starts from the shards' fill.
-pub const UNSHARD_WINDOW: Duration = Duration::from_secs(60);
 
 #[derive(Default)]
 struct Entry {
@@ -54,14 +48,12 @@ pub struct ShareNow {
 pub struct ShareBook {
     entries: DashMap<ClientId, Entry>,
     epoch: std::time::Instant,
+    periods: Periods,
 }
 
 impl Default for ShareBook {
     fn default() -> Self {
-        ShareBook {
-            entries: DashMap::new(),
-            epoch: std::time::Instant::now(),
-        }
+        ShareBook::new(Periods::default())
     }
 }
 
@@ -70,6 +62,15 @@ fn f(bits: &AtomicU64) -> f64 {
 }
 
 impl ShareBook {
+    /// A book reconciled every `periods.share`.
+    pub fn new(periods: Periods) -> ShareBook {
+        ShareBook {
+            entries: DashMap::new(),
+            epoch: std::time::Instant::now(),
+            periods,
+        }
+    }
+
     /// Counts one request of a sharded client in this region and returns its share, or
     /// `None` until the first reconciliation (the client's global bucket serves meanwhile,
     /// so starting to shard hands out no fresh burst).
@@ -130,7 +131,7 @@ impl ShareBook {
     ) {
         let book = Arc::clone(self);
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(FLUSH);
+            let mut tick = tokio::time::interval(book.periods.share_report());
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
@@ -140,7 +141,8 @@ impl ShareBook {
                         .await;
                 }
                 // Forget clients that have not been sharded for a while.
-                let window = UNSHARD_WINDOW.as_millis() as u64 / FLUSH.as_millis() as u64;
+                let window = book.periods.unshard_window.as_millis() as u64
+                    / book.periods.share_report().as_millis().max(1) as u64;
                 book.entries.retain(|id, e| {
                     clients.iter().any(|c| &c.id == id)
                         || e.idle_rounds.fetch_add(1, Relaxed) < window
@@ -197,7 +199,7 @@ impl ShareBook {
             regions: &shard.regions,
             global_key: &global_key,
             plan,
-            period_ms: PERIOD.as_millis() as u64 - 50,
+            period_ms: (self.periods.share.as_millis() as u64).saturating_sub(50),
             floor: FLOOR,
         };
         match tokio::time::timeout(Duration::from_millis(500), global.reconcile(&r)).await {

@@ -1,0 +1,59 @@
+//! How often the limiter's background work runs, in one value handed down from start-up.
+//! The defaults are the design's; `[periods]` in the configuration changes them (tests
+//! shorten them to wait on events rather than sleep through a 10 s window).
+
+use std::time::Duration;
+
+/// The limiter's periods.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Periods {
+    /// The window over which the hottest clients are counted (`/admin/v1/hot`).
+    pub hot_window: Duration,
+    /// How often shares of sharded clients are recomputed; each gateway reports its demand
+    /// twice a period, so a recomputation sees demand at most half a period old.
+    pub share: Duration,
+    /// How long after un-sharding the global bucket starts from the shards' fill.
+    pub unshard_window: Duration,
+    /// How often shadow-mode counts are flushed to the store.
+    pub shadow_flush: Duration,
+    /// The breaker's back-off between probes of a store that stopped answering.
+    pub backoff: BackOff,
+}
+
+/// A breaker's back-off: `base` after opening, doubled (up to `max`) each time it re-opens
+/// within `stable` of closing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BackOff {
+    pub base: Duration,
+    pub max: Duration,
+    pub stable: Duration,
+}
+
+impl Default for Periods {
+    fn default() -> Self {
+        Periods {
+            hot_window: Duration::from_secs(10),
+            share: Duration::from_secs(1),
+            unshard_window: Duration::from_secs(60),
+            shadow_flush: Duration::from_secs(1),
+            backoff: BackOff::default(),
+        }
+    }
+}
+
+impl Default for BackOff {
+    fn default() -> Self {
+        BackOff {
+            base: Duration::from_millis(100),
+            max: Duration::from_secs(2),
+            stable: Duration::from_secs(5),
+        }
+    }
+}
+
+impl Periods {
+    /// How often each gateway reports demand and reads the shares: twice a share period.
+    pub fn share_report(&self) -> Duration {
+        self.share / 2
+    }
+}
