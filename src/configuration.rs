@@ -447,7 +447,7 @@ impl Settings {
                 );
             }
             for (j, u) in r.upstreams.iter().enumerate() {
-                if let Err(e) = crate::proxy::Upstream::parse(u) {
+                if let Err(e) = crate::domain::Upstream::parse(u) {
                     bad(&format!("{key}.upstreams[{j}]"), e);
                 }
             }

@@ -3,6 +3,7 @@
 mod api_key;
 mod ids;
 mod plan;
+mod upstream;
 
 pub use api_key::{ApiKey, KeyHash};
 pub use ids::{ClientId, IdError, PlanName, Region, ID_PATTERN};
@@ -10,3 +11,4 @@ pub use plan::{
     Capacity, Mode, Plan, PlanError, Rate, MAX_CAPACITY, MAX_RATE, MAX_REFILL_SECS, MIN_CAPACITY,
     MIN_RATE,
 };
+pub use upstream::Upstream;
