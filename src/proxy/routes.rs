@@ -40,7 +40,8 @@ pub struct RouteTable {
 }
 
 impl RouteTable {
-    /// From validated settings.
+    /// From the settings' routes (a route without upstreams, which parsed settings never
+    /// have, is left out rather than panic when picked).
     pub fn new(settings: &[RouteSettings]) -> RouteTable {
         let mut routes: Vec<Arc<Route>> = settings
             .iter()
@@ -48,13 +49,9 @@ impl RouteTable {
                 Arc::new(Route {
                     service: Arc::from(r.service.as_str()),
                     prefix: r.prefix.clone(),
-                    upstreams: r
-                        .upstreams
-                        .iter()
-                        .filter_map(|u| Upstream::parse(u).ok())
-                        .collect(),
+                    upstreams: r.upstreams.clone(),
                     cost: r.cost,
-                    timeout: Duration::from_millis(r.timeout_ms),
+                    timeout: r.timeout,
                     next: AtomicUsize::new(0),
                 })
             })
@@ -73,17 +70,20 @@ impl RouteTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::domain::ServiceName;
 
     fn table(prefixes: &[&str]) -> RouteTable {
         RouteTable::new(
             &prefixes
                 .iter()
                 .map(|p| RouteSettings {
-                    service: p.trim_matches('/').replace('/', "-"),
+                    service: ServiceName::parse(&format!("svc{}", p.replace('/', "-"))).unwrap(),
                     prefix: p.to_string(),
-                    upstreams: vec!["http://127.0.0.1:1".into(), "http://127.0.0.1:2".into()],
+                    upstreams: ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+                        .map(|u| Upstream::parse(u).unwrap())
+                        .to_vec(),
                     cost: 1.0,
-                    timeout_ms: 1000,
+                    timeout: Duration::from_secs(1),
                 })
                 .collect::<Vec<_>>(),
         )
