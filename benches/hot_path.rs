@@ -3,11 +3,12 @@
 //! BENCHMARKS.md); these show which in-process step costs what, in nanoseconds.
 
 use std::hint::black_box;
+use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use tollgate::configuration::RouteSettings;
 use tollgate::domain::{bucket, BucketState, Decision, Outcome, RateLimitHeaders, Verdict};
-use tollgate::domain::{KeyHash, Plan, PlanName};
+use tollgate::domain::{KeyHash, Plan, PlanName, ServiceName, Upstream};
 use tollgate::proxy::RouteTable;
 use tollgate::store::{EmbeddedStore, LocalBuckets};
 
@@ -41,14 +42,13 @@ fn key_hash(c: &mut Criterion) {
 fn routes(n: usize) -> RouteTable {
     let settings: Vec<RouteSettings> = (0..n)
         .map(|i| RouteSettings {
-            service: format!("svc{i}"),
+            service: ServiceName::parse(&format!("svc{i}")).expect("a valid service name"),
             prefix: format!("/svc{i}/v1"),
-            upstreams: vec![
-                "http://127.0.0.1:9001".into(),
-                "http://127.0.0.1:9002".into(),
-            ],
+            upstreams: ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
+                .map(|u| Upstream::parse(u).expect("a valid upstream"))
+                .to_vec(),
             cost: 1.0,
-            timeout_ms: 30_000,
+            timeout: Duration::from_secs(30),
         })
         .collect();
     RouteTable::new(&settings)

@@ -65,7 +65,7 @@ async fn main() {
             }
         }
         Command::Healthcheck { path } => {
-            match tollgate::ops::probe(&settings.server.listen, &path, PROBE_TIMEOUT) {
+            match tollgate::ops::probe(settings.server.listen, &path, PROBE_TIMEOUT) {
                 Ok(200) => {}
                 Ok(status) => {
                     eprintln!("tollgate healthcheck: {path} answered {status}");

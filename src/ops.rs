@@ -2,7 +2,7 @@
 //! `healthcheck` subcommand uses to ask a running gateway for one of them.
 
 use std::io::{Read, Write};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
@@ -65,12 +65,8 @@ async fn readyz(state: web::Data<AppState>) -> HttpResponse {
 /// response's status code. An unspecified address (`0.0.0.0`, `[::]`) is asked on
 /// loopback. For container health checks: the runtime image has no shell and no curl.
 /// `timeout` bounds the connect and each read and write.
-pub fn probe(listen: &str, path: &str, timeout: Duration) -> anyhow::Result<u16> {
-    let mut addr = listen
-        .to_socket_addrs()
-        .with_context(|| format!("server.listen {listen:?} is not an address"))?
-        .next()
-        .with_context(|| format!("server.listen {listen:?} resolves to nothing"))?;
+pub fn probe(listen: SocketAddr, path: &str, timeout: Duration) -> anyhow::Result<u16> {
+    let mut addr = listen;
     if addr.ip().is_unspecified() {
         addr.set_ip(match addr.ip() {
             IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
@@ -219,7 +215,7 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
 #[cfg(test)]
 mod tests {
     use std::io::{Read, Write};
-    use std::net::TcpListener;
+    use std::net::{SocketAddr, TcpListener};
     use std::time::Duration;
 
     use super::probe;
@@ -248,7 +244,7 @@ mod tests {
     fn a_probe_returns_the_status_the_server_answers() {
         let port = answer_once("HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n");
         let status = probe(
-            &format!("127.0.0.1:{port}"),
+            SocketAddr::from(([127, 0, 0, 1], port)),
             "/readyz",
             Duration::from_secs(2),
         );
@@ -259,7 +255,7 @@ mod tests {
     fn a_probe_of_an_unspecified_address_asks_loopback() {
         let port = answer_once("HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n");
         let status = probe(
-            &format!("0.0.0.0:{port}"),
+            SocketAddr::from(([0, 0, 0, 0], port)),
             "/healthz",
             Duration::from_secs(2),
         );
@@ -270,7 +266,7 @@ mod tests {
     fn a_probe_of_something_that_is_not_http_fails() {
         let port = answer_once("-ERR unknown command\r\n");
         let err = probe(
-            &format!("127.0.0.1:{port}"),
+            SocketAddr::from(([127, 0, 0, 1], port)),
             "/healthz",
             Duration::from_secs(2),
         );

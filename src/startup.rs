@@ -2,16 +2,15 @@
 //! spawns background tasks, and [`Application::run_until_stopped`] serves until SIGTERM.
 //! `main` and the integration tests use the same path.
 
-use std::net::TcpListener;
+use std::net::{SocketAddr, TcpListener};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::dev::{Server, ServerHandle};
-use actix_web::http::header::HeaderName;
 use actix_web::middleware::from_fn;
 use actix_web::{web, App, HttpServer};
 use anyhow::Context;
-use secrecy::ExposeSecret;
 use tracing_actix_web::TracingLogger;
 
 use crate::admin::{self, JwtVerifier};
@@ -36,32 +35,24 @@ impl Application {
         let metrics = Arc::new(Metrics::default());
         let keys = Keys::new(&settings.redis.key_prefix);
         let store = open_store(&settings, &keys)?;
-        let catalog_region = crate::domain::Region::parse(&settings.server.region)?;
-        let cache_file = (!settings.uses_embedded_store()
-            && !settings.catalog.cache_file.as_os_str().is_empty())
-        .then(|| settings.catalog.cache_file.clone());
+        let region = &settings.server.region;
+        let cache_file = settings
+            .catalog
+            .cache_file
+            .clone()
+            .filter(|_| !settings.uses_embedded_store());
         let catalog = Arc::new(
-            Catalog::new(
-                settings.default_mode(),
-                keys.clone(),
-                catalog_region.clone(),
-            )
-            .with_cache_file(cache_file),
+            Catalog::new(settings.limits.default_mode, keys.clone(), region.clone())
+                .with_cache_file(cache_file),
         );
         prepare_store(&store, &catalog, &settings).await?;
-        catalog.spawn_refresh(
-            store.clone(),
-            Duration::from_millis(settings.catalog.refresh_ms),
-        );
+        catalog.spawn_refresh(store.clone(), settings.catalog.refresh);
         if let Store::Embedded(e) = &store {
             spawn_evictor(Arc::clone(e));
         }
 
         let regional = open_regional_store(&settings, &keys, &store)?;
-        if let (Store::Redis(r), false) = (
-            &regional,
-            settings.redis.regional_url.expose_secret().is_empty(),
-        ) {
+        if let (Store::Redis(r), Some(_)) = (&regional, &settings.redis.regional_url) {
             if let Err(e) = r.load_scripts().await {
                 tracing::warn!(error = %e, "regional store unavailable at start; its shards fail open until it answers");
             }
@@ -69,9 +60,9 @@ impl Application {
         let limiter = Arc::new(Limiter::new(
             store.clone(),
             regional,
-            catalog_region.clone(),
+            region.clone(),
             Arc::clone(&catalog),
-            Duration::from_millis(settings.redis.timeout_ms),
+            settings.redis.timeout,
             Arc::clone(&metrics),
             settings.limits.safety_multiplier,
             crate::limiter::Periods::default(),
@@ -83,18 +74,17 @@ impl Application {
             store: store.clone(),
             routes: RouteTable::new(&settings.routes),
             metrics,
-            api_key_header: HeaderName::from_bytes(settings.server.api_key_header.as_bytes())
-                .context("server.api_key_header")?,
-            trusted_proxies: settings.trusted_proxies(),
-            max_body_bytes: settings.server.max_body_bytes,
+            api_key_header: settings.server.api_key_header.clone(),
+            trusted_proxies: settings.server.trusted_proxies.clone(),
+            max_body_bytes: settings.server.max_body_bytes.get(),
             safety_multiplier: settings.limits.safety_multiplier,
         });
         let jwt = web::Data::new(JwtVerifier::from_settings(&settings.admin)?);
 
-        let listener = TcpListener::bind(&settings.server.listen)
+        let listener = TcpListener::bind(settings.server.listen)
             .with_context(|| format!("server.listen: cannot bind {}", settings.server.listen))?;
         let port = listener.local_addr()?.port();
-        let separate_admin = !settings.server.admin_listen.is_empty();
+        let separate_admin = settings.server.admin_listen.is_some();
 
         let mut servers = Vec::new();
         let (data, jwt_data) = (state.clone(), jwt.clone());
@@ -123,24 +113,18 @@ impl Application {
                         .default_service(web::to(proxy::forward)),
                 )
         });
-        let main = main
-            .shutdown_timeout(settings.server.shutdown_timeout_s)
-            .backlog(4096);
-        let main = if settings.server.workers > 0 {
-            main.workers(settings.server.workers)
-        } else {
-            main
+        let shutdown_timeout_s = settings.server.shutdown_timeout.as_secs();
+        let main = main.shutdown_timeout(shutdown_timeout_s).backlog(4096);
+        let main = match settings.server.workers {
+            Some(n) => main.workers(n.get()),
+            None => main,
         };
         servers.push(main.listen(listener)?.run());
 
         let mut admin_port = None;
-        if separate_admin {
-            let listener = TcpListener::bind(&settings.server.admin_listen).with_context(|| {
-                format!(
-                    "server.admin_listen: cannot bind {}",
-                    settings.server.admin_listen
-                )
-            })?;
+        if let Some(admin_listen) = settings.server.admin_listen {
+            let listener = TcpListener::bind(admin_listen)
+                .with_context(|| format!("server.admin_listen: cannot bind {admin_listen}"))?;
             admin_port = Some(listener.local_addr()?.port());
             let data = state.clone();
             let admin = HttpServer::new(move || {
@@ -154,7 +138,7 @@ impl Application {
                     .configure(admin::configure)
             })
             .workers(1)
-            .shutdown_timeout(settings.server.shutdown_timeout_s);
+            .shutdown_timeout(shutdown_timeout_s);
             servers.push(admin.listen(listener)?.run());
         }
 
@@ -162,7 +146,7 @@ impl Application {
             tracing::warn!("server.admin_listen is empty: the admin API, its docs and /metrics share the public listener; set it to a private address to serve them apart");
         }
         tracing::info!(
-            listen = %format!("{}:{port}", host_of(&settings.server.listen)),
+            listen = %SocketAddr::new(settings.server.listen.ip(), port),
             admin_port = ?admin_port,
             store = %store.describe(),
             region = %settings.server.region,
@@ -208,45 +192,34 @@ impl Application {
     }
 }
 
-fn host_of(listen: &str) -> &str {
-    listen.rsplit_once(':').map(|(h, _)| h).unwrap_or(listen)
-}
-
 fn open_store(settings: &Settings, keys: &Keys) -> anyhow::Result<Store> {
-    if settings.uses_embedded_store() {
-        let store = EmbeddedStore::open(&settings.catalog.file).context("catalog.file")?;
-        return Ok(Store::Embedded(Arc::new(store)));
-    }
-    if !settings.redis.cluster_nodes.is_empty() {
-        let store = RedisStore::connect_cluster(
-            &settings.redis.cluster_nodes,
-            settings.redis.control_timeout(),
-            keys.clone(),
-        )
-        .context("redis.cluster_nodes")?;
+    let redis = &settings.redis;
+    if !redis.cluster_nodes.is_empty() {
+        let store =
+            RedisStore::connect_cluster(&redis.cluster_nodes, redis.control_timeout, keys.clone())
+                .context("redis.cluster_nodes")?;
         return Ok(Store::Redis(Arc::new(store)));
     }
-    let store = RedisStore::connect(
-        &settings.redis.url,
-        settings.redis.pool_size,
-        settings.redis.control_timeout(),
-        keys.clone(),
-    )
-    .context("redis.url")?;
-    Ok(Store::Redis(Arc::new(store)))
+    if let Some(url) = &redis.url {
+        let store = RedisStore::connect(url, redis.pool_size, redis.control_timeout, keys.clone())
+            .context("redis.url")?;
+        return Ok(Store::Redis(Arc::new(store)));
+    }
+    let store = EmbeddedStore::open(&settings.catalog.file).context("catalog.file")?;
+    Ok(Store::Embedded(Arc::new(store)))
 }
 
 /// The store holding this region's shards of hot clients: `redis.regional_url`, or the
 /// global store when it is not set.
 fn open_regional_store(settings: &Settings, keys: &Keys, global: &Store) -> anyhow::Result<Store> {
-    let url = &settings.redis.regional_url;
-    if url.expose_secret().is_empty() || settings.uses_embedded_store() {
-        return Ok(global.clone());
-    }
+    let url = match &settings.redis.regional_url {
+        Some(url) if !settings.uses_embedded_store() => url,
+        _ => return Ok(global.clone()),
+    };
     let store = RedisStore::connect(
         url,
         settings.redis.pool_size,
-        settings.redis.control_timeout(),
+        settings.redis.control_timeout,
         keys.clone(),
     )
     .context("redis.regional_url")?;
@@ -274,9 +247,9 @@ async fn prepare_store(
         Err(e) if e.downcast_ref::<crate::store::StoreError>().is_none() => Err(e),
         Err(e) => {
             tracing::warn!(error = %e, "store unavailable at start; failing open and retrying");
-            match catalog.serve_fallback(settings)? {
+            match catalog.serve_fallback(settings) {
                 catalog::Source::Cache { saved_at_ms } => tracing::warn!(
-                    file = %settings.catalog.cache_file.display(),
+                    file = %settings.catalog.cache_file.as_deref().unwrap_or(Path::new("")).display(),
                     age_s = catalog::cache::now_ms().saturating_sub(saved_at_ms) / 1000,
                     clients = catalog.len(),
                     "serving the last-known catalog from the cache file until the store answers"

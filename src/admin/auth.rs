@@ -57,9 +57,8 @@ pub struct JwtVerifier {
 
 impl JwtVerifier {
     pub fn from_settings(s: &AdminSettings) -> anyhow::Result<JwtVerifier> {
-        let secret = s.jwt_hs256_secret.expose_secret();
-        let (key, alg) = if !s.jwt_public_key_pem.is_empty() {
-            let pem = std::fs::read(&s.jwt_public_key_pem)
+        let (key, alg) = if let Some(path) = &s.jwt_public_key_pem {
+            let pem = std::fs::read(path)
                 .map_err(|e| anyhow::anyhow!("admin.jwt_public_key_pem: {e}"))?;
             // The key's type decides the algorithm: RSA → RS256, EC P-256 → ES256.
             if let Ok(k) = DecodingKey::from_rsa_pem(&pem) {
@@ -69,9 +68,9 @@ impl JwtVerifier {
             } else {
                 anyhow::bail!("admin.jwt_public_key_pem: not an RSA or EC public key in PEM");
             }
-        } else if !secret.is_empty() {
+        } else if let Some(secret) = &s.jwt_hs256_secret {
             (
-                DecodingKey::from_secret(secret.as_bytes()),
+                DecodingKey::from_secret(secret.expose_secret().as_bytes()),
                 Algorithm::HS256,
             )
         } else {
@@ -147,10 +146,9 @@ pub async fn require_token(
 
 /// Signs a development token with the configured HS256 secret (`tollgate token`).
 pub fn mint(s: &AdminSettings, sub: &str, scope: &str, ttl_s: u64) -> anyhow::Result<String> {
-    let secret = s.jwt_hs256_secret.expose_secret();
-    if secret.is_empty() {
+    let Some(secret) = &s.jwt_hs256_secret else {
         anyhow::bail!("admin.jwt_hs256_secret is not set: tokens come from your identity provider");
-    }
+    };
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
         .as_secs();
@@ -166,6 +164,6 @@ pub fn mint(s: &AdminSettings, sub: &str, scope: &str, ttl_s: u64) -> anyhow::Re
     Ok(jsonwebtoken::encode(
         &Header::new(Algorithm::HS256),
         &claims,
-        &EncodingKey::from_secret(secret.as_bytes()),
+        &EncodingKey::from_secret(secret.expose_secret().as_bytes()),
     )?)
 }

@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use dashmap::DashMap;
-use secrecy::ExposeSecret;
 
 pub use crate::store::records::{
     Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition,
@@ -219,7 +218,7 @@ impl Catalog {
     /// The store did not answer at start: serve the last-known catalog from the cache
     /// file, or else what the configuration declares, until it does. Decisions fail open
     /// meanwhile (the store is down), within the safety limits; keys are recognised.
-    pub fn serve_fallback(&self, settings: &Settings) -> anyhow::Result<Source> {
+    pub fn serve_fallback(&self, settings: &Settings) -> Source {
         let source = match self.cache.as_deref().and_then(cache::load) {
             Some(cached) => {
                 self.replace(cached.catalog);
@@ -228,7 +227,7 @@ impl Catalog {
                 }
             }
             None => {
-                let (plans, clients) = declared(settings)?;
+                let (plans, clients) = declared(settings);
                 self.replace(CatalogDump {
                     epoch: None,
                     version: 0,
@@ -246,7 +245,7 @@ impl Catalog {
             }
         };
         *self.source.lock() = source;
-        Ok(source)
+        source
     }
 
     /// Writes the mirror to the cache file when it changed since the last write, off the
@@ -541,46 +540,37 @@ impl Catalog {
 }
 
 /// The plans and clients the settings declare, as records.
-fn declared(settings: &Settings) -> anyhow::Result<(Vec<PlanRecord>, Vec<ClientRecord>)> {
-    let mut plans = Vec::new();
-    for p in &settings.catalog.plans {
-        plans.push(PlanRecord {
-            name: PlanName::parse(&p.name)?,
-            capacity: p.capacity,
-            rate: p.rate,
+fn declared(settings: &Settings) -> (Vec<PlanRecord>, Vec<ClientRecord>) {
+    let plans = settings
+        .catalog
+        .plans
+        .iter()
+        .map(|p| PlanRecord {
+            name: p.name.clone(),
+            capacity: p.limits.capacity(),
+            rate: p.limits.rate(),
             description: p.description.clone(),
-        });
-    }
-    let mut clients = Vec::new();
-    for c in &settings.catalog.clients {
-        let mut keys: Vec<KeyRecord> = c
-            .keys
-            .iter()
-            .map(|k| KeyRecord::new(KeyHash::of(k.expose_secret())))
-            .collect();
-        for h in &c.key_hashes {
-            keys.push(KeyRecord::new(h.parse().map_err(anyhow::Error::msg)?));
-        }
-        clients.push(ClientRecord {
-            id: ClientId::parse(&c.id)?,
-            plan: PlanName::parse(&c.plan)?,
-            mode: c
-                .mode
-                .as_deref()
-                .map(str::parse)
-                .transpose()
-                .map_err(anyhow::Error::msg)?,
+        })
+        .collect();
+    let clients = settings
+        .catalog
+        .clients
+        .iter()
+        .map(|c| ClientRecord {
+            id: c.id.clone(),
+            plan: c.plan.clone(),
+            mode: c.mode,
             shards: None,
-            keys,
-        });
-    }
-    Ok((plans, clients))
+            keys: c.keys.iter().copied().map(KeyRecord::new).collect(),
+        })
+        .collect();
+    (plans, clients)
 }
 
 /// Creates the plans and clients declared in the settings that the store lacks. Existing
 /// ones (perhaps edited through the admin API since) are left as they are.
 pub async fn seed(store: &Store, settings: &Settings) -> anyhow::Result<()> {
-    let (plans, clients) = declared(settings)?;
+    let (plans, clients) = declared(settings);
     for rec in plans {
         store
             .catalog_write(

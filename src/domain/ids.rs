@@ -118,6 +118,12 @@ id_type!(
     "gold"
 );
 id_type!(
+    /// An upstream service behind a route (metrics and safety limits name it).
+    ServiceName,
+    64,
+    "orders"
+);
+id_type!(
     /// A deployment region, e.g. `eu-west`.
     Region,
     32,
@@ -150,6 +156,7 @@ mod tests {
             assert!(ClientId::parse(s).is_err(), "{s:?}");
         }
         assert!(Region::parse(&"r".repeat(33)).is_err());
+        assert!(ServiceName::parse(&"s".repeat(65)).is_err());
     }
 
     #[test]

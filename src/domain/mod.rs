@@ -1,7 +1,7 @@
 //! The lowest floor: values every other layer speaks in, with no I/O and no imports from
 //! the rest of the crate. Types that refuse bad values (once constructed, they are valid),
-//! the token-bucket arithmetic both stores run, decisions and their outcomes, and the
-//! IETF `RateLimit` header values.
+//! the token-bucket arithmetic both stores run, decisions and their outcomes, the IETF
+//! `RateLimit` header values, and where a route's service lives ([`Upstream`]).
 
 mod api_key;
 pub mod bucket;
@@ -9,13 +9,15 @@ mod decision;
 mod ids;
 mod plan;
 mod ratelimit;
+mod upstream;
 
 pub use api_key::{ApiKey, KeyHash};
 pub use bucket::{BucketState, Verdict};
 pub use decision::{Decision, Outcome};
-pub use ids::{ClientId, IdError, PlanName, Region, ID_PATTERN};
+pub use ids::{ClientId, IdError, PlanName, Region, ServiceName, ID_PATTERN};
 pub use plan::{
     Capacity, Mode, Plan, PlanError, Rate, MAX_CAPACITY, MAX_RATE, MAX_REFILL_SECS, MIN_CAPACITY,
     MIN_RATE,
 };
 pub use ratelimit::{policy_header, RateLimitHeaders};
+pub use upstream::Upstream;

@@ -12,4 +12,4 @@ pub use forward::{forward, upstream_client};
 pub use guard::{guard, Admitted};
 pub use headers::{request_id, RequestId};
 pub use path::{NormalPath, PathError, MAX_PATH_BYTES};
-pub use routes::{Route, RouteTable, Upstream};
+pub use routes::{Route, RouteTable};

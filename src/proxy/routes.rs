@@ -4,59 +4,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix_web::http::uri::{Authority, InvalidUriParts, Parts, PathAndQuery, Scheme};
-use actix_web::http::Uri;
-
 use crate::configuration::RouteSettings;
-
-/// One upstream replica: scheme and authority, to which the request's path is appended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Upstream {
-    base: String,
-    authority: Authority,
-}
-
-impl Upstream {
-    /// `http://host[:port]`, with no path, query or credentials.
-    pub fn parse(s: &str) -> Result<Upstream, String> {
-        let uri: actix_web::http::Uri = s
-            .parse()
-            .map_err(|_| format!("{s:?} is not a URL like http://127.0.0.1:9001"))?;
-        if uri.scheme_str() != Some("http") {
-            return Err(format!(
-                "{s:?}: only http:// upstreams are supported (TLS is terminated before them)"
-            ));
-        }
-        let authority = uri
-            .authority()
-            .filter(|a| !a.as_str().contains('@'))
-            .ok_or_else(|| format!("{s:?} needs a host and no credentials"))?;
-        if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
-            return Err(format!("{s:?} must not have a path or query"));
-        }
-        Ok(Upstream {
-            base: format!("http://{authority}"),
-            authority: authority.clone(),
-        })
-    }
-
-    pub fn base(&self) -> &str {
-        &self.base
-    }
-
-    /// The replica's URL for a request's path and query (from parts: nothing re-parsed).
-    pub fn uri(&self, path_and_query: Option<&PathAndQuery>) -> Result<Uri, InvalidUriParts> {
-        let mut parts = Parts::default();
-        parts.scheme = Some(Scheme::HTTP);
-        parts.authority = Some(self.authority.clone());
-        parts.path_and_query = Some(
-            path_and_query
-                .cloned()
-                .unwrap_or_else(|| PathAndQuery::from_static("/")),
-        );
-        Uri::from_parts(parts)
-    }
-}
+use crate::domain::Upstream;
 
 /// A service and how to reach it.
 #[derive(Debug)]
@@ -91,7 +40,8 @@ pub struct RouteTable {
 }
 
 impl RouteTable {
-    /// From validated settings.
+    /// From the settings' routes (a route without upstreams, which parsed settings never
+    /// have, is left out rather than panic when picked).
     pub fn new(settings: &[RouteSettings]) -> RouteTable {
         let mut routes: Vec<Arc<Route>> = settings
             .iter()
@@ -99,13 +49,9 @@ impl RouteTable {
                 Arc::new(Route {
                     service: Arc::from(r.service.as_str()),
                     prefix: r.prefix.clone(),
-                    upstreams: r
-                        .upstreams
-                        .iter()
-                        .filter_map(|u| Upstream::parse(u).ok())
-                        .collect(),
+                    upstreams: r.upstreams.clone(),
                     cost: r.cost,
-                    timeout: Duration::from_millis(r.timeout_ms),
+                    timeout: r.timeout,
                     next: AtomicUsize::new(0),
                 })
             })
@@ -124,17 +70,20 @@ impl RouteTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::domain::ServiceName;
 
     fn table(prefixes: &[&str]) -> RouteTable {
         RouteTable::new(
             &prefixes
                 .iter()
                 .map(|p| RouteSettings {
-                    service: p.trim_matches('/').replace('/', "-"),
+                    service: ServiceName::parse(&format!("svc{}", p.replace('/', "-"))).unwrap(),
                     prefix: p.to_string(),
-                    upstreams: vec!["http://127.0.0.1:1".into(), "http://127.0.0.1:2".into()],
+                    upstreams: ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+                        .map(|u| Upstream::parse(u).unwrap())
+                        .to_vec(),
                     cost: 1.0,
-                    timeout_ms: 1000,
+                    timeout: Duration::from_secs(1),
                 })
                 .collect::<Vec<_>>(),
         )
@@ -166,20 +115,5 @@ mod tests {
         let picks: Vec<_> = (0..4).map(|_| r.pick().base().to_string()).collect();
         assert_eq!(picks[0], picks[2]);
         assert_ne!(picks[0], picks[1]);
-    }
-
-    #[test]
-    fn upstreams_must_be_plain_http_origins() {
-        assert!(Upstream::parse("http://127.0.0.1:9001").is_ok());
-        assert!(Upstream::parse("http://svc.internal").is_ok());
-        for bad in [
-            "ftp://x",
-            "http://x/path",
-            "http://u:p@x",
-            "127.0.0.1:9001",
-            "http://x?q=1",
-        ] {
-            assert!(Upstream::parse(bad).is_err(), "{bad}");
-        }
     }
 }

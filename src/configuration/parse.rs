@@ -1,0 +1,715 @@
+//! From what the sources say ([`RawSettings`]) to [`Settings`], once: each key becomes its
+//! domain type, and every key that cannot is named, so one start-up shows every problem.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::num::{NonZeroU64, NonZeroUsize};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use actix_web::http::header::HeaderName;
+use ipnet::IpNet;
+use secrecy::{ExposeSecret, SecretString};
+
+use super::raw::{RawAdmin, RawCatalog, RawLimits, RawRedis, RawRoute, RawServer, RawSettings};
+use super::settings::{
+    AdminSettings, CatalogSettings, ClientSettings, LimitSettings, PlanSettings, RedisSettings,
+    RouteSettings, ServerSettings, Settings,
+};
+use crate::domain::{
+    ApiKey, Capacity, ClientId, KeyHash, Mode, Plan, PlanName, Rate, Region, ServiceName, Upstream,
+};
+
+/// RFC 7518 3.2: an HS256 key must be at least as long as the hash, 256 bits.
+pub const MIN_HS256_SECRET: usize = 32;
+
+/// One bad key and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    pub key: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for Problem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.key, self.message)
+    }
+}
+
+/// Why settings could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    /// A source could not be read or deserialized (missing file, unknown key, wrong type).
+    #[error("{0}")]
+    Load(String),
+    /// Values that are not what their keys allow, each named.
+    #[error("{}", .0.iter().map(|p| p.to_string()).collect::<Vec<_>>().join("; "))]
+    Invalid(Vec<Problem>),
+}
+
+impl Settings {
+    /// Loads the compiled-in defaults, then each file in order, then `TOLLGATE__*` variables.
+    pub fn load(files: &[PathBuf]) -> Result<Settings, SettingsError> {
+        Self::load_with_env(files, std::env::vars())
+    }
+
+    /// [`Settings::load`] with an explicit environment (tests use this).
+    pub fn load_with_env(
+        files: &[PathBuf],
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Settings, SettingsError> {
+        let raw = RawSettings::load(files, env).map_err(SettingsError::Load)?;
+        parse(raw).map_err(SettingsError::Invalid)
+    }
+}
+
+/// The problems found so far; a section parses to `None` only after recording one.
+#[derive(Default)]
+struct Problems(Vec<Problem>);
+
+impl Problems {
+    fn add(&mut self, key: impl Into<String>, message: impl Into<String>) {
+        self.0.push(Problem {
+            key: key.into(),
+            message: message.into(),
+        });
+    }
+
+    /// The value, or `None` with its error recorded under `key`.
+    fn take<T, E: std::fmt::Display>(
+        &mut self,
+        key: impl Into<String>,
+        parsed: Result<T, E>,
+    ) -> Option<T> {
+        parsed.map_err(|e| self.add(key, e.to_string())).ok()
+    }
+}
+
+/// Each item parsed by `parse` (which records its problems), or `None` when any was bad.
+/// Every item is parsed, so every bad one is named.
+fn each<I: IntoIterator, T>(
+    items: I,
+    mut parse: impl FnMut(usize, I::Item) -> Option<T>,
+) -> Option<Vec<T>> {
+    let parsed: Vec<Option<T>> = items
+        .into_iter()
+        .enumerate()
+        .map(|(i, item)| parse(i, item))
+        .collect();
+    parsed.into_iter().collect()
+}
+
+/// `v` when it lies in `range`, else `message`.
+fn within<T: PartialOrd>(
+    v: T,
+    range: std::ops::RangeInclusive<T>,
+    message: &str,
+) -> Result<T, String> {
+    if range.contains(&v) {
+        Ok(v)
+    } else {
+        Err(message.to_string())
+    }
+}
+
+/// The settings the sources describe, or every problem with them, each naming its key.
+fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
+    let mut p = Problems::default();
+    // Decided by the raw keys: a malformed URL still means "not embedded".
+    let embedded = raw.redis.url.expose_secret().is_empty() && raw.redis.cluster_nodes.is_empty();
+    let server = server(raw.server, &mut p);
+    let redis = redis(raw.redis, &mut p);
+    let catalog = catalog(raw.catalog, embedded, &mut p);
+    let limits = limits(raw.limits, &mut p);
+    let admin = admin(raw.admin, &mut p);
+    let routes = routes(raw.routes, &mut p);
+    match (server, redis, catalog, limits, admin, routes) {
+        (Some(server), Some(redis), Some(catalog), Some(limits), Some(admin), Some(routes))
+            if p.0.is_empty() =>
+        {
+            Ok(Settings {
+                server,
+                redis,
+                catalog,
+                limits,
+                admin,
+                routes,
+            })
+        }
+        _ => {
+            debug_assert!(!p.0.is_empty(), "a section failed without naming a key");
+            Err(p.0)
+        }
+    }
+}
+
+fn server(raw: RawServer, p: &mut Problems) -> Option<ServerSettings> {
+    let listen = p.take("server.listen", parse_listen(&raw.listen));
+    let admin_listen = if raw.admin_listen.is_empty() {
+        Some(None)
+    } else {
+        p.take("server.admin_listen", parse_listen(&raw.admin_listen))
+            .map(Some)
+    };
+    let region = p.take("server.region", Region::parse(&raw.region));
+    let workers = p.take(
+        "server.workers",
+        within(raw.workers, 0..=1024, "must be at most 1024").map(NonZeroUsize::new),
+    );
+    let api_key_header = p.take(
+        "server.api_key_header",
+        HeaderName::from_bytes(raw.api_key_header.as_bytes())
+            .map_err(|_| format!("{:?} is not a valid header name", raw.api_key_header)),
+    );
+    let trusted_proxies = each(&raw.trusted_proxies, |i, cidr| {
+        p.take(
+            format!("server.trusted_proxies[{i}]"),
+            parse_cidr(cidr).ok_or_else(|| format!("{cidr:?} is not an IP address or CIDR")),
+        )
+    });
+    let max_body_bytes = p.take(
+        "server.max_body_bytes",
+        NonZeroU64::new(raw.max_body_bytes).ok_or("must be at least 1"),
+    );
+    Some(ServerSettings {
+        listen: listen?,
+        admin_listen: admin_listen?,
+        region: region?,
+        workers: workers?,
+        api_key_header: api_key_header?,
+        trusted_proxies: trusted_proxies?,
+        max_body_bytes: max_body_bytes?,
+        shutdown_timeout: Duration::from_secs(raw.shutdown_timeout_s),
+    })
+}
+
+fn redis(raw: RawRedis, p: &mut Problems) -> Option<RedisSettings> {
+    let url = optional_redis_url("redis.url", raw.url, p);
+    let regional_url = optional_redis_url("redis.regional_url", raw.regional_url, p);
+    let cluster_nodes = each(raw.cluster_nodes, |i, url| {
+        let checked = check_redis_url(url.expose_secret());
+        p.take(format!("redis.cluster_nodes[{i}]"), checked.map(|()| url))
+    });
+    let timeout = p.take(
+        "redis.timeout_ms",
+        within(raw.timeout_ms, 1..=10_000, "must be between 1 and 10000"),
+    );
+    let control_timeout = p.take(
+        "redis.control_timeout_ms",
+        within(
+            raw.control_timeout_ms,
+            10..=60_000,
+            "must be between 10 and 60000",
+        ),
+    );
+    let pool_size = p.take(
+        "redis.pool_size",
+        within(raw.pool_size, 1..=1024, "must be between 1 and 1024"),
+    );
+    let key_prefix = if raw.key_prefix.contains(['{', '}']) {
+        p.add(
+            "redis.key_prefix",
+            "must not contain '{' or '}' (they delimit cluster hash tags)",
+        );
+        None
+    } else {
+        Some(raw.key_prefix)
+    };
+    Some(RedisSettings {
+        url: url?,
+        cluster_nodes: cluster_nodes?,
+        regional_url: regional_url?,
+        timeout: Duration::from_millis(timeout?),
+        control_timeout: Duration::from_millis(control_timeout?),
+        pool_size: pool_size?,
+        key_prefix: key_prefix?,
+    })
+}
+
+/// `""` is none; anything else must be a Redis URL.
+fn optional_redis_url(
+    key: &str,
+    url: SecretString,
+    p: &mut Problems,
+) -> Option<Option<SecretString>> {
+    if url.expose_secret().is_empty() {
+        return Some(None);
+    }
+    let checked = check_redis_url(url.expose_secret());
+    p.take(key, checked.map(|()| Some(url)))
+}
+
+fn catalog(raw: RawCatalog, embedded: bool, p: &mut Problems) -> Option<CatalogSettings> {
+    let refresh = p.take(
+        "catalog.refresh_ms",
+        within(
+            raw.refresh_ms,
+            10..=600_000,
+            "must be between 10 and 600000",
+        ),
+    );
+    let file = if embedded && raw.file.as_os_str().is_empty() {
+        p.add(
+            "catalog.file",
+            "must be set when the embedded store is used",
+        );
+        None
+    } else {
+        Some(raw.file)
+    };
+
+    let mut plan_names = HashSet::new();
+    let plans = each(raw.plans, |i, plan| {
+        let key = format!("catalog.plans[{i}]");
+        let name = match PlanName::parse(&plan.name) {
+            Ok(name) if !plan_names.insert(name.clone()) => {
+                p.add(
+                    format!("{key}.name"),
+                    format!("plan {:?} declared twice", plan.name),
+                );
+                None
+            }
+            parsed => p.take(format!("{key}.name"), parsed),
+        };
+        // Both parsed, so a plan with both wrong names both.
+        let capacity = p.take(format!("{key}.capacity"), Capacity::parse(plan.capacity));
+        let rate = p.take(format!("{key}.rate"), Rate::parse(plan.rate));
+        Some(PlanSettings {
+            name: name?,
+            limits: Plan::from_parts(capacity?, rate?),
+            description: plan.description,
+        })
+    });
+
+    let mut client_ids = HashSet::new();
+    // Across clients: one key belongs to one client.
+    let mut key_hashes = HashSet::new();
+    let clients = each(raw.clients, |i, client| {
+        let key = format!("catalog.clients[{i}]");
+        let id = match ClientId::parse(&client.id) {
+            Ok(id) if !client_ids.insert(id.clone()) => {
+                p.add(
+                    format!("{key}.id"),
+                    format!("client {:?} declared twice", client.id),
+                );
+                None
+            }
+            parsed => p.take(format!("{key}.id"), parsed),
+        };
+        let plan = p.take(format!("{key}.plan"), PlanName::parse(&client.plan));
+        let mode = p.take(
+            format!("{key}.mode"),
+            client.mode.as_deref().map(str::parse::<Mode>).transpose(),
+        );
+        let plaintext = each(&client.keys, |j, k| {
+            let field = format!("{key}.keys[{j}]");
+            let hash = p.take(&field, ApiKey::parse(k.expose_secret()).map(|k| k.hash()));
+            unique_key(field, hash, &mut key_hashes, p)
+        });
+        let hashed = each(&client.key_hashes, |j, h| {
+            let field = format!("{key}.key_hashes[{j}]");
+            let hash = p.take(&field, h.parse::<KeyHash>());
+            unique_key(field, hash, &mut key_hashes, p)
+        });
+        Some(ClientSettings {
+            id: id?,
+            plan: plan?,
+            mode: mode?,
+            keys: plaintext?.into_iter().chain(hashed?).collect(),
+        })
+    });
+    Some(CatalogSettings {
+        file: file?,
+        refresh: Duration::from_millis(refresh?),
+        cache_file: (!raw.cache_file.as_os_str().is_empty()).then_some(raw.cache_file),
+        plans: plans?,
+        clients: clients?,
+    })
+}
+
+/// A declared key's hash, unless another declared key (of any client) has it.
+fn unique_key(
+    field: String,
+    hash: Option<KeyHash>,
+    seen: &mut HashSet<KeyHash>,
+    p: &mut Problems,
+) -> Option<KeyHash> {
+    let hash = hash?;
+    if seen.insert(hash) {
+        Some(hash)
+    } else {
+        p.add(field, "key used twice");
+        None
+    }
+}
+
+fn limits(raw: RawLimits, p: &mut Problems) -> Option<LimitSettings> {
+    let default_mode = p.take("limits.default_mode", raw.default_mode.parse::<Mode>());
+    // `contains` is false for NaN, so it is refused too.
+    let safety_multiplier = p.take(
+        "limits.safety_multiplier",
+        within(
+            raw.safety_multiplier,
+            1.0..=1_000.0,
+            "must be a number between 1 and 1000",
+        ),
+    );
+    Some(LimitSettings {
+        default_mode: default_mode?,
+        safety_multiplier: safety_multiplier?,
+    })
+}
+
+fn admin(raw: RawAdmin, p: &mut Problems) -> Option<AdminSettings> {
+    let len = raw.jwt_hs256_secret.expose_secret().len();
+    let jwt_hs256_secret = match len {
+        0 => Some(None),
+        MIN_HS256_SECRET.. => Some(Some(raw.jwt_hs256_secret)),
+        _ => {
+            p.add(
+                "admin.jwt_hs256_secret",
+                format!(
+                    "must be at least {MIN_HS256_SECRET} bytes (got {len}): a short HMAC secret can be guessed offline from one token"
+                ),
+            );
+            None
+        }
+    };
+    let pem = raw.jwt_public_key_pem;
+    let jwt_public_key_pem = if pem.is_empty() {
+        Some(None)
+    } else if Path::new(&pem).is_file() {
+        Some(Some(PathBuf::from(pem)))
+    } else {
+        p.add(
+            "admin.jwt_public_key_pem",
+            format!("{pem:?} is not a readable file"),
+        );
+        None
+    };
+    Some(AdminSettings {
+        jwt_hs256_secret: jwt_hs256_secret?,
+        jwt_public_key_pem: jwt_public_key_pem?,
+        jwt_issuer: raw.jwt_issuer,
+        jwt_audience: raw.jwt_audience,
+    })
+}
+
+fn routes(raw: Vec<RawRoute>, p: &mut Problems) -> Option<Vec<RouteSettings>> {
+    let mut prefixes = HashSet::new();
+    each(raw, |i, route| {
+        let key = format!("routes[{i}]");
+        let service = p.take(format!("{key}.service"), ServiceName::parse(&route.service));
+        let prefix = if !route.prefix.starts_with('/') {
+            p.add(format!("{key}.prefix"), "must start with '/'");
+            None
+        } else if !prefixes.insert(route.prefix.trim_end_matches('/').to_string()) {
+            p.add(
+                format!("{key}.prefix"),
+                format!("{:?} used twice", route.prefix),
+            );
+            None
+        } else {
+            Some(route.prefix)
+        };
+        if route.upstreams.is_empty() {
+            p.add(format!("{key}.upstreams"), "needs at least one upstream");
+        }
+        let upstreams = each(&route.upstreams, |j, u| {
+            p.take(format!("{key}.upstreams[{j}]"), Upstream::parse(u))
+        })
+        .filter(|u| !u.is_empty());
+        let cost = if route.cost.is_finite() && route.cost > 0.0 && route.cost <= 1e9 {
+            Some(route.cost)
+        } else {
+            p.add(format!("{key}.cost"), "must be a number greater than 0");
+            None
+        };
+        let timeout = p.take(
+            format!("{key}.timeout_ms"),
+            within(route.timeout_ms, 1..=u64::MAX, "must be at least 1"),
+        );
+        Some(RouteSettings {
+            service: service?,
+            prefix: prefix?,
+            upstreams: upstreams?,
+            cost: cost?,
+            timeout: Duration::from_millis(timeout?),
+        })
+    })
+}
+
+fn parse_listen(s: &str) -> Result<SocketAddr, String> {
+    s.parse::<SocketAddr>()
+        .map_err(|_| format!("{s:?} is not host:port (e.g. 127.0.0.1:8080)"))
+}
+
+/// A network, or a bare address as the network of that one address.
+fn parse_cidr(s: &str) -> Option<IpNet> {
+    s.parse::<IpNet>()
+        .ok()
+        .or_else(|| s.parse::<std::net::IpAddr>().ok().map(IpNet::from))
+}
+
+fn check_redis_url(url: &str) -> Result<(), String> {
+    match redis::parse_redis_url(url) {
+        Some(u) if u.scheme() == "redis" || u.scheme() == "rediss" => Ok(()),
+        _ => Err(format!("{:?} is not a redis:// URL", redact_url(url))),
+    }
+}
+
+/// A Redis URL with any password replaced by `***`, for logs and errors.
+pub fn redact_url(url: &str) -> String {
+    match redis::parse_redis_url(url) {
+        Some(mut u) => {
+            if u.password().is_some() {
+                let _ = u.set_password(Some("***"));
+            }
+            u.to_string()
+        }
+        None => "<unparseable>".to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(toml: &str, env: &[(&str, &str)]) -> Result<Settings, SettingsError> {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("t.toml");
+        std::fs::write(&file, toml).unwrap();
+        Settings::load_with_env(
+            &[file],
+            env.iter().map(|(k, v)| (k.to_string(), v.to_string())),
+        )
+    }
+
+    fn problems(toml: &str) -> Vec<String> {
+        match load(toml, &[]) {
+            Err(SettingsError::Invalid(p)) => p.into_iter().map(|p| p.key).collect(),
+            other => panic!("expected invalid settings, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_defaults_are_valid_and_embedded() {
+        let s = load("", &[]).unwrap();
+        assert!(s.uses_embedded_store());
+        assert_eq!(s.redis.timeout, Duration::from_millis(5));
+        assert_eq!(s.server.api_key_header, "x-api-key");
+        assert_eq!(s.server.admin_listen, None);
+        assert_eq!(s.server.workers, None);
+        assert_eq!(s.limits.default_mode, Mode::Enforce);
+        assert!(s.admin.jwt_hs256_secret.is_none());
+    }
+
+    #[test]
+    fn environment_overrides_files() {
+        let s = load(
+            "[redis]\nurl = \"redis://a:1\"\n",
+            &[
+                ("TOLLGATE__REDIS__URL", "redis://127.0.0.1:6379"),
+                ("TOLLGATE__REDIS__TIMEOUT_MS", "7"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            s.redis.url.as_ref().map(|u| u.expose_secret()),
+            Some("redis://127.0.0.1:6379")
+        );
+        assert_eq!(s.redis.timeout, Duration::from_millis(7));
+    }
+
+    #[test]
+    fn every_bad_key_is_named() {
+        let keys = problems(
+            r#"
+            [server]
+            listen = "nowhere"
+            region = "not a region!"
+            [redis]
+            timeout_ms = 0
+            url = "http://x"
+            [[catalog.plans]]
+            name = "gold"
+            capacity = 0
+            rate = 1
+            [[catalog.plans]]
+            name = "silver"
+            capacity = 10
+            rate = -1
+            [[catalog.clients]]
+            id = "a b"
+            plan = "gold"
+            mode = "loud"
+            [[routes]]
+            service = "orders"
+            prefix = "orders"
+            upstreams = ["ftp://x"]
+            "#,
+        );
+        for k in [
+            "server.listen",
+            "server.region",
+            "redis.timeout_ms",
+            "redis.url",
+            "catalog.plans[0].capacity",
+            "catalog.plans[1].rate",
+            "catalog.clients[0].id",
+            "catalog.clients[0].mode",
+            "routes[0].prefix",
+            "routes[0].upstreams[0]",
+        ] {
+            assert!(keys.contains(&k.to_string()), "{k} not in {keys:?}");
+        }
+    }
+
+    #[test]
+    fn a_plan_wrong_in_both_limits_names_both() {
+        let keys = problems("[[catalog.plans]]\nname = \"gold\"\ncapacity = 0\nrate = 0\n");
+        assert_eq!(keys, ["catalog.plans[0].capacity", "catalog.plans[0].rate"]);
+    }
+
+    #[test]
+    fn a_key_declared_twice_is_named_wherever_it_is() {
+        let hash = KeyHash::of("dev-key-shared");
+        let keys = problems(&format!(
+            r#"
+            [[catalog.plans]]
+            name = "gold"
+            capacity = 10
+            rate = 1
+            [[catalog.clients]]
+            id = "a"
+            plan = "gold"
+            keys = ["dev-key-shared"]
+            [[catalog.clients]]
+            id = "b"
+            plan = "gold"
+            key_hashes = ["{hash}"]
+            [[catalog.clients]]
+            id = "a"
+            plan = "gold"
+            "#
+        ));
+        assert_eq!(
+            keys,
+            ["catalog.clients[1].key_hashes[0]", "catalog.clients[2].id"]
+        );
+    }
+
+    #[test]
+    fn values_arrive_as_domain_types() {
+        let hash = KeyHash::of("dev-key-hashed");
+        let s = load(
+            &format!(
+                r#"
+                [server]
+                admin_listen = "127.0.0.1:9090"
+                region = "eu"
+                workers = 2
+                api_key_header = "X-Client-Key"
+                trusted_proxies = ["10.0.0.0/8", "192.168.1.7"]
+                [redis]
+                url = "redis://127.0.0.1:6379"
+                control_timeout_ms = 250
+                [catalog]
+                refresh_ms = 500
+                cache_file = ""
+                [[catalog.plans]]
+                name = "gold"
+                capacity = 100
+                rate = 50
+                [[catalog.clients]]
+                id = "acme"
+                plan = "gold"
+                mode = "shadow"
+                keys = ["dev-key-acme"]
+                key_hashes = ["{hash}"]
+                [limits]
+                default_mode = "shadow"
+                [[routes]]
+                service = "orders"
+                prefix = "/orders"
+                upstreams = ["http://127.0.0.1:9001"]
+                timeout_ms = 1500
+                "#
+            ),
+            &[],
+        )
+        .unwrap();
+
+        assert_eq!(
+            s.server.admin_listen,
+            Some("127.0.0.1:9090".parse().unwrap())
+        );
+        assert_eq!(s.server.region, Region::parse("eu").unwrap());
+        assert_eq!(s.server.workers, NonZeroUsize::new(2));
+        assert_eq!(s.server.api_key_header, "x-client-key");
+        assert_eq!(
+            s.server.trusted_proxies,
+            [
+                "10.0.0.0/8".parse::<IpNet>().unwrap(),
+                "192.168.1.7/32".parse().unwrap()
+            ]
+        );
+        assert!(!s.uses_embedded_store());
+        assert_eq!(s.redis.control_timeout, Duration::from_millis(250));
+        assert_eq!(s.catalog.refresh, Duration::from_millis(500));
+        assert_eq!(s.catalog.cache_file, None);
+        let plan = &s.catalog.plans[0];
+        assert_eq!((plan.limits.capacity(), plan.limits.rate()), (100.0, 50.0));
+        let client = &s.catalog.clients[0];
+        assert_eq!(client.id, ClientId::parse("acme").unwrap());
+        assert_eq!(client.mode, Some(Mode::Shadow));
+        assert_eq!(client.keys, [KeyHash::of("dev-key-acme"), hash]);
+        assert_eq!(s.limits.default_mode, Mode::Shadow);
+        let route = &s.routes[0];
+        assert_eq!(
+            route.upstreams,
+            [Upstream::parse("http://127.0.0.1:9001").unwrap()]
+        );
+        assert_eq!(route.timeout, Duration::from_millis(1500));
+        assert_eq!(route.cost, 1.0);
+    }
+
+    #[test]
+    fn an_unknown_key_is_refused() {
+        match load("[server]\nlisen = \"x\"\n", &[]) {
+            Err(SettingsError::Load(msg)) => assert!(msg.contains("lisen"), "{msg}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn secrets_do_not_show_in_debug_output() {
+        let s = load(
+            "[redis]\nurl = \"redis://:hunter2@127.0.0.1:6379\"\n[admin]\njwt_hs256_secret = \"s3cret-value-long-enough-0123456789\"\n",
+            &[],
+        )
+        .unwrap();
+        let dbg = format!("{s:?}");
+        assert!(!dbg.contains("hunter2"));
+        assert!(!dbg.contains("s3cret-value"));
+    }
+
+    #[test]
+    fn a_short_hs256_secret_is_refused_by_name() {
+        let keys = problems("[admin]\njwt_hs256_secret = \"0123456789abcdef0123456789abcde\"\n");
+        assert_eq!(keys, ["admin.jwt_hs256_secret"]);
+        assert!(load(
+            "[admin]\njwt_hs256_secret = \"0123456789abcdef0123456789abcdef\"\n",
+            &[]
+        )
+        .is_ok());
+    }
+
+    #[test]
+    fn passwords_are_redacted_from_urls() {
+        assert_eq!(
+            redact_url("redis://:hunter2@127.0.0.1:6379"),
+            "redis://:***@127.0.0.1:6379"
+        );
+    }
+}

@@ -1,0 +1,158 @@
+//! What the configuration sources say, as `config` deserializes them: the documented keys,
+//! as strings and numbers. Nothing outside this module sees these types; [`super::parse`]
+//! turns them into [`super::Settings`] once, naming every bad key.
+
+use std::path::PathBuf;
+
+use secrecy::SecretString;
+use serde::Deserialize;
+
+/// The defaults, compiled in so the binary starts without the repository beside it.
+pub const DEFAULT_TOML: &str = include_str!("../../config/default.toml");
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawSettings {
+    pub(super) server: RawServer,
+    pub(super) redis: RawRedis,
+    pub(super) catalog: RawCatalog,
+    pub(super) limits: RawLimits,
+    pub(super) admin: RawAdmin,
+    #[serde(default)]
+    pub(super) routes: Vec<RawRoute>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawServer {
+    pub(super) listen: String,
+    pub(super) admin_listen: String,
+    pub(super) region: String,
+    pub(super) workers: usize,
+    pub(super) api_key_header: String,
+    pub(super) trusted_proxies: Vec<String>,
+    pub(super) max_body_bytes: u64,
+    pub(super) shutdown_timeout_s: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRedis {
+    pub(super) url: SecretString,
+    pub(super) cluster_nodes: Vec<SecretString>,
+    pub(super) regional_url: SecretString,
+    pub(super) timeout_ms: u64,
+    pub(super) control_timeout_ms: u64,
+    pub(super) pool_size: u32,
+    pub(super) key_prefix: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawCatalog {
+    pub(super) file: PathBuf,
+    pub(super) refresh_ms: u64,
+    pub(super) cache_file: PathBuf,
+    #[serde(default)]
+    pub(super) plans: Vec<RawPlan>,
+    #[serde(default)]
+    pub(super) clients: Vec<RawClient>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPlan {
+    pub(super) name: String,
+    pub(super) capacity: f64,
+    pub(super) rate: f64,
+    #[serde(default)]
+    pub(super) description: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawClient {
+    pub(super) id: String,
+    pub(super) plan: String,
+    #[serde(default)]
+    pub(super) mode: Option<String>,
+    #[serde(default)]
+    pub(super) keys: Vec<SecretString>,
+    #[serde(default)]
+    pub(super) key_hashes: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawLimits {
+    pub(super) default_mode: String,
+    pub(super) safety_multiplier: f64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawAdmin {
+    pub(super) jwt_hs256_secret: SecretString,
+    pub(super) jwt_public_key_pem: String,
+    pub(super) jwt_issuer: String,
+    pub(super) jwt_audience: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRoute {
+    pub(super) service: String,
+    pub(super) prefix: String,
+    pub(super) upstreams: Vec<String>,
+    #[serde(default = "default_cost")]
+    pub(super) cost: f64,
+    #[serde(default = "default_route_timeout")]
+    pub(super) timeout_ms: u64,
+}
+
+fn default_cost() -> f64 {
+    1.0
+}
+
+fn default_route_timeout() -> u64 {
+    30_000
+}
+
+impl RawSettings {
+    /// The compiled-in defaults, then each file in order, then `TOLLGATE__*` variables.
+    /// The error is one line: a missing file, a malformed one, an unknown key or a value of
+    /// the wrong type.
+    pub(super) fn load(
+        files: &[PathBuf],
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<RawSettings, String> {
+        let mut builder = config::Config::builder().add_source(config::File::from_str(
+            DEFAULT_TOML,
+            config::FileFormat::Toml,
+        ));
+        for file in files {
+            if !file.exists() {
+                return Err(format!("--config {}: no such file", file.display()));
+            }
+            builder = builder.add_source(config::File::from(file.as_path()).required(true));
+        }
+        let env: config::Map<String, String> = env
+            .into_iter()
+            .filter(|(k, _)| k.starts_with("TOLLGATE__"))
+            .collect();
+        builder = builder.add_source(
+            config::Environment::with_prefix("TOLLGATE")
+                .prefix_separator("__")
+                .separator("__")
+                .list_separator(",")
+                .with_list_parse_key("redis.cluster_nodes")
+                .with_list_parse_key("server.trusted_proxies")
+                .try_parsing(true)
+                .source(Some(env)),
+        );
+        builder
+            .build()
+            .and_then(|c| c.try_deserialize())
+            .map_err(|e| e.to_string())
+    }
+}

@@ -1,0 +1,161 @@
+//! The gateway's settings as domain types: every value here was parsed once, from the
+//! keys documented beside each field, and is valid; consumers read fields, never strings.
+
+use std::net::SocketAddr;
+use std::num::{NonZeroU64, NonZeroUsize};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use actix_web::http::header::HeaderName;
+use ipnet::IpNet;
+use secrecy::SecretString;
+
+use crate::domain::{ClientId, KeyHash, Mode, Plan, PlanName, Region, ServiceName, Upstream};
+
+/// Everything the gateway is configured with.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub server: ServerSettings,
+    pub redis: RedisSettings,
+    pub catalog: CatalogSettings,
+    pub limits: LimitSettings,
+    pub admin: AdminSettings,
+    /// `routes`: upstream services, matched by longest path prefix.
+    pub routes: Vec<RouteSettings>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerSettings {
+    /// `server.listen`: proxy, admin API and docs listen here (port 0 picks a free one).
+    pub listen: SocketAddr,
+    /// `server.admin_listen` (`""`: none): when set, `/admin`, `/metrics` and the docs
+    /// move to this listener.
+    pub admin_listen: Option<SocketAddr>,
+    /// `server.region`: this instance's region; regional shards of hot clients use it.
+    pub region: Region,
+    /// `server.workers` (`0`: none): actix worker threads; `None` means one per core.
+    pub workers: Option<NonZeroUsize>,
+    /// `server.api_key_header`: request header that carries the client's API key.
+    pub api_key_header: HeaderName,
+    /// `server.trusted_proxies`: peers whose `X-Forwarded-For` is believed and extended
+    /// rather than replaced (a bare address is a one-address network).
+    pub trusted_proxies: Vec<IpNet>,
+    /// `server.max_body_bytes`: request bodies larger than this are refused with `413`.
+    pub max_body_bytes: NonZeroU64,
+    /// `server.shutdown_timeout_s`: after SIGTERM/SIGINT, in-flight requests get this long
+    /// to finish (whole seconds).
+    pub shutdown_timeout: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct RedisSettings {
+    /// `redis.url` (`""`: none): `redis://[:password@]host:port[/db]`; with no URL and no
+    /// cluster nodes the embedded store is used.
+    pub url: Option<SecretString>,
+    /// `redis.cluster_nodes`: Redis Cluster seed nodes; when non-empty they are used
+    /// instead of `url`.
+    pub cluster_nodes: Vec<SecretString>,
+    /// `redis.regional_url` (`""`: none): Redis holding this region's shards of hot
+    /// clients; `None` means the global store.
+    pub regional_url: Option<SecretString>,
+    /// `redis.timeout_ms`: budget for one decision (pool checkout + script); past it the
+    /// request fails open.
+    pub timeout: Duration,
+    /// `redis.control_timeout_ms`: deadline of every store call off the request path (admin
+    /// API, catalog refresh, shadow flush, reconciler, readiness) and of each new
+    /// connection. A command that passes it replaces every connection to that Redis.
+    pub control_timeout: Duration,
+    /// `redis.pool_size`: connections per gateway instance (1-1024).
+    pub pool_size: u32,
+    /// `redis.key_prefix`: prefix of every key tollgate writes (no `{` or `}`).
+    pub key_prefix: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct CatalogSettings {
+    /// `catalog.file`: embedded mode only: where plans and clients persist.
+    pub file: PathBuf,
+    /// `catalog.refresh_ms`: upper bound on how stale a gateway's in-memory copy of the
+    /// catalog may be.
+    pub refresh: Duration,
+    /// `catalog.cache_file` (`""`: none): Redis mode: where the last catalog this gateway
+    /// mirrored is kept (key hashes only, owner-only permissions), to serve from when it
+    /// starts while Redis is down.
+    pub cache_file: Option<PathBuf>,
+    /// `catalog.plans`: plans created at start when absent.
+    pub plans: Vec<PlanSettings>,
+    /// `catalog.clients`: clients created at start when absent.
+    pub clients: Vec<ClientSettings>,
+}
+
+/// A declared plan (`[[catalog.plans]]`).
+#[derive(Debug, Clone)]
+pub struct PlanSettings {
+    /// `name`.
+    pub name: PlanName,
+    /// `capacity` (tokens) and `rate` (tokens per second).
+    pub limits: Plan,
+    /// `description`.
+    pub description: Option<String>,
+}
+
+/// A declared client (`[[catalog.clients]]`).
+#[derive(Debug, Clone)]
+pub struct ClientSettings {
+    /// `id`.
+    pub id: ClientId,
+    /// `plan`: a plan's name (it must exist when the client is seeded).
+    pub plan: PlanName,
+    /// `mode`: absent means `limits.default_mode`.
+    pub mode: Option<Mode>,
+    /// Every key of the client, as stored: the plaintext `keys` (for development) hashed,
+    /// then the `key_hashes` (`sha256:<hex>`). No two declared keys are the same.
+    pub keys: Vec<KeyHash>,
+}
+
+#[derive(Debug, Clone)]
+pub struct LimitSettings {
+    /// `limits.default_mode`: mode of clients that set none.
+    pub default_mode: Mode,
+    /// `limits.safety_multiplier`: coarse per-(client, service) limit as a multiple of the
+    /// plan (1-1000).
+    pub safety_multiplier: f64,
+}
+
+#[derive(Debug, Clone)]
+pub struct AdminSettings {
+    /// `admin.jwt_hs256_secret` (`""`: none): HS256 secret for admin JWTs, at least
+    /// [`super::MIN_HS256_SECRET`] bytes.
+    pub jwt_hs256_secret: Option<SecretString>,
+    /// `admin.jwt_public_key_pem` (`""`: none): an RS256/ES256 public key (PEM) file for
+    /// admin JWTs; it wins over the HS256 secret for verifying.
+    pub jwt_public_key_pem: Option<PathBuf>,
+    /// `admin.jwt_issuer`: required `iss`.
+    pub jwt_issuer: String,
+    /// `admin.jwt_audience`: required `aud`.
+    pub jwt_audience: String,
+}
+
+/// A route (`[[routes]]`).
+#[derive(Debug, Clone)]
+pub struct RouteSettings {
+    /// `service`: name of the upstream service (used in metrics and safety limits).
+    pub service: ServiceName,
+    /// `prefix`: path prefix starting with `/`; the longest matching prefix wins and is
+    /// kept when forwarding.
+    pub prefix: String,
+    /// `upstreams`: replicas (at least one), balanced round-robin.
+    pub upstreams: Vec<Upstream>,
+    /// `cost`: tokens one request takes (default 1).
+    pub cost: f64,
+    /// `timeout_ms`: upstream response deadline (default 30 s); past it the gateway answers
+    /// `504`.
+    pub timeout: Duration,
+}
+
+impl Settings {
+    /// No Redis configured: limiter and catalog live in this process.
+    pub fn uses_embedded_store(&self) -> bool {
+        self.redis.url.is_none() && self.redis.cluster_nodes.is_empty()
+    }
+}
