@@ -65,7 +65,7 @@ impl Application {
             settings.redis.timeout,
             Arc::clone(&metrics),
             settings.limits.safety_multiplier,
-            crate::limiter::Periods::default(),
+            settings.periods,
         ));
         limiter.spawn_background();
         let state = web::Data::new(AppState {

@@ -5,10 +5,12 @@
 //! bad key ([`SettingsError::Invalid`]), not only the first.
 
 mod parse;
+mod periods;
 mod raw;
 mod settings;
 
 pub use parse::{redact_url, Problem, SettingsError, MIN_HS256_SECRET};
+pub use periods::{BackOff, Periods};
 pub use raw::DEFAULT_TOML;
 pub use settings::{
     AdminSettings, CatalogSettings, ClientSettings, LimitSettings, PlanSettings, RedisSettings,

@@ -11,7 +11,10 @@ use actix_web::http::header::HeaderName;
 use ipnet::IpNet;
 use secrecy::{ExposeSecret, SecretString};
 
-use super::raw::{RawAdmin, RawCatalog, RawLimits, RawRedis, RawRoute, RawServer, RawSettings};
+use super::periods::{BackOff, Periods};
+use super::raw::{
+    RawAdmin, RawCatalog, RawLimits, RawPeriods, RawRedis, RawRoute, RawServer, RawSettings,
+};
 use super::settings::{
     AdminSettings, CatalogSettings, ClientSettings, LimitSettings, PlanSettings, RedisSettings,
     RouteSettings, ServerSettings, Settings,
@@ -122,20 +125,26 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
     let catalog = catalog(raw.catalog, embedded, &mut p);
     let limits = limits(raw.limits, &mut p);
     let admin = admin(raw.admin, &mut p);
+    let periods = periods(raw.periods, &mut p);
     let routes = routes(raw.routes, &mut p);
-    match (server, redis, catalog, limits, admin, routes) {
-        (Some(server), Some(redis), Some(catalog), Some(limits), Some(admin), Some(routes))
-            if p.0.is_empty() =>
-        {
-            Ok(Settings {
-                server,
-                redis,
-                catalog,
-                limits,
-                admin,
-                routes,
-            })
-        }
+    match (server, redis, catalog, limits, admin, periods, routes) {
+        (
+            Some(server),
+            Some(redis),
+            Some(catalog),
+            Some(limits),
+            Some(admin),
+            Some(periods),
+            Some(routes),
+        ) if p.0.is_empty() => Ok(Settings {
+            server,
+            redis,
+            catalog,
+            limits,
+            admin,
+            periods,
+            routes,
+        }),
         _ => {
             debug_assert!(!p.0.is_empty(), "a section failed without naming a key");
             Err(p.0)
@@ -360,6 +369,48 @@ fn limits(raw: RawLimits, p: &mut Problems) -> Option<LimitSettings> {
     })
 }
 
+fn periods(raw: RawPeriods, p: &mut Problems) -> Option<Periods> {
+    let mut ms = |key: &str, v: u64, min: u64| {
+        p.take(
+            format!("periods.{key}"),
+            within(
+                v,
+                min..=86_400_000,
+                &format!("must be {min} to 86400000 ms"),
+            ),
+        )
+        .map(Duration::from_millis)
+    };
+    // A share period under 100 ms leaves no room for the reconciler's 50 ms margin.
+    let hot_window = ms("hot_window_ms", raw.hot_window_ms, 100);
+    let share = ms("share_ms", raw.share_ms, 100);
+    let unshard_window = ms("unshard_window_ms", raw.unshard_window_ms, 1);
+    let shadow_flush = ms("shadow_flush_ms", raw.shadow_flush_ms, 1);
+    let base = ms("breaker_backoff_ms", raw.breaker_backoff_ms, 1);
+    let max = ms("breaker_backoff_max_ms", raw.breaker_backoff_max_ms, 1);
+    let stable = ms("breaker_stable_ms", raw.breaker_stable_ms, 1);
+    if let (Some(base), Some(max)) = (base, max) {
+        if max < base {
+            p.add(
+                "periods.breaker_backoff_max_ms",
+                "must be at least periods.breaker_backoff_ms",
+            );
+            return None;
+        }
+    }
+    Some(Periods {
+        hot_window: hot_window?,
+        share: share?,
+        unshard_window: unshard_window?,
+        shadow_flush: shadow_flush?,
+        backoff: BackOff {
+            base: base?,
+            max: max?,
+            stable: stable?,
+        },
+    })
+}
+
 fn admin(raw: RawAdmin, p: &mut Problems) -> Option<AdminSettings> {
     let len = raw.jwt_hs256_secret.expose_secret().len();
     let jwt_hs256_secret = match len {
@@ -502,6 +553,27 @@ mod tests {
         assert_eq!(s.server.workers, None);
         assert_eq!(s.limits.default_mode, Mode::Enforce);
         assert!(s.admin.jwt_hs256_secret.is_none());
+        // The compiled-in periods are the design's (README, "Configuration reference").
+        assert_eq!(s.periods, Periods::default());
+    }
+
+    #[test]
+    fn periods_are_durations_and_bad_ones_are_named() {
+        let s = load(
+            "[periods]\nhot_window_ms = 300\nbreaker_backoff_ms = 20\n",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(s.periods.hot_window, Duration::from_millis(300));
+        assert_eq!(s.periods.backoff.base, Duration::from_millis(20));
+        assert_eq!(
+            problems("[periods]\nshare_ms = 50\nshadow_flush_ms = 0\n"),
+            ["periods.share_ms", "periods.shadow_flush_ms"]
+        );
+        assert_eq!(
+            problems("[periods]\nbreaker_backoff_ms = 500\nbreaker_backoff_max_ms = 100\n"),
+            ["periods.breaker_backoff_max_ms"]
+        );
     }
 
     #[test]

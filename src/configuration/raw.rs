@@ -18,6 +18,7 @@ pub(super) struct RawSettings {
     pub(super) catalog: RawCatalog,
     pub(super) limits: RawLimits,
     pub(super) admin: RawAdmin,
+    pub(super) periods: RawPeriods,
     #[serde(default)]
     pub(super) routes: Vec<RawRoute>,
 }
@@ -87,6 +88,18 @@ pub(super) struct RawClient {
 pub(super) struct RawLimits {
     pub(super) default_mode: String,
     pub(super) safety_multiplier: f64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPeriods {
+    pub(super) hot_window_ms: u64,
+    pub(super) share_ms: u64,
+    pub(super) unshard_window_ms: u64,
+    pub(super) shadow_flush_ms: u64,
+    pub(super) breaker_backoff_ms: u64,
+    pub(super) breaker_backoff_max_ms: u64,
+    pub(super) breaker_stable_ms: u64,
 }
 
 #[derive(Debug, Deserialize)]

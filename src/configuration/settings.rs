@@ -10,6 +10,7 @@ use actix_web::http::header::HeaderName;
 use ipnet::IpNet;
 use secrecy::SecretString;
 
+use super::periods::Periods;
 use crate::domain::{ClientId, KeyHash, Mode, Plan, PlanName, Region, ServiceName, Upstream};
 
 /// Everything the gateway is configured with.
@@ -20,6 +21,8 @@ pub struct Settings {
     pub catalog: CatalogSettings,
     pub limits: LimitSettings,
     pub admin: AdminSettings,
+    /// `periods`: how often the limiter's background work runs.
+    pub periods: Periods,
     /// `routes`: upstream services, matched by longest path prefix.
     pub routes: Vec<RouteSettings>,
 }

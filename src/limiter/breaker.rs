@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
-use super::periods::BackOff;
+use crate::configuration::BackOff;
 use crate::store::{Store, StoreError};
 
 /// Failures in a row that open the breaker...

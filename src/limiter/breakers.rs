@@ -9,8 +9,8 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 
-use super::periods::BackOff;
 use super::Breaker;
+use crate::configuration::BackOff;
 use crate::store::{key_in_slot, key_slot, Store};
 
 const SLOTS: usize = 16384;

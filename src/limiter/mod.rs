@@ -9,7 +9,6 @@
 pub mod breaker;
 mod breakers;
 mod hot;
-mod periods;
 mod safety;
 mod shadow;
 pub mod shares;
@@ -20,12 +19,12 @@ use std::time::{Duration, Instant};
 pub use breaker::Breaker;
 pub use breakers::Breakers;
 pub use hot::{HotClient, HotClients};
-pub use periods::{BackOff, Periods};
 pub use safety::SafetyLimit;
 pub use shadow::ShadowStats;
 pub use shares::ShareBook;
 
 use crate::catalog::{Catalog, ClientEntry};
+use crate::configuration::Periods;
 use crate::domain::{Decision, Mode, Outcome, Plan};
 use crate::metrics::{FailOpenReason, Metrics};
 use crate::store::{Store, StoreError};

@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use dashmap::DashMap;
 
-use super::periods::Periods;
 use crate::catalog::{Catalog, ClientEntry};
+use crate::configuration::Periods;
 use crate::domain::{ClientId, Region};
 use crate::store::{Reconcile, ShardState, Store};
 

@@ -1,6 +1,6 @@
-//! How often the limiter's background work runs, in one value handed down from start-up.
-//! The defaults are the design's; `[periods]` in the configuration changes them (tests
-//! shorten them to wait on events rather than sleep through a 10 s window).
+//! `[periods]`: how often the limiter's background work runs, handed down from start-up
+//! as one value. The defaults are the design's; tests shorten them so they wait on events
+//! instead of sleeping through a 10 s window, and operators may tune them.
 
 use std::time::Duration;
 
