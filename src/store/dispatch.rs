@@ -1,0 +1,298 @@
+//! [`Store`]: the embedded store or Redis behind one type. Every call dispatches on the
+//! variant; nothing outside `store` needs to know which one it holds.
+//!
+//! Dispatch is an enum, not a trait object: the request path calls [`Store::take`] once
+//! per request, and an enum keeps that call free of boxing.
+
+use std::sync::Arc;
+
+use super::embedded::EmbeddedStore;
+use super::records::{
+    Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, ClientsPage,
+    PlanRecord, SafetyRecord, Versioned, WriteOutcome,
+};
+use super::redis::RedisStore;
+use super::shards::{Reconcile, ShardState};
+use super::StoreError;
+use crate::domain::Plan;
+use crate::domain::Verdict;
+
+/// Embedded or Redis; cheap to clone.
+#[derive(Clone)]
+pub enum Store {
+    Embedded(Arc<EmbeddedStore>),
+    Redis(Arc<RedisStore>),
+}
+
+impl Store {
+    /// Refills the bucket at `key` and takes `cost` tokens, atomically, on the store's clock.
+    pub async fn take(&self, key: &str, plan: Plan, cost: f64) -> Result<Verdict, StoreError> {
+        self.take_seeded(key, plan, cost, None, None).await
+    }
+
+    /// [`Store::take`]; a bucket that does not exist yet starts with `initial` tokens (at
+    /// most the capacity) instead of full. With a `deadline`, the answer past it is
+    /// [`StoreError::Deadline`] (the embedded store always answers at once).
+    pub async fn take_seeded(
+        &self,
+        key: &str,
+        plan: Plan,
+        cost: f64,
+        initial: Option<f64>,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<Verdict, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.take_seeded(key, plan, cost, initial)),
+            Store::Redis(s) => s.take(key, plan, cost, initial, deadline).await,
+        }
+    }
+
+    /// The bucket's tokens now, refilled on the store's clock; `None` when the bucket does
+    /// not exist (it is full). For inspection; takes nothing.
+    pub async fn tokens_now(&self, key: &str, plan: Plan) -> Result<Option<f64>, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.tokens_now(key, plan)),
+            Store::Redis(s) => s.tokens_now(key, plan).await,
+        }
+    }
+
+    /// Forgets the bucket, so it starts full.
+    pub async fn refill(&self, key: &str) -> Result<(), StoreError> {
+        match self {
+            Store::Embedded(s) => {
+                s.refill(key);
+                Ok(())
+            }
+            Store::Redis(s) => s.refill(key).await,
+        }
+    }
+
+    /// Bucket script calls sent and the takes they decided (Redis only).
+    pub fn bucket_calls(&self) -> Option<(u64, u64)> {
+        match self {
+            Store::Embedded(_) => None,
+            Store::Redis(s) => Some(s.bucket_calls()),
+        }
+    }
+
+    /// Whether both are the same store.
+    pub fn same_as(&self, other: &Store) -> bool {
+        match (self, other) {
+            (Store::Embedded(a), Store::Embedded(b)) => Arc::ptr_eq(a, b),
+            (Store::Redis(a), Store::Redis(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+
+    /// Keeps the calling worker thread's request-path connection open (Redis, one
+    /// server): opens it now and re-opens it whenever it dies. Runs until the thread ends.
+    pub async fn keep_connected(&self) {
+        if let Store::Redis(s) = self {
+            s.keep_connected().await;
+        }
+    }
+
+    /// Whether the store answers a round trip within `budget` (the breaker's probe): on the
+    /// node owning `key` (Redis Cluster), else on a fresh connection (see
+    /// [`RedisStore::probe`]).
+    pub async fn probe(
+        &self,
+        key: Option<&str>,
+        budget: std::time::Duration,
+    ) -> Result<(), StoreError> {
+        match self {
+            Store::Redis(s) => s.probe(key, budget).await,
+            Store::Embedded(_) => Ok(()),
+        }
+    }
+
+    /// Whether the store answers (readiness).
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        match self {
+            Store::Embedded(_) => Ok(()),
+            Store::Redis(s) => s.ping().await,
+        }
+    }
+
+    /// Every plan and client, with the catalog version they were read at (or after).
+    pub async fn catalog_dump(&self) -> Result<CatalogDump, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.catalog_dump()),
+            Store::Redis(s) => s.catalog_dump().await,
+        }
+    }
+
+    /// What changed after version `since` of the catalog `epoch`; a catalog of another
+    /// epoch is answered with all of it.
+    pub async fn catalog_changes(
+        &self,
+        since: u64,
+        epoch: Option<&str>,
+    ) -> Result<CatalogChanges, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.catalog_changes(since, epoch)),
+            Store::Redis(s) => s.catalog_changes(since, epoch).await,
+        }
+    }
+
+    /// Replaces the store's catalog with `mirror` (its epoch, version and records), in one
+    /// atomic step, only if the store is still at `seen` (epoch, version). `false`: it
+    /// moved (another gateway restored it, or it was written), and nothing was written.
+    pub async fn catalog_restore(
+        &self,
+        seen: (Option<&str>, u64),
+        mirror: &CatalogDump,
+    ) -> Result<bool, StoreError> {
+        match self {
+            Store::Embedded(s) => {
+                let seen = (seen.0.map(str::to_string), seen.1);
+                let mirror = mirror.clone();
+                off_worker(s, move |s| {
+                    s.catalog_restore((seen.0.as_deref(), seen.1), &mirror)
+                })
+                .await
+            }
+            Store::Redis(s) => s.catalog_restore(seen, mirror).await,
+        }
+    }
+
+    /// One atomic catalog write with its audit entry: all of it happens, or none of it.
+    pub async fn catalog_write(
+        &self,
+        write: &CatalogWrite,
+        audit: &Audit,
+    ) -> Result<WriteOutcome, StoreError> {
+        match self {
+            Store::Embedded(s) => {
+                let (write, audit) = (write.clone(), audit.clone());
+                off_worker(s, move |s| s.catalog_write(&write, &audit)).await
+            }
+            Store::Redis(s) => s.catalog_write(write, audit).await,
+        }
+    }
+
+    pub async fn plan(&self, name: &str) -> Result<Option<Versioned<PlanRecord>>, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.plan(name)),
+            Store::Redis(s) => s.plan(name).await,
+        }
+    }
+
+    pub async fn plans(&self) -> Result<Vec<Versioned<PlanRecord>>, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.plans()),
+            Store::Redis(s) => s.plans().await,
+        }
+    }
+
+    pub async fn client(&self, id: &str) -> Result<Option<Versioned<ClientRecord>>, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.client(id)),
+            Store::Redis(s) => s.client(id).await,
+        }
+    }
+
+    /// Up to `limit` clients in id order, after the id `after` (cursor pagination).
+    pub async fn clients_page(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<ClientsPage, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.clients_page(after, limit)),
+            Store::Redis(s) => s.clients_page(after, limit).await,
+        }
+    }
+
+    pub async fn safety(&self) -> Result<Option<Versioned<SafetyRecord>>, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.safety()),
+            Store::Redis(s) => s.safety().await,
+        }
+    }
+
+    /// The newest `limit` audit entries, newest first.
+    pub async fn audit(&self, limit: usize) -> Result<Vec<AuditEntry>, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.audit(limit)),
+            Store::Redis(s) => s.audit(limit).await,
+        }
+    }
+
+    /// Records a change made outside the catalog (a bucket refill).
+    pub async fn record_audit(&self, entry: AuditEntry) -> Result<(), StoreError> {
+        match self {
+            Store::Embedded(s) => off_worker(s, move |s| s.record_audit(entry)).await,
+            Store::Redis(s) => s.record_audit(&entry).await,
+        }
+    }
+
+    /// Adds shadow-mode comparison counts (client, compared, disagreed).
+    pub async fn shadow_add(&self, counts: &[(String, u64, u64)]) -> Result<(), StoreError> {
+        match self {
+            Store::Embedded(s) => {
+                s.shadow_add(counts);
+                Ok(())
+            }
+            Store::Redis(s) => s.shadow_add(counts).await,
+        }
+    }
+
+    /// Shadow-mode counts per client (client, compared, disagreed), from every gateway.
+    pub async fn shadow_counts(&self) -> Result<Vec<(String, u64, u64)>, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.shadow_counts()),
+            Store::Redis(s) => s.shadow_counts().await,
+        }
+    }
+
+    pub async fn shadow_reset(&self) -> Result<(), StoreError> {
+        match self {
+            Store::Embedded(s) => {
+                s.shadow_reset();
+                Ok(())
+            }
+            Store::Redis(s) => s.shadow_reset().await,
+        }
+    }
+
+    /// Flushes a region's demand for a sharded client and returns the current shares,
+    /// recomputed from every region's demand once per period.
+    pub async fn reconcile(&self, r: &Reconcile<'_>) -> Result<ShardState, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.reconcile(r)),
+            Store::Redis(s) => s.reconcile(r).await,
+        }
+    }
+
+    /// A sharded client's shares without changing anything, and its recent history.
+    pub async fn shard_view(
+        &self,
+        client: &crate::domain::ClientId,
+    ) -> Result<(Option<ShardState>, Vec<serde_json::Value>), StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.shard_view(client)),
+            Store::Redis(s) => s.shard_view(client).await,
+        }
+    }
+
+    /// What the start-up log says about the store.
+    pub fn describe(&self) -> String {
+        match self {
+            Store::Embedded(_) => "embedded, single instance".to_string(),
+            Store::Redis(s) => s.describe(),
+        }
+    }
+}
+
+/// Runs an embedded-store call that writes the catalog file on a blocking thread, so an
+/// fsync never stalls an async worker.
+async fn off_worker<T: Send + 'static>(
+    store: &Arc<EmbeddedStore>,
+    f: impl FnOnce(&EmbeddedStore) -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, StoreError> {
+    let store = Arc::clone(store);
+    tokio::task::spawn_blocking(move || f(&store))
+        .await
+        .map_err(|e| StoreError::File(format!("catalog file writer: {e}")))?
+}
