@@ -21,7 +21,7 @@ use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 use crate::proxy::{self, RouteTable};
 use crate::state::AppState;
-use crate::store::{EmbeddedStore, Keys, RedisStore, Store};
+use crate::store::{Keys, Store};
 use crate::{ops, telemetry};
 
 pub struct Application {
@@ -53,16 +53,11 @@ impl Application {
             store.clone(),
             Duration::from_millis(settings.catalog.refresh_ms),
         );
-        if let Store::Embedded(e) = &store {
-            spawn_evictor(Arc::clone(e));
-        }
+        store.spawn_evictor();
 
         let regional = open_regional_store(&settings, &keys, &store)?;
-        if let (Store::Redis(r), false) = (
-            &regional,
-            settings.redis.regional_url.expose_secret().is_empty(),
-        ) {
-            if let Err(e) = r.load_scripts().await {
+        if !settings.redis.regional_url.expose_secret().is_empty() {
+            if let Err(e) = regional.load_scripts().await {
                 tracing::warn!(error = %e, "regional store unavailable at start; its shards fail open until it answers");
             }
         }
@@ -167,7 +162,7 @@ impl Application {
             region = %settings.server.region,
             "tollgate started"
         );
-        if matches!(store, Store::Embedded(_)) {
+        if store.is_embedded() {
             tracing::info!(
                 file = %settings.catalog.file.display(),
                 "embedded store: buckets live in this process, so limits hold for this single instance only"
@@ -213,26 +208,23 @@ fn host_of(listen: &str) -> &str {
 
 fn open_store(settings: &Settings, keys: &Keys) -> anyhow::Result<Store> {
     if settings.uses_embedded_store() {
-        let store = EmbeddedStore::open(&settings.catalog.file).context("catalog.file")?;
-        return Ok(Store::Embedded(Arc::new(store)));
+        return Store::embedded(&settings.catalog.file).context("catalog.file");
     }
     if !settings.redis.cluster_nodes.is_empty() {
-        let store = RedisStore::connect_cluster(
+        return Store::cluster(
             &settings.redis.cluster_nodes,
             settings.redis.control_timeout(),
             keys.clone(),
         )
-        .context("redis.cluster_nodes")?;
-        return Ok(Store::Redis(Arc::new(store)));
+        .context("redis.cluster_nodes");
     }
-    let store = RedisStore::connect(
+    Store::redis(
         &settings.redis.url,
         settings.redis.pool_size,
         settings.redis.control_timeout(),
         keys.clone(),
     )
-    .context("redis.url")?;
-    Ok(Store::Redis(Arc::new(store)))
+    .context("redis.url")
 }
 
 /// The store holding this region's shards of hot clients: `redis.regional_url`, or the
@@ -242,14 +234,13 @@ fn open_regional_store(settings: &Settings, keys: &Keys, global: &Store) -> anyh
     if url.expose_secret().is_empty() || settings.uses_embedded_store() {
         return Ok(global.clone());
     }
-    let store = RedisStore::connect(
+    Store::redis(
         url,
         settings.redis.pool_size,
         settings.redis.control_timeout(),
         keys.clone(),
     )
-    .context("redis.regional_url")?;
-    Ok(Store::Redis(Arc::new(store)))
+    .context("redis.regional_url")
 }
 
 /// Loads scripts, seeds the declared catalog and mirrors it. A Redis that is down at start
@@ -260,16 +251,14 @@ async fn prepare_store(
     settings: &Settings,
 ) -> anyhow::Result<()> {
     async fn attempt(store: &Store, catalog: &Catalog, settings: &Settings) -> anyhow::Result<()> {
-        if let Store::Redis(r) = store {
-            r.load_scripts().await?;
-        }
+        store.load_scripts().await?;
         catalog::seed(store, settings).await?;
         catalog.refresh(store).await?;
         Ok(())
     }
     match attempt(store, catalog, settings).await {
         Ok(()) => Ok(()),
-        Err(e) if matches!(store, Store::Embedded(_)) => Err(e),
+        Err(e) if store.is_embedded() => Err(e),
         Err(e) if e.downcast_ref::<crate::store::StoreError>().is_none() => Err(e),
         Err(e) => {
             tracing::warn!(error = %e, "store unavailable at start; failing open and retrying");
@@ -298,15 +287,4 @@ async fn prepare_store(
             Ok(())
         }
     }
-}
-
-/// Forgets idle embedded buckets every few seconds, so memory tracks active clients.
-fn spawn_evictor(store: Arc<EmbeddedStore>) {
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(Duration::from_secs(5));
-        loop {
-            tick.tick().await;
-            store.evict_idle();
-        }
-    });
 }

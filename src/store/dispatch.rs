@@ -4,7 +4,11 @@
 //! Dispatch is an enum, not a trait object: the request path calls [`Store::take`] once
 //! per request, and an enum keeps that call free of boxing.
 
+use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
+
+use secrecy::SecretString;
 
 use super::embedded::EmbeddedStore;
 use super::records::{
@@ -13,7 +17,7 @@ use super::records::{
 };
 use super::redis::RedisStore;
 use super::shards::{Reconcile, ShardState};
-use super::StoreError;
+use super::{Keys, StoreError};
 use crate::domain::Plan;
 use crate::domain::Verdict;
 
@@ -25,6 +29,43 @@ pub enum Store {
 }
 
 impl Store {
+    /// The embedded store over the catalog file at `file` (created when missing), which it
+    /// locks: a second process on the same file is refused.
+    pub fn embedded(file: &Path) -> Result<Store, StoreError> {
+        Ok(Store::Embedded(Arc::new(EmbeddedStore::open(file)?)))
+    }
+
+    /// One Redis server at `url`, with a pool of `pool_size` connections for the calls off
+    /// the request path, each bounded by `control_timeout`. Connects lazily: a gateway
+    /// starts (and fails open) while Redis is down.
+    pub fn redis(
+        url: &SecretString,
+        pool_size: u32,
+        control_timeout: Duration,
+        keys: Keys,
+    ) -> Result<Store, StoreError> {
+        Ok(Store::Redis(Arc::new(RedisStore::connect(
+            url,
+            pool_size,
+            control_timeout,
+            keys,
+        )?)))
+    }
+
+    /// Redis Cluster from its seed `nodes`; connects in the background, like
+    /// [`Store::redis`].
+    pub fn cluster(
+        nodes: &[SecretString],
+        control_timeout: Duration,
+        keys: Keys,
+    ) -> Result<Store, StoreError> {
+        Ok(Store::Redis(Arc::new(RedisStore::connect_cluster(
+            nodes,
+            control_timeout,
+            keys,
+        )?)))
+    }
+
     /// Refills the bucket at `key` and takes `cost` tokens, atomically, on the store's clock.
     pub async fn take(&self, key: &str, plan: Plan, cost: f64) -> Result<Verdict, StoreError> {
         self.take_seeded(key, plan, cost, None, None).await
@@ -93,8 +134,8 @@ impl Store {
     }
 
     /// Whether the store answers a round trip within `budget` (the breaker's probe): on the
-    /// node owning `key` (Redis Cluster), else on a fresh connection (see
-    /// [`RedisStore::probe`]).
+    /// node owning `key` (Redis Cluster), else on a fresh connection, whose success retires
+    /// the connections opened before it (they may be dead while Redis is not).
     pub async fn probe(
         &self,
         key: Option<&str>,
@@ -273,6 +314,61 @@ impl Store {
         match self {
             Store::Embedded(s) => Ok(s.shard_view(client)),
             Store::Redis(s) => s.shard_view(client).await,
+        }
+    }
+
+    /// Whether this is the embedded store: buckets in this process, limits for this one
+    /// instance only.
+    pub fn is_embedded(&self) -> bool {
+        matches!(self, Store::Embedded(_))
+    }
+
+    /// Whether this is a Redis Cluster, whose nodes fail apart (a breaker per node).
+    pub fn is_cluster(&self) -> bool {
+        match self {
+            Store::Embedded(_) => false,
+            Store::Redis(s) => s.is_cluster(),
+        }
+    }
+
+    /// Which node serves which slots: (first slot, last slot, "host:port") per range
+    /// (Redis Cluster; none otherwise).
+    pub async fn cluster_slots(&self) -> Result<Vec<(u16, u16, String)>, StoreError> {
+        match self {
+            Store::Embedded(_) => Ok(vec![]),
+            Store::Redis(s) => s.cluster_slots().await,
+        }
+    }
+
+    /// Connections open and idle, for the pool saturation metrics (one Redis server only).
+    pub fn pool_state(&self) -> Option<(u32, u32)> {
+        match self {
+            Store::Embedded(_) => None,
+            Store::Redis(s) => s.pool_state(),
+        }
+    }
+
+    /// `SCRIPT LOAD`s the scripts, so the first requests already hit `EVALSHA` (Redis; the
+    /// embedded store has none).
+    pub async fn load_scripts(&self) -> Result<(), StoreError> {
+        match self {
+            Store::Embedded(_) => Ok(()),
+            Store::Redis(s) => s.load_scripts().await,
+        }
+    }
+
+    /// Forgets idle in-process buckets every few seconds, so memory tracks active clients
+    /// (embedded; Redis expires idle buckets itself).
+    pub fn spawn_evictor(&self) {
+        if let Store::Embedded(s) = self {
+            let store = Arc::clone(s);
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(Duration::from_secs(5));
+                loop {
+                    tick.tick().await;
+                    store.evict_idle();
+                }
+            });
         }
     }
 
