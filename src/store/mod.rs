@@ -20,10 +20,8 @@ mod redis_pool;
 mod shards;
 
 pub use self::dispatch::Store;
-pub use self::embedded::EmbeddedStore;
 pub use self::error::StoreError;
 pub use self::keys::{key_in_slot, key_slot, Keys};
 pub use self::local::LocalBuckets;
 pub use self::records::ClientsPage;
-pub use self::redis::RedisStore;
 pub use self::shards::{Reconcile, RegionShare, ShardState};
