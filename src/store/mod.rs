@@ -8,7 +8,6 @@
 //! (`records.rs`), reconciliation (`shards.rs`), key names (`keys.rs`) and in-process
 //! buckets (`local.rs`).
 
-mod coalesce;
 mod dispatch;
 mod embedded;
 mod error;
@@ -16,7 +15,6 @@ mod keys;
 mod local;
 pub mod records;
 mod redis;
-mod redis_pool;
 mod shards;
 
 pub use self::dispatch::Store;

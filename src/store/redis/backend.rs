@@ -12,15 +12,15 @@ use redis::{AsyncCommands, RedisError, RedisFuture, Script, Value};
 use secrecy::{ExposeSecret, SecretString};
 
 use super::coalesce::{Batch, Coalescer, Take};
-use super::records::{
-    Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition,
-    PlanRecord, SafetyRecord, Versioned, WriteOutcome, SAFETY,
-};
-use super::redis_pool::{is_transport_error, tcp_settings, Dialer, PerThread, RedisManager};
-use super::{ClientsPage, Keys, Reconcile, RegionShare, ShardState, StoreError};
+use super::pool::{is_transport_error, tcp_settings, Dialer, PerThread, RedisManager};
 use crate::configuration::redact_url;
 use crate::domain::{bucket, BucketState, Verdict};
 use crate::domain::{ClientId, Plan, PlanName};
+use crate::store::records::{
+    Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition,
+    PlanRecord, SafetyRecord, Versioned, WriteOutcome, SAFETY,
+};
+use crate::store::{ClientsPage, Keys, Reconcile, RegionShare, ShardState, StoreError};
 
 /// One change-feed entry: its id and fields.
 type FeedEntry = (String, Vec<(String, String)>);
@@ -173,10 +173,10 @@ impl RedisStore {
         RedisStore {
             backend,
             keys,
-            bucket: Script::new(include_str!("../../lua/bucket.lua")),
-            catalog_write: Script::new(include_str!("../../lua/catalog_write.lua")),
-            catalog_restore: Script::new(include_str!("../../lua/catalog_restore.lua")),
-            reconcile: Script::new(include_str!("../../lua/reconcile.lua")),
+            bucket: Script::new(include_str!("../../../lua/bucket.lua")),
+            catalog_write: Script::new(include_str!("../../../lua/catalog_write.lua")),
+            catalog_restore: Script::new(include_str!("../../../lua/catalog_restore.lua")),
+            reconcile: Script::new(include_str!("../../../lua/reconcile.lua")),
             url,
             coalescer: Coalescer::default(),
         }
