@@ -1,35 +1,26 @@
-//! The Redis side of the store: one `EVALSHA` per decision, a scripted catalog write, and
-//! a change feed that gateways poll instead of reloading the catalog.
+//! [`RedisStore`] and how it reaches Redis: one server (a connection per worker thread for
+//! the request path, a pool for the rest) or a cluster, the retry rule for calls off the
+//! request path ([`retrying!`]), and the reads every concern shares.
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use redis::aio::ConnectionLike;
 use redis::cluster_async::ClusterConnection;
-use redis::{AsyncCommands, RedisError, RedisFuture, Script, Value};
+use redis::{RedisFuture, Script, Value};
 use secrecy::{ExposeSecret, SecretString};
 
-use super::coalesce::{Batch, Coalescer, Take};
-use super::pool::{is_transport_error, tcp_settings, Dialer, PerThread, RedisManager};
+use super::coalesce::Coalescer;
+use super::pool::{tcp_settings, Dialer, PerThread, RedisManager};
 use crate::configuration::redact_url;
-use crate::domain::{bucket, BucketState, Verdict};
-use crate::domain::{ClientId, Plan, PlanName};
-use crate::store::records::{
-    Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition,
-    PlanRecord, SafetyRecord, Versioned, WriteOutcome, SAFETY,
-};
-use crate::store::{ClientsPage, Keys, Reconcile, RegionShare, ShardState, StoreError};
+use crate::store::{Keys, StoreError};
 
-/// One change-feed entry: its id and fields.
-type FeedEntry = (String, Vec<(String, String)>);
-
-/// How many change-feed entries one poll reads.
-const FEED_PAGE: usize = 1000;
+/// One stream entry (the change feed, the audit log): its id and fields.
+pub(super) type FeedEntry = (String, Vec<(String, String)>);
 
 /// How commands reach Redis.
-enum Backend {
+pub(super) enum Backend {
     /// One server: the request path uses one multiplexed connection per worker thread;
     /// everything else a bb8 pool of multiplexed connections. Both dial through one
     /// [`Dialer`], which knows which connections are still trusted.
@@ -48,7 +39,7 @@ enum Backend {
 /// (a partition, a node's name moved to a new host): its requests time out and are
 /// retried on the same socket. So when calls time out and a fresh cluster connection
 /// answers, the fresh one replaces the shared one.
-struct ClusterBackend {
+pub(super) struct ClusterBackend {
     conn: ArcSwap<ClusterConnection>,
     client: redis::cluster::ClusterClient,
     config: redis::cluster::ClusterConfig,
@@ -58,7 +49,7 @@ struct ClusterBackend {
 }
 
 impl ClusterBackend {
-    fn conn(&self) -> ClusterConnection {
+    pub(super) fn conn(&self) -> ClusterConnection {
         ClusterConnection::clone(&self.conn.load())
     }
 
@@ -91,7 +82,7 @@ impl ClusterBackend {
 }
 
 /// A connection for one operation.
-enum Conn<'a> {
+pub(super) enum Conn<'a> {
     Pooled(bb8::PooledConnection<'a, RedisManager>),
     Cluster(ClusterConnection),
 }
@@ -142,7 +133,9 @@ macro_rules! retrying {
             $body
         };
         match first {
-            Err(StoreError::Redis(e)) if is_transport_error(&e) || e.is_timeout() => {
+            Err($crate::store::StoreError::Redis(e))
+                if $crate::store::redis::pool::is_transport_error(&e) || e.is_timeout() =>
+            {
                 tracing::debug!(error = %e, "store call failed on its connection; once more on a fresh one");
                 if e.is_timeout() {
                     $store.after_timeout().await;
@@ -155,17 +148,18 @@ macro_rules! retrying {
         }
     }};
 }
+pub(super) use retrying;
 
 /// Redis (one server or a cluster) as the store.
 pub struct RedisStore {
-    backend: Backend,
-    keys: Keys,
-    bucket: Script,
-    catalog_write: Script,
-    catalog_restore: Script,
-    reconcile: Script,
+    pub(super) backend: Backend,
+    pub(super) keys: Keys,
+    pub(super) bucket: Script,
+    pub(super) catalog_write: Script,
+    pub(super) catalog_restore: Script,
+    pub(super) reconcile: Script,
     url: String,
-    coalescer: Coalescer,
+    pub(super) coalescer: Coalescer,
 }
 
 impl RedisStore {
@@ -297,123 +291,7 @@ impl RedisStore {
         Ok(out)
     }
 
-    pub async fn reconcile(&self, r: &Reconcile<'_>) -> Result<ShardState, StoreError> {
-        let mut inv = self.reconcile.prepare_invoke();
-        inv.key(self.keys.shard_state(r.client))
-            .key(self.keys.shard_history(r.client))
-            .key(self.keys.bucket(r.client))
-            .arg(r.period_ms)
-            .arg(r.region.as_str())
-            .arg(r.demand)
-            .arg(r.fill.map(|f| f.to_string()).unwrap_or_default())
-            .arg(r.floor)
-            .arg(r.plan.capacity())
-            .arg(r.plan.rate());
-        for region in r.regions {
-            inv.arg(region.as_str());
-        }
-        let mut c = self.conn().await?;
-        let out: Vec<Option<String>> = inv.invoke_async(&mut c).await?;
-        parse_shard_state(&out).ok_or_else(|| StoreError::Protocol("reconcile reply".into()))
-    }
-
-    pub async fn shard_view(
-        &self,
-        client: &ClientId,
-    ) -> Result<(Option<ShardState>, Vec<serde_json::Value>), StoreError> {
-        let (fields, history): (std::collections::HashMap<String, String>, Vec<String>) =
-            retrying!(self, |c| async {
-                Ok(redis::pipe()
-                    .hgetall(self.keys.shard_state(client))
-                    .lrange(self.keys.shard_history(client), 0, 59)
-                    .query_async(c)
-                    .await?)
-            }
-            .await)?;
-        let history = history
-            .iter()
-            .filter_map(|h| serde_json::from_str(h).ok())
-            .collect();
-        if fields.is_empty() {
-            return Ok((None, history));
-        }
-        let num = |k: &str| fields.get(k).and_then(|v| v.parse::<f64>().ok());
-        let mut regions: Vec<RegionShare> = fields
-            .iter()
-            .filter_map(|(k, v)| {
-                let region = k.strip_prefix("s:")?;
-                Some(RegionShare {
-                    region: region.to_string(),
-                    share: v.parse().ok()?,
-                    fill: num(&format!("f:{region}")),
-                })
-            })
-            .collect();
-        regions.sort_by(|a, b| a.region.cmp(&b.region));
-        Ok((
-            Some(ShardState {
-                updated_at_ms: num("ts").unwrap_or(0.0) as u64,
-                since_ms: num("since").unwrap_or(0.0) as u64,
-                seed: num("seed").unwrap_or(1.0),
-                regions,
-            }),
-            history,
-        ))
-    }
-
-    /// Adds shadow-mode comparison counts (compared, disagreed) per client.
-    pub async fn shadow_add(&self, counts: &[(String, u64, u64)]) -> Result<(), StoreError> {
-        let mut pipe = redis::pipe();
-        for (client, compared, disagreed) in counts {
-            pipe.hincr(self.keys.shadow("compared"), client, *compared)
-                .ignore();
-            if *disagreed > 0 {
-                pipe.hincr(self.keys.shadow("disagreed"), client, *disagreed)
-                    .ignore();
-            }
-        }
-        let mut c = self.conn().await?;
-        let _: () = pipe.query_async(&mut c).await?;
-        Ok(())
-    }
-
-    /// Shadow-mode counts per client, summed over every gateway sharing this store.
-    pub async fn shadow_counts(&self) -> Result<Vec<(String, u64, u64)>, StoreError> {
-        let (compared, disagreed) = retrying!(self, |c| async {
-            Ok((
-                scan_hash(c, &self.keys.shadow("compared")).await?,
-                scan_hash(c, &self.keys.shadow("disagreed")).await?,
-            ))
-        }
-        .await)?;
-        let disagreed: std::collections::HashMap<String, String> = disagreed.into_iter().collect();
-        Ok(compared
-            .into_iter()
-            .map(|(client, n)| {
-                let d = disagreed
-                    .get(&client)
-                    .and_then(|d| d.parse().ok())
-                    .unwrap_or(0);
-                (client, n.parse().unwrap_or(0), d)
-            })
-            .collect())
-    }
-
-    pub async fn shadow_reset(&self) -> Result<(), StoreError> {
-        retrying!(self, |c| async {
-            let _: () = redis::pipe()
-                .del(self.keys.shadow("compared"))
-                .ignore()
-                .del(self.keys.shadow("disagreed"))
-                .ignore()
-                .query_async(c)
-                .await?;
-            Ok(())
-        }
-        .await)
-    }
-
-    async fn conn(&self) -> Result<Conn<'_>, StoreError> {
+    pub(super) async fn conn(&self) -> Result<Conn<'_>, StoreError> {
         match &self.backend {
             Backend::Single { pool, dialer, .. } => {
                 // bb8 makes a caller wait out its checkout timeout when the connection it
@@ -445,74 +323,6 @@ impl RedisStore {
             Ok(())
         }
         .await)
-    }
-
-    /// Takes `cost` tokens from the bucket at `key`, answering by `deadline` (then with
-    /// [`StoreError::Deadline`]). Takes for one bucket that arrive on this worker while a
-    /// call for it is in flight go to Redis together, in time for their deadlines (see
-    /// `coalesce`); each still gets the verdict one-by-one calls would have given it.
-    pub async fn take(
-        &self,
-        key: &str,
-        plan: Plan,
-        cost: f64,
-        initial: Option<f64>,
-        deadline: Option<tokio::time::Instant>,
-    ) -> Result<Verdict, StoreError> {
-        let take = Take {
-            plan,
-            cost,
-            initial,
-            deadline,
-        };
-        self.coalescer
-            .take(key, take, |batch| self.take_batch(key, batch))
-            .await
-    }
-
-    /// Bucket script calls sent and the takes they decided, since start.
-    pub fn bucket_calls(&self) -> (u64, u64) {
-        self.coalescer.counts()
-    }
-
-    /// One `EVALSHA` deciding `batch.n` takes, in order. Several may be in flight for one
-    /// bucket: they go out on this worker's one connection, which Redis serves in order,
-    /// and each reply carries the tokens at its own start.
-    async fn take_batch(&self, key: &str, batch: Batch) -> Result<Vec<Verdict>, StoreError> {
-        // `invoke_async` sends EVALSHA and, on NOSCRIPT (a restarted or flushed Redis),
-        // loads the script and retries once.
-        let mut inv = self.bucket.prepare_invoke();
-        inv.key(key)
-            .arg(batch.plan.capacity())
-            .arg(batch.plan.rate())
-            .arg(batch.cost)
-            .arg(batch.initial.map(|i| i.to_string()).unwrap_or_default());
-        if batch.n > 1 {
-            inv.arg(batch.n);
-        }
-        let reply: Result<(usize, String), RedisError> = match &self.backend {
-            Backend::Single { per_thread, .. } => {
-                let link = per_thread.get().await?;
-                let r = inv.invoke_async(&mut link.connection()).await;
-                link.check(&r);
-                r
-            }
-            Backend::Cluster(c) => inv.invoke_async(&mut c.conn()).await,
-        };
-        let (admitted, refilled) = reply?;
-        let refilled = refilled
-            .parse::<f64>()
-            .map_err(|_| StoreError::Protocol(format!("tokens {refilled:?}")))?;
-        let verdicts = bucket::take_many(refilled, batch.plan, batch.cost, batch.n);
-        // The script did the same subtractions; a different count means it is not the
-        // script this gateway was built with.
-        if verdicts.iter().filter(|v| v.allowed).count() != admitted {
-            return Err(StoreError::Protocol(format!(
-                "bucket script admitted {admitted} of {}, expected otherwise",
-                batch.n
-            )));
-        }
-        Ok(verdicts)
     }
 
     /// Keeps this worker thread's request-path connection open, from before the first
@@ -554,20 +364,12 @@ impl RedisStore {
 
     /// After a control-plane call timed out: a cluster gets a fresh connection (a single
     /// server's connections were already retired by the one that timed out).
-    async fn after_timeout(&self) {
+    pub(super) async fn after_timeout(&self) {
         if let Backend::Cluster(cluster) = &self.backend {
             if let Err(e) = cluster.renew(async |_| Ok(())).await {
                 tracing::debug!(error = %e, "cluster reconnection after a timeout failed");
             }
         }
-    }
-
-    pub async fn refill(&self, key: &str) -> Result<(), StoreError> {
-        retrying!(self, |c| async {
-            let _: i64 = c.del(key).await?;
-            Ok(())
-        }
-        .await)
     }
 
     /// A round trip on a pooled connection (readiness). Dead connections are dropped at
@@ -580,498 +382,10 @@ impl RedisStore {
         }
         .await)
     }
-
-    pub async fn catalog_dump(&self) -> Result<CatalogDump, StoreError> {
-        retrying!(self, |c| self.catalog_dump_on(c).await)
-    }
-
-    async fn catalog_dump_on(&self, c: &mut Conn<'_>) -> Result<CatalogDump, StoreError> {
-        // The version first: anything written during the scan is in the feed after it.
-        let (version, epoch): (Option<u64>, Option<String>) = redis::pipe()
-            .get(self.keys.catalog("version"))
-            .get(self.keys.catalog("epoch"))
-            .query_async(c)
-            .await?;
-        let mut dump = CatalogDump {
-            epoch,
-            version: version.unwrap_or(0),
-            ..CatalogDump::default()
-        };
-        for (field, raw) in scan_hash(c, &self.keys.catalog("plans")).await? {
-            match parse_entity::<PlanRecord>(&raw) {
-                Some(p) => dump.plans.push(p),
-                None => tracing::warn!(plan = %field, "unreadable plan record skipped"),
-            }
-        }
-        for (field, raw) in scan_hash(c, &self.keys.catalog("clients")).await? {
-            match parse_entity::<ClientRecord>(&raw) {
-                Some(p) => dump.clients.push(p),
-                None => tracing::warn!(client = %field, "unreadable client record skipped"),
-            }
-        }
-        let safety: Option<String> = c.hget(self.keys.catalog("settings"), SAFETY).await?;
-        dump.safety = safety.and_then(|r| parse_entity(&r));
-        Ok(dump)
-    }
-
-    pub async fn catalog_changes(
-        &self,
-        since: u64,
-        epoch: Option<&str>,
-    ) -> Result<CatalogChanges, StoreError> {
-        match retrying!(self, |c| self.catalog_changes_on(c, since, epoch).await)? {
-            Some(changes) => Ok(changes),
-            None => Ok(CatalogChanges::Reload(self.catalog_dump().await?)),
-        }
-    }
-
-    /// What changed after `since`; `None` when the feed cannot say (reload everything).
-    async fn catalog_changes_on(
-        &self,
-        c: &mut Conn<'_>,
-        since: u64,
-        epoch: Option<&str>,
-    ) -> Result<Option<CatalogChanges>, StoreError> {
-        let (version, stored_epoch, entries): (Option<u64>, Option<String>, Vec<FeedEntry>) =
-            redis::pipe()
-                .get(self.keys.catalog("version"))
-                .get(self.keys.catalog("epoch"))
-                .cmd("XRANGE")
-                .arg(self.keys.catalog("changes"))
-                .arg(format!("{}-0", since + 1))
-                .arg("+")
-                .arg("COUNT")
-                .arg(FEED_PAGE)
-                .query_async(c)
-                .await?;
-        let version = version.unwrap_or(0);
-        // Another catalog (or one that lost its identity): versions cannot be compared.
-        if stored_epoch.as_deref() != epoch {
-            return Ok(None);
-        }
-        if version == since {
-            return Ok(Some(CatalogChanges::Unchanged));
-        }
-        // A gap (trimmed feed, or a store that was reset) means the feed cannot be trusted
-        // to say what changed: reload everything.
-        let contiguous = entries
-            .first()
-            .is_some_and(|(id, _)| *id == format!("{}-0", since + 1));
-        if version < since || !contiguous {
-            return Ok(None);
-        }
-        let last = entries
-            .last()
-            .and_then(|(id, _)| id.split('-').next()?.parse::<u64>().ok())
-            .ok_or_else(|| StoreError::Protocol("change feed id".into()))?;
-        let mut plan_ids = BTreeSet::new();
-        let mut client_ids = BTreeSet::new();
-        let mut safety_changed = false;
-        for (_, fields) in &entries {
-            let get = |name: &str| {
-                fields
-                    .iter()
-                    .find(|(k, _)| k == name)
-                    .map(|(_, v)| v.as_str())
-            };
-            match (get("kind"), get("id")) {
-                (Some("plan"), Some(id)) => {
-                    plan_ids.insert(id.to_string());
-                }
-                (Some("client"), Some(id)) => {
-                    client_ids.insert(id.to_string());
-                }
-                (Some("setting"), Some(SAFETY)) => safety_changed = true,
-                _ => tracing::warn!("unreadable change feed entry skipped"),
-            }
-        }
-        let plan_ids: Vec<String> = plan_ids.into_iter().collect();
-        let client_ids: Vec<String> = client_ids.into_iter().collect();
-        let mut pipe = redis::pipe();
-        pipe.cmd("HMGET")
-            .arg(self.keys.catalog("plans"))
-            .arg(&plan_ids)
-            .arg("")
-            .cmd("HMGET")
-            .arg(self.keys.catalog("clients"))
-            .arg(&client_ids)
-            .arg("")
-            .hget(self.keys.catalog("settings"), SAFETY);
-        let (plan_vals, client_vals, safety): (
-            Vec<Option<String>>,
-            Vec<Option<String>>,
-            Option<String>,
-        ) = pipe.query_async(c).await?;
-        let plans = plan_ids
-            .iter()
-            .zip(plan_vals)
-            .filter_map(|(id, raw)| {
-                let name = PlanName::parse(id).ok()?;
-                Some((name, raw.and_then(|r| parse_entity(&r))))
-            })
-            .collect();
-        let clients = client_ids
-            .iter()
-            .zip(client_vals)
-            .filter_map(|(id, raw)| {
-                let id = ClientId::parse(id).ok()?;
-                Some((id, raw.and_then(|r| parse_entity(&r))))
-            })
-            .collect();
-        Ok(Some(CatalogChanges::Delta {
-            version: last,
-            plans,
-            clients,
-            safety: safety_changed.then(|| safety.and_then(|r| parse_entity(&r))),
-            more: entries.len() == FEED_PAGE,
-        }))
-    }
-
-    pub async fn catalog_write(
-        &self,
-        write: &CatalogWrite,
-        audit: &Audit,
-    ) -> Result<WriteOutcome, StoreError> {
-        let mut inv = self.catalog_write.prepare_invoke();
-        for part in [
-            "plans", "clients", "keys", "users", "version", "changes", "settings", "index", "audit",
-        ] {
-            inv.key(self.keys.catalog(part));
-        }
-        // This write's own id: a resend of a write that Redis already ran (its reply lost
-        // with the connection) answers the first run's reply and changes nothing.
-        inv.key(
-            self.keys
-                .catalog(&format!("write:{}", uuid::Uuid::new_v4().simple())),
-        )
-        .key(self.keys.catalog("epoch"));
-        let (op, plan, hashes) = match write {
-            CatalogWrite::PutClient(c, _) => (
-                "put",
-                c.plan.to_string(),
-                c.keys.iter().map(|k| k.hash.to_string()).collect(),
-            ),
-            CatalogWrite::PutPlan(..) | CatalogWrite::PutSafety(..) => {
-                ("put", String::new(), vec![])
-            }
-            CatalogWrite::DeletePlan(..) | CatalogWrite::DeleteClient(..) => {
-                ("delete", String::new(), vec![])
-            }
-        };
-        let cond = match write.condition() {
-            Condition::Any => "any".to_string(),
-            Condition::Absent => "absent".to_string(),
-            Condition::Rev(r) => r.to_string(),
-        };
-        inv.arg(write.kind())
-            .arg(op)
-            .arg(write.id())
-            .arg(cond)
-            .arg(write.json().unwrap_or_default())
-            .arg(plan)
-            .arg(&audit.actor)
-            .arg(&audit.action)
-            .arg(if audit.names_catalog {
-                uuid::Uuid::new_v4().simple().to_string()
-            } else {
-                String::new()
-            })
-            .arg(hashes);
-        let (status, rev, detail): (String, u64, Value) =
-            retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
-        Ok(match status.as_str() {
-            "ok" => WriteOutcome::Written {
-                rev,
-                before: redis::from_redis_value::<Option<String>>(detail).unwrap_or(None),
-            },
-            "exists" => WriteOutcome::Exists,
-            "stale" => WriteOutcome::Stale { current: rev },
-            "missing" => WriteOutcome::Missing,
-            "unknown_plan" => WriteOutcome::UnknownPlan,
-            "plan_in_use" => WriteOutcome::PlanInUse,
-            "key_conflict" => WriteOutcome::KeyConflict,
-            other => return Err(StoreError::Protocol(format!("catalog write: {other}"))),
-        })
-    }
-
-    /// Puts `mirror` in place of the store's catalog if the store is still at `seen`
-    /// (`lua/catalog_restore.lua`). Retried on a fresh connection like any write: a resend
-    /// after a lost reply finds the store moved (to the mirror) and writes nothing.
-    pub async fn catalog_restore(
-        &self,
-        seen: (Option<&str>, u64),
-        mirror: &CatalogDump,
-    ) -> Result<bool, StoreError> {
-        let record = |kind: &str, id: &str, rev: u64, json: Option<String>| {
-            json.map(|json| serde_json::json!({"kind": kind, "id": id, "rev": rev, "json": json}))
-        };
-        let mut records = Vec::new();
-        for p in &mirror.plans {
-            records.extend(record(
-                "plan",
-                p.value.name.as_str(),
-                p.rev,
-                serde_json::to_string(&p.value).ok(),
-            ));
-        }
-        for c in &mirror.clients {
-            if let Some(mut r) = record(
-                "client",
-                c.value.id.as_str(),
-                c.rev,
-                serde_json::to_string(&c.value).ok(),
-            ) {
-                r["plan"] = c.value.plan.as_str().into();
-                r["hashes"] = c
-                    .value
-                    .keys
-                    .iter()
-                    .map(|k| serde_json::Value::from(k.hash.to_string()))
-                    .collect();
-                records.push(r);
-            }
-        }
-        if let Some(s) = &mirror.safety {
-            records.extend(record(
-                "setting",
-                SAFETY,
-                s.rev,
-                serde_json::to_string(&s.value).ok(),
-            ));
-        }
-        let mut inv = self.catalog_restore.prepare_invoke();
-        for part in [
-            "plans", "clients", "keys", "users", "version", "changes", "settings", "index",
-            "audit", "epoch",
-        ] {
-            inv.key(self.keys.catalog(part));
-        }
-        inv.arg(seen.0.unwrap_or(""))
-            .arg(seen.1)
-            .arg(mirror.epoch.as_deref().unwrap_or(""))
-            .arg(mirror.version)
-            .arg(serde_json::Value::Array(records).to_string());
-        let status: String = retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
-        Ok(status == "restored")
-    }
-
-    pub async fn plan(&self, name: &str) -> Result<Option<Versioned<PlanRecord>>, StoreError> {
-        self.entity("plans", name).await
-    }
-
-    pub async fn client(&self, id: &str) -> Result<Option<Versioned<ClientRecord>>, StoreError> {
-        self.entity("clients", id).await
-    }
-
-    pub async fn safety(&self) -> Result<Option<Versioned<SafetyRecord>>, StoreError> {
-        self.entity("settings", SAFETY).await
-    }
-
-    async fn entity<T: serde::de::DeserializeOwned>(
-        &self,
-        hash: &str,
-        id: &str,
-    ) -> Result<Option<Versioned<T>>, StoreError> {
-        let raw: Option<String> = retrying!(self, |c| async {
-            Ok(c.hget(self.keys.catalog(hash), id).await?)
-        }
-        .await)?;
-        Ok(raw.and_then(|r| parse_entity(&r)))
-    }
-
-    pub async fn plans(&self) -> Result<Vec<Versioned<PlanRecord>>, StoreError> {
-        let mut out: Vec<Versioned<PlanRecord>> = retrying!(self, |c| async {
-            scan_hash(c, &self.keys.catalog("plans")).await
-        }
-        .await)?
-        .into_iter()
-        .filter_map(|(_, raw)| parse_entity(&raw))
-        .collect();
-        out.sort_by(|a, b| a.value.name.cmp(&b.value.name));
-        Ok(out)
-    }
-
-    /// Up to `limit` clients in id order, after the id `after`.
-    pub async fn clients_page(
-        &self,
-        after: Option<&str>,
-        limit: usize,
-    ) -> Result<ClientsPage, StoreError> {
-        retrying!(self, |c| async {
-            let start = after.map_or_else(|| "-".to_string(), |a| format!("({a}"));
-            let ids: Vec<String> = redis::cmd("ZRANGE")
-                .arg(self.keys.catalog("index"))
-                .arg(start)
-                .arg("+")
-                .arg("BYLEX")
-                .arg("LIMIT")
-                .arg(0)
-                .arg(limit)
-                .query_async(c)
-                .await?;
-            if ids.is_empty() {
-                return Ok(ClientsPage::default());
-            }
-            let raws: Vec<Option<String>> = redis::cmd("HMGET")
-                .arg(self.keys.catalog("clients"))
-                .arg(&ids)
-                .query_async(c)
-                .await?;
-            // The cursor is the last id the index gave, whether or not its client was
-            // deleted between the two reads: a page thinned by deletes is not the last.
-            Ok(ClientsPage {
-                next: (ids.len() == limit).then(|| ids[ids.len() - 1].clone()),
-                items: raws
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|r| parse_entity(&r))
-                    .collect(),
-            })
-        }
-        .await)
-    }
-
-    /// The newest `limit` audit entries, newest first.
-    pub async fn audit(&self, limit: usize) -> Result<Vec<AuditEntry>, StoreError> {
-        retrying!(self, |c| async {
-            let entries: Vec<FeedEntry> = redis::cmd("XREVRANGE")
-                .arg(self.keys.catalog("audit"))
-                .arg("+")
-                .arg("-")
-                .arg("COUNT")
-                .arg(limit)
-                .query_async(c)
-                .await?;
-            Ok(entries
-                .into_iter()
-                .map(|(_, fields)| {
-                    let get = |name: &str| {
-                        fields
-                            .iter()
-                            .find(|(k, _)| k == name)
-                            .map(|(_, v)| v.clone())
-                            .unwrap_or_default()
-                    };
-                    let json = |name: &str| serde_json::from_str(&get(name)).ok();
-                    AuditEntry {
-                        at_ms: get("at_ms").parse().unwrap_or(0),
-                        actor: get("actor"),
-                        action: get("action"),
-                        kind: get("kind"),
-                        id: get("id"),
-                        rev: get("rev").parse().unwrap_or(0),
-                        before: json("before"),
-                        after: json("after"),
-                    }
-                })
-                .collect())
-        }
-        .await)
-    }
-
-    /// Appends an audit entry for a change outside the catalog (a bucket refill).
-    pub async fn record_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
-        let mut c = self.conn().await?;
-        let _: String = redis::cmd("XADD")
-            .arg(self.keys.catalog("audit"))
-            .arg("MAXLEN")
-            .arg("~")
-            .arg(100_000)
-            .arg("*")
-            .arg("at_ms")
-            .arg(entry.at_ms)
-            .arg("actor")
-            .arg(&entry.actor)
-            .arg("action")
-            .arg(&entry.action)
-            .arg("kind")
-            .arg(&entry.kind)
-            .arg("id")
-            .arg(&entry.id)
-            .arg("rev")
-            .arg(entry.rev)
-            .arg("before")
-            .arg(
-                entry
-                    .before
-                    .as_ref()
-                    .map(|v| v.to_string())
-                    .unwrap_or_default(),
-            )
-            .arg("after")
-            .arg(
-                entry
-                    .after
-                    .as_ref()
-                    .map(|v| v.to_string())
-                    .unwrap_or_default(),
-            )
-            .query_async(&mut c)
-            .await?;
-        Ok(())
-    }
-
-    /// The bucket's tokens now (refilled on Redis' clock), or `None` if it does not exist
-    /// (a missing bucket is full).
-    pub async fn tokens_now(&self, key: &str, plan: Plan) -> Result<Option<f64>, StoreError> {
-        retrying!(self, |c| async {
-            let ((tk, ts), (secs, micros)): ((Option<String>, Option<String>), (u64, u64)) =
-                redis::pipe()
-                    .cmd("HMGET")
-                    .arg(key)
-                    .arg("tk")
-                    .arg("ts")
-                    .cmd("TIME")
-                    .query_async(c)
-                    .await?;
-            let (Some(tk), Some(ts)) = (tk, ts) else {
-                return Ok(None);
-            };
-            let state = BucketState {
-                tokens: tk.parse().unwrap_or(0.0),
-                ts_us: ts.parse().unwrap_or(0),
-            };
-            let (_, v) =
-                crate::domain::bucket::take(Some(state), secs * 1_000_000 + micros, plan, 0.0);
-            Ok(Some(v.tokens))
-        }
-        .await)
-    }
-}
-
-/// Parses the reconcile script's reply.
-fn parse_shard_state(out: &[Option<String>]) -> Option<ShardState> {
-    let num = |i: usize| out.get(i)?.as_deref()?.parse::<f64>().ok();
-    let regions = out
-        .get(3..)?
-        .chunks(3)
-        .filter_map(|c| {
-            Some(RegionShare {
-                region: c.first()?.clone()?,
-                share: c.get(1)?.as_deref()?.parse().ok()?,
-                fill: c.get(2)?.as_deref().and_then(|f| f.parse().ok()),
-            })
-        })
-        .collect();
-    Some(ShardState {
-        updated_at_ms: num(0)? as u64,
-        since_ms: num(1)? as u64,
-        seed: num(2).unwrap_or(1.0),
-        regions,
-    })
-}
-
-/// Parses `"<rev> <json>"`.
-fn parse_entity<T: serde::de::DeserializeOwned>(raw: &str) -> Option<Versioned<T>> {
-    let (rev, json) = raw.split_once(' ')?;
-    Some(Versioned {
-        rev: rev.parse().ok()?,
-        value: serde_json::from_str(json).ok()?,
-    })
 }
 
 /// Every field of a hash, with HSCAN (a catalog may hold millions of clients).
-async fn scan_hash(
+pub(super) async fn scan_hash(
     c: &mut impl ConnectionLike,
     key: &str,
 ) -> Result<Vec<(String, String)>, StoreError> {
