@@ -8,13 +8,13 @@ use std::path::{Path, PathBuf};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-use super::records::{
+use crate::domain::{bucket, BucketState, Verdict};
+use crate::domain::{ClientId, KeyHash, Plan, PlanName, Region};
+use crate::store::records::{
     Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition,
     PlanRecord, SafetyRecord, Versioned, WriteOutcome,
 };
-use super::{ClientsPage, LocalBuckets, Reconcile, RegionShare, ShardState, StoreError};
-use crate::domain::{bucket, BucketState, Verdict};
-use crate::domain::{ClientId, KeyHash, Plan, PlanName, Region};
+use crate::store::{ClientsPage, LocalBuckets, Reconcile, RegionShare, ShardState, StoreError};
 
 const FEED_LEN: usize = 10_000;
 const AUDIT_LEN: usize = 10_000;
