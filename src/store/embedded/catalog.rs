@@ -1,0 +1,465 @@
+//! The catalog in the file: dumps, the change feed, writes (the same checks, in the same
+//! order, as `lua/catalog_write.lua`), restores, and reads of single records and pages.
+//! Each write is staged on a copy, put on disk, then committed, as [`EmbeddedStore`] says.
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+
+use super::backend::{now_ms, persist, push_audit, CatalogFile, EmbeddedStore, FileCatalog};
+use crate::domain::{ClientId, KeyHash, PlanName};
+use crate::store::records::{
+    Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, ClientsPage,
+    Condition, PlanRecord, SafetyRecord, Versioned, WriteOutcome,
+};
+use crate::store::StoreError;
+
+const FEED_LEN: usize = 10_000;
+
+impl EmbeddedStore {
+    pub fn catalog_dump(&self) -> CatalogDump {
+        self.catalog.lock().dump()
+    }
+
+    pub fn catalog_changes(&self, since: u64, epoch: Option<&str>) -> CatalogChanges {
+        self.catalog.lock().changes(since, epoch)
+    }
+
+    /// Replaces the catalog with `mirror` if it is still at `seen` (as the Redis side's
+    /// `lua/catalog_restore.lua`); the audit log stays.
+    pub fn catalog_restore(
+        &self,
+        seen: (Option<&str>, u64),
+        mirror: &CatalogDump,
+    ) -> Result<bool, StoreError> {
+        let _one = self.writer.lock();
+        let audit = {
+            let cat = self.catalog.lock();
+            if cat.data.epoch.as_deref() != seen.0 || cat.data.version != seen.1 {
+                return Ok(false);
+            }
+            cat.data.audit.clone()
+        };
+        let mut next = CatalogFile {
+            epoch: mirror.epoch.clone(),
+            version: mirror.version,
+            plans: mirror
+                .plans
+                .iter()
+                .map(|p| (p.value.name.clone(), p.clone()))
+                .collect(),
+            clients: mirror
+                .clients
+                .iter()
+                .map(|c| (c.value.id.clone(), c.clone()))
+                .collect(),
+            safety: mirror.safety.clone(),
+            audit,
+        };
+        push_audit(
+            &mut next.audit,
+            AuditEntry {
+                at_ms: now_ms(),
+                actor: "restore".into(),
+                action: "catalog.restore".into(),
+                kind: "catalog".into(),
+                id: mirror.epoch.clone().unwrap_or_default(),
+                rev: mirror.version,
+                before: Some(serde_json::json!({"epoch": seen.0, "version": seen.1})),
+                after: Some(serde_json::json!({"epoch": mirror.epoch, "version": mirror.version})),
+            },
+        );
+        persist(&self.path, &next)?;
+        *self.catalog.lock() = FileCatalog::from_data(next);
+        Ok(true)
+    }
+
+    pub fn catalog_write(
+        &self,
+        write: &CatalogWrite,
+        audit: &Audit,
+    ) -> Result<WriteOutcome, StoreError> {
+        let _one = self.writer.lock();
+        let staged = match self.catalog.lock().stage(write, audit) {
+            Ok(staged) => staged,
+            Err(refusal) => return Ok(refusal),
+        };
+        persist(&self.path, &staged.data)?;
+        Ok(self.catalog.lock().commit(staged))
+    }
+
+    pub fn plan(&self, name: &str) -> Option<Versioned<PlanRecord>> {
+        let name = PlanName::parse(name).ok()?;
+        self.catalog.lock().data.plans.get(&name).cloned()
+    }
+
+    pub fn client(&self, id: &str) -> Option<Versioned<ClientRecord>> {
+        let id = ClientId::parse(id).ok()?;
+        self.catalog.lock().data.clients.get(&id).cloned()
+    }
+
+    pub fn safety(&self) -> Option<Versioned<SafetyRecord>> {
+        self.catalog.lock().data.safety.clone()
+    }
+
+    pub fn plans(&self) -> Vec<Versioned<PlanRecord>> {
+        self.catalog.lock().data.plans.values().cloned().collect()
+    }
+
+    /// Up to `limit` clients in id order, after the id `after`.
+    pub fn clients_page(&self, after: Option<&str>, limit: usize) -> ClientsPage {
+        let cat = self.catalog.lock();
+        let after = after.and_then(|a| ClientId::parse(a).ok());
+        let range = match &after {
+            Some(a) => cat.data.clients.range((
+                std::ops::Bound::Excluded(a.clone()),
+                std::ops::Bound::Unbounded,
+            )),
+            None => cat.data.clients.range(..),
+        };
+        let items: Vec<_> = range.take(limit).map(|(_, v)| v.clone()).collect();
+        ClientsPage {
+            next: (items.len() == limit)
+                .then(|| items.last().map(|c| c.value.id.to_string()))
+                .flatten(),
+            items,
+        }
+    }
+}
+
+impl FileCatalog {
+    fn dump(&self) -> CatalogDump {
+        CatalogDump {
+            epoch: self.data.epoch.clone(),
+            version: self.data.version,
+            plans: self.data.plans.values().cloned().collect(),
+            clients: self.data.clients.values().cloned().collect(),
+            safety: self.data.safety.clone(),
+        }
+    }
+
+    fn changes(&self, since: u64, epoch: Option<&str>) -> CatalogChanges {
+        if self.data.epoch.as_deref() != epoch {
+            return CatalogChanges::Reload(self.dump());
+        }
+        if since == self.data.version {
+            return CatalogChanges::Unchanged;
+        }
+        let contiguous = self.feed.front().is_some_and(|(v, _, _)| *v <= since + 1);
+        if since > self.data.version || !contiguous {
+            return CatalogChanges::Reload(self.dump());
+        }
+        let mut plans = Vec::new();
+        let mut clients = Vec::new();
+        let mut safety = None;
+        for (_, kind, id) in self.feed.iter().filter(|(v, _, _)| *v > since) {
+            if *kind == "setting" {
+                safety = Some(self.data.safety.clone());
+            } else if *kind == "plan" {
+                if let Ok(name) = PlanName::parse(id) {
+                    let rec = self.data.plans.get(&name).cloned();
+                    plans.push((name, rec));
+                }
+            } else if let Ok(id) = ClientId::parse(id) {
+                let rec = self.data.clients.get(&id).cloned();
+                clients.push((id, rec));
+            }
+        }
+        CatalogChanges::Delta {
+            version: self.data.version,
+            plans,
+            clients,
+            safety,
+            more: false,
+        }
+    }
+
+    /// The same checks, in the same order, as `lua/catalog_write.lua`, on a copy: the
+    /// write staged for [`FileCatalog::commit`] once it is on disk, or the refusal.
+    fn stage(&self, write: &CatalogWrite, audit: &Audit) -> Result<Staged, WriteOutcome> {
+        let id = write.id();
+        let old: Option<(u64, String)> = match write {
+            CatalogWrite::PutSafety(..) => {
+                self.data.safety.as_ref().map(|v| (v.rev, json(&v.value)))
+            }
+            CatalogWrite::PutPlan(..) | CatalogWrite::DeletePlan(..) => PlanName::parse(id)
+                .ok()
+                .and_then(|n| self.data.plans.get(&n))
+                .map(|v| (v.rev, json(&v.value))),
+            _ => ClientId::parse(id)
+                .ok()
+                .and_then(|n| self.data.clients.get(&n))
+                .map(|v| (v.rev, json(&v.value))),
+        };
+        match (write.condition(), &old) {
+            (Condition::Absent, Some(_)) => return Err(WriteOutcome::Exists),
+            (Condition::Rev(_), None) => return Err(WriteOutcome::Missing),
+            (Condition::Rev(r), Some((rev, _))) if r != *rev => {
+                return Err(WriteOutcome::Stale { current: *rev })
+            }
+            _ => {}
+        }
+        let rev = self.data.version + 1;
+        // Work on a copy so a failed file write leaves memory as it was.
+        let mut next_users = self.users.clone();
+        let mut next_keys = self.keys.clone();
+        let mut next = self.data.clone();
+        next.version = rev;
+        if next.epoch.is_none() && audit.names_catalog {
+            next.epoch = Some(uuid::Uuid::new_v4().simple().to_string());
+        }
+        match write {
+            CatalogWrite::PutSafety(rec, _) => {
+                next.safety = Some(Versioned {
+                    rev,
+                    value: rec.clone(),
+                });
+            }
+            CatalogWrite::PutPlan(p, _) => {
+                next.plans.insert(
+                    p.name.clone(),
+                    Versioned {
+                        rev,
+                        value: p.clone(),
+                    },
+                );
+            }
+            CatalogWrite::DeletePlan(name, _) => {
+                if old.is_none() {
+                    return Err(WriteOutcome::Missing);
+                }
+                if next_users.get(name).copied().unwrap_or(0) > 0 {
+                    return Err(WriteOutcome::PlanInUse);
+                }
+                next.plans.remove(name);
+            }
+            CatalogWrite::PutClient(c, _) => {
+                if !next.plans.contains_key(&c.plan) {
+                    return Err(WriteOutcome::UnknownPlan);
+                }
+                if c.keys
+                    .iter()
+                    .any(|k| next_keys.get(&k.hash).is_some_and(|owner| *owner != c.id))
+                {
+                    return Err(WriteOutcome::KeyConflict);
+                }
+                if let Some(prev) = next.clients.get(&c.id) {
+                    unlink(&prev.value, &mut next_users, &mut next_keys);
+                }
+                *next_users.entry(c.plan.clone()).or_default() += 1;
+                for k in &c.keys {
+                    next_keys.insert(k.hash, c.id.clone());
+                }
+                next.clients.insert(
+                    c.id.clone(),
+                    Versioned {
+                        rev,
+                        value: c.clone(),
+                    },
+                );
+            }
+            CatalogWrite::DeleteClient(cid, _) => {
+                let Some(prev) = next.clients.remove(cid) else {
+                    return Err(WriteOutcome::Missing);
+                };
+                unlink(&prev.value, &mut next_users, &mut next_keys);
+            }
+        }
+        let parse = |j: &str| serde_json::from_str(j).ok();
+        push_audit(
+            &mut next.audit,
+            AuditEntry {
+                at_ms: now_ms(),
+                actor: audit.actor.clone(),
+                action: audit.action.clone(),
+                kind: write.kind().to_string(),
+                id: id.to_string(),
+                rev,
+                before: old.as_ref().and_then(|(_, j)| parse(j)),
+                after: write.json().as_deref().and_then(parse),
+            },
+        );
+        Ok(Staged {
+            data: next,
+            users: next_users,
+            keys: next_keys,
+            change: (rev, write.kind(), id.to_string()),
+            outcome: WriteOutcome::Written {
+                rev,
+                before: old.map(|(_, j)| j),
+            },
+        })
+    }
+
+    /// Puts a staged write in place (it is on disk).
+    fn commit(&mut self, staged: Staged) -> WriteOutcome {
+        self.data = staged.data;
+        self.users = staged.users;
+        self.keys = staged.keys;
+        self.feed.push_back(staged.change);
+        if self.feed.len() > FEED_LEN {
+            self.feed.pop_front();
+        }
+        staged.outcome
+    }
+}
+
+/// A write checked and applied to a copy of the catalog, not yet on disk.
+struct Staged {
+    data: CatalogFile,
+    users: HashMap<PlanName, usize>,
+    keys: HashMap<KeyHash, ClientId>,
+    /// The change-feed entry (version, kind, id).
+    change: (u64, &'static str, String),
+    outcome: WriteOutcome,
+}
+
+fn unlink(
+    c: &ClientRecord,
+    users: &mut HashMap<PlanName, usize>,
+    keys: &mut HashMap<KeyHash, ClientId>,
+) {
+    if let Some(n) = users.get_mut(&c.plan) {
+        *n = n.saturating_sub(1);
+    }
+    for k in &c.keys {
+        keys.remove(&k.hash);
+    }
+}
+
+fn json<T: Serialize>(v: &T) -> String {
+    serde_json::to_string(v).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::records::KeyRecord;
+
+    fn store() -> (tempfile::TempDir, EmbeddedStore) {
+        let dir = tempfile::tempdir().unwrap();
+        let s = EmbeddedStore::open(&dir.path().join("c.json")).unwrap();
+        (dir, s)
+    }
+
+    fn by() -> Audit {
+        Audit::new("test", "test")
+    }
+
+    fn plan(name: &str) -> PlanRecord {
+        PlanRecord {
+            name: PlanName::parse(name).unwrap(),
+            capacity: 10.0,
+            rate: 1.0,
+            description: None,
+        }
+    }
+
+    fn client(id: &str, plan: &str, key: &str) -> ClientRecord {
+        ClientRecord {
+            id: ClientId::parse(id).unwrap(),
+            plan: PlanName::parse(plan).unwrap(),
+            mode: None,
+            shards: None,
+            keys: vec![KeyRecord::new(KeyHash::of(key))],
+        }
+    }
+
+    #[test]
+    fn the_catalog_survives_a_reopen_and_holds_no_plaintext_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.json");
+        {
+            let s = EmbeddedStore::open(&path).unwrap();
+            s.catalog_write(
+                &CatalogWrite::PutPlan(plan("gold"), Condition::Absent),
+                &by(),
+            )
+            .unwrap();
+            s.catalog_write(
+                &CatalogWrite::PutClient(
+                    client("acme", "gold", "plaintext-key-1"),
+                    Condition::Absent,
+                ),
+                &by(),
+            )
+            .unwrap();
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(!text.contains("plaintext-key-1"));
+        let s = EmbeddedStore::open(&path).unwrap();
+        let dump = s.catalog_dump();
+        assert_eq!(dump.version, 2);
+        assert_eq!(dump.clients.len(), 1);
+    }
+
+    #[test]
+    fn refused_writes_change_nothing() {
+        let (_d, s) = store();
+        let w = |w: CatalogWrite| s.catalog_write(&w, &by()).unwrap();
+        assert_eq!(
+            w(CatalogWrite::PutClient(
+                client("acme", "gold", "key-aaaaaaa"),
+                Condition::Any
+            )),
+            WriteOutcome::UnknownPlan
+        );
+        w(CatalogWrite::PutPlan(plan("gold"), Condition::Any));
+        w(CatalogWrite::PutClient(
+            client("acme", "gold", "key-aaaaaaa"),
+            Condition::Any,
+        ));
+        assert_eq!(
+            w(CatalogWrite::PutClient(
+                client("other", "gold", "key-aaaaaaa"),
+                Condition::Any
+            )),
+            WriteOutcome::KeyConflict
+        );
+        assert_eq!(
+            w(CatalogWrite::DeletePlan(
+                PlanName::parse("gold").unwrap(),
+                Condition::Any
+            )),
+            WriteOutcome::PlanInUse
+        );
+        assert_eq!(
+            w(CatalogWrite::PutPlan(plan("gold"), Condition::Rev(1_000))),
+            WriteOutcome::Stale { current: 1 }
+        );
+        assert_eq!(s.catalog_dump().version, 2);
+    }
+
+    #[test]
+    fn the_change_feed_names_what_changed() {
+        let (_d, s) = store();
+        s.catalog_write(&CatalogWrite::PutPlan(plan("gold"), Condition::Any), &by())
+            .unwrap();
+        s.catalog_write(
+            &CatalogWrite::PutPlan(plan("silver"), Condition::Any),
+            &by(),
+        )
+        .unwrap();
+        let epoch = s.catalog_dump().epoch;
+        assert!(epoch.is_some(), "the first write names the catalog");
+        match s.catalog_changes(1, epoch.as_deref()) {
+            CatalogChanges::Delta { version, plans, .. } => {
+                assert_eq!(version, 2);
+                assert_eq!(plans.len(), 1);
+                assert_eq!(plans[0].0.as_str(), "silver");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            s.catalog_changes(2, epoch.as_deref()),
+            CatalogChanges::Unchanged
+        ));
+        assert!(
+            matches!(
+                s.catalog_changes(2, Some("another")),
+                CatalogChanges::Reload(_)
+            ),
+            "another catalog's versions mean nothing here"
+        );
+    }
+}
