@@ -18,8 +18,8 @@ use super::records::{
 use super::redis::RedisStore;
 use super::shards::{Reconcile, ShardState};
 use super::{Keys, StoreError};
-use crate::domain::Plan;
 use crate::domain::Verdict;
+use crate::domain::{ClientId, Plan};
 
 /// Embedded or Redis; cheap to clone.
 #[derive(Clone)]
@@ -136,11 +136,7 @@ impl Store {
     /// Whether the store answers a round trip within `budget` (the breaker's probe): on the
     /// node owning `key` (Redis Cluster), else on a fresh connection, whose success retires
     /// the connections opened before it (they may be dead while Redis is not).
-    pub async fn probe(
-        &self,
-        key: Option<&str>,
-        budget: std::time::Duration,
-    ) -> Result<(), StoreError> {
+    pub async fn probe(&self, key: Option<&str>, budget: Duration) -> Result<(), StoreError> {
         match self {
             Store::Redis(s) => s.probe(key, budget).await,
             Store::Embedded(_) => Ok(()),
@@ -309,7 +305,7 @@ impl Store {
     /// A sharded client's shares without changing anything, and its recent history.
     pub async fn shard_view(
         &self,
-        client: &crate::domain::ClientId,
+        client: &ClientId,
     ) -> Result<(Option<ShardState>, Vec<serde_json::Value>), StoreError> {
         match self {
             Store::Embedded(s) => Ok(s.shard_view(client)),
