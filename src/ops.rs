@@ -12,7 +12,6 @@ use serde_json::json;
 
 use crate::metrics::family;
 use crate::state::AppState;
-use crate::store::Store;
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route("/healthz", web::get().to(healthz))
@@ -122,10 +121,7 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
         "Times the circuit breaker opened.",
     );
     let _ = writeln!(out, "tollgate_breaker_opened_total {opened}");
-    if let Some((conns, idle)) = match &state.store {
-        Store::Redis(r) => r.pool_state(),
-        Store::Embedded(_) => None,
-    } {
+    if let Some((conns, idle)) = state.store.pool_state() {
         family(
             &mut out,
             "tollgate_redis_pool_connections",

@@ -20,7 +20,7 @@ use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 use crate::proxy::{self, RouteTable};
 use crate::state::AppState;
-use crate::store::{EmbeddedStore, Keys, RedisStore, Store};
+use crate::store::{Keys, Store};
 use crate::{ops, telemetry};
 
 pub struct Application {
@@ -47,13 +47,11 @@ impl Application {
         );
         prepare_store(&store, &catalog, &settings).await?;
         catalog.spawn_refresh(store.clone(), settings.catalog.refresh);
-        if let Store::Embedded(e) = &store {
-            spawn_evictor(Arc::clone(e));
-        }
+        store.spawn_evictor();
 
         let regional = open_regional_store(&settings, &keys, &store)?;
-        if let (Store::Redis(r), Some(_)) = (&regional, &settings.redis.regional_url) {
-            if let Err(e) = r.load_scripts().await {
+        if settings.redis.regional_url.is_some() && !settings.uses_embedded_store() {
+            if let Err(e) = regional.load_scripts().await {
                 tracing::warn!(error = %e, "regional store unavailable at start; its shards fail open until it answers");
             }
         }
@@ -152,7 +150,7 @@ impl Application {
             region = %settings.server.region,
             "tollgate started"
         );
-        if matches!(store, Store::Embedded(_)) {
+        if store.is_embedded() {
             tracing::info!(
                 file = %settings.catalog.file.display(),
                 "embedded store: buckets live in this process, so limits hold for this single instance only"
@@ -195,18 +193,14 @@ impl Application {
 fn open_store(settings: &Settings, keys: &Keys) -> anyhow::Result<Store> {
     let redis = &settings.redis;
     if !redis.cluster_nodes.is_empty() {
-        let store =
-            RedisStore::connect_cluster(&redis.cluster_nodes, redis.control_timeout, keys.clone())
-                .context("redis.cluster_nodes")?;
-        return Ok(Store::Redis(Arc::new(store)));
+        return Store::cluster(&redis.cluster_nodes, redis.control_timeout, keys.clone())
+            .context("redis.cluster_nodes");
     }
     if let Some(url) = &redis.url {
-        let store = RedisStore::connect(url, redis.pool_size, redis.control_timeout, keys.clone())
-            .context("redis.url")?;
-        return Ok(Store::Redis(Arc::new(store)));
+        return Store::redis(url, redis.pool_size, redis.control_timeout, keys.clone())
+            .context("redis.url");
     }
-    let store = EmbeddedStore::open(&settings.catalog.file).context("catalog.file")?;
-    Ok(Store::Embedded(Arc::new(store)))
+    Store::embedded(&settings.catalog.file).context("catalog.file")
 }
 
 /// The store holding this region's shards of hot clients: `redis.regional_url`, or the
@@ -216,14 +210,13 @@ fn open_regional_store(settings: &Settings, keys: &Keys, global: &Store) -> anyh
         Some(url) if !settings.uses_embedded_store() => url,
         _ => return Ok(global.clone()),
     };
-    let store = RedisStore::connect(
+    Store::redis(
         url,
         settings.redis.pool_size,
         settings.redis.control_timeout,
         keys.clone(),
     )
-    .context("redis.regional_url")?;
-    Ok(Store::Redis(Arc::new(store)))
+    .context("redis.regional_url")
 }
 
 /// Loads scripts, seeds the declared catalog and mirrors it. A Redis that is down at start
@@ -234,16 +227,14 @@ async fn prepare_store(
     settings: &Settings,
 ) -> anyhow::Result<()> {
     async fn attempt(store: &Store, catalog: &Catalog, settings: &Settings) -> anyhow::Result<()> {
-        if let Store::Redis(r) = store {
-            r.load_scripts().await?;
-        }
+        store.load_scripts().await?;
         catalog::seed(store, settings).await?;
         catalog.refresh(store).await?;
         Ok(())
     }
     match attempt(store, catalog, settings).await {
         Ok(()) => Ok(()),
-        Err(e) if matches!(store, Store::Embedded(_)) => Err(e),
+        Err(e) if store.is_embedded() => Err(e),
         Err(e) if e.downcast_ref::<crate::store::StoreError>().is_none() => Err(e),
         Err(e) => {
             tracing::warn!(error = %e, "store unavailable at start; failing open and retrying");
@@ -272,15 +263,4 @@ async fn prepare_store(
             Ok(())
         }
     }
-}
-
-/// Forgets idle embedded buckets every few seconds, so memory tracks active clients.
-fn spawn_evictor(store: Arc<EmbeddedStore>) {
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(Duration::from_secs(5));
-        loop {
-            tick.tick().await;
-            store.evict_idle();
-        }
-    });
 }

@@ -33,24 +33,21 @@ pub struct NodeBreakers {
 
 impl Breakers {
     pub fn new(store: &Store, budget: Duration, backoff: BackOff) -> Breakers {
-        match store {
-            Store::Redis(r) if r.is_cluster() => {
-                // Until the slot map is known, one breaker stands for the whole cluster.
-                let unknown = Arc::new(Breaker::new(budget, backoff));
-                unknown.spawn_prober(store.clone(), None, budget);
-                Breakers::PerNode(Arc::new(NodeBreakers {
-                    by_slot: ArcSwap::from_pointee(vec![unknown; SLOTS]),
-                    by_node: Mutex::new(HashMap::new()),
-                    store: store.clone(),
-                    budget,
-                    backoff,
-                }))
-            }
-            _ => {
-                let b = Arc::new(Breaker::new(budget, backoff));
-                b.spawn_prober(store.clone(), None, budget);
-                Breakers::One(b)
-            }
+        if store.is_cluster() {
+            // Until the slot map is known, one breaker stands for the whole cluster.
+            let unknown = Arc::new(Breaker::new(budget, backoff));
+            unknown.spawn_prober(store.clone(), None, budget);
+            Breakers::PerNode(Arc::new(NodeBreakers {
+                by_slot: ArcSwap::from_pointee(vec![unknown; SLOTS]),
+                by_node: Mutex::new(HashMap::new()),
+                store: store.clone(),
+                budget,
+                backoff,
+            }))
+        } else {
+            let b = Arc::new(Breaker::new(budget, backoff));
+            b.spawn_prober(store.clone(), None, budget);
+            Breakers::One(b)
         }
     }
 
@@ -93,13 +90,8 @@ impl Breakers {
 
 impl NodeBreakers {
     async fn refresh(&self) {
-        let Ok(Ok(ranges)) = tokio::time::timeout(Duration::from_secs(1), async {
-            match &self.store {
-                Store::Redis(r) => r.cluster_slots().await,
-                Store::Embedded(_) => Ok(vec![]),
-            }
-        })
-        .await
+        let Ok(Ok(ranges)) =
+            tokio::time::timeout(Duration::from_secs(1), self.store.cluster_slots()).await
         else {
             return;
         };

@@ -160,6 +160,14 @@ pub enum CatalogChanges {
     Reload(CatalogDump),
 }
 
+/// One page of clients in id order.
+#[derive(Debug, Default)]
+pub struct ClientsPage {
+    pub items: Vec<Versioned<ClientRecord>>,
+    /// Where the next page starts; `None` on the last page.
+    pub next: Option<String>,
+}
+
 /// Preconditions of a write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Condition {

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use secrecy::SecretString;
 use tollgate::domain::Plan;
-use tollgate::store::{EmbeddedStore, Keys, RedisStore, Store};
+use tollgate::store::{Keys, Store};
 
 use crate::helpers::*;
 
@@ -12,18 +12,14 @@ use crate::helpers::*;
 async fn the_embedded_store_decides_like_the_redis_script_on_the_same_timeline() {
     let redis = RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
-    let embedded = Store::Embedded(std::sync::Arc::new(
-        EmbeddedStore::open(&dir.path().join("c.json")).unwrap(),
-    ));
-    let remote = Store::Redis(std::sync::Arc::new(
-        RedisStore::connect(
-            &SecretString::from(redis.url()),
-            2,
-            std::time::Duration::from_secs(1),
-            Keys::new("t:"),
-        )
-        .unwrap(),
-    ));
+    let embedded = Store::embedded(&dir.path().join("c.json")).unwrap();
+    let remote = Store::redis(
+        &SecretString::from(redis.url()),
+        2,
+        std::time::Duration::from_secs(1),
+        Keys::new("t:"),
+    )
+    .unwrap();
     let plan = Plan::new(3.0, 2.0).unwrap();
     // (pause before, cost): a burst past capacity, a partial refill, a cost the refill
     // does not cover yet, a full refill, and a cost the bucket can never hold. Every

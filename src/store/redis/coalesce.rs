@@ -57,9 +57,9 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::StoreError;
 use crate::domain::Plan;
 use crate::domain::Verdict;
+use crate::store::StoreError;
 
 /// Most requests one call decides; more wait for the next call.
 pub const MAX_BATCH: usize = 512;

@@ -1,0 +1,15 @@
+//! The embedded store: buckets in process memory, the catalog in a JSON file. For one
+//! gateway instance only (buckets are not shared), and the zero-dependency default.
+//!
+//! `backend.rs` holds [`EmbeddedStore`], its catalog-file lock and the file's persistence;
+//! each concern adds its own `impl EmbeddedStore` block: `buckets.rs`, `catalog.rs`,
+//! `audit.rs`, `shadow.rs` and `shards.rs`.
+
+mod audit;
+mod backend;
+mod buckets;
+mod catalog;
+mod shadow;
+mod shards;
+
+pub(super) use self::backend::EmbeddedStore;

@@ -1,0 +1,408 @@
+//! [`RedisStore`] and how it reaches Redis: one server (a connection per worker thread for
+//! the request path, a pool for the rest) or a cluster, the retry rule for calls off the
+//! request path ([`retrying!`]), and the reads every concern shares.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use redis::aio::ConnectionLike;
+use redis::cluster_async::ClusterConnection;
+use redis::{RedisFuture, Script, Value};
+use secrecy::{ExposeSecret, SecretString};
+
+use super::coalesce::Coalescer;
+use super::pool::{tcp_settings, Dialer, PerThread, RedisManager};
+use crate::configuration::redact_url;
+use crate::store::{Keys, StoreError};
+
+/// One stream entry (the change feed, the audit log): its id and fields.
+pub(super) type FeedEntry = (String, Vec<(String, String)>);
+
+/// How commands reach Redis.
+pub(super) enum Backend {
+    /// One server: the request path uses one multiplexed connection per worker thread;
+    /// everything else a bb8 pool of multiplexed connections. Both dial through one
+    /// [`Dialer`], which knows which connections are still trusted.
+    Single {
+        pool: bb8::Pool<RedisManager>,
+        per_thread: PerThread,
+        dialer: Arc<Dialer>,
+    },
+    /// Redis Cluster: one multiplexed cluster connection (it follows MOVED/ASK and keeps a
+    /// connection per node); cloning it is cheap.
+    Cluster(Box<ClusterBackend>),
+}
+
+/// The cluster connection, and how to make a fresh one. The cluster client re-dials a
+/// node connection that fails with an I/O error, but not one that merely stops answering
+/// (a partition, a node's name moved to a new host): its requests time out and are
+/// retried on the same socket. So when calls time out and a fresh cluster connection
+/// answers, the fresh one replaces the shared one.
+pub(super) struct ClusterBackend {
+    conn: ArcSwap<ClusterConnection>,
+    client: redis::cluster::ClusterClient,
+    config: redis::cluster::ClusterConfig,
+    control_timeout: Duration,
+    /// One renewal at a time.
+    renewing: tokio::sync::Mutex<()>,
+}
+
+impl ClusterBackend {
+    pub(super) fn conn(&self) -> ClusterConnection {
+        ClusterConnection::clone(&self.conn.load())
+    }
+
+    /// A fresh cluster connection (seed nodes, slot map, node connections), within the
+    /// control timeout. It replaces the shared one when `check` passes on it.
+    async fn renew<F, Fut>(&self, check: F) -> Result<(), StoreError>
+    where
+        F: FnOnce(ClusterConnection) -> Fut,
+        Fut: std::future::Future<Output = Result<(), StoreError>>,
+    {
+        let Ok(_one) = self.renewing.try_lock() else {
+            return Err(StoreError::Pool(
+                "a cluster reconnection is under way".into(),
+            ));
+        };
+        let fresh = tokio::time::timeout(
+            self.control_timeout,
+            self.client
+                .get_async_connection_with_config(self.config.clone()),
+        )
+        .await
+        .map_err(|_| StoreError::Pool("connecting to the cluster timed out".into()))??;
+        check(fresh.clone()).await?;
+        self.conn.store(Arc::new(fresh));
+        tracing::warn!(
+            "cluster connections stopped answering while the cluster answers: replaced them"
+        );
+        Ok(())
+    }
+}
+
+/// A connection for one operation.
+pub(super) enum Conn<'a> {
+    Pooled(bb8::PooledConnection<'a, RedisManager>),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn<'_> {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Pooled(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Pooled(c) => c.req_packed_commands(cmd, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Pooled(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// Runs `$body` with `$c` bound to a pooled connection and, when that connection turns
+/// out dead (a transport error, or no answer within the control timeout), once more on a
+/// fresh one. Only for operations that may run twice: reads, deletes, script loads, and
+/// catalog writes, which the script makes idempotent (`catalog_write`). Counters (shadow
+/// counts), audit appends and reconciliation reports are not retried: a reply lost after
+/// Redis ran the command would count it twice; they are sent again at their next period
+/// instead (shadow counts are kept until they are flushed).
+///
+/// A macro, not a function taking an async closure: the futures stay `Send` for
+/// `tokio::spawn` (async closures borrowing their argument do not, yet).
+macro_rules! retrying {
+    ($store:expr, |$c:ident| $body:expr) => {{
+        let first = {
+            let mut conn = $store.conn().await?;
+            let $c = &mut conn;
+            $body
+        };
+        match first {
+            Err($crate::store::StoreError::Redis(e))
+                if $crate::store::redis::pool::is_transport_error(&e) || e.is_timeout() =>
+            {
+                tracing::debug!(error = %e, "store call failed on its connection; once more on a fresh one");
+                if e.is_timeout() {
+                    $store.after_timeout().await;
+                }
+                let mut conn = $store.conn().await?;
+                let $c = &mut conn;
+                $body
+            }
+            r => r,
+        }
+    }};
+}
+pub(super) use retrying;
+
+/// Redis (one server or a cluster) as the store.
+pub struct RedisStore {
+    pub(super) backend: Backend,
+    pub(super) keys: Keys,
+    pub(super) bucket: Script,
+    pub(super) catalog_write: Script,
+    pub(super) catalog_restore: Script,
+    pub(super) reconcile: Script,
+    url: String,
+    pub(super) coalescer: Coalescer,
+}
+
+impl RedisStore {
+    fn new(backend: Backend, keys: Keys, url: String) -> RedisStore {
+        RedisStore {
+            backend,
+            keys,
+            bucket: Script::new(include_str!("../../../lua/bucket.lua")),
+            catalog_write: Script::new(include_str!("../../../lua/catalog_write.lua")),
+            catalog_restore: Script::new(include_str!("../../../lua/catalog_restore.lua")),
+            reconcile: Script::new(include_str!("../../../lua/reconcile.lua")),
+            url,
+            coalescer: Coalescer::default(),
+        }
+    }
+
+    /// Builds the pool without connecting: a gateway starts (and fails open) while Redis
+    /// is down, and connects once it answers.
+    /// `control_timeout` bounds every call off the request path (and each dial).
+    pub fn connect(
+        url: &SecretString,
+        pool_size: u32,
+        control_timeout: Duration,
+        keys: Keys,
+    ) -> Result<RedisStore, StoreError> {
+        let dialer = Arc::new(Dialer::new(url.expose_secret(), control_timeout)?);
+        let pool = bb8::Pool::builder()
+            .max_size(pool_size)
+            .min_idle(Some(pool_size))
+            // A checkout may have to dial, and a dial has the control timeout.
+            .connection_timeout(control_timeout * 2)
+            .retry_connection(false)
+            // Checked without a round trip (`RedisManager::is_valid`): closed, broken and
+            // retired connections are dropped here rather than failing a command.
+            .test_on_check_out(true)
+            .build_unchecked(RedisManager::new(Arc::clone(&dialer)));
+        Ok(RedisStore::new(
+            Backend::Single {
+                pool,
+                per_thread: PerThread::new(Arc::clone(&dialer)),
+                dialer,
+            },
+            keys,
+            redact_url(url.expose_secret()),
+        ))
+    }
+
+    /// Redis Cluster from seed nodes. Connects in the background, so the gateway starts
+    /// (failing open) while the cluster is unreachable.
+    pub fn connect_cluster(
+        nodes: &[SecretString],
+        control_timeout: Duration,
+        keys: Keys,
+    ) -> Result<RedisStore, StoreError> {
+        let urls: Vec<&str> = nodes.iter().map(|n| n.expose_secret()).collect();
+        let client = redis::cluster::ClusterClientBuilder::new(urls.clone())
+            .connection_timeout(control_timeout)
+            .response_timeout(control_timeout)
+            .tcp_settings(tcp_settings())
+            .retries(2)
+            .build()?;
+        let config = redis::cluster::ClusterConfig::new()
+            .set_connection_timeout(control_timeout)
+            .set_response_timeout(control_timeout);
+        let conn = client.get_pending_async_connection_with_config(config.clone());
+        let url = format!(
+            "cluster {}",
+            urls.iter()
+                .map(|u| redact_url(u))
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        let backend = Backend::Cluster(Box::new(ClusterBackend {
+            conn: ArcSwap::from_pointee(conn),
+            client,
+            config,
+            control_timeout,
+            renewing: tokio::sync::Mutex::new(()),
+        }));
+        Ok(RedisStore::new(backend, keys, url))
+    }
+
+    pub fn describe(&self) -> String {
+        format!("redis {}", self.url)
+    }
+
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.backend, Backend::Cluster(_))
+    }
+
+    /// Connections open and idle, for the pool saturation metrics (one server only).
+    pub fn pool_state(&self) -> Option<(u32, u32)> {
+        match &self.backend {
+            Backend::Single { pool, .. } => {
+                let s = pool.state();
+                Some((s.connections, s.idle_connections))
+            }
+            Backend::Cluster(_) => None,
+        }
+    }
+
+    /// Which node serves which slots: (first slot, last slot, "host:port") per range.
+    pub async fn cluster_slots(&self) -> Result<Vec<(u16, u16, String)>, StoreError> {
+        let ranges: Vec<Value> = retrying!(self, |c| async {
+            Ok(redis::cmd("CLUSTER").arg("SLOTS").query_async(c).await?)
+        }
+        .await)?;
+        let mut out = Vec::new();
+        for r in ranges {
+            let Value::Array(parts) = r else { continue };
+            let (Some(start), Some(end), Some(Value::Array(master))) =
+                (parts.first(), parts.get(1), parts.get(2))
+            else {
+                continue;
+            };
+            let int = |v: Option<&Value>| -> Result<i64, StoreError> {
+                v.map(redis::from_redis_value_ref::<i64>)
+                    .transpose()
+                    .map_err(|e| StoreError::Protocol(format!("CLUSTER SLOTS: {e}")))
+                    .map(Option::unwrap_or_default)
+            };
+            let (start, end, port) = (int(Some(start))?, int(Some(end))?, int(master.get(1))?);
+            let host: String = master
+                .first()
+                .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
+                .unwrap_or_default();
+            out.push((start as u16, end as u16, format!("{host}:{port}")));
+        }
+        Ok(out)
+    }
+
+    pub(super) async fn conn(&self) -> Result<Conn<'_>, StoreError> {
+        match &self.backend {
+            Backend::Single { pool, dialer, .. } => {
+                // bb8 makes a caller wait out its checkout timeout when the connection it
+                // waits for cannot be dialed; a Redis that refuses gets a quick answer.
+                let mut failures = dialer.dial_failures();
+                tokio::select! {
+                    biased;
+                    r = pool.get() => r.map(Conn::Pooled).map_err(|e| match e {
+                        bb8::RunError::User(e) => StoreError::Redis(e),
+                        bb8::RunError::TimedOut => {
+                            StoreError::Pool("timed out waiting for a connection".into())
+                        }
+                    }),
+                    Ok(()) = failures.changed() => Err(failures
+                        .borrow()
+                        .clone()
+                        .map_or_else(|| StoreError::Pool("no connection".into()), StoreError::Redis)),
+                }
+            }
+            Backend::Cluster(c) => Ok(Conn::Cluster(c.conn())),
+        }
+    }
+
+    /// `SCRIPT LOAD`s both scripts, so the first requests already hit `EVALSHA`.
+    pub async fn load_scripts(&self) -> Result<(), StoreError> {
+        retrying!(self, |c| async {
+            self.bucket.load_async(c).await?;
+            self.catalog_write.load_async(c).await?;
+            Ok(())
+        }
+        .await)
+    }
+
+    /// Keeps this worker thread's request-path connection open, from before the first
+    /// request until the thread ends (one server; a cluster connection keeps itself).
+    pub async fn keep_connected(&self) {
+        if let Backend::Single { per_thread, .. } = &self.backend {
+            per_thread.keep().await;
+        }
+    }
+
+    /// Whether Redis answers a round trip within `budget` on a *fresh* connection (the
+    /// breaker's probe; `key`: a key on the node the breaker guards, in a cluster). When
+    /// it does, the connections opened before are retired: the breaker opened because
+    /// they failed, and a fresh one works, so they may be dead (a partition, a failover
+    /// behind the name) even though Redis is not.
+    pub async fn probe(&self, key: Option<&str>, budget: Duration) -> Result<(), StoreError> {
+        match &self.backend {
+            Backend::Single { dialer, .. } => {
+                dialer.answers_fresh(budget).await?;
+                dialer.retire_all();
+                Ok(())
+            }
+            Backend::Cluster(cluster) => {
+                let check = async |mut c: ClusterConnection| {
+                    let mut cmd = redis::cmd("EXISTS");
+                    cmd.arg(key.unwrap_or("tollgate:probe"));
+                    tokio::time::timeout(budget, cmd.query_async::<i64>(&mut c))
+                        .await
+                        .map_err(|_| StoreError::Pool("probe timed out".into()))??;
+                    Ok(())
+                };
+                if check(cluster.conn()).await.is_ok() {
+                    return Ok(());
+                }
+                cluster.renew(check).await
+            }
+        }
+    }
+
+    /// After a control-plane call timed out: a cluster gets a fresh connection (a single
+    /// server's connections were already retired by the one that timed out).
+    pub(super) async fn after_timeout(&self) {
+        if let Backend::Cluster(cluster) = &self.backend {
+            if let Err(e) = cluster.renew(async |_| Ok(())).await {
+                tracing::debug!(error = %e, "cluster reconnection after a timeout failed");
+            }
+        }
+    }
+
+    /// A round trip on a pooled connection (readiness). Dead connections are dropped at
+    /// checkout, and one found dead on the way is retried on a fresh one, so the answer is
+    /// about Redis, not about a stale socket.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        retrying!(self, |c| async {
+            redis::cmd("PING").query_async::<String>(c).await?;
+            Ok(())
+        }
+        .await)
+    }
+}
+
+/// Every field of a hash, with HSCAN (a catalog may hold millions of clients).
+pub(super) async fn scan_hash(
+    c: &mut impl ConnectionLike,
+    key: &str,
+) -> Result<Vec<(String, String)>, StoreError> {
+    let mut out = Vec::new();
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, page): (u64, Vec<(String, String)>) = redis::cmd("HSCAN")
+            .arg(key)
+            .arg(cursor)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(c)
+            .await?;
+        out.extend(page);
+        if next == 0 {
+            return Ok(out);
+        }
+        cursor = next;
+    }
+}

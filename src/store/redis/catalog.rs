@@ -1,0 +1,379 @@
+//! The catalog in Redis: whole dumps, the change feed gateways poll instead of reloading,
+//! scripted writes (`lua/catalog_write.lua`) and restores (`lua/catalog_restore.lua`), and
+//! reads of single records and pages.
+
+use std::collections::BTreeSet;
+
+use redis::{AsyncCommands, Value};
+
+use super::backend::{retrying, scan_hash, Conn, FeedEntry, RedisStore};
+use crate::domain::{ClientId, PlanName};
+use crate::store::records::{
+    Audit, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, ClientsPage, Condition,
+    PlanRecord, SafetyRecord, Versioned, WriteOutcome, SAFETY,
+};
+use crate::store::StoreError;
+
+/// How many change-feed entries one poll reads.
+const FEED_PAGE: usize = 1000;
+
+impl RedisStore {
+    pub async fn catalog_dump(&self) -> Result<CatalogDump, StoreError> {
+        retrying!(self, |c| self.catalog_dump_on(c).await)
+    }
+
+    async fn catalog_dump_on(&self, c: &mut Conn<'_>) -> Result<CatalogDump, StoreError> {
+        // The version first: anything written during the scan is in the feed after it.
+        let (version, epoch): (Option<u64>, Option<String>) = redis::pipe()
+            .get(self.keys.catalog("version"))
+            .get(self.keys.catalog("epoch"))
+            .query_async(c)
+            .await?;
+        let mut dump = CatalogDump {
+            epoch,
+            version: version.unwrap_or(0),
+            ..CatalogDump::default()
+        };
+        for (field, raw) in scan_hash(c, &self.keys.catalog("plans")).await? {
+            match parse_entity::<PlanRecord>(&raw) {
+                Some(p) => dump.plans.push(p),
+                None => tracing::warn!(plan = %field, "unreadable plan record skipped"),
+            }
+        }
+        for (field, raw) in scan_hash(c, &self.keys.catalog("clients")).await? {
+            match parse_entity::<ClientRecord>(&raw) {
+                Some(p) => dump.clients.push(p),
+                None => tracing::warn!(client = %field, "unreadable client record skipped"),
+            }
+        }
+        let safety: Option<String> = c.hget(self.keys.catalog("settings"), SAFETY).await?;
+        dump.safety = safety.and_then(|r| parse_entity(&r));
+        Ok(dump)
+    }
+
+    pub async fn catalog_changes(
+        &self,
+        since: u64,
+        epoch: Option<&str>,
+    ) -> Result<CatalogChanges, StoreError> {
+        match retrying!(self, |c| self.catalog_changes_on(c, since, epoch).await)? {
+            Some(changes) => Ok(changes),
+            None => Ok(CatalogChanges::Reload(self.catalog_dump().await?)),
+        }
+    }
+
+    /// What changed after `since`; `None` when the feed cannot say (reload everything).
+    async fn catalog_changes_on(
+        &self,
+        c: &mut Conn<'_>,
+        since: u64,
+        epoch: Option<&str>,
+    ) -> Result<Option<CatalogChanges>, StoreError> {
+        let (version, stored_epoch, entries): (Option<u64>, Option<String>, Vec<FeedEntry>) =
+            redis::pipe()
+                .get(self.keys.catalog("version"))
+                .get(self.keys.catalog("epoch"))
+                .cmd("XRANGE")
+                .arg(self.keys.catalog("changes"))
+                .arg(format!("{}-0", since + 1))
+                .arg("+")
+                .arg("COUNT")
+                .arg(FEED_PAGE)
+                .query_async(c)
+                .await?;
+        let version = version.unwrap_or(0);
+        // Another catalog (or one that lost its identity): versions cannot be compared.
+        if stored_epoch.as_deref() != epoch {
+            return Ok(None);
+        }
+        if version == since {
+            return Ok(Some(CatalogChanges::Unchanged));
+        }
+        // A gap (trimmed feed, or a store that was reset) means the feed cannot be trusted
+        // to say what changed: reload everything.
+        let contiguous = entries
+            .first()
+            .is_some_and(|(id, _)| *id == format!("{}-0", since + 1));
+        if version < since || !contiguous {
+            return Ok(None);
+        }
+        let last = entries
+            .last()
+            .and_then(|(id, _)| id.split('-').next()?.parse::<u64>().ok())
+            .ok_or_else(|| StoreError::Protocol("change feed id".into()))?;
+        let mut plan_ids = BTreeSet::new();
+        let mut client_ids = BTreeSet::new();
+        let mut safety_changed = false;
+        for (_, fields) in &entries {
+            let get = |name: &str| {
+                fields
+                    .iter()
+                    .find(|(k, _)| k == name)
+                    .map(|(_, v)| v.as_str())
+            };
+            match (get("kind"), get("id")) {
+                (Some("plan"), Some(id)) => {
+                    plan_ids.insert(id.to_string());
+                }
+                (Some("client"), Some(id)) => {
+                    client_ids.insert(id.to_string());
+                }
+                (Some("setting"), Some(SAFETY)) => safety_changed = true,
+                _ => tracing::warn!("unreadable change feed entry skipped"),
+            }
+        }
+        let plan_ids: Vec<String> = plan_ids.into_iter().collect();
+        let client_ids: Vec<String> = client_ids.into_iter().collect();
+        let mut pipe = redis::pipe();
+        pipe.cmd("HMGET")
+            .arg(self.keys.catalog("plans"))
+            .arg(&plan_ids)
+            .arg("")
+            .cmd("HMGET")
+            .arg(self.keys.catalog("clients"))
+            .arg(&client_ids)
+            .arg("")
+            .hget(self.keys.catalog("settings"), SAFETY);
+        let (plan_vals, client_vals, safety): (
+            Vec<Option<String>>,
+            Vec<Option<String>>,
+            Option<String>,
+        ) = pipe.query_async(c).await?;
+        let plans = plan_ids
+            .iter()
+            .zip(plan_vals)
+            .filter_map(|(id, raw)| {
+                let name = PlanName::parse(id).ok()?;
+                Some((name, raw.and_then(|r| parse_entity(&r))))
+            })
+            .collect();
+        let clients = client_ids
+            .iter()
+            .zip(client_vals)
+            .filter_map(|(id, raw)| {
+                let id = ClientId::parse(id).ok()?;
+                Some((id, raw.and_then(|r| parse_entity(&r))))
+            })
+            .collect();
+        Ok(Some(CatalogChanges::Delta {
+            version: last,
+            plans,
+            clients,
+            safety: safety_changed.then(|| safety.and_then(|r| parse_entity(&r))),
+            more: entries.len() == FEED_PAGE,
+        }))
+    }
+
+    pub async fn catalog_write(
+        &self,
+        write: &CatalogWrite,
+        audit: &Audit,
+    ) -> Result<WriteOutcome, StoreError> {
+        let mut inv = self.catalog_write.prepare_invoke();
+        for part in [
+            "plans", "clients", "keys", "users", "version", "changes", "settings", "index", "audit",
+        ] {
+            inv.key(self.keys.catalog(part));
+        }
+        // This write's own id: a resend of a write that Redis already ran (its reply lost
+        // with the connection) answers the first run's reply and changes nothing.
+        inv.key(
+            self.keys
+                .catalog(&format!("write:{}", uuid::Uuid::new_v4().simple())),
+        )
+        .key(self.keys.catalog("epoch"));
+        let (op, plan, hashes) = match write {
+            CatalogWrite::PutClient(c, _) => (
+                "put",
+                c.plan.to_string(),
+                c.keys.iter().map(|k| k.hash.to_string()).collect(),
+            ),
+            CatalogWrite::PutPlan(..) | CatalogWrite::PutSafety(..) => {
+                ("put", String::new(), vec![])
+            }
+            CatalogWrite::DeletePlan(..) | CatalogWrite::DeleteClient(..) => {
+                ("delete", String::new(), vec![])
+            }
+        };
+        let cond = match write.condition() {
+            Condition::Any => "any".to_string(),
+            Condition::Absent => "absent".to_string(),
+            Condition::Rev(r) => r.to_string(),
+        };
+        inv.arg(write.kind())
+            .arg(op)
+            .arg(write.id())
+            .arg(cond)
+            .arg(write.json().unwrap_or_default())
+            .arg(plan)
+            .arg(&audit.actor)
+            .arg(&audit.action)
+            .arg(if audit.names_catalog {
+                uuid::Uuid::new_v4().simple().to_string()
+            } else {
+                String::new()
+            })
+            .arg(hashes);
+        let (status, rev, detail): (String, u64, Value) =
+            retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
+        Ok(match status.as_str() {
+            "ok" => WriteOutcome::Written {
+                rev,
+                before: redis::from_redis_value::<Option<String>>(detail).unwrap_or(None),
+            },
+            "exists" => WriteOutcome::Exists,
+            "stale" => WriteOutcome::Stale { current: rev },
+            "missing" => WriteOutcome::Missing,
+            "unknown_plan" => WriteOutcome::UnknownPlan,
+            "plan_in_use" => WriteOutcome::PlanInUse,
+            "key_conflict" => WriteOutcome::KeyConflict,
+            other => return Err(StoreError::Protocol(format!("catalog write: {other}"))),
+        })
+    }
+
+    /// Puts `mirror` in place of the store's catalog if the store is still at `seen`
+    /// (`lua/catalog_restore.lua`). Retried on a fresh connection like any write: a resend
+    /// after a lost reply finds the store moved (to the mirror) and writes nothing.
+    pub async fn catalog_restore(
+        &self,
+        seen: (Option<&str>, u64),
+        mirror: &CatalogDump,
+    ) -> Result<bool, StoreError> {
+        let record = |kind: &str, id: &str, rev: u64, json: Option<String>| {
+            json.map(|json| serde_json::json!({"kind": kind, "id": id, "rev": rev, "json": json}))
+        };
+        let mut records = Vec::new();
+        for p in &mirror.plans {
+            records.extend(record(
+                "plan",
+                p.value.name.as_str(),
+                p.rev,
+                serde_json::to_string(&p.value).ok(),
+            ));
+        }
+        for c in &mirror.clients {
+            if let Some(mut r) = record(
+                "client",
+                c.value.id.as_str(),
+                c.rev,
+                serde_json::to_string(&c.value).ok(),
+            ) {
+                r["plan"] = c.value.plan.as_str().into();
+                r["hashes"] = c
+                    .value
+                    .keys
+                    .iter()
+                    .map(|k| serde_json::Value::from(k.hash.to_string()))
+                    .collect();
+                records.push(r);
+            }
+        }
+        if let Some(s) = &mirror.safety {
+            records.extend(record(
+                "setting",
+                SAFETY,
+                s.rev,
+                serde_json::to_string(&s.value).ok(),
+            ));
+        }
+        let mut inv = self.catalog_restore.prepare_invoke();
+        for part in [
+            "plans", "clients", "keys", "users", "version", "changes", "settings", "index",
+            "audit", "epoch",
+        ] {
+            inv.key(self.keys.catalog(part));
+        }
+        inv.arg(seen.0.unwrap_or(""))
+            .arg(seen.1)
+            .arg(mirror.epoch.as_deref().unwrap_or(""))
+            .arg(mirror.version)
+            .arg(serde_json::Value::Array(records).to_string());
+        let status: String = retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
+        Ok(status == "restored")
+    }
+
+    pub async fn plan(&self, name: &str) -> Result<Option<Versioned<PlanRecord>>, StoreError> {
+        self.entity("plans", name).await
+    }
+
+    pub async fn client(&self, id: &str) -> Result<Option<Versioned<ClientRecord>>, StoreError> {
+        self.entity("clients", id).await
+    }
+
+    pub async fn safety(&self) -> Result<Option<Versioned<SafetyRecord>>, StoreError> {
+        self.entity("settings", SAFETY).await
+    }
+
+    async fn entity<T: serde::de::DeserializeOwned>(
+        &self,
+        hash: &str,
+        id: &str,
+    ) -> Result<Option<Versioned<T>>, StoreError> {
+        let raw: Option<String> = retrying!(self, |c| async {
+            Ok(c.hget(self.keys.catalog(hash), id).await?)
+        }
+        .await)?;
+        Ok(raw.and_then(|r| parse_entity(&r)))
+    }
+
+    pub async fn plans(&self) -> Result<Vec<Versioned<PlanRecord>>, StoreError> {
+        let mut out: Vec<Versioned<PlanRecord>> = retrying!(self, |c| async {
+            scan_hash(c, &self.keys.catalog("plans")).await
+        }
+        .await)?
+        .into_iter()
+        .filter_map(|(_, raw)| parse_entity(&raw))
+        .collect();
+        out.sort_by(|a, b| a.value.name.cmp(&b.value.name));
+        Ok(out)
+    }
+
+    /// Up to `limit` clients in id order, after the id `after`.
+    pub async fn clients_page(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<ClientsPage, StoreError> {
+        retrying!(self, |c| async {
+            let start = after.map_or_else(|| "-".to_string(), |a| format!("({a}"));
+            let ids: Vec<String> = redis::cmd("ZRANGE")
+                .arg(self.keys.catalog("index"))
+                .arg(start)
+                .arg("+")
+                .arg("BYLEX")
+                .arg("LIMIT")
+                .arg(0)
+                .arg(limit)
+                .query_async(c)
+                .await?;
+            if ids.is_empty() {
+                return Ok(ClientsPage::default());
+            }
+            let raws: Vec<Option<String>> = redis::cmd("HMGET")
+                .arg(self.keys.catalog("clients"))
+                .arg(&ids)
+                .query_async(c)
+                .await?;
+            // The cursor is the last id the index gave, whether or not its client was
+            // deleted between the two reads: a page thinned by deletes is not the last.
+            Ok(ClientsPage {
+                next: (ids.len() == limit).then(|| ids[ids.len() - 1].clone()),
+                items: raws
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|r| parse_entity(&r))
+                    .collect(),
+            })
+        }
+        .await)
+    }
+}
+
+/// Parses `"<rev> <json>"`.
+fn parse_entity<T: serde::de::DeserializeOwned>(raw: &str) -> Option<Versioned<T>> {
+    let (rev, json) = raw.split_once(' ')?;
+    Some(Versioned {
+        rev: rev.parse().ok()?,
+        value: serde_json::from_str(json).ok()?,
+    })
+}

@@ -1,0 +1,17 @@
+//! The Redis side of the store: one `EVALSHA` per decision, a scripted catalog write, and
+//! a change feed that gateways poll instead of reloading the catalog.
+//!
+//! `backend.rs` holds [`RedisStore`] and how it reaches Redis (`pool.rs`: connections to
+//! one server); each concern adds its own `impl RedisStore` block: `buckets.rs` (takes,
+//! through `coalesce.rs`), `catalog.rs`, `audit.rs`, `shadow.rs` and `shards.rs`.
+
+mod audit;
+mod backend;
+mod buckets;
+mod catalog;
+mod coalesce;
+mod pool;
+mod shadow;
+mod shards;
+
+pub(super) use self::backend::RedisStore;
