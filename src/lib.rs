@@ -2,21 +2,26 @@
 //!
 //! How the pieces fit, in request order:
 //! - [`proxy::guard`] (middleware) brings the path to its normal form
-//!   ([`proxy::NormalPath`]), hashes the API key and finds the client in the
-//!   [`catalog`] mirror (memory only), picks the route, and asks the [`limiter`] for a
-//!   decision: one atomic call into the [`store`] (a Redis script, or the same arithmetic
-//!   in process), bounded by `redis.timeout_ms`, failing open past it.
+//!   ([`proxy::NormalPath`]), hashes the API key and finds the client in the catalog
+//!   mirror (memory only), picks the route, and asks the limiter for a decision: one
+//!   atomic call into the [`store`] (a Redis script, or the same arithmetic in process),
+//!   bounded by `redis.timeout_ms`, failing open past it.
 //! - Denied requests are answered `429` by the gateway; admitted ones reach
 //!   [`proxy::forward`], which streams them to one replica with awc.
 //! - [`startup::Application`] wires it together from [`configuration::Settings`].
+//!
+//! The modules are floors (README, "Architecture"; checked by `.ci/layers`): [`domain`] <-
+//! [`metrics`] <- [`configuration`] <- [`store`] <- `catalog` <- `limiter` <- [`proxy`] /
+//! [`admin`] / [`ops`] <- [`startup`]. Only what the binary, the tests and the load tool use
+//! is public.
 
 pub mod admin;
-pub mod catalog;
+mod catalog;
 pub mod cli;
 pub mod configuration;
 pub mod domain;
-pub mod error;
-pub mod limiter;
+mod error;
+mod limiter;
 pub mod metrics;
 pub mod ops;
 pub mod proxy;

@@ -13,7 +13,7 @@ use dashmap::DashMap;
 
 pub use crate::store::records::{
     Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, Condition,
-    KeyRecord, PlanRecord, SafetyRecord, Shards, Versioned, WriteOutcome, SAFETY,
+    KeyRecord, PlanRecord, SafetyRecord, Shards, Versioned, WriteOutcome,
 };
 
 use actix_web::http::header::HeaderValue;
