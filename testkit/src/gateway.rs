@@ -3,13 +3,13 @@
 use std::fs::{File, OpenOptions};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::Duration;
 
 use anyhow::Context;
 use tempfile::TempDir;
 
-use crate::process::{die_with_parent, stop, temp_dir, wait_for_port};
+use crate::process::{command, stop, temp_dir, wait_for_port};
 use crate::{free_port, GatewayConfig};
 
 /// How to run the binary: which one, under what, with which environment, and how to stop
@@ -86,17 +86,16 @@ impl Launcher {
         };
         let mut cmd = match self.wrapper.split_first() {
             Some((program, args)) => {
-                let mut c = Command::new(program);
+                let mut c = command(program);
                 c.args(args).arg(&self.binary);
                 c
             }
-            None => Command::new(&self.binary),
+            None => command(&self.binary),
         };
-        let mut child = die_with_parent(&mut cmd)
+        let mut child = cmd
             .arg("--config")
             .arg(config)
             .envs(self.env.iter().map(|(k, v)| (k, v)))
-            .stdin(Stdio::null())
             .stdout(append(&log)?)
             .stderr(append(&err)?)
             .spawn()

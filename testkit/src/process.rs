@@ -1,25 +1,32 @@
 //! Child processes: killed with the process that started them, signalled, waited for,
 //! stopped; and the temporary directories that hold their files.
 
+use std::ffi::OsStr;
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
-use std::process::{Child, Command};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
-/// Makes a child get SIGTERM when the thread that starts it dies, however it dies
-/// (Ctrl-C included), so no redis-server or gateway outlives a test run or a load run.
-/// Start fixtures on the thread that owns them (a test's thread, the tool's main thread).
-pub fn die_with_parent(cmd: &mut Command) -> &mut Command {
+/// A command for a fixture's child: it gets SIGTERM when the thread that starts it dies,
+/// however it dies (Ctrl-C included), so no redis-server or gateway outlives a test run or
+/// a load run (start fixtures on the thread that owns them: a test's, the tool's main
+/// one); no stdin, and stdout and stderr discarded unless the caller sets them.
+pub fn command(program: impl AsRef<OsStr>) -> Command {
     use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(program);
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
     // SAFETY: prctl is async-signal-safe, and this closure touches nothing else.
     unsafe {
         cmd.pre_exec(|| {
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
             Ok(())
-        })
+        });
     }
+    cmd
 }
 
 /// Sends `sig` (e.g. `libc::SIGSTOP`) to a child.

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context};
 use tempfile::TempDir;
 
-use crate::process::{die_with_parent, signal, stop, temp_dir, wait_for_port};
+use crate::process::{command, signal, stop, temp_dir, wait_for_port};
 use crate::{free_port, FaultProxy};
 
 /// A `redis-server` on a free port, killed on drop. Its directory (where `SAVE` writes)
@@ -44,7 +44,7 @@ impl RedisServer {
 
     fn spawn(port: u16, args: &[String], dir: &TempDir) -> anyhow::Result<Child> {
         let log = dir.path().join("redis.log");
-        let mut child = die_with_parent(&mut Command::new("redis-server"))
+        let mut child = command("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
             .args(args)
@@ -52,9 +52,6 @@ impl RedisServer {
             .arg(dir.path())
             .arg("--logfile")
             .arg(&log)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
             .spawn()
             .context("starting redis-server (apt-get install -y redis-server)")?;
         wait_for_port(
