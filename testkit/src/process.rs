@@ -1,4 +1,4 @@
-//! Child processes: killed with the process that started them, signalled, waited for,
+//! Child processes: killed with the thread that started them, signalled, waited for,
 //! stopped; and the temporary directories that hold their files.
 
 use std::ffi::OsStr;
