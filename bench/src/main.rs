@@ -13,7 +13,9 @@
 //!   loop for maximum throughput.
 //! - [`http`]: a minimal keep-alive HTTP/1.1 client and server (the upstreams and the
 //!   modelled service replicas), so the tool's own overhead stays small and predictable.
-//! - [`procs`]: child processes (redis-server, tollgate, nginx), killed on drop.
+//! - [`procs`]: the gateway as the scenarios run it (the release binary, probed until it
+//!   forwards), nginx and the floor proxy; `redis-server`, the config builder and the
+//!   process plumbing come from `tollgate-testkit`, shared with the tests.
 //! - [`scenarios`]: latency, throughput, accuracy, failopen, slowredis, replay.
 //! - [`report`] and [`svg`]: the table, the JSON and the charts.
 
@@ -96,7 +98,7 @@ fn main() -> ExitCode {
         };
     }
     procs::set_nice(cli.nice);
-    procs::clean_stale_dirs();
+    tollgate_testkit::clean_stale_dirs();
     if cli.wait_idle > 0 {
         report::wait_idle(std::time::Duration::from_secs(cli.wait_idle));
     }

@@ -411,7 +411,7 @@ async fn clients_need_a_known_plan_and_a_used_plan_cannot_be_deleted() {
 #[tokio::test]
 async fn changes_made_on_one_gateway_are_in_force_on_another_within_a_second() {
     // Arrange: two gateways on one Redis, one upstream.
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let toml = format!(
         "{}[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n{}",
@@ -485,7 +485,7 @@ async fn changes_made_on_one_gateway_are_in_force_on_another_within_a_second() {
 
 #[tokio::test]
 async fn keys_are_shown_once_and_stored_only_as_hashes() {
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let toml = format!(
         "{}[redis]\nurl = \"{}\"\n{}",
@@ -553,9 +553,9 @@ async fn keys_are_shown_once_and_stored_only_as_hashes() {
 
 /// Every value Redis holds, as text.
 fn dump_redis(redis: &RedisServer) -> String {
-    let mut c = redis.conn();
+    let mut c = redis.conn().unwrap();
     let mut out = String::new();
-    for key in redis.keys("*") {
+    for key in redis.keys("*").unwrap() {
         let kind: String = redis::cmd("TYPE").arg(&key).query(&mut c).unwrap();
         let value: redis::Value = match kind.as_str() {
             "string" => redis::cmd("GET").arg(&key).query(&mut c).unwrap(),

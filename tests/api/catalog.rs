@@ -46,7 +46,7 @@ async fn status(gw: &TestGateway, key: &str) -> u16 {
 fn store_version(redis: &RedisServer) -> u64 {
     redis::cmd("GET")
         .arg("tollgate:{catalog}:version")
-        .query::<Option<u64>>(&mut redis.conn())
+        .query::<Option<u64>>(&mut redis.conn().unwrap())
         .unwrap()
         .unwrap_or(0)
 }
@@ -55,7 +55,7 @@ fn stored_client(redis: &RedisServer, id: &str) -> Option<String> {
     redis::cmd("HGET")
         .arg("tollgate:{catalog}:clients")
         .arg(id)
-        .query(&mut redis.conn())
+        .query(&mut redis.conn().unwrap())
         .unwrap()
 }
 
@@ -65,7 +65,7 @@ fn restores(redis: &RedisServer) -> usize {
         .arg("tollgate:{catalog}:audit")
         .arg("-")
         .arg("+")
-        .query(&mut redis.conn())
+        .query(&mut redis.conn().unwrap())
         .unwrap();
     entries
         .iter()
@@ -104,7 +104,7 @@ fn watch_key(gw: &TestGateway, key: &str) -> (Arc<AtomicBool>, Arc<AtomicUsize>)
 #[tokio::test]
 async fn a_redis_restored_from_a_snapshot_older_than_a_revocation_never_lets_the_key_back() {
     // Arrange: a client with a key, saved in a snapshot; then the key is revoked.
-    let mut redis = RedisServer::start();
+    let mut redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let gw = gateway(&redis.url(), &up, 100).await;
     put_client(&gw, "acme", "gold").await;
@@ -113,7 +113,9 @@ async fn a_redis_restored_from_a_snapshot_older_than_a_revocation_never_lets_the
         status(&gw, &key).await == 200
     })
     .await;
-    let _: () = redis::cmd("SAVE").query(&mut redis.conn()).unwrap();
+    let _: () = redis::cmd("SAVE")
+        .query(&mut redis.conn().unwrap())
+        .unwrap();
     let snapshot_version = store_version(&redis);
     let r = gw
         .admin(
@@ -137,7 +139,7 @@ async fn a_redis_restored_from_a_snapshot_older_than_a_revocation_never_lets_the
 
     // Act: Redis restarts from the snapshot taken before the revocation.
     redis.kill();
-    redis.restart();
+    redis.restart().unwrap();
     assert_eq!(
         store_version(&redis),
         snapshot_version,
@@ -160,7 +162,7 @@ async fn a_redis_restored_from_a_snapshot_older_than_a_revocation_never_lets_the
     );
     let keys: Vec<String> = redis::cmd("HKEYS")
         .arg("tollgate:{catalog}:keys")
-        .query(&mut redis.conn())
+        .query(&mut redis.conn().unwrap())
         .unwrap();
     assert!(
         keys.iter().all(|h| !h.contains(&key_id[..8])),
@@ -173,7 +175,7 @@ async fn a_redis_restored_from_a_snapshot_older_than_a_revocation_never_lets_the
 #[tokio::test]
 async fn a_redis_restarted_empty_gets_the_catalog_back_without_what_was_deleted() {
     // Arrange: one client deleted, one kept.
-    let mut redis = RedisServer::start();
+    let mut redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let gw = gateway(&redis.url(), &up, 100).await;
     put_client(&gw, "gone", "gold").await;
@@ -194,7 +196,7 @@ async fn a_redis_restarted_empty_gets_the_catalog_back_without_what_was_deleted(
 
     // Act.
     redis.kill();
-    redis.restart();
+    redis.restart().unwrap();
 
     // Assert: the same catalog, at the same version, with the same ETags.
     eventually(Duration::from_secs(5), "restored", || async {
@@ -227,7 +229,7 @@ async fn a_redis_restarted_empty_gets_the_catalog_back_without_what_was_deleted(
     // And the catalog keeps its identity, so other gateways recognise it.
     let epoch: Option<String> = redis::cmd("GET")
         .arg("tollgate:{catalog}:epoch")
-        .query(&mut redis.conn())
+        .query(&mut redis.conn().unwrap())
         .unwrap();
     assert!(epoch.is_some());
 }
@@ -236,7 +238,7 @@ async fn a_redis_restarted_empty_gets_the_catalog_back_without_what_was_deleted(
 async fn a_gateway_cut_off_across_a_reset_never_brings_back_what_was_deleted_meanwhile() {
     // Arrange: gateway A through a fault proxy, gateway B direct; client "doomed" known
     // to both.
-    let mut redis = RedisServer::start();
+    let mut redis = RedisServer::start().unwrap();
     let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
     let up = Upstream::start(Behaviour::Echo).await;
     let a = gateway(&proxy.redis_url(), &up, 100).await;
@@ -265,7 +267,7 @@ async fn a_gateway_cut_off_across_a_reset_never_brings_back_what_was_deleted_mea
     assert_eq!(status(&b, &doomed).await, 401);
     let (stop, admitted_by_b) = watch_key(&b, &doomed);
     redis.kill();
-    redis.restart();
+    redis.restart().unwrap();
     proxy.heal();
 
     // Assert: whoever restores first, the catalog converges on the newest copy (B's), A
@@ -286,7 +288,7 @@ async fn a_gateway_cut_off_across_a_reset_never_brings_back_what_was_deleted_mea
 #[tokio::test]
 async fn gateways_restoring_at_once_write_one_catalog_once() {
     // Arrange: three gateways polling every 20 ms, all with the same copy.
-    let mut redis = RedisServer::start();
+    let mut redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let gws = [
         gateway(&redis.url(), &up, 20).await,
@@ -306,7 +308,7 @@ async fn gateways_restoring_at_once_write_one_catalog_once() {
 
     // Act.
     redis.kill();
-    redis.restart();
+    redis.restart().unwrap();
 
     // Assert: one restore, to the version every gateway holds, and nothing after it.
     eventually(Duration::from_secs(5), "restored", || async {
@@ -318,7 +320,7 @@ async fn gateways_restoring_at_once_write_one_catalog_once() {
     assert_eq!(store_version(&redis), version);
     let clients: usize = redis::cmd("HLEN")
         .arg("tollgate:{catalog}:clients")
-        .query(&mut redis.conn())
+        .query(&mut redis.conn().unwrap())
         .unwrap();
     assert_eq!(clients, 21);
 }
@@ -326,7 +328,7 @@ async fn gateways_restoring_at_once_write_one_catalog_once() {
 #[tokio::test]
 async fn paging_through_clients_while_others_are_deleted_reaches_every_survivor() {
     // Arrange: 200 clients; the even ones are deleted while the list is paged.
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let gw = gateway(&redis.url(), &up, 1000).await;
     let ids: Vec<String> = (0..200).map(|i| format!("p{i:03}")).collect();

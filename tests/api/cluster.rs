@@ -7,7 +7,7 @@ use crate::helpers::*;
 async fn a_three_master_cluster_limits_every_client_exactly_and_a_stopped_node_fails_open_only_for_its_keys(
 ) {
     // Arrange: a cluster, two gateways on it, 48 clients of capacity 5.
-    let cluster = RedisCluster::start();
+    let cluster = RedisCluster::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let clients: Vec<String> = (0..48).map(|i| format!("client{i}")).collect();
     let mut refs: Vec<&str> = clients.iter().map(String::as_str).collect();
@@ -48,15 +48,15 @@ async fn a_three_master_cluster_limits_every_client_exactly_and_a_stopped_node_f
     }
     let mut per_node = [0; 3];
     for c in before {
-        per_node[cluster.owner(&format!("tollgate:b:{{{c}}}"))] += 1;
+        per_node[cluster.owner(&format!("tollgate:b:{{{c}}}")).unwrap()] += 1;
     }
     assert!(
         per_node.iter().all(|n| *n > 0),
         "buckets spread over the nodes: {per_node:?}"
     );
-    let warmup_node = cluster.owner("tollgate:b:{warmup}");
+    let warmup_node = cluster.owner("tollgate:b:{warmup}").unwrap();
     for (i, node) in cluster.nodes.iter().enumerate() {
-        let here = node.keys("tollgate:b:*").len() - usize::from(i == warmup_node);
+        let here = node.keys("tollgate:b:*").unwrap().len() - usize::from(i == warmup_node);
         assert_eq!(here, per_node[i], "node {i} holds its clients' buckets");
     }
 
@@ -64,9 +64,9 @@ async fn a_three_master_cluster_limits_every_client_exactly_and_a_stopped_node_f
     // MOVED redirection and the bucket, moved with its slot, keeps the client limited.
     let moved = &before[0];
     let bucket = format!("tollgate:b:{{{moved}}}");
-    let old_owner = cluster.owner(&bucket);
-    cluster.move_slot_of(&bucket, (old_owner + 1) % 3);
-    assert_ne!(cluster.owner(&bucket), old_owner);
+    let old_owner = cluster.owner(&bucket).unwrap();
+    cluster.move_slot_of(&bucket, (old_owner + 1) % 3).unwrap();
+    assert_ne!(cluster.owner(&bucket).unwrap(), old_owner);
     for gw in &gateways {
         let r = gw.get("/orders", Some(&key(moved))).await;
         assert_eq!(r.status(), 429, "the moved bucket is still empty");
@@ -77,9 +77,9 @@ async fn a_three_master_cluster_limits_every_client_exactly_and_a_stopped_node_f
     }
 
     // Act 3: one node stops (not the one holding the catalog, so nothing else is affected).
-    let catalog_node = cluster.owner("tollgate:{catalog}:plans");
+    let catalog_node = cluster.owner("tollgate:{catalog}:plans").unwrap();
     let stopped = (catalog_node + 1) % 3;
-    cluster.nodes[stopped].stall();
+    cluster.nodes[stopped].stall().unwrap();
     let mut failed_open = 0;
     for c in after {
         let mut admitted = 0;
@@ -90,7 +90,7 @@ async fn a_three_master_cluster_limits_every_client_exactly_and_a_stopped_node_f
         }
         // Assert: the stopped node's clients are admitted (failing open, within the safety
         // limit); everyone else's limit still holds exactly.
-        if cluster.owner(&format!("tollgate:b:{{{c}}}")) == stopped {
+        if cluster.owner(&format!("tollgate:b:{{{c}}}")).unwrap() == stopped {
             assert_eq!(admitted, 8, "client {c} on the stopped node fails open");
             failed_open += 1;
         } else {
@@ -98,5 +98,5 @@ async fn a_three_master_cluster_limits_every_client_exactly_and_a_stopped_node_f
         }
     }
     assert!(failed_open > 0, "some clients live on the stopped node");
-    cluster.nodes[stopped].resume();
+    cluster.nodes[stopped].resume().unwrap();
 }

@@ -48,7 +48,7 @@ fn healthcheck(listen: &str) -> Option<i32> {
 
 #[test]
 fn the_healthcheck_command_exits_0_while_the_gateway_serves_and_1_once_it_is_gone() {
-    let mut gw = GatewayProcess::spawn("", &[]);
+    let mut gw = gateway_process("", &[]);
     let port = gw.address.rsplit(':').next().unwrap().to_string();
 
     assert_eq!(healthcheck(&format!("127.0.0.1:{port}")), Some(0));
@@ -62,7 +62,7 @@ fn the_healthcheck_command_exits_0_while_the_gateway_serves_and_1_once_it_is_gon
 
 #[tokio::test]
 async fn health_and_readiness_answer() {
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let redis_port = redis.port;
     let gw = TestGateway::spawn(settings(&format!("[redis]\nurl = \"{}\"\n", redis.url()))).await;
     assert_eq!(gw.get("/healthz", None).await.status(), 200);
@@ -134,10 +134,10 @@ fn one_warning_at_start_when_admin_and_metrics_share_the_public_listener() {
 
 #[tokio::test]
 async fn the_start_up_log_names_the_store_without_its_password() {
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("gw.toml");
-    let port = free_port();
+    let port = free_port().unwrap();
     std::fs::write(
         &file,
         format!(
@@ -181,7 +181,7 @@ async fn sigterm_lets_in_flight_requests_finish_then_exits_0() {
         catalog_toml(("gold", 10.0, 1.0), &["acme"]),
         route_toml("orders", "/orders", &[up.url()]),
     );
-    let mut gw = GatewayProcess::spawn(&toml, &[]);
+    let mut gw = gateway_process(&toml, &[]);
     let url = format!("{}/orders", gw.address);
     let in_flight = tokio::spawn(async move {
         reqwest::Client::new()
@@ -209,14 +209,14 @@ async fn sigterm_lets_in_flight_requests_finish_then_exits_0() {
 #[test]
 fn a_second_process_on_the_same_embedded_catalog_file_is_refused() {
     // Arrange: a gateway running on the embedded store with catalog file F.
-    let first = GatewayProcess::spawn("", &[]);
+    let first = gateway_process("", &[]);
     let catalog = first.catalog.clone();
 
     // Act: a second gateway is started on F.
     let out = Command::new(binary())
         .env(
             "TOLLGATE__SERVER__LISTEN",
-            format!("127.0.0.1:{}", free_port()),
+            format!("127.0.0.1:{}", free_port().unwrap()),
         )
         .env("TOLLGATE__CATALOG__FILE", &catalog)
         .output()

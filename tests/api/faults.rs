@@ -40,7 +40,7 @@ struct Behind {
 
 impl Behind {
     async fn start() -> Behind {
-        let redis = RedisServer::start();
+        let redis = RedisServer::start().unwrap();
         let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
         let up = Upstream::start(Behaviour::Echo).await;
         let gw = gateway_behind(&proxy.redis_url(), &up).await;
@@ -226,7 +226,7 @@ async fn a_partition_is_bounded_in_time_and_healed_without_a_restart() {
 async fn a_restarted_redis_costs_no_decision_no_admin_call_and_no_flush() {
     // Arrange: two workers, each with its request-path connection open, and a shadow
     // client whose comparisons are flushed to Redis every second.
-    let mut redis = RedisServer::start();
+    let mut redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let toml = format!(
         "{}[server]\nworkers = 2\n[redis]\nurl = \"{}\"\ntimeout_ms = 100\n{}{}[[catalog.clients]]\nid = \"shadowy\"\nplan = \"gold\"\nmode = \"shadow\"\nkeys = [\"{}\"]\n",
@@ -251,7 +251,7 @@ async fn a_restarted_redis_costs_no_decision_no_admin_call_and_no_flush() {
     // sent in between, so every pooled and per-worker connection is dead when the next
     // calls come.
     redis.kill();
-    redis.restart();
+    redis.restart().unwrap();
     // The keeper re-dials each worker's connection within its back-off (at most 500 ms).
     tokio::time::sleep(Duration::from_millis(600)).await;
     let fail_open_before = gw.app.metrics.fail_open_total();
@@ -277,7 +277,7 @@ async fn a_restarted_redis_costs_no_decision_no_admin_call_and_no_flush() {
             let counted: Option<u64> = redis::cmd("HGET")
                 .arg("tollgate:{shadow}:compared")
                 .arg("shadowy")
-                .query(&mut redis.conn())
+                .query(&mut redis.conn().unwrap())
                 .unwrap();
             counted == Some(1)
         },
@@ -388,8 +388,8 @@ async fn a_redis_that_refuses_connections_costs_nothing_and_is_rejoined() {
 async fn cluster_connections_that_go_silent_are_replaced_by_fresh_ones() {
     // Arrange: a three-master cluster reached only through fault proxies, clients spread
     // over its nodes.
-    let cluster = RedisCluster::start();
-    let proxies = cluster.behind_proxies();
+    let cluster = RedisCluster::start().unwrap();
+    let proxies = cluster.behind_proxies().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let clients: Vec<String> = (0..12).map(|i| format!("c{i}")).collect();
     let mut names: Vec<&str> = clients.iter().map(String::as_str).collect();

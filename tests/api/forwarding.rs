@@ -142,7 +142,7 @@ async fn a_body_over_the_limit_gets_413_and_spends_nothing() {
 
 #[tokio::test]
 async fn an_unreachable_upstream_gets_502() {
-    let dead = format!("http://127.0.0.1:{}", free_port());
+    let dead = format!("http://127.0.0.1:{}", free_port().unwrap());
     let gw = gateway_to(&[dead], "").await;
     let r = gw.get("/orders", Some(&key("acme"))).await;
     assert_eq!(r.status(), 502);

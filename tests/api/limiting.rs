@@ -15,7 +15,7 @@ fn redis_toml(redis: &RedisServer) -> String {
 #[tokio::test]
 async fn three_gateways_on_one_redis_admit_exactly_the_capacity_across_two_services() {
     // Arrange: one Redis, two services with two replicas each, three gateways.
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let orders = [
         Upstream::start(Behaviour::Echo).await,
         Upstream::start(Behaviour::Echo).await,
@@ -67,7 +67,7 @@ async fn three_gateways_on_one_redis_admit_exactly_the_capacity_across_two_servi
 
 #[tokio::test]
 async fn each_decision_is_one_script_call_and_nothing_else() {
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let toml = format!(
         "{}{}{}[catalog]\nrefresh_ms = 600000\n",
@@ -78,14 +78,14 @@ async fn each_decision_is_one_script_call_and_nothing_else() {
     let gw = TestGateway::spawn(settings(&toml)).await;
     // Let start-up traffic (script load, seeding, the first catalog poll) settle.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    redis.reset_command_stats();
+    redis.reset_command_stats().unwrap();
 
     for _ in 0..12 {
         gw.get("/orders", Some(&key("acme"))).await;
     }
 
     // INFO commandstats also counts the commands the script runs inside Redis.
-    let calls = redis.command_calls();
+    let calls = redis.command_calls().unwrap();
     assert_eq!(calls.get("evalsha"), Some(&12), "{calls:?}");
     for inside_the_script in ["time", "hmget", "hset", "pexpire"] {
         assert_eq!(calls.get(inside_the_script), Some(&12), "{calls:?}");
@@ -108,7 +108,7 @@ async fn each_decision_is_one_script_call_and_nothing_else() {
 #[tokio::test]
 async fn concurrent_takes_for_one_bucket_share_script_calls_and_keep_exact_verdicts() {
     // Arrange: one worker, one client with 50 tokens and next to no refill.
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let toml = format!(
         "{}{}{}",
@@ -118,7 +118,7 @@ async fn concurrent_takes_for_one_bucket_share_script_calls_and_keep_exact_verdi
     );
     let gw = TestGateway::spawn(settings(&toml)).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    redis.reset_command_stats();
+    redis.reset_command_stats().unwrap();
 
     // Act: 200 requests at once.
     let k = key("acme");
@@ -146,7 +146,7 @@ async fn concurrent_takes_for_one_bucket_share_script_calls_and_keep_exact_verdi
     assert_eq!(answers.iter().filter(|r| r.status() == 429).count(), 150);
     assert_eq!(up.hits(), 50);
     // ...and the requests that queued behind a call in flight went to Redis together.
-    let calls = redis.command_calls()["evalsha"];
+    let calls = redis.command_calls().unwrap()["evalsha"];
     assert!(calls < 200, "{calls} script calls for 200 requests");
     let metrics = gw.get("/metrics", None).await.text().await.unwrap();
     assert!(
@@ -158,7 +158,7 @@ async fn concurrent_takes_for_one_bucket_share_script_calls_and_keep_exact_verdi
 
 #[tokio::test]
 async fn retry_after_is_honest_and_at_most_a_second_pessimistic() {
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let toml = format!(
         "{}{}{}",
@@ -208,7 +208,7 @@ async fn retry_after_is_honest_and_at_most_a_second_pessimistic() {
 async fn a_gateway_whose_clock_is_hours_off_decides_like_the_others() {
     // Arrange: one gateway in this process, one as a process whose clock is 5 hours
     // behind (libfaketime), both on one Redis.
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let toml = format!(
         "{}{}{}",
@@ -218,7 +218,7 @@ async fn a_gateway_whose_clock_is_hours_off_decides_like_the_others() {
     );
     let normal = TestGateway::spawn(settings(&toml)).await;
     let lib = faketime_library();
-    let skewed = GatewayProcess::spawn(&toml, &[("LD_PRELOAD", lib), ("FAKETIME", "-5h")]);
+    let skewed = gateway_process(&toml, &[("LD_PRELOAD", lib), ("FAKETIME", "-5h")]);
     let http = reqwest::Client::new();
 
     // The skewed gateway really lives 5 hours in the past.
@@ -305,7 +305,7 @@ fn httpdate(s: &str) -> std::time::SystemTime {
 
 #[tokio::test]
 async fn an_unknown_or_missing_key_gets_401_and_touches_nothing() {
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let toml = format!(
         "{}{}{}[catalog]\nrefresh_ms = 600000\n",
@@ -315,7 +315,7 @@ async fn an_unknown_or_missing_key_gets_401_and_touches_nothing() {
     );
     let gw = TestGateway::spawn(settings(&toml)).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    redis.reset_command_stats();
+    redis.reset_command_stats().unwrap();
 
     for k in [None, Some("not-a-known-key"), Some("")] {
         let r = gw.get("/orders", k).await;
@@ -325,13 +325,13 @@ async fn an_unknown_or_missing_key_gets_401_and_touches_nothing() {
     }
 
     assert_eq!(up.hits(), 0);
-    assert!(redis.keys("tollgate:b:*").is_empty());
-    assert_eq!(redis.command_calls().get("evalsha"), None);
+    assert!(redis.keys("tollgate:b:*").unwrap().is_empty());
+    assert_eq!(redis.command_calls().unwrap().get("evalsha"), None);
 }
 
 #[tokio::test]
 async fn script_flush_mid_traffic_keeps_decisions_correct() {
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let toml = format!(
         "{}{}{}",
@@ -345,7 +345,7 @@ async fn script_flush_mid_traffic_keeps_decisions_correct() {
         if i % 10 == 5 {
             let _: () = redis::cmd("SCRIPT")
                 .arg("FLUSH")
-                .query(&mut redis.conn())
+                .query(&mut redis.conn().unwrap())
                 .unwrap();
         }
         if gw.get("/orders", Some(&key("acme"))).await.status() == 200 {
@@ -357,6 +357,7 @@ async fn script_flush_mid_traffic_keeps_decisions_correct() {
     assert!(
         redis
             .command_calls()
+            .unwrap()
             .get("script|load")
             .copied()
             .unwrap_or(0)
@@ -366,7 +367,7 @@ async fn script_flush_mid_traffic_keeps_decisions_correct() {
 
 #[tokio::test]
 async fn idle_buckets_carry_an_expiry_of_the_time_to_refill() {
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let toml = format!(
         "{}{}{}",
@@ -380,7 +381,7 @@ async fn idle_buckets_carry_an_expiry_of_the_time_to_refill() {
     }
     let pttl: i64 = redis::cmd("PTTL")
         .arg("tollgate:b:{acme}")
-        .query(&mut redis.conn())
+        .query(&mut redis.conn().unwrap())
         .unwrap();
     // 4 of 10 tokens spent at 2/s: full again in 2 s, plus 1 s of slack.
     assert!((2_500..=3_000).contains(&pttl), "pttl {pttl}");

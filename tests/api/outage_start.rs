@@ -67,7 +67,7 @@ async fn readyz(http: &reqwest::Client, base: &str) -> Value {
 #[tokio::test]
 async fn a_first_start_with_redis_down_serves_the_declared_clients_failing_open() {
     // Arrange: a Redis that is down, and nothing cached.
-    let mut redis = RedisServer::start();
+    let mut redis = RedisServer::start().unwrap();
     redis.kill();
     let up = Upstream::start(Behaviour::Echo).await;
     let toml = format!(
@@ -76,7 +76,7 @@ async fn a_first_start_with_redis_down_serves_the_declared_clients_failing_open(
         catalog_toml(("gold", 3.0, 0.001), &["acme"]),
         route_toml("orders", "/orders", &[up.url()]),
     );
-    let gw = GatewayProcess::spawn(&toml, &[]);
+    let gw = gateway_process(&toml, &[]);
     let http = unpooled_client();
 
     // Act + Assert: the declared client is known and fails open, with its policy but no
@@ -99,7 +99,7 @@ async fn a_first_start_with_redis_down_serves_the_declared_clients_failing_open(
     assert_eq!(readyz(&http, &gw.address).await["catalog"], "config");
 
     // Act: Redis comes back.
-    redis.restart();
+    redis.restart().unwrap();
 
     // Assert: limiting resumes within 5 s, on the store's catalog.
     eventually(Duration::from_secs(5), "limiting resumes", || async {
@@ -132,10 +132,10 @@ async fn a_first_start_with_redis_down_serves_the_declared_clients_failing_open(
 async fn a_gateway_restarted_during_an_outage_still_knows_what_the_admin_api_changed() {
     // Arrange: a client created through the admin API with two keys, one revoked, all
     // before Redis goes down; the gateway has cached that catalog.
-    let mut redis = RedisServer::start();
+    let mut redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let toml = admin_gateway_toml(&redis, &up);
-    let mut gw = GatewayProcess::spawn(&toml, &[("TOLLGATE__CATALOG__REFRESH_MS", "100")]);
+    let mut gw = gateway_process(&toml, &[("TOLLGATE__CATALOG__REFRESH_MS", "100")]);
     let http = unpooled_client();
     let admin = |m: Method, path: &str| {
         http.request(m, format!("{}/admin/v1{path}", gw.address))
@@ -173,7 +173,7 @@ async fn a_gateway_restarted_during_an_outage_still_knows_what_the_admin_api_cha
     assert_eq!(r.status(), 204);
     let version: u64 = redis::cmd("GET")
         .arg("tollgate:{catalog}:version")
-        .query(&mut redis.conn())
+        .query(&mut redis.conn().unwrap())
         .unwrap();
     let cache = gw.catalog.with_file_name("catalog-cache.json");
     eventually(Duration::from_secs(3), "the catalog cached", || async {
@@ -194,7 +194,7 @@ async fn a_gateway_restarted_during_an_outage_still_knows_what_the_admin_api_cha
 
     // Act: Redis goes down, then the gateway restarts.
     redis.kill();
-    gw.restart();
+    gw.restart().unwrap();
 
     // Assert: the client the admin API created is known (failing open), the revoked key
     // is still refused, and the gateway says it serves its cache.
@@ -215,7 +215,7 @@ async fn a_gateway_restarted_during_an_outage_still_knows_what_the_admin_api_cha
     assert_eq!(readyz(&http, &gw.address).await["catalog"], "cache");
 
     // Act: Redis comes back, empty.
-    redis.restart();
+    redis.restart().unwrap();
 
     // Assert: limiting resumes within 5 s, and the store gets the cached catalog back
     // (its version, the client, not the revoked key).
@@ -226,7 +226,7 @@ async fn a_gateway_restarted_during_an_outage_still_knows_what_the_admin_api_cha
     eventually(Duration::from_secs(3), "the store restored", || async {
         redis::cmd("GET")
             .arg("tollgate:{catalog}:version")
-            .query::<Option<u64>>(&mut redis.conn())
+            .query::<Option<u64>>(&mut redis.conn().unwrap())
             .unwrap()
             == Some(version)
     })
@@ -234,7 +234,7 @@ async fn a_gateway_restarted_during_an_outage_still_knows_what_the_admin_api_cha
     let stored: Option<String> = redis::cmd("HGET")
         .arg("tollgate:{catalog}:clients")
         .arg("fresh")
-        .query(&mut redis.conn())
+        .query(&mut redis.conn().unwrap())
         .unwrap();
     assert!(stored.is_some_and(|c| !c.contains(&keys[1].0)));
     assert_eq!(get(&http, &gw.address, &revoked).await.status(), 401);
@@ -244,11 +244,11 @@ async fn a_gateway_restarted_during_an_outage_still_knows_what_the_admin_api_cha
 async fn a_cache_older_than_the_store_gives_way_to_the_store_when_it_answers() {
     // Arrange: gateway G caches the catalog, then stops; through gateway H a client is
     // created; Redis saves a snapshot and goes down.
-    let mut redis = RedisServer::start();
+    let mut redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let toml = admin_gateway_toml(&redis, &up);
     let env = [("TOLLGATE__CATALOG__REFRESH_MS", "100")];
-    let mut g = GatewayProcess::spawn(&toml, &env);
+    let mut g = gateway_process(&toml, &env);
     let http = unpooled_client();
     eventually(Duration::from_secs(3), "G cached the catalog", || async {
         g.catalog.with_file_name("catalog-cache.json").exists()
@@ -256,7 +256,7 @@ async fn a_cache_older_than_the_store_gives_way_to_the_store_when_it_answers() {
     .await;
     let _ = g.child.kill();
     let _ = g.child.wait();
-    let h = GatewayProcess::spawn(&toml, &env);
+    let h = gateway_process(&toml, &env);
     let r = http
         .put(format!("{}/admin/v1/clients/later", h.address))
         .bearer_auth(rw())
@@ -276,16 +276,18 @@ async fn a_cache_older_than_the_store_gives_way_to_the_store_when_it_answers() {
         .await
         .unwrap();
     let later = k["key"].as_str().unwrap().to_string();
-    let _: () = redis::cmd("SAVE").query(&mut redis.conn()).unwrap();
+    let _: () = redis::cmd("SAVE")
+        .query(&mut redis.conn().unwrap())
+        .unwrap();
     drop(h);
     redis.kill();
 
     // Act: G starts while Redis is down (its cache predates "later"), then Redis comes
     // back from its snapshot.
-    g.restart();
+    g.restart().unwrap();
     assert_eq!(get(&http, &g.address, &later).await.status(), 401);
     assert_eq!(readyz(&http, &g.address).await["catalog"], "cache");
-    redis.restart();
+    redis.restart().unwrap();
 
     // Assert: G takes the store's newer catalog (and writes nothing of its own).
     eventually(
@@ -299,7 +301,7 @@ async fn a_cache_older_than_the_store_gives_way_to_the_store_when_it_answers() {
         .arg("tollgate:{catalog}:audit")
         .arg("-")
         .arg("+")
-        .query(&mut redis.conn())
+        .query(&mut redis.conn().unwrap())
         .unwrap();
     assert!(
         restores

@@ -51,8 +51,8 @@ async fn drive(gw: &TestGateway, client: &str, rate: f64, duration: Duration) ->
 #[tokio::test]
 async fn three_regions_share_one_limit_and_shares_follow_demand() {
     // Arrange: one global Redis, one Redis per region, a gateway per region.
-    let global = RedisServer::start();
-    let regional: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
+    let global = RedisServer::start().unwrap();
+    let regional: Vec<RedisServer> = (0..3).map(|_| RedisServer::start().unwrap()).collect();
     let up = Upstream::start(Behaviour::Echo).await;
     let regions = ["eu", "us", "ap"];
     let mut gateways = Vec::new();
@@ -81,7 +81,7 @@ async fn three_regions_share_one_limit_and_shares_follow_demand() {
     }
     // Every region's gateway has read its first share.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    global.reset_command_stats();
+    global.reset_command_stats().unwrap();
 
     // Act 1: 3x the plan's rate for 14 s, demand split 70/20/10.
     let split = [0.7, 0.2, 0.1];
@@ -119,6 +119,7 @@ async fn three_regions_share_one_limit_and_shares_follow_demand() {
     for (i, region) in regions.iter().enumerate() {
         let calls = regional[i]
             .command_calls()
+            .unwrap()
             .get("evalsha")
             .copied()
             .unwrap_or(0);
@@ -130,11 +131,17 @@ async fn three_regions_share_one_limit_and_shares_follow_demand() {
         assert_eq!(
             regional[i]
                 .keys(&format!("tollgate:b:{{hot:{region}}}"))
+                .unwrap()
                 .len(),
             1
         );
     }
-    let global_calls = global.command_calls().get("evalsha").copied().unwrap_or(0);
+    let global_calls = global
+        .command_calls()
+        .unwrap()
+        .get("evalsha")
+        .copied()
+        .unwrap_or(0);
     assert!(
         global_calls < 100,
         "the global Redis ran {global_calls} scripts (reconciliation only)"
@@ -175,7 +182,7 @@ async fn three_regions_share_one_limit_and_shares_follow_demand() {
 #[tokio::test]
 async fn sharding_and_unsharding_keep_the_clients_limit() {
     // Arrange: one gateway (region eu) on one Redis; the client has spent its bucket.
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let toml = format!(
         "{}[server]\nregion = \"eu\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n[catalog]\nrefresh_ms = 200\n{}{}",
@@ -235,7 +242,7 @@ async fn sharding_and_unsharding_keep_the_clients_limit() {
     assert!(admitted("sharded") <= 1, "{statuses:?}");
     assert!(admitted("unsharded") <= 1, "{statuses:?}");
     // The regional shard was really used while sharded.
-    assert_eq!(redis.keys("tollgate:b:{hot:eu}").len(), 1);
+    assert_eq!(redis.keys("tollgate:b:{hot:eu}").unwrap().len(), 1);
 }
 
 #[tokio::test]

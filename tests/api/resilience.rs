@@ -21,7 +21,7 @@ fn decided(r: &reqwest::Response) -> bool {
 #[tokio::test]
 async fn a_stalled_then_killed_redis_fails_open_and_limiting_resumes_by_itself() {
     // Arrange: the default 5 ms budget, a client with room to spare.
-    let mut redis = RedisServer::start();
+    let mut redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let toml = format!(
         "[redis]\nurl = \"{}\"\n{}{}",
@@ -39,7 +39,7 @@ async fn a_stalled_then_killed_redis_fails_open_and_limiting_resumes_by_itself()
     let timeouts_before = metrics.fail_open_count(FailOpenReason::Timeout);
 
     // Act 1: Redis stalls (SIGSTOP). Every request is still admitted.
-    redis.stall();
+    redis.stall().unwrap();
     let started = Instant::now();
     for _ in 0..30 {
         assert_eq!(gw.get("/orders", Some(&k)).await.status(), 200);
@@ -65,7 +65,7 @@ async fn a_stalled_then_killed_redis_fails_open_and_limiting_resumes_by_itself()
     assert!(metrics.fail_open_total() >= 30);
 
     // Act 2: Redis resumes; limiting resumes by itself.
-    redis.resume();
+    redis.resume().unwrap();
     eventually(
         Duration::from_secs(5),
         "decisions after SIGCONT",
@@ -80,7 +80,7 @@ async fn a_stalled_then_killed_redis_fails_open_and_limiting_resumes_by_itself()
         assert_eq!(gw.get("/orders", Some(&k)).await.status(), 200);
     }
     assert_eq!(gw.get("/readyz", None).await.status(), 503);
-    redis.restart();
+    redis.restart().unwrap();
     eventually(
         Duration::from_secs(8),
         "decisions after a restart",
@@ -94,7 +94,7 @@ async fn a_stalled_then_killed_redis_fails_open_and_limiting_resumes_by_itself()
         let stored: Option<String> = redis::cmd("HGET")
             .arg("tollgate:{catalog}:clients")
             .arg("acme")
-            .query(&mut redis.conn())
+            .query(&mut redis.conn().unwrap())
             .unwrap();
         stored.is_some()
     })
@@ -109,7 +109,7 @@ async fn a_stalled_then_killed_redis_fails_open_and_limiting_resumes_by_itself()
 async fn replies_stay_with_their_requests_when_redis_stalls_under_load() {
     // Arrange: 12 clients whose capacities are far apart, so a reply delivered to the
     // wrong request would show another client's token count.
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let clients: Vec<String> = (1..=12).map(|i| format!("c{i}")).collect();
     let mut toml = format!("[redis]\nurl = \"{}\"\n", redis.url());
@@ -139,9 +139,9 @@ async fn replies_stay_with_their_requests_when_redis_stalls_under_load() {
     let chaos = async {
         for _ in 0..3 {
             tokio::time::sleep(Duration::from_millis(40)).await;
-            redis.stall();
+            redis.stall().unwrap();
             tokio::time::sleep(Duration::from_millis(60)).await;
-            redis.resume();
+            redis.resume().unwrap();
         }
     };
     tokio::join!(load, chaos);
@@ -151,7 +151,9 @@ async fn replies_stay_with_their_requests_when_redis_stalls_under_load() {
     .await;
 
     // Assert: after a refill, each client's decisions carry its own counts.
-    let _: () = redis::cmd("FLUSHDB").query(&mut redis.conn()).unwrap_or(());
+    let _: () = redis::cmd("FLUSHDB")
+        .query(&mut redis.conn().unwrap())
+        .unwrap_or(());
     let mut checked = 0;
     for (i, c) in clients.iter().enumerate() {
         let capacity = (i + 1) as i64 * 1000;
@@ -184,7 +186,7 @@ async fn replies_stay_with_their_requests_when_redis_stalls_under_load() {
 
 #[tokio::test]
 async fn while_failing_open_the_safety_limit_still_refuses_a_client_far_past_its_plan() {
-    let mut redis = RedisServer::start();
+    let mut redis = RedisServer::start().unwrap();
     let orders = Upstream::start(Behaviour::Echo).await;
     let billing = Upstream::start(Behaviour::Echo).await;
     let toml = format!(
@@ -235,7 +237,7 @@ async fn while_failing_open_the_safety_limit_still_refuses_a_client_far_past_its
 async fn shadow_mode_forwards_everything_and_reports_disagreement_over_all_gateways() {
     // Arrange: two gateways on one Redis; two shadow clients with the same plan; one
     // service limits exactly like the gateway, the other is twice as lenient.
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let exact = Upstream::start(Behaviour::Limit(10)).await;
     let lenient = Upstream::start(Behaviour::Limit(20)).await;
     let toml = format!(

@@ -40,7 +40,7 @@ async fn a_hot_client_on_a_redis_at_60_percent_of_the_budget_is_decided_exactly_
     const BUDGET_MS: u64 = 200;
     const DELAY_MS: u64 = 120;
     const CAPACITY: f64 = 200.0;
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let proxy = FaultProxy::start(([127, 0, 0, 1], redis.port).into());
     let up = Upstream::start(Behaviour::Echo).await;
     let toml = format!(

@@ -10,7 +10,7 @@ use crate::helpers::*;
 
 #[tokio::test]
 async fn the_embedded_store_decides_like_the_redis_script_on_the_same_timeline() {
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let embedded = Store::embedded(&dir.path().join("c.json")).unwrap();
     let remote = Store::redis(

@@ -25,7 +25,7 @@ impl Browser {
             std::path::Path::new("/usr/bin/chromium").exists(),
             "Debian's chromium and chromium-driver are needed (.ci/run installs them)"
         );
-        let port = free_port();
+        let port = free_port().unwrap();
         let driver = Command::new("chromedriver")
             .arg(format!("--port={port}"))
             .stdout(Stdio::null())

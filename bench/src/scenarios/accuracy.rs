@@ -8,13 +8,12 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde_json::json;
+use tollgate_testkit::{ClientDef, PlanDef, RedisServer, RouteDef};
 
 use super::seconds;
 use crate::http::get_request;
 use crate::load::{run_open, Arrivals, Stream};
-use crate::procs::{
-    raise_fd_limit, ClientDef, Gateway, GatewayConfig, PlanDef, Redis, RouteDef, PROBE_KEY,
-};
+use crate::procs::{gateway_config, raise_fd_limit, Gateway, PROBE_KEY};
 use crate::report::{machine, round, Outcome, Table};
 use crate::upstream::{Counts, Server, Upstreams};
 
@@ -56,7 +55,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     );
     raise_fd_limit();
     let machine = machine();
-    let redis = Redis::start()?;
+    let redis = RedisServer::start()?;
     let counts: Vec<std::sync::Arc<Counts>> = (0..a.services * a.replicas)
         .map(|_| std::sync::Arc::new(Counts::per_client()))
         .collect();
@@ -73,8 +72,8 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     };
     let mut gateways = Vec::new();
     for _ in 0..a.gateways {
-        let mut config = GatewayConfig::new(Some(redis.url()), routes());
-        config.timeout_ms = a.timeout_ms;
+        let mut config = gateway_config(Some(redis.url()), routes());
+        config.timeout_ms = Some(a.timeout_ms);
         config.plans.push(PlanDef {
             name: "contract".into(),
             capacity: a.capacity,

@@ -7,11 +7,12 @@
 use std::time::Duration;
 
 use serde_json::json;
+use tollgate_testkit::RedisServer;
 
 use super::{seconds, summary_json};
 use crate::http::get_request;
 use crate::load::{OpenRun, Sample, Stream, Summary};
-use crate::procs::{raise_fd_limit, Gateway, GatewayConfig, Redis};
+use crate::procs::{one_unlimited_client, raise_fd_limit, Gateway};
 use crate::report::{machine, ms, round, Outcome, Table};
 use crate::svg;
 use crate::upstream::{Server, Upstreams};
@@ -46,15 +47,11 @@ const OPENING: Duration = Duration::from_millis(50);
 pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     raise_fd_limit();
     let machine = machine();
-    let redis = Redis::start()?;
+    let redis = RedisServer::start()?;
     let upstream = Upstreams::start(vec![Server::Fast(Default::default())])?;
-    let mut config = GatewayConfig::one_unlimited_client(
-        Some(redis.url()),
-        upstream.urls(),
-        "failopen-client",
-        KEY,
-    );
-    config.timeout_ms = a.timeout_ms;
+    let mut config =
+        one_unlimited_client(Some(redis.url()), upstream.urls(), "failopen-client", KEY);
+    config.timeout_ms = Some(a.timeout_ms);
     let gateway = Gateway::start(&config, PATH)?;
     let stall_at = Duration::from_secs_f64(a.warmup + a.healthy);
     let resume_at = stall_at + Duration::from_secs_f64(a.stall);

@@ -6,11 +6,12 @@
 use std::time::Duration;
 
 use serde_json::json;
+use tollgate_testkit::RedisServer;
 
 use super::{seconds, summary_json};
 use crate::http::get_request;
 use crate::load::{run_open, sorted_ns, Arrivals, Stream, Summary};
-use crate::procs::{raise_fd_limit, Gateway, GatewayConfig, Redis};
+use crate::procs::{one_unlimited_client, raise_fd_limit, Gateway};
 use crate::report::{machine, ms, round, Outcome, Table};
 use crate::svg;
 use crate::upstream::{Server, Upstreams};
@@ -44,16 +45,12 @@ const KEY: &str = "bench-latency-key-1";
 pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     raise_fd_limit();
     let machine = machine();
-    let redis = Redis::start()?;
+    let redis = RedisServer::start()?;
     let upstream = Upstreams::start(vec![Server::Fast(Default::default())])?;
-    let mut config = GatewayConfig::one_unlimited_client(
-        Some(redis.url()),
-        upstream.urls(),
-        "latency-client",
-        KEY,
-    );
+    let mut config =
+        one_unlimited_client(Some(redis.url()), upstream.urls(), "latency-client", KEY);
     config.workers = a.gateway_workers;
-    config.timeout_ms = a.timeout_ms;
+    config.timeout_ms = Some(a.timeout_ms);
     let gateway = Gateway::start(&config, PATH)?;
 
     let request = get_request(PATH, Some(KEY));

@@ -25,11 +25,12 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use tollgate::domain::Plan;
+use tollgate_testkit::{ClientDef, PlanDef, RedisServer, RouteDef};
 
 use super::{seconds, summary_json};
 use crate::http::get_request;
 use crate::load::{Arrivals, OpenRun, Sample, Stream, Summary};
-use crate::procs::{raise_fd_limit, ClientDef, Gateway, GatewayConfig, PlanDef, Redis, RouteDef};
+use crate::procs::{gateway_config, raise_fd_limit, Gateway};
 use crate::report::{machine, ms, round, Outcome, Table};
 use crate::svg;
 use crate::upstream::{Replica, Server, Upstreams};
@@ -96,7 +97,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     );
     raise_fd_limit();
     let machine = machine();
-    let redis = Redis::start()?;
+    let redis = RedisServer::start()?;
     let replicas = a.services * a.replicas;
     let capacity_rps = replicas as f64 * a.workers as f64 * 1000.0 / a.service_ms;
     let per_client = a.others_load * capacity_rps / a.clients as f64;
@@ -241,7 +242,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
 
 fn phase(
     a: &Args,
-    redis: &Redis,
+    redis: &RedisServer,
     name: &'static str,
     mode: &'static str,
     per_client: f64,
@@ -267,9 +268,9 @@ fn phase(
             upstreams: urls[s * a.replicas..(s + 1) * a.replicas].to_vec(),
         })
         .collect();
-    let mut config = GatewayConfig::new(Some(redis.url()), routes);
-    config.default_mode = mode;
-    config.timeout_ms = a.timeout_ms;
+    let mut config = gateway_config(Some(redis.url()), routes);
+    config.default_mode = Some(mode.into());
+    config.timeout_ms = Some(a.timeout_ms);
     config.plans.push(PlanDef {
         name: "standard".into(),
         capacity: a.contract_rate,

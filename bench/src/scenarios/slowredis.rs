@@ -9,12 +9,12 @@
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use tollgate_testkit::FaultProxy;
+use tollgate_testkit::{ClientDef, FaultProxy, PlanDef, RedisServer};
 
 use super::seconds;
 use crate::http::get_request;
 use crate::load::{percentile, run_closed, ClosedResult};
-use crate::procs::{raise_fd_limit, ClientDef, Gateway, GatewayConfig, PlanDef, Redis};
+use crate::procs::{one_unlimited_client, raise_fd_limit, Gateway};
 use crate::report::{machine, ms, round, Outcome, Table};
 use crate::upstream::{Server, Upstreams};
 
@@ -66,19 +66,19 @@ struct Row {
 pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     raise_fd_limit();
     let machine = machine();
-    let redis = Redis::start()?;
+    let redis = RedisServer::start()?;
     let proxy = FaultProxy::start(([127, 0, 0, 1], redis.port).into());
     let upstream = Upstreams::start(vec![Server::Fast(Default::default())])?;
     // Every client on a plan far above any offered rate: each request takes the allowed
     // path, so a fail-open is the store's doing, never the limit's.
-    let mut config = GatewayConfig::one_unlimited_client(
+    let mut config = one_unlimited_client(
         Some(proxy.redis_url()),
         upstream.urls(),
         "slowredis-hot",
         HOT_KEY,
     );
     config.workers = a.workers;
-    config.timeout_ms = a.timeout_ms;
+    config.timeout_ms = Some(a.timeout_ms);
     config.plans.push(PlanDef {
         name: "other".into(),
         capacity: 1e9,

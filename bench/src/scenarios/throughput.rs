@@ -7,11 +7,12 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use serde_json::json;
+use tollgate_testkit::RedisServer;
 
 use super::seconds;
 use crate::http::get_request;
 use crate::load::run_closed;
-use crate::procs::{raise_fd_limit, Floor, Gateway, GatewayConfig, Nginx, Redis};
+use crate::procs::{one_unlimited_client, raise_fd_limit, Floor, Gateway, Nginx};
 use crate::report::{machine, round, Outcome, Table};
 use crate::svg;
 use crate::upstream::{Server, Upstreams};
@@ -141,14 +142,14 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
             keep.push(Box::new(floor));
         }
     }
-    let redis = Redis::start()?;
+    let redis = RedisServer::start()?;
     for &w in &a.workers {
         for embedded in [false, true] {
             if embedded && a.no_embedded {
                 continue;
             }
             let store = if embedded { "embedded" } else { "Redis" };
-            let mut config = GatewayConfig::one_unlimited_client(
+            let mut config = one_unlimited_client(
                 (!embedded).then(|| redis.url()),
                 upstream.urls(),
                 "throughput-client",
