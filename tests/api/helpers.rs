@@ -183,6 +183,31 @@ impl TestGateway {
             .bearer_auth(token)
     }
 
+    /// A sample from this gateway's `/metrics`: the line starting `series ` (a name, or a
+    /// name with its labels).
+    pub async fn metric(&self, series: &str) -> Option<f64> {
+        let text = self.get("/metrics", None).await.text().await.ok()?;
+        let prefix = format!("{series} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .and_then(|v| v.trim().parse().ok())
+    }
+
+    /// Waits until this gateway's catalog mirror has applied `version` (a write's ETag), as
+    /// `tollgate_catalog_version` on `/metrics` shows it.
+    pub async fn wait_for_catalog(&self, version: u64) {
+        eventually(
+            Duration::from_secs(5),
+            &format!("the catalog mirror reaches version {version}"),
+            || async {
+                self.metric("tollgate_catalog_version")
+                    .await
+                    .is_some_and(|v| v >= version as f64)
+            },
+        )
+        .await;
+    }
+
     pub async fn get(&self, path: &str, key: Option<&str>) -> reqwest::Response {
         let mut req = self.http.get(format!("{}{}", self.address, path));
         if let Some(k) = key {
