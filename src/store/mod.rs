@@ -1,6 +1,6 @@
 //! The one store abstraction. Buckets and the catalog live either in this process (the
-//! embedded store, for one instance) or in Redis (one server now, Redis Cluster through
-//! the same keys later). Both sides implement the same operations with the same arithmetic.
+//! embedded store, for one instance) or in Redis (one server or a Redis Cluster, through
+//! the same hash-tagged keys). Both sides run the same operations with the same arithmetic.
 //!
 //! [`Store`] (`dispatch.rs`) is what the rest of the gateway holds; the backends sit
 //! beside it, each split by concern (buckets, catalog, audit, shadow counts, shards).
