@@ -11,8 +11,8 @@ use crate::state::AppState;
 #[derive(Deserialize, IntoParams)]
 pub struct AuditQuery {
     /// How many entries, newest first: 1-1000 (default 100).
-    #[param(minimum = 1, maximum = 1000)]
-    limit: Option<usize>,
+    #[param(value_type = Option<usize>, minimum = 1, maximum = 1000)]
+    limit: Option<String>,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -31,7 +31,7 @@ pub async fn list(
     state: web::Data<AppState>,
     q: web::Query<AuditQuery>,
 ) -> Result<HttpResponse, ApiError> {
-    let limit = super::body::page_limit(q.limit)?;
+    let limit = super::body::page_limit(q.limit.as_deref())?;
     Ok(HttpResponse::Ok().json(AuditList {
         items: state.store.audit(limit).await?,
     }))

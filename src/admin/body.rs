@@ -358,13 +358,22 @@ impl utoipa::PartialSchema for Description {
 
 impl utoipa::ToSchema for Description {}
 
-/// A `limit` query parameter: 1-1000, 100 when absent.
-pub fn page_limit(limit: Option<usize>) -> Result<usize, ApiError> {
-    let limit = limit.unwrap_or(100);
-    if (1..=1000).contains(&limit) {
-        Ok(limit)
-    } else {
-        Err(ApiError::field("limit", "must be between 1 and 1000"))
+/// A `limit` query parameter: 1-1000, 100 when absent. Any integer outside the bounds (a
+/// negative or a huge one too) is a `422` naming it; only a value that is no integer is a
+/// malformed query (`400`).
+pub fn page_limit(limit: Option<&str>) -> Result<usize, ApiError> {
+    let Some(raw) = limit else {
+        return Ok(100);
+    };
+    let digits = raw.strip_prefix(['-', '+']).unwrap_or(raw);
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(ApiError::BadRequest(format!(
+            "limit {raw:?} is not an integer"
+        )));
+    }
+    match raw.parse::<u16>() {
+        Ok(limit @ 1..=1000) => Ok(limit.into()),
+        _ => Err(ApiError::field("limit", "must be between 1 and 1000")),
     }
 }
 

@@ -143,8 +143,8 @@ pub struct ClientList {
 #[derive(Deserialize, IntoParams)]
 pub struct Page {
     /// Page size, 1-1000 (default 100).
-    #[param(minimum = 1, maximum = 1000)]
-    limit: Option<usize>,
+    #[param(value_type = Option<usize>, minimum = 1, maximum = 1000)]
+    limit: Option<String>,
     /// `next_cursor` of the previous page (a client id).
     #[param(value_type = Option<ClientId>)]
     cursor: Option<String>,
@@ -247,7 +247,7 @@ pub async fn list(
     state: web::Data<AppState>,
     page: web::Query<Page>,
 ) -> Result<HttpResponse, ApiError> {
-    let limit = super::body::page_limit(page.limit)?;
+    let limit = super::body::page_limit(page.limit.as_deref())?;
     if let Some(c) = &page.cursor {
         client_id(c).map_err(|_| ApiError::field("cursor", "is not a cursor from next_cursor"))?;
     }
