@@ -320,7 +320,18 @@ async fn put_creates_then_replaces_and_if_match_guards_against_lost_updates() {
     let gw = admin_gateway("").await;
     let created = put_plan(&gw, "gold", json!({"capacity": 10, "rate": 1})).await;
     assert_eq!(created.status(), 201);
+    assert_eq!(created.headers()["location"], "/admin/v1/plans/gold");
     let etag = created.headers()["etag"].to_str().unwrap().to_string();
+    // The Location names the plan: a GET there answers it, at the ETag the PUT gave.
+    let read = gw
+        .http
+        .get(format!("{}/admin/v1/plans/gold", gw.address))
+        .bearer_auth(rw())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(read.status(), 200);
+    assert_eq!(read.headers()["etag"].to_str().unwrap(), etag);
 
     let replaced = gw
         .admin(Method::PUT, "/plans/gold", &rw())
@@ -330,7 +341,8 @@ async fn put_creates_then_replaces_and_if_match_guards_against_lost_updates() {
         .await
         .unwrap();
     assert_eq!(replaced.status(), 200);
-    assert_ne!(replaced.headers()["etag"].to_str().unwrap(), etag);
+    let replaced_etag = replaced.headers()["etag"].to_str().unwrap().to_string();
+    assert_ne!(replaced_etag, etag);
 
     let stale = gw
         .admin(Method::PUT, "/plans/gold", &rw())
@@ -340,18 +352,124 @@ async fn put_creates_then_replaces_and_if_match_guards_against_lost_updates() {
         .await
         .unwrap();
     assert_eq!(stale.status(), 412);
-    let got: Value = gw
+    let got = gw
         .admin(Method::GET, "/plans/gold", &rw())
         .send()
         .await
-        .unwrap()
-        .json()
+        .unwrap();
+    assert_eq!(got.headers()["etag"].to_str().unwrap(), replaced_etag);
+    assert_eq!(
+        got.json::<Value>().await.unwrap(),
+        json!({"name": "gold", "capacity": 20.0, "rate": 2.0, "description": "more"})
+    );
+}
+
+#[tokio::test]
+async fn a_client_put_creates_with_a_location_and_if_match_star_needs_the_client_to_exist() {
+    let gw = admin_gateway("").await;
+    put_plan(&gw, "gold", json!({"capacity": 10, "rate": 1})).await;
+    let put_client = |if_match: Option<String>, mode: &'static str| {
+        let gw = &gw;
+        async move {
+            let mut req = gw
+                .admin(Method::PUT, "/clients/acme", &rw())
+                .json(&json!({"plan": "gold", "mode": mode}));
+            if let Some(tag) = if_match {
+                req = req.header("if-match", tag);
+            }
+            req.send().await.unwrap()
+        }
+    };
+    let read = || {
+        let gw = &gw;
+        async move {
+            gw.admin(Method::GET, "/clients/acme", &rw())
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+
+    // If-Match: * on a client that does not exist: 412, and nothing is created.
+    let r = put_client(Some("*".into()), "shadow").await;
+    assert_eq!(r.status(), 412);
+    assert_eq!(r.headers()["content-type"], "application/problem+json");
+    assert_eq!(read().await.status(), 404, "a failed precondition wrote");
+    let r = gw
+        .admin(Method::DELETE, "/clients/acme", &rw())
+        .header("if-match", "*")
+        .send()
         .await
         .unwrap();
     assert_eq!(
-        got,
-        json!({"name": "gold", "capacity": 20.0, "rate": 2.0, "description": "more"})
+        r.status(),
+        412,
+        "DELETE with If-Match: * on a missing client"
     );
+
+    // Created: 201, with a Location naming the client and an ETag a GET there repeats.
+    let created = put_client(None, "shadow").await;
+    assert_eq!(created.status(), 201);
+    let location = created.headers()["location"].to_str().unwrap().to_string();
+    assert_eq!(location, "/admin/v1/clients/acme");
+    let created_etag = created.headers()["etag"].to_str().unwrap().to_string();
+    let at_location = gw
+        .http
+        .get(format!("{}{location}", gw.address))
+        .bearer_auth(rw())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(at_location.status(), 200);
+    assert_eq!(
+        at_location.headers()["etag"].to_str().unwrap(),
+        created_etag
+    );
+    assert_eq!(at_location.json::<Value>().await.unwrap()["mode"], "shadow");
+
+    // Replaced: 200 with a new ETag, and If-Match: * now matches.
+    let replaced = put_client(Some("*".into()), "enforce").await;
+    assert_eq!(replaced.status(), 200);
+    let replaced_etag = replaced.headers()["etag"].to_str().unwrap().to_string();
+    assert_ne!(replaced_etag, created_etag);
+    let now = read().await;
+    assert_eq!(now.headers()["etag"].to_str().unwrap(), replaced_etag);
+    assert_eq!(now.json::<Value>().await.unwrap()["mode"], "enforce");
+
+    // The stale ETag no longer matches, for a replace or a delete.
+    assert_eq!(
+        put_client(Some(created_etag.clone()), "shadow")
+            .await
+            .status(),
+        412
+    );
+    let r = gw
+        .admin(Method::DELETE, "/clients/acme", &rw())
+        .header("if-match", &created_etag)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 412);
+    assert_eq!(
+        read().await.json::<Value>().await.unwrap()["mode"],
+        "enforce"
+    );
+
+    // The safety settings, once stored, answer with the ETag their PUT gave.
+    let put = gw
+        .admin(Method::PUT, "/safety", &rw())
+        .json(&json!({"multiplier": 5}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 200);
+    let safety_etag = put.headers()["etag"].to_str().unwrap().to_string();
+    let got = gw
+        .admin(Method::GET, "/safety", &rw())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(got.headers()["etag"].to_str().unwrap(), safety_etag);
 }
 
 #[tokio::test]
@@ -584,42 +702,103 @@ async fn clients_are_listed_a_page_at_a_time() {
     let gw = admin_gateway("").await;
     put_plan(&gw, "gold", json!({"capacity": 10, "rate": 1})).await;
     for id in ["e", "a", "d", "b", "c"] {
-        gw.admin(Method::PUT, &format!("/clients/{id}"), &rw())
+        let r = gw
+            .admin(Method::PUT, &format!("/clients/{id}"), &rw())
             .json(&json!({"plan": "gold"}))
             .send()
             .await
             .unwrap();
+        assert_eq!(r.status(), 201);
     }
+
+    // Follow the cursor until the server says there is no next page.
+    let (seen, pages) = all_client_pages(&gw, 2).await;
+
+    // Every client exactly once, in id order, two to a page (the last page may be empty).
+    assert_eq!(seen, ["a", "b", "c", "d", "e"]);
+    assert!((3..=4).contains(&pages), "{pages} pages of 2 for 5 clients");
+}
+
+/// Pages through `GET /clients?limit=<limit>` from the start, following `next_cursor` until
+/// it is `null`: every id listed, in the order listed, and how many pages it took. Fails if
+/// the cursor has not ended after 1000 pages (no test lists that many).
+async fn all_client_pages(gw: &TestGateway, limit: usize) -> (Vec<String>, usize) {
     let mut seen = Vec::new();
     let mut cursor: Option<String> = None;
-    for _ in 0..5 {
+    for pages in 1..=1000 {
         let path = match &cursor {
-            Some(c) => format!("/clients?limit=2&cursor={c}"),
-            None => "/clients?limit=2".to_string(),
+            Some(c) => format!("/clients?limit={limit}&cursor={c}"),
+            None => format!("/clients?limit={limit}"),
         };
-        let page: Value = gw
-            .admin(Method::GET, &path, &rw())
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        for c in page["items"].as_array().unwrap() {
-            seen.push(c["id"].as_str().unwrap().to_string());
-        }
-        match page["next_cursor"].as_str() {
-            Some(c) => cursor = Some(c.to_string()),
-            None => break,
+        let r = gw.admin(Method::GET, &path, &rw()).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{path}");
+        let page: Value = r.json().await.unwrap();
+        let items = page["items"].as_array().unwrap();
+        assert!(items.len() <= limit, "{page}");
+        seen.extend(items.iter().map(|c| c["id"].as_str().unwrap().to_string()));
+        match &page["next_cursor"] {
+            Value::Null => return (seen, pages),
+            Value::String(c) => cursor = Some(c.clone()),
+            other => panic!("next_cursor is neither a string nor null: {other}"),
         }
     }
-    assert_eq!(seen, ["a", "b", "c", "d", "e"]);
-    let bad = gw
-        .admin(Method::GET, "/clients?limit=0", &rw())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(bad.status(), 422);
+    panic!("the cursor never ended: 1000 pages, {seen:?}");
+}
+
+#[tokio::test]
+async fn a_page_limit_outside_1_to_1000_is_refused_naming_it() {
+    // Arrange: 101 clients (and 102 audit entries), more than a default page.
+    let redis = RedisServer::start().unwrap();
+    let gw = TestGateway::spawn(settings(&format!(
+        "{}[redis]\nurl = \"{}\"\n",
+        admin_toml(),
+        redis.url()
+    )))
+    .await;
+    put_plan(&gw, "gold", json!({"capacity": 10, "rate": 1})).await;
+    for i in 0..101 {
+        let r = gw
+            .admin(Method::PUT, &format!("/clients/c{i:03}"), &rw())
+            .json(&json!({"plan": "gold"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 201);
+    }
+    let listed = |path: String| {
+        let gw = &gw;
+        async move {
+            let r = gw.admin(Method::GET, &path, &rw()).send().await.unwrap();
+            let status = r.status().as_u16();
+            let body: Value = r.json().await.unwrap();
+            (status, body)
+        }
+    };
+
+    for (list, total) in [("/clients", 101), ("/audit", 102)] {
+        // Without a limit, a page is 100; 1 and 1000 are the bounds.
+        let (status, body) = listed(list.to_string()).await;
+        assert_eq!(status, 200, "{list}");
+        assert_eq!(body["items"].as_array().unwrap().len(), 100, "{list}");
+        let (_, body) = listed(format!("{list}?limit=1")).await;
+        assert_eq!(body["items"].as_array().unwrap().len(), 1, "{list}");
+        let (status, body) = listed(format!("{list}?limit=1000")).await;
+        assert_eq!(status, 200, "{list}");
+        assert_eq!(body["items"].as_array().unwrap().len(), total, "{list}");
+
+        // Any number outside 1-1000 is a 422 naming `limit`; a non-number a 400.
+        for limit in ["0", "1001", "-1", "18446744073709551616"] {
+            let (status, body) = listed(format!("{list}?limit={limit}")).await;
+            assert_eq!(status, 422, "{list}?limit={limit}: {body}");
+            assert_eq!(body["errors"][0]["field"], "limit", "{list}?limit={limit}");
+        }
+        for limit in ["ten", "1.5", ""] {
+            let (status, body) = listed(format!("{list}?limit={limit}")).await;
+            assert_eq!(status, 400, "{list}?limit={limit}: {body}");
+        }
+    }
+    let (_, body) = listed("/clients?limit=1000".to_string()).await;
+    assert!(body["next_cursor"].is_null(), "{}", body["next_cursor"]);
 }
 
 #[tokio::test]
@@ -860,6 +1039,28 @@ async fn an_audience_may_be_one_of_a_list_and_a_token_is_refused_before_its_nbf(
     );
 }
 
+#[tokio::test]
+async fn a_token_expired_10_s_ago_is_within_the_leeway_and_one_expired_60_s_ago_is_not() {
+    let gw = admin_gateway("").await;
+    let now = unix_now();
+    let status = |exp: u64| {
+        let gw = &gw;
+        async move {
+            let claims = json!({"sub": "alice", "iss": "tollgate", "aud": "tollgate-admin",
+                "exp": exp, "scope": "admin:read"});
+            gw.admin(Method::GET, "/plans", &signed(&claims))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+
+    assert_eq!(status(now - 10).await, 200, "expired 10 s ago: within 30 s");
+    let refused = status(now - 60).await;
+    assert_eq!(refused, 401, "expired 60 s ago: past the 30 s leeway");
+}
+
 #[test]
 fn an_hs256_secret_under_32_bytes_stops_the_gateway_naming_the_key() {
     let out = std::process::Command::new(binary())
@@ -945,11 +1146,65 @@ async fn several_bad_fields_get_one_error_each_and_bounds_hold() {
     fields.sort();
     assert_eq!(fields, ["burst", "capacity", "description", "name", "rate"]);
 
+    // A client body: every bad field named too, and nothing stored.
+    let r = gw
+        .admin(Method::PUT, "/clients/acme", &rw())
+        .json(
+            &json!({"plan": "no spaces", "mode": "sometimes", "shards": {"regions": []},
+            "id": "someone-else", "keys": "none", "colour": "red"}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 422);
+    assert_eq!(r.headers()["content-type"], "application/problem+json");
+    assert_eq!(
+        error_fields(r).await,
+        ["colour", "id", "keys", "mode", "plan", "shards"]
+    );
+    let r = gw
+        .admin(Method::GET, "/clients/acme", &rw())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404, "a refused client was stored");
+
+    // Safety settings: each bad service is its own field.
+    let r = gw
+        .admin(Method::PUT, "/safety", &rw())
+        .json(&json!({"multiplier": 0, "services": {"orders": 0.5, "bad name": 2, "billing": "x"}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 422);
+    assert_eq!(
+        error_fields(r).await,
+        [
+            "multiplier",
+            "services.bad name",
+            "services.billing",
+            "services.orders"
+        ]
+    );
+
     let at_bounds = put_plan(&gw, "gold", json!({"capacity": 1e9, "rate": 0.001})).await;
     assert_eq!(at_bounds.status(), 201);
     // A plan read back may be sent back as it is.
     let read: Value = at_bounds.json().await.unwrap();
     assert_eq!(put_plan(&gw, "gold", read).await.status(), 200);
+}
+
+/// The `field` of every error in a `422` problem, sorted.
+async fn error_fields(r: reqwest::Response) -> Vec<String> {
+    let problem: Value = r.json().await.unwrap();
+    let mut fields: Vec<String> = problem["errors"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no errors in {problem}"))
+        .iter()
+        .map(|e| e["field"].as_str().unwrap().to_string())
+        .collect();
+    fields.sort();
+    fields
 }
 
 #[tokio::test]
