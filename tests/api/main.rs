@@ -3,6 +3,7 @@
 mod helpers;
 
 mod admin;
+mod admin_redis;
 mod catalog;
 mod cluster;
 mod configuration;
