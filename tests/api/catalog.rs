@@ -1,7 +1,8 @@
 //! The catalog keeps its promises across resets: a store that goes back is restored from
 //! the gateways' copies by its identity (epoch) and version, nothing deleted or revoked
-//! comes back, gateways restoring at once write one catalog once, and paging never ends
-//! early. (That edits never flicker is tested where the race can be forced: the mirror's
+//! comes back, gateways restoring at once write one catalog once, a gateway that missed
+//! changes trimmed from the feed reloads the whole catalog, and paging never ends early or
+//! lists a client twice. (That edits never flicker is tested where the race can be forced: the mirror's
 //! unit test `a_key_never_disappears_while_its_client_is_replaced`.)
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -352,30 +353,35 @@ async fn paging_through_clients_while_others_are_deleted_reaches_every_survivor(
     // Act: page 5 at a time until the server says there is no next page.
     let mut seen = Vec::new();
     let mut cursor: Option<String> = None;
-    loop {
+    let mut ended = false;
+    for _ in 0..1000 {
         let path = match &cursor {
             Some(c) => format!("/clients?limit=5&cursor={c}"),
             None => "/clients?limit=5".to_string(),
         };
-        let page: Value = gw
-            .admin(Method::GET, &path, &rw())
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let r = gw.admin(Method::GET, &path, &rw()).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{path}");
+        let page: Value = r.json().await.unwrap();
         for c in page["items"].as_array().unwrap() {
             seen.push(c["id"].as_str().unwrap().to_string());
         }
-        match page["next_cursor"].as_str() {
-            Some(c) => cursor = Some(c.to_string()),
-            None => break,
+        match &page["next_cursor"] {
+            Value::Null => {
+                ended = true;
+                break;
+            }
+            Value::String(c) => cursor = Some(c.clone()),
+            other => panic!("next_cursor is neither a string nor null: {other}"),
         }
     }
+    assert!(
+        ended,
+        "the cursor never ended: 1000 pages of 5 for 201 clients"
+    );
     deleter.await.unwrap();
 
-    // Assert: every client that was never deleted was listed, in order.
+    // Assert: every client that was never deleted was listed; each listed id exists (or
+    // did), once, in order.
     let survivors: Vec<&String> = ids.iter().skip(1).step_by(2).collect();
     for s in &survivors {
         assert!(
@@ -383,7 +389,93 @@ async fn paging_through_clients_while_others_are_deleted_reaches_every_survivor(
             "{s} missing: paging ended early at {seen:?}"
         );
     }
-    let mut sorted = seen.clone();
-    sorted.sort();
-    assert_eq!(seen, sorted);
+    assert!(seen.contains(&"declared".to_string()), "{seen:?}");
+    assert!(
+        seen.iter().all(|id| id == "declared" || ids.contains(id)),
+        "{seen:?}"
+    );
+    assert!(
+        seen.windows(2).all(|w| w[0] < w[1]),
+        "listed twice or out of order: {seen:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_gateway_that_missed_changes_trimmed_from_the_feed_reloads_the_whole_catalog() {
+    // Arrange: gateway A through a fault proxy, gateway B direct; acme's key works on A.
+    let redis = RedisServer::start().unwrap();
+    let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
+    let up = Upstream::start(Behaviour::Echo).await;
+    let a = TestGateway::spawn(settings(&format!(
+        "{}[redis]\nurl = \"{}\"\ntimeout_ms = 50\ncontrol_timeout_ms = 200\n[catalog]\nrefresh_ms = 50\n{}{}",
+        admin_toml(),
+        proxy.redis_url(),
+        catalog_toml(("gold", 1_000_000.0, 1.0), &["declared"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    )))
+    .await;
+    let b = gateway(&redis.url(), &up, 50).await;
+    put_client(&b, "acme", "gold").await;
+    let (acme_key_id, acme_key) = new_key(&b, "acme").await;
+    let before = store_version(&redis);
+    a.wait_for_catalog(before).await;
+    assert_eq!(status(&a, &acme_key).await, 200);
+
+    // Act: while A is cut off, acme's key is revoked and newco gets a key through B; then
+    // the feed is trimmed to its last entry, so what A missed first is gone from it.
+    proxy.partition();
+    let r = b
+        .admin(
+            Method::DELETE,
+            &format!("/clients/acme/keys/{acme_key_id}"),
+            &rw(),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    put_client(&b, "newco", "gold").await;
+    let (_, newco_key) = new_key(&b, "newco").await;
+    let now = store_version(&redis);
+    assert_eq!(now, before + 3);
+    let mut c = redis.conn().unwrap();
+    let _: u64 = redis::cmd("XTRIM")
+        .arg("tollgate:{catalog}:changes")
+        .arg("MAXLEN")
+        .arg(1)
+        .query(&mut c)
+        .unwrap();
+    let feed: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
+        .arg("tollgate:{catalog}:changes")
+        .arg("-")
+        .arg("+")
+        .query(&mut c)
+        .unwrap();
+    let feed_ids: Vec<&str> = feed.iter().map(|(id, _)| id.as_str()).collect();
+    assert_eq!(
+        feed_ids,
+        [format!("{now}-0")],
+        "the feed starts after a gap"
+    );
+    // A missed all of it: still at the old version, still admitting the revoked key.
+    assert_eq!(
+        a.metric("tollgate_catalog_version").await,
+        Some(before as f64)
+    );
+    assert_eq!(status(&a, &acme_key).await, 200);
+    assert_eq!(status(&a, &newco_key).await, 401);
+
+    // Assert: back on the network, A reloads and serves the store's catalog: the revoked
+    // key refused, the new client admitted, at the store's version.
+    proxy.heal();
+    eventually(
+        Duration::from_secs(5),
+        "A serves the store's catalog",
+        || async {
+            status(&a, &acme_key).await == 401
+                && status(&a, &newco_key).await == 200
+                && a.metric("tollgate_catalog_version").await == Some(now as f64)
+        },
+    )
+    .await;
 }
