@@ -479,3 +479,50 @@ async fn a_route_costing_more_than_the_plan_holds_gets_429_without_retry_after()
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["ratelimit"], "\"gold\";r=9;t=1");
 }
+
+#[tokio::test]
+async fn a_route_costing_more_than_the_plan_holds_is_refused_even_while_failing_open() {
+    // Arrange: as above, then Redis goes away (the breaker may open or not: either way
+    // the store cannot be asked).
+    let mut redis = RedisServer::start().unwrap();
+    let bulk = Upstream::start(Behaviour::Echo).await;
+    let orders = Upstream::start(Behaviour::Echo).await;
+    let toml = format!(
+        "[redis]\nurl = \"{}\"\ntimeout_ms = 50\n{}{}cost = 12.0\n{}",
+        redis.url(),
+        catalog_toml(("gold", 10.0, 1.0), &["acme"]),
+        route_toml("bulk", "/bulk", &[bulk.url()]),
+        route_toml("orders", "/orders", &[orders.url()]),
+    );
+    let gw = TestGateway::spawn(settings(&toml)).await;
+    let k = key("acme");
+    redis.kill();
+
+    // Act + Assert: the cheap route fails open (no token count)...
+    let r = gw.get("/orders", Some(&k)).await;
+    assert_eq!(r.status(), 200);
+    assert!(!r.headers().contains_key("ratelimit"));
+    // ...but no answer from the store could admit the costly one, so none is needed to
+    // refuse it.
+    for _ in 0..3 {
+        let r = gw.get("/bulk", Some(&k)).await;
+        assert_eq!(
+            r.status(),
+            429,
+            "a request the plan can never admit was admitted"
+        );
+        assert!(
+            !r.headers().contains_key("retry-after"),
+            "{:?}",
+            r.headers()
+        );
+        assert_eq!(r.headers()["ratelimit-policy"], "\"gold\";q=10;w=10");
+        assert!(!r.headers().contains_key("ratelimit"), "{:?}", r.headers());
+    }
+    assert_eq!(bulk.hits(), 0);
+    assert_eq!(
+        gw.metric("tollgate_decisions_total{outcome=\"denied\"}")
+            .await,
+        Some(3.0)
+    );
+}
