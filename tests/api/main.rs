@@ -3,6 +3,7 @@
 mod helpers;
 
 mod admin;
+mod breaker;
 mod catalog;
 mod cluster;
 mod configuration;
@@ -13,6 +14,7 @@ mod outage_start;
 mod paths;
 mod regions;
 mod resilience;
+mod shadow;
 mod slow_redis;
 mod stores;
 mod swagger_ui;
