@@ -12,6 +12,32 @@ fn redis_toml(redis: &RedisServer) -> String {
     format!("[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n", redis.url())
 }
 
+/// Waits until Redis has run nothing but `INFO` between two looks 50 ms apart: the
+/// gateway's start-up traffic (the first catalog poll, each worker's request-path
+/// connection) is over, so command counts from here on are the test's.
+async fn quiet(redis: &RedisServer) {
+    let counts = || {
+        let mut calls = redis.command_calls().unwrap();
+        calls.remove("info");
+        calls
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let mut last = counts();
+    loop {
+        // Yielding also lets the gateway's background tasks (on this runtime) run.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let now = counts();
+        if now == last {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "Redis still busy 5 s after start-up: {now:?}"
+        );
+        last = now;
+    }
+}
+
 #[tokio::test]
 async fn three_gateways_on_one_redis_admit_exactly_the_capacity_across_two_services() {
     // Arrange: one Redis, two services with two replicas each, three gateways.
@@ -76,8 +102,8 @@ async fn each_decision_is_one_script_call_and_nothing_else() {
         route_toml("orders", "/orders", &[up.url()]),
     );
     let gw = TestGateway::spawn(settings(&toml)).await;
-    // Let start-up traffic (script load, seeding, the first catalog poll) settle.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Start-up traffic (script load, seeding, the first catalog poll) is over first.
+    quiet(&redis).await;
     redis.reset_command_stats().unwrap();
 
     for _ in 0..12 {
@@ -117,7 +143,7 @@ async fn concurrent_takes_for_one_bucket_share_script_calls_and_keep_exact_verdi
         route_toml("orders", "/orders", &[up.url()]),
     );
     let gw = TestGateway::spawn(settings(&toml)).await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    quiet(&redis).await;
     redis.reset_command_stats().unwrap();
 
     // Act: 200 requests at once.
@@ -323,7 +349,7 @@ async fn an_unknown_or_missing_key_gets_401_and_touches_nothing() {
         route_toml("orders", "/orders", &[up.url()]),
     );
     let gw = TestGateway::spawn(settings(&toml)).await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    quiet(&redis).await;
     redis.reset_command_stats().unwrap();
 
     for k in [None, Some("not-a-known-key"), Some("")] {
