@@ -53,7 +53,7 @@ async fn a_stalled_then_killed_redis_fails_open_and_limiting_resumes_by_itself()
     let mut redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let toml = format!(
-        "[redis]\nurl = \"{}\"\n{}{}",
+        "[redis]\nurl = \"{}\"\n[catalog]\nrefresh_ms = 100\n{}{}",
         redis.url(),
         catalog_toml(("gold", 10_000.0, 1.0), &["acme"]),
         route_toml("orders", "/orders", &[up.url()]),
@@ -146,8 +146,8 @@ async fn a_stalled_then_killed_redis_fails_open_and_limiting_resumes_by_itself()
     )
     .await;
     // The empty Redis gets the catalog back from the gateway's copy at the next catalog
-    // poll (1 s): the client is known again. (Decisions do not need the catalog in Redis,
-    // so they can resume before that poll.)
+    // poll (100 ms here): the client is known again. (Decisions do not need the catalog
+    // in Redis, so they can resume before that poll.)
     eventually(Duration::from_secs(3), "the catalog restored", || async {
         let stored: Option<String> = redis::cmd("HGET")
             .arg("tollgate:{catalog}:clients")
@@ -379,7 +379,7 @@ async fn shadow_mode_forwards_everything_and_reports_disagreement_over_all_gatew
     let exact = Upstream::start(Behaviour::Limit(10)).await;
     let lenient = Upstream::start(Behaviour::Limit(20)).await;
     let toml = format!(
-        "{}[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n[limits]\ndefault_mode = \"shadow\"\n{}{}{}",
+        "{}[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n[limits]\ndefault_mode = \"shadow\"\n[periods]\nshadow_flush_ms = 50\n{}{}{}",
         admin_toml(),
         redis.url(),
         catalog_toml(("ten", 10.0, 0.001), &["same", "loose"]),

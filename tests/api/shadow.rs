@@ -24,10 +24,11 @@ fn version(r: &reqwest::Response) -> u64 {
 }
 
 /// Redis with a generous decision budget (these tests are about decisions, not about
-/// failing open), shadow mode by default, and shadow counts flushed every 50 ms.
+/// failing open), shadow mode by default, shadow counts flushed every 50 ms and catalog
+/// changes mirrored within 100 ms.
 fn shadow_toml(redis: &RedisServer) -> String {
     format!(
-        "{}[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n[limits]\ndefault_mode = \"shadow\"\n[periods]\nshadow_flush_ms = 50\n",
+        "{}[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n[catalog]\nrefresh_ms = 100\n[limits]\ndefault_mode = \"shadow\"\n[periods]\nshadow_flush_ms = 50\n",
         admin_toml(),
         redis.url()
     )
