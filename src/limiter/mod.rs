@@ -3,7 +3,8 @@
 //! Every request takes the same steps, each of which can settle it:
 //! 1. the coarse safety limit (in process, per client and service) — `SafetyDenied`;
 //! 2. the circuit breaker: if the store is known to be down, fail open at once;
-//! 3. the store's bucket, answered by `redis.timeout_ms` — `FailOpen` past it;
+//! 3. the store's bucket, answered by `redis.timeout_ms` — `FailOpen` past it, except for
+//!    a cost the plan's capacity can never hold, which is `Denied` whatever the store says;
 //! 4. the client's mode: in shadow mode a deny becomes `ShadowDenied` and is forwarded.
 
 pub mod breaker;
@@ -176,9 +177,8 @@ impl Limiter {
                 )
             }
         };
-        let verdict = if breakers.with(key, Breaker::is_open) {
-            self.metrics.fail_open(FailOpenReason::BreakerOpen);
-            None
+        let answer = if breakers.with(key, Breaker::is_open) {
+            Err(FailOpenReason::BreakerOpen)
         } else {
             // The store answers by the deadline itself, saying whether the call went out;
             // the timeout around it only guards against a store that would not.
@@ -191,29 +191,30 @@ impl Limiter {
             .unwrap_or(Err(StoreError::Deadline { sent: true }));
             // The breaker judges the store: see `Breaker::observe`.
             breakers.with(key, |b| b.observe(&answer));
-            match answer {
-                Ok(v) => Some(v),
-                Err(StoreError::Deadline { .. }) => {
-                    self.metrics.fail_open(FailOpenReason::Timeout);
-                    None
-                }
-                Err(e) => {
+            answer.map_err(|e| match e {
+                StoreError::Deadline { .. } => FailOpenReason::Timeout,
+                e => {
                     self.metrics.store_error(e.kind());
-                    self.metrics.fail_open(FailOpenReason::Error);
-                    None
+                    FailOpenReason::Error
                 }
-            }
+            })
         };
-        let outcome = match verdict {
-            None => Outcome::FailOpen,
-            Some(v) if v.allowed => Outcome::Allowed,
-            Some(_) if client.mode == Mode::Shadow => Outcome::ShadowDenied,
-            Some(_) => Outcome::Denied,
+        let outcome = match answer {
+            Ok(v) if v.allowed => Outcome::Allowed,
+            Ok(_) if client.mode == Mode::Shadow => Outcome::ShadowDenied,
+            Ok(_) => Outcome::Denied,
+            // A cost the bucket can never hold is refused whatever the store would say, so
+            // not hearing from the store is no reason to admit it.
+            Err(_) if cost > plan.capacity() && client.mode == Mode::Enforce => Outcome::Denied,
+            Err(reason) => {
+                self.metrics.fail_open(reason);
+                Outcome::FailOpen
+            }
         };
         Decision {
             outcome,
             plan,
-            verdict,
+            verdict: answer.ok(),
             safety_wait_us: None,
         }
     }

@@ -125,19 +125,35 @@ async fn a_streamed_body_is_forwarded_intact() {
 
 #[tokio::test]
 async fn a_body_over_the_limit_gets_413_and_spends_nothing() {
+    // Arrange: a plan of one token, so spending even one shows.
     let up = Upstream::start(Behaviour::Echo).await;
-    let gw = gateway_to(&[up.url()], "[server]\nmax_body_bytes = 1000\n").await;
-    let r = gw
-        .http
-        .post(format!("{}/orders", gw.address))
-        .header("x-api-key", key("acme"))
-        .body(vec![0u8; 1001])
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 413);
-    assert_eq!(r.headers()["content-type"], "application/problem+json");
+    let toml = format!(
+        "[server]\nmax_body_bytes = 1000\n{}{}",
+        catalog_toml(("one", 1.0, 0.001), &["acme"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    );
+    let gw = TestGateway::spawn(settings(&toml)).await;
+
+    // Act: three bodies one byte over the limit.
+    for _ in 0..3 {
+        let r = gw
+            .http
+            .post(format!("{}/orders", gw.address))
+            .header("x-api-key", key("acme"))
+            .body(vec![0u8; 1001])
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 413);
+        assert_eq!(r.headers()["content-type"], "application/problem+json");
+    }
     assert_eq!(up.hits(), 0);
+
+    // Assert: the one token is still there, and it is the only one.
+    let r = gw.get("/orders", Some(&key("acme"))).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["ratelimit"], "\"one\";r=0;t=1000");
+    assert_eq!(gw.get("/orders", Some(&key("acme"))).await.status(), 429);
 }
 
 #[tokio::test]

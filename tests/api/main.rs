@@ -4,6 +4,7 @@ mod helpers;
 
 mod admin;
 mod admin_redis;
+mod breaker;
 mod catalog;
 mod cluster;
 mod configuration;
@@ -14,6 +15,7 @@ mod outage_start;
 mod paths;
 mod regions;
 mod resilience;
+mod shadow;
 mod slow_redis;
 mod stores;
 mod swagger_ui;

@@ -55,25 +55,25 @@ async fn metrics(http: &reqwest::Client, base: &str) -> String {
 }
 
 async fn readyz(http: &reqwest::Client, base: &str) -> Value {
-    http.get(format!("{base}/readyz"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    readiness(http, base).await.1
+}
+
+/// `/readyz`: its status code and body.
+async fn readiness(http: &reqwest::Client, base: &str) -> (u16, Value) {
+    let r = http.get(format!("{base}/readyz")).send().await.unwrap();
+    (r.status().as_u16(), r.json().await.unwrap())
 }
 
 #[tokio::test]
 async fn a_first_start_with_redis_down_serves_the_declared_clients_failing_open() {
-    // Arrange: a Redis that is down, and nothing cached.
+    // Arrange: nothing listening on the configured Redis port, and nothing cached.
     let mut redis = RedisServer::start().unwrap();
     redis.kill();
     let up = Upstream::start(Behaviour::Echo).await;
     let toml = format!(
         "[redis]\nurl = \"{}\"\n{}{}",
         redis.url(),
-        catalog_toml(("gold", 3.0, 0.001), &["acme"]),
+        catalog_toml(("gold", 3.0, 0.001), &["acme", "burst"]),
         route_toml("orders", "/orders", &[up.url()]),
     );
     let gw = gateway_process(&toml, &[]);
@@ -96,7 +96,24 @@ async fn a_first_start_with_redis_down_serves_the_declared_clients_failing_open(
         text.contains("tollgate_catalog_source{source=\"config\"} 1"),
         "{text}"
     );
-    assert_eq!(readyz(&http, &gw.address).await["catalog"], "config");
+    let (status, ready) = readiness(&http, &gw.address).await;
+    assert_eq!(status, 503, "ready with no store: {ready}");
+    assert_eq!(ready["status"], "unavailable", "{ready}");
+    assert!(
+        ready["reason"].as_str().is_some_and(|r| !r.is_empty()),
+        "no reason given: {ready}"
+    );
+    assert_eq!(ready["catalog"], "config");
+    // Failing open is bounded by the safety limit: 10 x the plan of 3, then 429s from
+    // the gateway itself.
+    for n in 1..=30 {
+        let r = get(&http, &gw.address, &key("burst")).await;
+        assert_eq!(r.status(), 200, "request {n} within the safety limit");
+    }
+    let r = get(&http, &gw.address, &key("burst")).await;
+    assert_eq!(r.status(), 429, "past the safety limit");
+    assert!(r.headers().contains_key("retry-after"));
+    assert_eq!(up.hits(), 5 + 30);
 
     // Act: Redis comes back.
     redis.restart().unwrap();
@@ -126,6 +143,10 @@ async fn a_first_start_with_redis_down_serves_the_declared_clients_failing_open(
         denied >= 3,
         "the plan of 3 is enforced again ({denied} of 5 denied)"
     );
+    eventually(Duration::from_secs(3), "ready", || async {
+        readiness(&http, &gw.address).await == (200, json!({"status": "ready", "catalog": "store"}))
+    })
+    .await;
 }
 
 #[tokio::test]

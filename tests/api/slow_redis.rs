@@ -22,12 +22,17 @@ async fn metrics(gw: &TestGateway) -> HashMap<String, f64> {
         .collect()
 }
 
+/// A series that must be on `/metrics`.
+fn value(m: &HashMap<String, f64>, series: &str) -> f64 {
+    *m.get(series)
+        .unwrap_or_else(|| panic!("no {series} on /metrics"))
+}
+
 fn decisions(m: &HashMap<String, f64>, outcome: &str) -> f64 {
-    m.get(&format!(
-        "tollgate_decisions_total{{outcome=\"{outcome}\"}}"
-    ))
-    .copied()
-    .unwrap_or(0.0)
+    value(
+        m,
+        &format!("tollgate_decisions_total{{outcome=\"{outcome}\"}}"),
+    )
 }
 
 #[tokio::test]
@@ -107,9 +112,9 @@ async fn a_hot_client_on_a_redis_at_60_percent_of_the_budget_is_decided_exactly_
         fail_open < 0.01 * total,
         "{fail_open} of {total} decisions failed open"
     );
-    let opened = |m: &HashMap<String, f64>| m.get("tollgate_breaker_opened_total").copied();
+    let opened = |m: &HashMap<String, f64>| value(m, "tollgate_breaker_opened_total");
     assert_eq!(opened(&after), opened(&before), "the breaker opened");
-    assert_eq!(after.get("tollgate_breaker_open"), Some(&0.0));
+    assert_eq!(value(&after, "tollgate_breaker_open"), 0.0);
     assert!(
         quiet_decided * 100 >= quiet_sent * 99,
         "the quiet client was decided for {quiet_decided} of {quiet_sent} requests"
