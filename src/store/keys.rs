@@ -88,15 +88,35 @@ mod tests {
 
     #[test]
     fn slots_match_redis_cluster() {
-        // Values from CLUSTER KEYSLOT.
+        // Every number here is what `CLUSTER KEYSLOT <key>` answered on redis-server 7.0.15
+        // (cluster-enabled, one node).
         assert_eq!(key_slot("foo"), 12182);
         assert_eq!(
             key_slot("{user1000}.following"),
             key_slot("{user1000}.followers")
         );
-        assert_eq!(key_slot("tollgate:b:{acme}"), key_slot("acme"));
-        assert_eq!(key_slot("{}x"), key_slot("{}x"));
+        assert_eq!(key_slot("tollgate:b:{acme}"), 11304);
+        assert_eq!(key_slot("acme"), 11304);
         assert_eq!(key_slot(&key_in_slot(42)), 42);
+    }
+
+    #[test]
+    fn an_empty_hash_tag_is_no_tag_and_only_the_first_tag_counts() {
+        // The Redis Cluster spec: `{}` is not a hash tag, so the whole key is hashed (not
+        // the empty string, slot 0; not what follows it: `x` is 16287). Numbers from
+        // `CLUSTER KEYSLOT` on redis-server 7.0.15.
+        assert_eq!(key_slot("{}x"), 10595);
+        assert_eq!(key_slot("{}"), 15257);
+        assert_eq!(key_slot("foo{}{bar}"), 8363);
+        assert_eq!(key_slot("tollgate:b:{}"), 10481);
+        // The tag runs from the first `{` to the first `}` after it.
+        assert_eq!(key_slot("foo{{bar}}zap"), 4015); // the tag is `{bar`
+        assert_eq!(key_slot("{bar"), 4015);
+        assert_eq!(key_slot("foo{bar}{zap}"), 5061); // the tag is `bar`
+        assert_eq!(key_slot("bar"), 5061);
+        // A `}` before any `{` opens nothing.
+        assert_eq!(key_slot("}{x}"), 16287);
+        assert_eq!(key_slot("x}"), 11978);
     }
 
     #[test]

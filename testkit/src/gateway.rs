@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::Context;
 use tempfile::TempDir;
 
+use crate::ports::on_ports;
 use crate::process::{command, stop, temp_dir, wait_for_port};
 use crate::{free_port, GatewayConfig};
 
@@ -59,15 +60,26 @@ impl Launcher {
         self
     }
 
-    /// Starts the gateway with `config` on a free port, its files (configuration,
-    /// catalog, `gateway.log` for stdout, `gateway.err` for stderr) in a new temporary
-    /// directory, and waits until it listens.
+    /// Starts the gateway with `config` on a free port (another if someone takes that one
+    /// first), its files (configuration, catalog, `gateway.log` for stdout, `gateway.err`
+    /// for stderr) in a new temporary directory, and waits until it listens.
     pub fn spawn(self, config: &GatewayConfig) -> anyhow::Result<GatewayProcess> {
+        self.spawn_on(config, std::iter::from_fn(|| Some(free_port())))
+    }
+
+    /// [`Launcher::spawn`] on the first of `ports` that nobody takes first.
+    fn spawn_on(
+        self,
+        config: &GatewayConfig,
+        ports: impl Iterator<Item = anyhow::Result<u16>>,
+    ) -> anyhow::Result<GatewayProcess> {
         let dir = temp_dir("gateway")?;
-        let addr = SocketAddr::from(([127, 0, 0, 1], free_port()?));
         let file = dir.path().join("gateway.toml");
-        std::fs::write(&file, config.toml(&addr.to_string(), dir.path()))?;
-        let child = self.start(&file, addr, dir.path())?;
+        let (child, addr) = on_ports("the gateway", ports, |port| {
+            let addr = SocketAddr::from(([127, 0, 0, 1], port));
+            std::fs::write(&file, config.toml(&addr.to_string(), dir.path()))?;
+            Ok((self.start(&file, addr, dir.path())?, addr))
+        })?;
         Ok(GatewayProcess {
             child,
             addr,
@@ -127,7 +139,8 @@ pub struct GatewayProcess {
 }
 
 impl GatewayProcess {
-    /// Kills it (SIGKILL) and starts it again with the same configuration, files and port.
+    /// Kills it (SIGKILL) and starts it again with the same configuration, files and port
+    /// (failing with [`crate::PortTaken`] if another process took the port in between).
     pub fn restart(&mut self) -> anyhow::Result<()> {
         stop(&mut self.child, Duration::ZERO);
         self.child = self
@@ -145,5 +158,40 @@ impl GatewayProcess {
 impl Drop for GatewayProcess {
     fn drop(&mut self) {
         stop(&mut self.child, self.launcher.stop_grace);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::TcpListener;
+
+    use super::*;
+    use crate::ports::listens;
+
+    #[test]
+    fn a_gateway_whose_port_was_taken_starts_on_the_next() {
+        // A stand-in for the binary (run as `sh -c SCRIPT sh BINARY --config FILE`): a
+        // redis-server on the port the configuration's `listen` names, which exits saying
+        // "Address already in use" when the port is taken, as the gateway does.
+        let script = r#"port=$(sed -n 's/^listen = "127\.0\.0\.1:\([0-9]*\)"$/\1/p' "$3"); exec redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no"#;
+        let launcher = Launcher::new("tollgate-stand-in").wrapper(vec![
+            "sh".into(),
+            "-c".into(),
+            script.into(),
+            "sh".into(),
+        ]);
+        let thief = TcpListener::bind("127.0.0.1:0").unwrap();
+        let taken = thief.local_addr().unwrap().port();
+
+        let ports = std::iter::once(Ok(taken)).chain(std::iter::from_fn(|| Some(free_port())));
+        let gw = launcher.spawn_on(&GatewayConfig::default(), ports).unwrap();
+
+        assert_ne!(gw.addr.port(), taken);
+        assert!(listens(gw.child.id(), gw.addr.port()));
+        let config = std::fs::read_to_string(&gw.config).unwrap();
+        assert!(
+            config.contains(&format!("listen = \"{}\"", gw.addr)),
+            "{config}"
+        );
     }
 }

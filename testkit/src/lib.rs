@@ -6,9 +6,11 @@
 //!   [`Launcher`] from a [`GatewayConfig`], the one TOML builder for a gateway's
 //!   configuration (plans, clients, routes, store, admin API, catalog file); the snippets
 //!   tests layer on it are [`catalog_toml`], [`route_toml`] and [`admin_toml`].
-//! - [`free_port`], [`temp_dir`] (and [`clean_stale_dirs`]), [`command`] (a child that
-//!   dies with its parent), [`signal`], [`wait_for_port`], [`stop`]: the process plumbing
-//!   underneath, for the load tool's own children too.
+//! - [`free_port`], [`on_a_free_port`] (start a child again on another port when someone
+//!   took its port first: [`PortTaken`]), [`temp_dir`] (and [`clean_stale_dirs`]),
+//!   [`command`] (a child that dies with its parent), [`signal`], [`wait_for_port`] (only
+//!   the child's own listener counts), [`stop`]: the process plumbing underneath, for the
+//!   load tool's own children too.
 //! - [`FaultProxy`] sits between the gateway and a real `redis-server` and injects the
 //!   network faults an operator meets: a delay on every reply, connections that go silent
 //!   (a partition, or a failover that moves a name while the old peer keeps the socket),
@@ -35,7 +37,7 @@ pub use config::{
 };
 pub use fault_proxy::FaultProxy;
 pub use gateway::{GatewayProcess, Launcher};
-pub use ports::free_port;
+pub use ports::{free_port, on_a_free_port, PortTaken};
 pub use process::{clean_stale_dirs, command, signal, stop, temp_dir, wait_for_port};
 pub use redis::{RedisCluster, RedisServer};
 pub use tempfile::TempDir;

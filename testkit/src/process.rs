@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
+use crate::ports::{listens, PortTaken};
+
 /// A command for a fixture's child: it gets SIGTERM when the thread that starts it dies,
 /// however it dies (Ctrl-C included), so no redis-server or gateway outlives a test run or
 /// a load run (start fixtures on the thread that owns them: a test's, the tool's main
@@ -42,8 +44,11 @@ pub fn signal(child: &Child, sig: libc::c_int) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Waits until `addr` accepts a connection; fails at once, with its `logs`, if the child
-/// exits first, and after `within` if it never listens.
+/// Waits until the child listens on `addr` (a listener that accepts a connection and that
+/// the child, or a process it started, owns: another process that took the port does not
+/// count). Fails at once, with its `logs`, if the child exits first: with [`PortTaken`]
+/// when they say the address was in use, so the caller can try another port
+/// ([`crate::on_a_free_port`]); and after `within` if it never listens.
 pub fn wait_for_port(
     addr: SocketAddr,
     child: &mut Child,
@@ -53,7 +58,9 @@ pub fn wait_for_port(
 ) -> anyhow::Result<()> {
     let deadline = Instant::now() + within;
     loop {
-        if TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_ok() {
+        if TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_ok()
+            && listens(child.id(), addr.port())
+        {
             return Ok(());
         }
         if let Some(status) = child.try_wait()? {
@@ -61,6 +68,13 @@ pub fn wait_for_port(
                 .iter()
                 .filter_map(|l| std::fs::read_to_string(l).ok())
                 .collect();
+            if logs.contains("Address already in use") {
+                return Err(PortTaken {
+                    port: addr.port(),
+                    detail: format!("{what} exited ({status}):\n{logs}"),
+                }
+                .into());
+            }
             bail!("{what} exited ({status}) before listening on {addr}:\n{logs}");
         }
         if Instant::now() > deadline {

@@ -10,7 +10,7 @@ use anyhow::{bail, ensure, Context};
 use tempfile::TempDir;
 
 use crate::process::{command, signal, stop, temp_dir, wait_for_port};
-use crate::{free_port, FaultProxy};
+use crate::{on_a_free_port, FaultProxy, PortTaken};
 
 /// A `redis-server` on a free port, killed on drop. Its directory (where `SAVE` writes)
 /// lives as long as it does, across [`RedisServer::restart`].
@@ -23,9 +23,10 @@ pub struct RedisServer {
 }
 
 impl RedisServer {
-    /// Starts a server and waits until it answers `PING`.
+    /// Starts a server on a free port (another if someone takes that one first) and waits
+    /// until it answers `PING`.
     pub fn start() -> anyhow::Result<RedisServer> {
-        RedisServer::start_on(free_port()?, &[])
+        on_a_free_port("redis-server", |port| RedisServer::start_on(port, &[]))
     }
 
     fn start_on(port: u16, args: &[&str]) -> anyhow::Result<RedisServer> {
@@ -107,7 +108,8 @@ impl RedisServer {
     }
 
     /// Kills the server if it runs and starts a fresh one on the same port and directory
-    /// (empty, unless a `SAVE` left a snapshot there).
+    /// (empty, unless a `SAVE` left a snapshot there). Fails with [`PortTaken`] if another
+    /// process took the port in between.
     pub fn restart(&mut self) -> anyhow::Result<()> {
         self.kill();
         self.child = RedisServer::spawn(self.port, &self.args, &self.dir)?;
@@ -172,23 +174,28 @@ impl RedisCluster {
     /// `cluster_state:ok`.
     pub fn start() -> anyhow::Result<RedisCluster> {
         let mut nodes = Vec::new();
-        while nodes.len() < 3 {
-            // The cluster bus listens on port + 10000.
-            let port = free_port()?;
-            if port > 55_000 || TcpListener::bind(("127.0.0.1", port + 10_000)).is_err() {
-                continue;
-            }
-            nodes.push(RedisServer::start_on(
-                port,
-                &[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-node-timeout",
-                    "2000",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                ],
-            )?);
+        for _ in 0..3 {
+            nodes.push(on_a_free_port("a cluster node", |port| {
+                // The cluster bus listens on port + 10000.
+                if port > 55_000 || TcpListener::bind(("127.0.0.1", port + 10_000)).is_err() {
+                    return Err(PortTaken {
+                        port,
+                        detail: "its cluster bus port (+10000) is not free".into(),
+                    }
+                    .into());
+                }
+                RedisServer::start_on(
+                    port,
+                    &[
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-node-timeout",
+                        "2000",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                    ],
+                )
+            })?);
         }
         let addrs: Vec<String> = nodes
             .iter()
@@ -349,5 +356,49 @@ impl RedisCluster {
             }
         }
         bail!("slot {slot} of {key} is not served")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::free_port;
+    use crate::ports::on_ports;
+
+    /// The process id a server says it has (`INFO server`).
+    fn process_id(server: &RedisServer) -> u32 {
+        let info: String = redis::cmd("INFO")
+            .arg("server")
+            .query(&mut server.conn().unwrap())
+            .unwrap();
+        info.lines()
+            .find_map(|l| l.strip_prefix("process_id:"))
+            .and_then(|p| p.trim().parse().ok())
+            .expect("process_id in INFO server")
+    }
+
+    #[test]
+    fn a_port_another_server_took_is_not_mistaken_for_ours_and_the_next_is_used() {
+        let other = RedisServer::start().unwrap();
+
+        // Straight onto the taken port: ours exits, the other answers PING, and that is
+        // not taken for ours.
+        match RedisServer::start_on(other.port, &[]) {
+            Ok(s) => panic!(
+                "started on a taken port, answered by pid {}",
+                process_id(&s)
+            ),
+            Err(e) => assert!(e.downcast_ref::<PortTaken>().is_some(), "{e:#}"),
+        }
+
+        // Offered the taken port first, it starts on the next one.
+        let ports = std::iter::once(Ok(other.port)).chain(std::iter::from_fn(|| Some(free_port())));
+        let ours = on_ports("redis-server", ports, |port| {
+            RedisServer::start_on(port, &[])
+        })
+        .unwrap();
+        assert_ne!(ours.port, other.port);
+        assert_eq!(process_id(&ours), ours.child.id());
+        assert_eq!(process_id(&other), other.child.id());
     }
 }

@@ -84,6 +84,47 @@ async fn put_plan(gw: &TestGateway, name: &str) -> Option<u16> {
         .map(|r| r.status().as_u16())
 }
 
+/// `tollgate_fail_open_total` on the gateway's `/metrics`.
+async fn fail_open_total(gw: &TestGateway) -> f64 {
+    gw.metric("tollgate_fail_open_total")
+        .await
+        .expect("tollgate_fail_open_total on /metrics")
+}
+
+/// `CLIENT LIST` of `redis`, without the connection that asks.
+fn client_ids(redis: &RedisServer) -> Vec<u64> {
+    let list: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query(&mut redis.conn().unwrap())
+        .unwrap();
+    list.lines()
+        .filter(|l| !l.contains("cmd=client|list"))
+        .map(|l| {
+            l.split(' ')
+                .find_map(|f| f.strip_prefix("id="))
+                .and_then(|id| id.parse().ok())
+                .unwrap_or_else(|| panic!("no id in {l:?}"))
+        })
+        .collect()
+}
+
+/// The newest client id Redis has given so far: the asking connection's own (ids only
+/// grow, so every client that connects later has a larger one).
+fn newest_client_id(redis: &RedisServer) -> u64 {
+    redis::cmd("CLIENT")
+        .arg("ID")
+        .query(&mut redis.conn().unwrap())
+        .unwrap()
+}
+
+/// Clients connected now that arrived after `newest`.
+fn clients_since(redis: &RedisServer, newest: u64) -> usize {
+    client_ids(redis)
+        .into_iter()
+        .filter(|id| *id > newest)
+        .count()
+}
+
 /// Polls `check` until it holds and returns how long that took; fails after `within`.
 async fn time_until<F, Fut>(within: Duration, what: &str, mut check: F) -> Duration
 where
@@ -252,9 +293,9 @@ async fn a_restarted_redis_costs_no_decision_no_admin_call_and_no_flush() {
     // calls come.
     redis.kill();
     redis.restart().unwrap();
-    // The keeper re-dials each worker's connection within its back-off (at most 500 ms).
-    tokio::time::sleep(Duration::from_millis(600)).await;
-    let fail_open_before = gw.app.metrics.fail_open_total();
+    // No wait: the promise is the first decision after Redis answers `PING`, whether or
+    // not the worker's keeper has re-dialed yet (it may be in its back-off, up to 500 ms).
+    let fail_open_before = fail_open_total(&gw).await;
 
     // Assert: the very first decisions (on both workers), admin write and shadow flush
     // after the restart all succeed.
@@ -263,7 +304,7 @@ async fn a_restarted_redis_costs_no_decision_no_admin_call_and_no_flush() {
         let r = r.as_ref().expect("the gateway answers");
         assert!(decided(r), "a first decision after the restart failed open");
     }
-    assert_eq!(gw.app.metrics.fail_open_total(), fail_open_before);
+    assert_eq!(fail_open_total(&gw).await, fail_open_before);
     assert_eq!(
         put_plan(&gw, "after").await,
         Some(201),
@@ -289,7 +330,7 @@ async fn a_restarted_redis_costs_no_decision_no_admin_call_and_no_flush() {
 async fn connections_reset_under_the_gateway_are_replaced_before_the_next_call() {
     // Arrange.
     let Behind {
-        redis: _redis,
+        redis,
         proxy,
         up: _up,
         gw,
@@ -297,15 +338,24 @@ async fn connections_reset_under_the_gateway_are_replaced_before_the_next_call()
     let k = key("acme");
 
     // Act: every connection is reset (RST) under the gateway, Redis itself untouched.
+    let newest = newest_client_id(&redis);
     proxy.reset();
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // The reset reaches the gateway asynchronously (a request sent before it does would
+    // meet it); what an operator sees once it has: both workers' keepers connected anew,
+    // as fresh clients in Redis's CLIENT LIST.
+    eventually(
+        Duration::from_secs(2),
+        "two fresh connections at Redis",
+        || async { clients_since(&redis, newest) >= 2 },
+    )
+    .await;
 
     // Assert: no call pays for it.
-    let fail_open_before = gw.app.metrics.fail_open_total();
+    let fail_open_before = fail_open_total(&gw).await;
     for _ in 0..10 {
         assert!(get(&gw, &k).await.is_some_and(|r| decided(&r)));
     }
-    assert_eq!(gw.app.metrics.fail_open_total(), fail_open_before);
+    assert_eq!(fail_open_total(&gw).await, fail_open_before);
     assert_eq!(put_plan(&gw, "after-reset").await, Some(201));
     let ready = gw.get("/readyz", None).await;
     assert_eq!(ready.status(), 200);
@@ -321,28 +371,35 @@ async fn every_socket_to_redis_has_tcp_keepalive() {
         up: _up,
         gw: _gw,
     } = Behind::start().await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
 
     // Act: the kernel's view of this process's established connections to the proxy.
-    // /proc/net/tcp: "sl local remote st tx:rx tr:when ..."; timer 02 is keepalive.
+    // /proc/net/tcp: "sl local remote st tx:rx tr:when ..."; timer 02 is keepalive (01,
+    // retransmit, shows only while a command is unanswered; 00 is no timer at all).
     let port = format!(":{:04X}", proxy.port());
-    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
-    let timers: Vec<String> = table
-        .lines()
-        .skip(1)
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            (f.get(2)?.ends_with(&port) && f.get(3)? == &"01")
-                .then(|| f.get(5)?.split(':').next().map(str::to_string))?
-        })
-        .collect();
+    let timers = || -> Vec<String> {
+        let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+        table
+            .lines()
+            .skip(1)
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                (f.get(2)?.ends_with(&port) && f.get(3)? == &"01")
+                    .then(|| f.get(5)?.split(':').next().map(str::to_string))?
+            })
+            .collect()
+    };
 
-    // Assert: the per-worker and pooled connections all run the keepalive timer.
-    assert!(timers.len() >= 3, "connections to Redis: {timers:?}");
-    assert!(
-        timers.iter().all(|t| t == "02"),
-        "a socket without keepalive: {timers:?}"
-    );
+    // Assert: once the per-worker and pooled connections are open (three at least), they
+    // all run the keepalive timer at once. A socket without keepalive never does.
+    eventually(
+        Duration::from_secs(5),
+        "three connections to Redis, all with the keepalive timer",
+        || async {
+            let t = timers();
+            t.len() >= 3 && t.iter().all(|t| t == "02")
+        },
+    )
+    .await;
 }
 
 #[tokio::test]

@@ -3,7 +3,9 @@
 //! periods are shortened through `[periods]` so the tests wait on events, not on seconds.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use reqwest::Method;
 use serde_json::{json, Value};
@@ -41,29 +43,155 @@ async fn bucket(gw: &TestGateway, client: &str) -> Value {
         .unwrap()
 }
 
-fn share(view: &Value, region: &str) -> f64 {
-    view["shards"]["current"]["regions"]
-        .as_array()
-        .and_then(|rs| rs.iter().find(|r| r["region"] == region))
-        .and_then(|r| r["share"].as_f64())
-        .unwrap_or(0.0)
+/// Polls `client`'s bucket view on `gw` until `ready` holds (5 s at most) and returns it.
+async fn bucket_when(
+    gw: &TestGateway,
+    client: &str,
+    what: &str,
+    ready: impl Fn(&Value) -> bool,
+) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let view = bucket(gw, client).await;
+        if ready(&view) {
+            return view;
+        }
+        assert!(Instant::now() < deadline, "not within 5 s: {what}: {view}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
-/// Sends `rate` requests per second for `duration` through `gw`; returns (sent, admitted).
-async fn drive(gw: &TestGateway, client: &str, rate: f64, duration: Duration) -> (u32, u32) {
+/// The shares as the global store last reconciled them: `None` before the first
+/// reconciliation (the view's `current` is `null`, which is legitimate then); after it,
+/// every region the view lists has a share (a region without one fails the test).
+fn shares(view: &Value) -> Option<HashMap<String, f64>> {
+    let current = &view["shards"]["current"];
+    if current.is_null() {
+        return None;
+    }
+    let regions = current["regions"].as_array().expect("current.regions");
+    Some(
+        regions
+            .iter()
+            .map(|r| {
+                let name = r["region"].as_str().expect("a region name").to_string();
+                let share = r["share"]
+                    .as_f64()
+                    .unwrap_or_else(|| panic!("{name} has no share: {view}"));
+                (name, share)
+            })
+            .collect(),
+    )
+}
+
+/// `region`'s share: the view must show a reconciliation with that region in it.
+fn share(view: &Value, region: &str) -> f64 {
+    let all = shares(view).unwrap_or_else(|| panic!("no reconciliation yet: {view}"));
+    *all.get(region)
+        .unwrap_or_else(|| panic!("no share for {region}: {view}"))
+}
+
+/// How full `region`'s shard was when that region last reported: `None` until a gateway
+/// there has reported with a share in hand (legitimate before that).
+fn fill(view: &Value, region: &str) -> Option<f64> {
+    view["shards"]["current"]["regions"]
+        .as_array()?
+        .iter()
+        .find(|r| r["region"] == region)?["fill"]
+        .as_f64()
+}
+
+/// Whether the limiter admitted the request: `200` or `429`; any other answer (a `401`, a
+/// `5xx`) is not a limiter decision and fails the test.
+fn admitted(r: &reqwest::Response) -> bool {
+    match r.status().as_u16() {
+        200 => true,
+        429 => false,
+        other => panic!("not a limiter decision: {other} {:?}", r.headers()),
+    }
+}
+
+/// The quota `q` of a response's `RateLimit-Policy`: the plan's capacity when the global
+/// bucket decided, a regional shard's portion of it (rounded down) when a shard did.
+fn quota(r: &reqwest::Response) -> u64 {
+    let policy = r.headers()["ratelimit-policy"].to_str().unwrap();
+    policy
+        .split(';')
+        .find_map(|p| p.strip_prefix("q="))
+        .and_then(|q| q.parse().ok())
+        .unwrap_or_else(|| panic!("no quota in {policy:?}"))
+}
+
+/// A sample from `gw`'s `/metrics` that must be there.
+async fn sample(gw: &TestGateway, series: &str) -> f64 {
+    gw.metric(series)
+        .await
+        .unwrap_or_else(|| panic!("no {series} on /metrics"))
+}
+
+/// Whether the response carries a real bucket decision (failing open sends no `RateLimit`).
+fn decided(r: &reqwest::Response) -> bool {
+    r.headers().contains_key("ratelimit")
+}
+
+/// The tokens a bucket in `redis` held at its last take (its `tk` field, which must be
+/// there).
+fn tokens_in(redis: &RedisServer, bucket: &str) -> f64 {
+    let tk: String = redis::cmd("HGET")
+        .arg(bucket)
+        .arg("tk")
+        .query(&mut redis.conn().unwrap())
+        .unwrap_or_else(|e| panic!("no tokens in {bucket}: {e}"));
+    tk.parse().unwrap()
+}
+
+/// A gateway in `region` on `global` (and `regional` for its shards, when given): plan
+/// `plan`, clients `clients`, a route to `up`, the shortened share period.
+fn regional_toml(
+    region: &str,
+    global: &RedisServer,
+    regional: Option<&RedisServer>,
+    extra_redis: &str,
+    plan: (&str, f64, f64),
+    clients: &[&str],
+    up: &Upstream,
+) -> String {
+    let regional_url = regional
+        .map(|r| format!("regional_url = \"{}\"\n", r.url()))
+        .unwrap_or_default();
+    format!(
+        "{}{}[server]\nregion = \"{region}\"\n[redis]\nurl = \"{}\"\n{regional_url}{extra_redis}[catalog]\nrefresh_ms = 200\n{}{}",
+        admin_toml(),
+        periods_toml(),
+        global.url(),
+        catalog_toml(plan, clients),
+        route_toml("orders", "/orders", &[up.url()]),
+    )
+}
+
+/// Sends `rate` requests per second through `gw` until `duration` has passed or `stop` is
+/// set; returns how many were sent and when (since `t0`) each admitted one was answered.
+async fn drive(
+    gw: &TestGateway,
+    client: &str,
+    rate: f64,
+    duration: Duration,
+    t0: Instant,
+    stop: &AtomicBool,
+) -> (u32, Vec<Duration>) {
     let k = key(client);
     let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     let end = Instant::now() + duration;
-    let (mut sent, mut admitted) = (0, 0);
-    while Instant::now() < end {
+    let (mut sent, mut admitted_at) = (0, Vec::new());
+    while Instant::now() < end && !stop.load(Ordering::Relaxed) {
         tick.tick().await;
         sent += 1;
-        if gw.get("/orders", Some(&k)).await.status() == 200 {
-            admitted += 1;
+        if admitted(&gw.get("/orders", Some(&k)).await) {
+            admitted_at.push(t0.elapsed());
         }
     }
-    (sent, admitted)
+    (sent, admitted_at)
 }
 
 #[tokio::test]
@@ -73,16 +201,17 @@ async fn three_regions_share_one_limit_and_shares_follow_demand() {
     let regional: Vec<RedisServer> = (0..3).map(|_| RedisServer::start().unwrap()).collect();
     let up = Upstream::start(Behaviour::Echo).await;
     let regions = ["eu", "us", "ap"];
+    let (capacity, rate) = (30.0, 30.0);
     let mut gateways = Vec::new();
     for (i, region) in regions.iter().enumerate() {
-        let toml = format!(
-            "{}{}[server]\nregion = \"{region}\"\n[redis]\nurl = \"{}\"\nregional_url = \"{}\"\ntimeout_ms = 2000\n[catalog]\nrefresh_ms = 200\n{}{}",
-            admin_toml(),
-            periods_toml(),
-            global.url(),
-            regional[i].url(),
-            catalog_toml(("hot", 30.0, 30.0), &["hot"]),
-            route_toml("orders", "/orders", &[up.url()]),
+        let toml = regional_toml(
+            region,
+            &global,
+            Some(&regional[i]),
+            "timeout_ms = 2000\n",
+            ("hot", capacity, rate),
+            &["hot"],
+            &up,
         );
         gateways.push(TestGateway::spawn(settings(&toml)).await);
     }
@@ -97,59 +226,104 @@ async fn three_regions_share_one_limit_and_shares_follow_demand() {
     for gw in &gateways {
         gw.wait_for_catalog(sharded_at).await;
     }
-    // Every region has a share, and every gateway has read it (it reads twice a period).
-    eventually(
-        Duration::from_secs(5),
-        "every region has a share",
-        || async {
-            let v = bucket(&gateways[0], "hot").await;
-            regions.iter().all(|r| share(&v, r) > 0.0)
-        },
-    )
+    // Every gateway has read its region's share: a gateway reports its shard's fill only
+    // with a share in hand.
+    bucket_when(&gateways[0], "hot", "every region reports a fill", |v| {
+        regions.iter().all(|r| fill(v, r).is_some())
+    })
     .await;
-    tokio::time::sleep(SHARE).await;
     global.reset_command_stats().unwrap();
 
     // Act 1: 3x the plan's rate for 8 s (16 share periods), demand split 70/20/10.
     let split = [0.7, 0.2, 0.1];
     let seconds = 8.0;
+    let never = AtomicBool::new(false);
+    let started_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as f64;
     let started = Instant::now();
-    let results = futures_util::future::join_all(
-        gateways
-            .iter()
-            .zip(split)
-            .map(|(gw, f)| drive(gw, "hot", 90.0 * f, Duration::from_secs_f64(seconds))),
-    )
+    let results = futures_util::future::join_all(gateways.iter().zip(split).map(|(gw, f)| {
+        drive(
+            gw,
+            "hot",
+            3.0 * rate * f,
+            Duration::from_secs_f64(seconds),
+            started,
+            &never,
+        )
+    }))
     .await;
     let elapsed = started.elapsed().as_secs_f64();
+    let view = bucket(&gateways[0], "hot").await;
 
-    // Assert: the total is within 5% of capacity + rate x T...
-    let admitted: u32 = results.iter().map(|r| r.1).sum();
-    let expected = 30.0 + 30.0 * elapsed;
-    let error = (admitted as f64 - expected) / expected;
-    eprintln!("regions: (sent, admitted) {results:?}; total {admitted}, expected {expected:.0}, error {:+.2}%", error * 100.0);
+    // The one systematic error, from the README's "Bounded error": the shards start full
+    // at equal shares (capacity/3 each), and the first reconciliations that see demand
+    // move the shares and clip what a shrinking shard holds above its new capacity: at
+    // most capacity x 0.9 (the share that can move at once, from the floor rule). How much
+    // depends on which regions had reported demand by the first of them: all three, and
+    // only ap's full shard is clipped, from 10 to 3.5 tokens (-2.6%); only one region, and
+    // the other two keep 1 token each (-6 to -7.5%).
+    let history: Vec<&Value> = view["shards"]["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .rev()
+        .collect();
+    let first_move = history
+        .iter()
+        .find(|h| {
+            h["at_ms"].as_f64().unwrap() > started_ms
+                && regions
+                    .iter()
+                    .any(|r| h["demand"][r].as_f64().is_some_and(|d| d > 0.0))
+        })
+        .unwrap_or_else(|| panic!("no reconciliation saw the demand: {view}"));
+    let admitted: usize = results.iter().map(|r| r.1.len()).sum();
+    let ideal = capacity + rate * elapsed;
+    let counts: Vec<(u32, usize)> = results.iter().map(|r| (r.0, r.1.len())).collect();
+    eprintln!(
+        "regions: (sent, admitted) {counts:?}; total {admitted} = capacity + rate x {elapsed:.2} s {:+.2}%; the first move, {:.2} s in: {}",
+        (admitted as f64 - ideal) / ideal * 100.0,
+        (first_move["at_ms"].as_f64().unwrap() - started_ms) / 1000.0,
+        first_move["shares"],
+    );
+
+    // Assert: the total is capacity + rate x T, less at most what the first moves clip,
+    // within 1% either way...
+    let (low, high) = (ideal - 0.9 * capacity - 0.01 * ideal, ideal * 1.01);
     assert!(
-        error.abs() < 0.05,
-        "admitted {admitted}, expected {expected:.0} ({:+.1}%): {results:?}",
-        error * 100.0
+        (low..=high).contains(&(admitted as f64)),
+        "admitted {admitted}, expected {low:.0}..={high:.0} (capacity + rate x T = {ideal:.0}): {counts:?}"
+    );
+    // ...once the shares follow the demand (from 2 s on), every token of the rate is used
+    // and no more: the steady state's error is zero, within the boundary's few tokens...
+    let steady_from = Duration::from_secs(2);
+    let steady: usize = results
+        .iter()
+        .map(|r| r.1.iter().filter(|t| **t >= steady_from).count())
+        .sum();
+    let steady_expected = rate * (seconds - steady_from.as_secs_f64());
+    eprintln!(
+        "regions: steady state {steady} admitted, rate x T = {steady_expected:.0} ({:+.2}%)",
+        (steady as f64 - steady_expected) / steady_expected * 100.0
+    );
+    assert!(
+        (steady as f64 - steady_expected).abs() <= steady_expected * 0.04,
+        "steady state: admitted {steady}, rate x T = {steady_expected:.0}"
     );
     // ...every region got at least half its demand-proportional share...
     for (i, f) in split.iter().enumerate() {
         assert!(
-            results[i].1 as f64 >= 0.5 * f * admitted as f64,
-            "{} admitted {} of {admitted}: {results:?}",
+            results[i].1.len() as f64 >= 0.5 * f * admitted as f64,
+            "{} admitted {} of {admitted}: {counts:?}",
             regions[i],
-            results[i].1
+            results[i].1.len()
         );
     }
     // ...and the hot traffic ran on the regional Redis servers, not the global one.
     for (i, region) in regions.iter().enumerate() {
-        let calls = regional[i]
-            .command_calls()
-            .unwrap()
-            .get("evalsha")
-            .copied()
-            .unwrap_or(0);
+        let calls = regional[i].calls("evalsha").unwrap();
         assert!(
             calls as u32 >= results[i].0 * 9 / 10,
             "{region}: {calls} script calls for {} requests",
@@ -164,12 +338,7 @@ async fn three_regions_share_one_limit_and_shares_follow_demand() {
         );
     }
     // Each gateway reconciles twice a share period: that, and nothing per request.
-    let global_calls = global
-        .command_calls()
-        .unwrap()
-        .get("evalsha")
-        .copied()
-        .unwrap_or(0);
+    let global_calls = global.calls("evalsha").unwrap();
     let reconciles = 3.0 * elapsed / (SHARE.as_secs_f64() / 2.0);
     let sent: u32 = results.iter().map(|r| r.0).sum();
     assert!(
@@ -179,98 +348,330 @@ async fn three_regions_share_one_limit_and_shares_follow_demand() {
 
     // Act 2: demand moves to ap (10/20/70); the shares follow within a few periods.
     let shifted = [0.1, 0.2, 0.7];
+    let followed = AtomicBool::new(false);
     let watch = async {
         let t = Instant::now();
         loop {
             let v = bucket(&gateways[0], "hot").await;
             if share(&v, "ap") > 0.5 && share(&v, "eu") < 0.2 {
+                followed.store(true, Ordering::Relaxed);
                 return t.elapsed();
             }
             assert!(t.elapsed() < SHARE * 12, "shares did not follow: {v}");
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     };
-    let load = futures_util::future::join_all(
-        gateways
-            .iter()
-            .zip(shifted)
-            .map(|(gw, f)| drive(gw, "hot", 90.0 * f, SHARE * 12)),
-    );
+    let load = futures_util::future::join_all(gateways.iter().zip(shifted).map(|(gw, f)| {
+        drive(
+            gw,
+            "hot",
+            3.0 * rate * f,
+            SHARE * 12,
+            Instant::now(),
+            &followed,
+        )
+    }));
     let (followed_in, _) = tokio::join!(watch, load);
     eprintln!("regions: shares followed the demand in {followed_in:?}");
     let history = &bucket(&gateways[1], "hot").await["shards"]["history"];
     assert!(history.as_array().unwrap().len() >= 10, "{history}");
 }
 
+/// One answer of the gateway to a request: whether it was admitted, the quota of its
+/// `RateLimit-Policy` (which bucket decided), and whether it carried a real decision.
+#[derive(Debug, Clone, Copy)]
+struct Answer {
+    admitted: bool,
+    quota: u64,
+    decided: bool,
+}
+
+impl Answer {
+    fn of(r: &reqwest::Response) -> Answer {
+        Answer {
+            admitted: admitted(r),
+            quota: quota(r),
+            decided: decided(r),
+        }
+    }
+}
+
 #[tokio::test]
 async fn sharding_and_unsharding_keep_the_clients_limit() {
-    // Arrange: one gateway (region eu) on one Redis; the client has spent its bucket.
+    // Arrange: gateways in eu and us on one Redis; plan `ten`, 10 tokens refilled at one
+    // per 1000 s, so every count below is exact. The client spends 6 of its 10 tokens.
     let redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
-    let toml = format!(
-        "{}{}[server]\nregion = \"eu\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n[catalog]\nrefresh_ms = 200\n{}{}",
-        admin_toml(),
-        periods_toml(),
-        redis.url(),
-        catalog_toml(("ten", 10.0, 0.001), &["hot"]),
-        route_toml("orders", "/orders", &[up.url()]),
-    );
-    let gw = TestGateway::spawn(settings(&toml)).await;
-    let mut statuses: HashMap<&str, Vec<u16>> = HashMap::new();
+    let gateway = |region: &str| {
+        regional_toml(
+            region,
+            &redis,
+            None,
+            "timeout_ms = 2000\n",
+            ("ten", 10.0, 0.001),
+            &["hot"],
+            &up,
+        )
+    };
+    let eu = TestGateway::spawn(settings(&gateway("eu"))).await;
+    let us = TestGateway::spawn(settings(&gateway("us"))).await;
     let k = key("hot");
-    for _ in 0..12 {
-        statuses
-            .entry("before")
-            .or_default()
-            .push(gw.get("/orders", Some(&k)).await.status().as_u16());
+    for _ in 0..6 {
+        let a = Answer::of(&eu.get("/orders", Some(&k)).await);
+        assert!(a.admitted && a.decided && a.quota == 10, "{a:?}");
     }
-
-    // Act: shard it, spend, un-shard it, spend.
     let put = |body: Value| {
-        gw.admin(Method::PUT, "/clients/hot", &token())
+        eu.admin(Method::PUT, "/clients/hot", &token())
             .json(&body)
             .send()
     };
+
+    // Act 1: shard it over eu and us. Both gateways have their share once both regions
+    // report a fill (a gateway reports one only with a share in hand).
     let r = put(json!({"plan": "ten", "shards": {"regions": ["eu", "us"]}}))
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    gw.wait_for_catalog(version(&r)).await;
-    // Reconciled (eu has its share) and read by the gateway (twice a period).
-    eventually(Duration::from_secs(5), "eu has its share", || async {
-        share(&bucket(&gw, "hot").await, "eu") > 0.0
+    for gw in [&eu, &us] {
+        gw.wait_for_catalog(version(&r)).await;
+    }
+    let view = bucket_when(&eu, "hot", "eu and us report a fill", |v| {
+        fill(v, "eu").is_some() && fill(v, "us").is_some()
     })
     .await;
-    tokio::time::sleep(SHARE).await;
-    for _ in 0..12 {
-        statuses
-            .entry("sharded")
-            .or_default()
-            .push(gw.get("/orders", Some(&k)).await.status().as_u16());
-    }
+    // Assert: new shards start as full as the global bucket was (4 of 10).
+    let seed = view["shards"]["current"]["seed"].as_f64().expect("a seed");
+    assert!((seed - 0.4).abs() < 0.001, "seed {seed}: {view}");
+
+    // Act 2: eu's traffic (40/s) runs through sharding and un-sharding; us sends none.
+    let answers = Mutex::new(Vec::<Answer>::new());
+    let stop = AtomicBool::new(false);
+    let traffic = async {
+        let mut tick = tokio::time::interval(Duration::from_millis(25));
+        while !stop.load(Ordering::Relaxed) {
+            tick.tick().await;
+            let a = Answer::of(&eu.get("/orders", Some(&k)).await);
+            answers.lock().unwrap().push(a);
+        }
+    };
+    let switch = async {
+        // eu's demand moves the shares to 95/5 and drains eu's shard; us never used its
+        // shard, so it reports it full.
+        let view = bucket_when(&eu, "hot", "eu holds 95% and its shard is empty", |v| {
+            shares(v).is_some_and(|s| s["eu"] > 0.9)
+                && fill(v, "eu").is_some_and(|f| f < 0.01)
+                && fill(v, "us") == Some(1.0)
+        })
+        .await;
+        // The global bucket expires while the client is sharded: Redis drops an idle bucket
+        // once it would be full again (lua/bucket.lua), here after 6000 s, by which time
+        // any shard left idle (us) is full too. The test drops it at once.
+        let dropped: u32 = redis::cmd("DEL")
+            .arg("tollgate:b:{hot}")
+            .query(&mut redis.conn().unwrap())
+            .unwrap();
+        assert_eq!(dropped, 1, "the global bucket was still there");
+        let r = put(json!({"plan": "ten"})).await.unwrap();
+        assert_eq!(r.status(), 200);
+        eu.wait_for_catalog(version(&r)).await;
+        eventually(
+            Duration::from_secs(3),
+            "8 decisions on the global bucket",
+            || async {
+                answers
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .filter(|a| a.quota == 10)
+                    .count()
+                    >= 8
+            },
+        )
+        .await;
+        stop.store(true, Ordering::Relaxed);
+        view
+    };
+    let ((), view) = tokio::join!(traffic, switch);
+
+    // Assert: every answer was a real decision, first by eu's shard, then by the global
+    // bucket (never back).
+    let answers = answers.into_inner().unwrap();
+    assert!(answers.iter().all(|a| a.decided), "{answers:?}");
+    let sharded = answers.iter().take_while(|a| a.quota < 10).count();
+    let (on_shard, on_global) = answers.split_at(sharded);
+    assert!(on_global.iter().all(|a| a.quota == 10), "{answers:?}");
+    assert!(!on_shard.is_empty(), "{answers:?}");
+    let count = |a: &[Answer]| a.iter().filter(|a| a.admitted).count();
+    // eu's shard started at 0.4 of its first portion (5 tokens, at the equal 50% share).
+    assert_eq!(count(on_shard), 2, "{on_shard:?}");
+    // The re-created global bucket started as full as the shards were, share-weighted:
+    // 95% x eu's (empty) + 5% x us's (full) = 0.5 of a token, so nothing more is admitted,
+    // and Redis holds what is left of it.
+    let weighted = 10.0
+        * (share(&view, "eu") * fill(&view, "eu").unwrap()
+            + share(&view, "us") * fill(&view, "us").unwrap())
+        / (share(&view, "eu") + share(&view, "us"));
+    assert_eq!(count(on_global), weighted.floor() as usize, "{on_global:?}");
+    let tokens = tokens_in(&redis, "tollgate:b:{hot}");
+    let expected = weighted - count(on_global) as f64;
     assert!(
-        bucket(&gw, "hot").await["shards"]["current"]["seed"]
-            .as_f64()
-            .unwrap()
-            < 0.05
+        (tokens - expected).abs() < 0.01,
+        "global bucket {tokens}, expected {expected}"
     );
-    let r = put(json!({"plan": "ten"})).await.unwrap();
+    // The client's limit held across both switches: 6 + 2 + 0 of 10.
+    assert!(6 + count(on_shard) + count(on_global) <= 10);
+    // eu's shard was really used; us's never was.
+    assert_eq!(redis.keys("tollgate:b:{hot:eu}").unwrap().len(), 1);
+    assert!(redis.keys("tollgate:b:{hot:us}").unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn a_gateway_in_a_region_outside_the_shard_list_takes_from_the_global_bucket() {
+    // Arrange: a client sharded over eu and us; gateways in eu and ap, each with its own
+    // regional Redis beside the global one.
+    let global = RedisServer::start().unwrap();
+    let (eu_redis, ap_redis) = (RedisServer::start().unwrap(), RedisServer::start().unwrap());
+    let up = Upstream::start(Behaviour::Echo).await;
+    let plan = ("five", 5.0, 0.001);
+    let eu = TestGateway::spawn(settings(&regional_toml(
+        "eu",
+        &global,
+        Some(&eu_redis),
+        "timeout_ms = 2000\n",
+        plan,
+        &["hot"],
+        &up,
+    )))
+    .await;
+    let ap = TestGateway::spawn(settings(&regional_toml(
+        "ap",
+        &global,
+        Some(&ap_redis),
+        "timeout_ms = 2000\n",
+        plan,
+        &["hot"],
+        &up,
+    )))
+    .await;
+    let r = eu
+        .admin(Method::PUT, "/clients/hot", &token())
+        .json(&json!({"plan": "five", "shards": {"regions": ["eu", "us"]}}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
-    gw.wait_for_catalog(version(&r)).await;
-    for _ in 0..12 {
-        statuses
-            .entry("unsharded")
-            .or_default()
-            .push(gw.get("/orders", Some(&k)).await.status().as_u16());
+    for gw in [&eu, &ap] {
+        gw.wait_for_catalog(version(&r)).await;
+    }
+    // Shares exist and have been recomputed twice: every gateway has reconciled since.
+    let view = bucket_when(&eu, "hot", "two reconciliations", |v| {
+        fill(v, "eu").is_some()
+            && v["shards"]["history"]
+                .as_array()
+                .is_some_and(|h| h.len() >= 2)
+    })
+    .await;
+    let mut listed: Vec<String> = shares(&view).unwrap().into_keys().collect();
+    listed.sort();
+    assert_eq!(listed, ["eu", "us"], "{view}");
+
+    // Act: 8 requests through the gateway in ap.
+    let k = key("hot");
+    let mut answers = Vec::new();
+    for _ in 0..8 {
+        answers.push(Answer::of(&ap.get("/orders", Some(&k)).await));
     }
 
-    // Assert: the 10-token burst was spent once; neither switch handed out a new one.
-    let admitted = |phase: &str| statuses[phase].iter().filter(|s| **s == 200).count();
-    assert_eq!(admitted("before"), 10, "{statuses:?}");
-    assert!(admitted("sharded") <= 1, "{statuses:?}");
-    assert!(admitted("unsharded") <= 1, "{statuses:?}");
-    // The regional shard was really used while sharded.
-    assert_eq!(redis.keys("tollgate:b:{hot:eu}").unwrap().len(), 1);
+    // Assert: decided on the global bucket with the whole plan: 5 admitted, quota 5.
+    assert!(
+        answers.iter().all(|a| a.decided && a.quota == 5),
+        "{answers:?}"
+    );
+    assert_eq!(
+        answers.iter().filter(|a| a.admitted).count(),
+        5,
+        "{answers:?}"
+    );
+    let tokens = tokens_in(&global, "tollgate:b:{hot}");
+    assert!(tokens < 0.01, "the global bucket holds {tokens}");
+    // No shard for ap anywhere, and nothing in ap's regional Redis.
+    for r in [&global, &eu_redis, &ap_redis] {
+        assert!(r.keys("tollgate:b:{hot:ap}").unwrap().is_empty());
+    }
+    assert!(
+        ap_redis.keys("*").unwrap().is_empty(),
+        "{:?}",
+        ap_redis.keys("*").unwrap()
+    );
+}
+
+#[tokio::test]
+async fn a_stopped_regional_redis_fails_open_only_for_that_regions_shards() {
+    // Arrange: a gateway in eu with a regional Redis; `hot` is sharded over eu and us,
+    // `calm` is not. Plan `five`: 5 tokens, refilled at one per 1000 s.
+    let global = RedisServer::start().unwrap();
+    let regional = RedisServer::start().unwrap();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = TestGateway::spawn(settings(&regional_toml(
+        "eu",
+        &global,
+        Some(&regional),
+        "timeout_ms = 200\n",
+        ("five", 5.0, 0.001),
+        &["hot", "calm"],
+        &up,
+    )))
+    .await;
+    let r = gw
+        .admin(Method::PUT, "/clients/hot", &token())
+        .json(&json!({"plan": "five", "shards": {"regions": ["eu", "us"]}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    gw.wait_for_catalog(version(&r)).await;
+    bucket_when(&gw, "hot", "eu reports a fill", |v| fill(v, "eu").is_some()).await;
+    let (hot, calm) = (key("hot"), key("calm"));
+    let a = Answer::of(&gw.get("/orders", Some(&hot)).await);
+    assert!(
+        a.decided && a.quota < 5,
+        "hot is decided on its eu shard: {a:?}"
+    );
+    let before = sample(&gw, "tollgate_fail_open_total").await;
+
+    // Act: the regional Redis stops (SIGSTOP: connections open, nothing answers).
+    regional.stall().unwrap();
+    let mut calm_answers = Vec::new();
+    for _ in 0..3 {
+        calm_answers.push(Answer::of(&gw.get("/orders", Some(&calm)).await));
+    }
+    let mut hot_answers = Vec::new();
+    for _ in 0..8 {
+        hot_answers.push(Answer::of(&gw.get("/orders", Some(&hot)).await));
+    }
+    for _ in 0..5 {
+        calm_answers.push(Answer::of(&gw.get("/orders", Some(&calm)).await));
+    }
+
+    // Assert: hot's requests in eu fail open (admitted, no decision)...
+    assert!(
+        hot_answers.iter().all(|a| a.admitted && !a.decided),
+        "{hot_answers:?}"
+    );
+    assert_eq!(sample(&gw, "tollgate_fail_open_total").await - before, 8.0);
+    // ...while calm, on the global Redis, is limited exactly, before and after the regional
+    // breaker opened, and the global breaker stays closed.
+    assert!(
+        calm_answers.iter().all(|a| a.decided && a.quota == 5),
+        "{calm_answers:?}"
+    );
+    let admitted: Vec<bool> = calm_answers.iter().map(|a| a.admitted).collect();
+    assert_eq!(
+        admitted,
+        [true, true, true, true, true, false, false, false]
+    );
+    assert_eq!(sample(&gw, "tollgate_breaker_open").await, 0.0);
+    regional.resume().unwrap();
 }
 
 #[tokio::test]
