@@ -261,10 +261,7 @@ async fn a_gateway_cut_off_across_a_reset_never_brings_back_what_was_deleted_mea
         .unwrap();
     assert_eq!(r.status(), 204);
     let version = store_version(&redis);
-    eventually(Duration::from_secs(3), "B applied the delete", || async {
-        b.app.catalog.version() == version
-    })
-    .await;
+    b.wait_for_catalog(version).await;
     assert_eq!(status(&b, &doomed).await, 401);
     let (stop, admitted_by_b) = watch_key(&b, &doomed);
     redis.kill();
@@ -301,10 +298,7 @@ async fn gateways_restoring_at_once_write_one_catalog_once() {
     }
     let version = store_version(&redis);
     for gw in &gws {
-        eventually(Duration::from_secs(3), "every gateway current", || async {
-            gw.app.catalog.version() == version
-        })
-        .await;
+        gw.wait_for_catalog(version).await;
     }
 
     // Act.

@@ -141,7 +141,6 @@ pub fn settings(toml: &str) -> Settings {
 /// A gateway running in this process.
 pub struct TestGateway {
     pub address: String,
-    pub app: actix_web::web::Data<tollgate::state::AppState>,
     pub http: reqwest::Client,
     handles: Vec<actix_web::dev::ServerHandle>,
 }
@@ -150,12 +149,10 @@ impl TestGateway {
     pub async fn spawn(settings: Settings) -> TestGateway {
         let app = Application::build(settings).await.expect("gateway builds");
         let address = format!("http://127.0.0.1:{}", app.port());
-        let state = app.state();
         let handles = app.handles();
         tokio::spawn(app.run_until_stopped());
         TestGateway {
             address,
-            app: state,
             handles,
             http: reqwest::Client::builder()
                 .pool_max_idle_per_host(256)
