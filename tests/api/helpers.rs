@@ -268,3 +268,13 @@ pub async fn new_key(gw: &TestGateway, client: &str) -> (String, String) {
         created["key"].as_str().unwrap().to_string(),
     )
 }
+
+/// The catalog version a write's `ETag` names (`"42"` -> 42).
+pub fn etag_version(r: &reqwest::Response) -> u64 {
+    r.headers()["etag"]
+        .to_str()
+        .unwrap()
+        .trim_matches('"')
+        .parse()
+        .unwrap()
+}

@@ -19,16 +19,6 @@ fn periods_toml() -> String {
     format!("[periods]\nshare_ms = {}\n", SHARE.as_millis())
 }
 
-/// The version a write's `ETag` names.
-fn version(r: &reqwest::Response) -> u64 {
-    r.headers()["etag"]
-        .to_str()
-        .unwrap()
-        .trim_matches('"')
-        .parse()
-        .unwrap()
-}
-
 fn token() -> String {
     admin_token("ops", "admin:read admin:write")
 }
@@ -222,7 +212,7 @@ async fn three_regions_share_one_limit_and_shares_follow_demand() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    let sharded_at = version(&r);
+    let sharded_at = etag_version(&r);
     for gw in &gateways {
         gw.wait_for_catalog(sharded_at).await;
     }
@@ -433,7 +423,7 @@ async fn sharding_and_unsharding_keep_the_clients_limit() {
         .unwrap();
     assert_eq!(r.status(), 200);
     for gw in [&eu, &us] {
-        gw.wait_for_catalog(version(&r)).await;
+        gw.wait_for_catalog(etag_version(&r)).await;
     }
     let view = bucket_when(&eu, "hot", "eu and us report a fill", |v| {
         fill(v, "eu").is_some() && fill(v, "us").is_some()
@@ -473,7 +463,7 @@ async fn sharding_and_unsharding_keep_the_clients_limit() {
         assert_eq!(dropped, 1, "the global bucket was still there");
         let r = put(json!({"plan": "ten"})).await.unwrap();
         assert_eq!(r.status(), 200);
-        eu.wait_for_catalog(version(&r)).await;
+        eu.wait_for_catalog(etag_version(&r)).await;
         eventually(
             Duration::from_secs(3),
             "8 decisions on the global bucket",
@@ -561,7 +551,7 @@ async fn a_gateway_in_a_region_outside_the_shard_list_takes_from_the_global_buck
         .unwrap();
     assert_eq!(r.status(), 200);
     for gw in [&eu, &ap] {
-        gw.wait_for_catalog(version(&r)).await;
+        gw.wait_for_catalog(etag_version(&r)).await;
     }
     // Shares exist and have been recomputed twice: every gateway has reconciled since.
     let view = bucket_when(&eu, "hot", "two reconciliations", |v| {
@@ -629,7 +619,7 @@ async fn a_stopped_regional_redis_fails_open_only_for_that_regions_shards() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    gw.wait_for_catalog(version(&r)).await;
+    gw.wait_for_catalog(etag_version(&r)).await;
     bucket_when(&gw, "hot", "eu reports a fill", |v| fill(v, "eu").is_some()).await;
     let (hot, calm) = (key("hot"), key("calm"));
     let a = Answer::of(&gw.get("/orders", Some(&hot)).await);

@@ -13,16 +13,6 @@ fn token() -> String {
     admin_token("ops", "admin:read admin:write")
 }
 
-/// The version a write's `ETag` names.
-fn version(r: &reqwest::Response) -> u64 {
-    r.headers()["etag"]
-        .to_str()
-        .unwrap()
-        .trim_matches('"')
-        .parse()
-        .unwrap()
-}
-
 /// Redis with a generous decision budget (these tests are about decisions, not about
 /// failing open), shadow mode by default, shadow counts flushed every 50 ms and catalog
 /// changes mirrored within 100 ms.
@@ -86,7 +76,7 @@ async fn in_a_shadow_rollout_only_the_canary_client_set_to_enforce_is_limited() 
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    gw.wait_for_catalog(version(&r)).await;
+    gw.wait_for_catalog(etag_version(&r)).await;
 
     // Act: six requests each, one at a time.
     let mut canary = Vec::new();
