@@ -43,12 +43,6 @@ pub struct Breaker {
     closed_at_ms: AtomicU64,
 }
 
-impl Default for Breaker {
-    fn default() -> Self {
-        Breaker::new(Duration::from_millis(5), BackOff::default())
-    }
-}
-
 impl Breaker {
     /// A breaker for calls bounded by `budget`, backing off by `backoff` while open.
     pub fn new(budget: Duration, backoff: BackOff) -> Breaker {

@@ -51,12 +51,6 @@ pub struct ShareBook {
     periods: Periods,
 }
 
-impl Default for ShareBook {
-    fn default() -> Self {
-        ShareBook::new(Periods::default())
-    }
-}
-
 fn f(bits: &AtomicU64) -> f64 {
     f64::from_bits(bits.load(Relaxed))
 }
