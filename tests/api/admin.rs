@@ -1063,10 +1063,11 @@ async fn a_token_expired_10_s_ago_is_within_the_leeway_and_one_expired_60_s_ago_
 
 #[test]
 fn an_hs256_secret_under_32_bytes_stops_the_gateway_naming_the_key() {
-    let out = std::process::Command::new(binary())
-        .env("TOLLGATE__ADMIN__JWT_HS256_SECRET", "only-sixteen-byt")
-        .output()
-        .unwrap();
+    let out = output_within(
+        std::process::Command::new(binary())
+            .env("TOLLGATE__ADMIN__JWT_HS256_SECRET", "only-sixteen-byt"),
+        std::time::Duration::from_secs(10),
+    );
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("admin.jwt_hs256_secret"), "{err}");

@@ -77,13 +77,35 @@ fn restores(redis: &RedisServer) -> usize {
         .count()
 }
 
-/// Sends requests with `key` until stopped and counts the ones admitted.
-fn watch_key(gw: &TestGateway, key: &str) -> (Arc<AtomicBool>, Arc<AtomicUsize>) {
-    let (stop, admitted) = (
+/// Sends requests with `key` until stopped; counts the answers and the ones admitted.
+struct Watch {
+    stop: Arc<AtomicBool>,
+    answered: Arc<AtomicUsize>,
+    admitted: Arc<AtomicUsize>,
+}
+
+impl Watch {
+    /// Stops it and returns how many answers were admitted, failing the test when too few
+    /// came back for "never admitted" to mean anything.
+    fn admitted(self) -> usize {
+        self.stop.store(true, Ordering::SeqCst);
+        let answered = self.answered.load(Ordering::SeqCst);
+        assert!(answered >= 10, "only {answered} answers while watching");
+        self.admitted.load(Ordering::SeqCst)
+    }
+}
+
+fn watch_key(gw: &TestGateway, key: &str) -> Watch {
+    let (stop, answered, admitted) = (
         Arc::new(AtomicBool::new(false)),
         Arc::new(AtomicUsize::new(0)),
+        Arc::new(AtomicUsize::new(0)),
     );
-    let (s, a) = (Arc::clone(&stop), Arc::clone(&admitted));
+    let (s, n, a) = (
+        Arc::clone(&stop),
+        Arc::clone(&answered),
+        Arc::clone(&admitted),
+    );
     let (http, url, key) = (
         gw.http.clone(),
         format!("{}/orders", gw.address),
@@ -92,6 +114,7 @@ fn watch_key(gw: &TestGateway, key: &str) -> (Arc<AtomicBool>, Arc<AtomicUsize>)
     tokio::spawn(async move {
         while !s.load(Ordering::SeqCst) {
             if let Ok(r) = http.get(&url).header("x-api-key", &key).send().await {
+                n.fetch_add(1, Ordering::SeqCst);
                 if r.status() != 401 {
                     a.fetch_add(1, Ordering::SeqCst);
                 }
@@ -99,7 +122,11 @@ fn watch_key(gw: &TestGateway, key: &str) -> (Arc<AtomicBool>, Arc<AtomicUsize>)
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     });
-    (stop, admitted)
+    Watch {
+        stop,
+        answered,
+        admitted,
+    }
 }
 
 #[tokio::test]
@@ -136,7 +163,7 @@ async fn a_redis_restored_from_a_snapshot_older_than_a_revocation_never_lets_the
     .await;
     let mirror_version = store_version(&redis);
     assert!(mirror_version > snapshot_version);
-    let (stop, admitted) = watch_key(&gw, &key);
+    let watch = watch_key(&gw, &key);
 
     // Act: Redis restarts from the snapshot taken before the revocation.
     redis.kill();
@@ -155,12 +182,7 @@ async fn a_redis_restored_from_a_snapshot_older_than_a_revocation_never_lets_the
     )
     .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    stop.store(true, Ordering::SeqCst);
-    assert_eq!(
-        admitted.load(Ordering::SeqCst),
-        0,
-        "the revoked key was admitted"
-    );
+    assert_eq!(watch.admitted(), 0, "the revoked key was admitted");
     let keys: Vec<String> = redis::cmd("HKEYS")
         .arg("tollgate:{catalog}:keys")
         .query(&mut redis.conn().unwrap())
@@ -263,7 +285,7 @@ async fn a_gateway_cut_off_across_a_reset_never_brings_back_what_was_deleted_mea
     let version = store_version(&redis);
     b.wait_for_catalog(version).await;
     assert_eq!(status(&b, &doomed).await, 401);
-    let (stop, admitted_by_b) = watch_key(&b, &doomed);
+    let watch_b = watch_key(&b, &doomed);
     redis.kill();
     redis.restart().unwrap();
     proxy.heal();
@@ -277,8 +299,7 @@ async fn a_gateway_cut_off_across_a_reset_never_brings_back_what_was_deleted_mea
     })
     .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    stop.store(true, Ordering::SeqCst);
-    assert_eq!(admitted_by_b.load(Ordering::SeqCst), 0);
+    assert_eq!(watch_b.admitted(), 0, "B admitted the deleted client");
     assert!(stored_client(&redis, "doomed").is_none(), "came back");
     assert_eq!(status(&a, &doomed).await, 401);
 }

@@ -108,17 +108,36 @@ fn startup_log(toml: &str) -> String {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let mut log = String::new();
-    for line in std::io::BufReader::new(child.stdout.take().unwrap()).lines() {
-        let line = line.unwrap();
-        log.push_str(&line);
-        log.push('\n');
-        if line.contains("tollgate started") {
-            break;
+    // Lines arrive on a thread, so a gateway that never logs its start fails the test
+    // after 20 s instead of hanging it.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
         }
-    }
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let mut log = String::new();
+    let started = loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => {
+                log.push_str(&line);
+                log.push('\n');
+                if line.contains("tollgate started") {
+                    break true;
+                }
+            }
+            Err(_) => break false,
+        }
+    };
     let _ = child.kill();
     let _ = child.wait();
+    assert!(started, "no start-up line within 20 s: {log}");
     log
 }
 
@@ -193,14 +212,15 @@ fn a_second_process_on_the_same_embedded_catalog_file_is_refused() {
     let catalog = first.catalog.clone();
 
     // Act: a second gateway is started on F.
-    let out = Command::new(binary())
-        .env(
-            "TOLLGATE__SERVER__LISTEN",
-            format!("127.0.0.1:{}", free_port().unwrap()),
-        )
-        .env("TOLLGATE__CATALOG__FILE", &catalog)
-        .output()
-        .unwrap();
+    let out = output_within(
+        Command::new(binary())
+            .env(
+                "TOLLGATE__SERVER__LISTEN",
+                format!("127.0.0.1:{}", free_port().unwrap()),
+            )
+            .env("TOLLGATE__CATALOG__FILE", &catalog),
+        std::time::Duration::from_secs(10),
+    );
 
     // Assert: it stops with a line that says why, and the first one still serves.
     assert_eq!(out.status.code(), Some(2));

@@ -190,6 +190,18 @@ impl TestGateway {
             .and_then(|v| v.trim().parse().ok())
     }
 
+    /// [`TestGateway::metric`] for a series that must be there: a missing one fails the test.
+    pub async fn sample(&self, series: &str) -> f64 {
+        self.metric(series)
+            .await
+            .unwrap_or_else(|| panic!("no {series} on /metrics"))
+    }
+
+    /// Whether `/metrics` shows the breaker open (`tollgate_breaker_open 1`).
+    pub async fn breaker_open(&self) -> bool {
+        self.sample("tollgate_breaker_open").await == 1.0
+    }
+
     /// Waits until this gateway's catalog mirror has applied `version` (a write's ETag), as
     /// `tollgate_catalog_version` on `/metrics` shows it.
     pub async fn wait_for_catalog(&self, version: u64) {
@@ -277,4 +289,34 @@ pub fn etag_version(r: &reqwest::Response) -> u64 {
         .trim_matches('"')
         .parse()
         .unwrap()
+}
+
+/// Runs `cmd` to its end and returns its output, failing the test (after killing it) when
+/// it has not ended `within`: a process that should stop at once must not hang the suite.
+pub fn output_within(cmd: &mut std::process::Command, within: Duration) -> std::process::Output {
+    let child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the binary starts");
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(within) {
+        Ok(out) => out.expect("its output"),
+        Err(_) => {
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+            panic!("the process had not ended after {within:?}");
+        }
+    }
+}
+
+/// Whether a response carries a real bucket decision: only then is `RateLimit` (the token
+/// count) sent; a fail-open answer has `RateLimit-Policy` alone.
+pub fn decided(r: &reqwest::Response) -> bool {
+    r.headers().contains_key("ratelimit")
 }

@@ -377,6 +377,7 @@ async fn script_flush_mid_traffic_keeps_decisions_correct() {
         route_toml("orders", "/orders", &[up.url()]),
     );
     let gw = TestGateway::spawn(settings(&toml)).await;
+    quiet(&redis).await;
     redis.reset_command_stats().unwrap();
 
     // Act: 50 requests, the scripts flushed before requests 6, 16, 26, 36 and 46.
