@@ -573,7 +573,7 @@ async fn on_redis_a_catalog_write_and_its_audit_entry_are_one_script() {
         .await
         .unwrap();
     assert_eq!(r.status(), 201);
-    let rev = version(&etag(&r)).to_string();
+    let rev = etag_version(&r).to_string();
     let _: String = redis::cmd("ECHO")
         .arg("end-of-the-write")
         .query(&mut redis.conn().unwrap())

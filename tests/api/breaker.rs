@@ -11,16 +11,6 @@ const BASE: Duration = Duration::from_millis(100);
 const MAX: Duration = Duration::from_millis(400);
 const STABLE: Duration = Duration::from_millis(600);
 
-async fn metric(gw: &TestGateway, series: &str) -> f64 {
-    gw.metric(series)
-        .await
-        .unwrap_or_else(|| panic!("no {series} on /metrics"))
-}
-
-async fn breaker_open(gw: &TestGateway) -> bool {
-    metric(gw, "tollgate_breaker_open").await == 1.0
-}
-
 /// Polls `check` every 5 ms (`eventually` polls every 50, too coarse to time a back-off)
 /// until it holds; fails after `within`.
 async fn poll_until<F, Fut>(within: Duration, what: &str, mut check: F)
@@ -45,13 +35,13 @@ async fn open_and_time_the_back_off(gw: &TestGateway, redis: &RedisServer) -> Du
     // the breaker.
     poll_until(Duration::from_secs(3), "the breaker opens", || async {
         assert_eq!(gw.get("/orders", Some(&k)).await.status(), 200);
-        breaker_open(gw).await
+        gw.breaker_open().await
     })
     .await;
     let opened = Instant::now();
     redis.resume().unwrap();
     poll_until(Duration::from_secs(3), "the breaker closes", || async {
-        !breaker_open(gw).await
+        !gw.breaker_open().await
     })
     .await;
     let open_for = opened.elapsed();
@@ -81,19 +71,19 @@ async fn the_breaker_backs_off_twice_as_long_each_time_it_reopens_soon_up_to_the
         route_toml("orders", "/orders", &[up.url()]),
     );
     let gw = TestGateway::spawn(settings(&toml)).await;
-    assert_eq!(metric(&gw, "tollgate_breaker_opened_total").await, 0.0);
+    assert_eq!(gw.sample("tollgate_breaker_opened_total").await, 0.0);
 
     // Act: Redis fails four times, each time right after the breaker closed (well within
     // the stable period), then once more after staying up longer than it.
     let mut open_for = Vec::new();
     for n in 1..=4 {
         open_for.push(open_and_time_the_back_off(&gw, &redis).await);
-        assert_eq!(metric(&gw, "tollgate_breaker_opened_total").await, n as f64);
+        assert_eq!(gw.sample("tollgate_breaker_opened_total").await, n as f64);
     }
     // Staying closed for the stable period is the condition under test: sleep through it.
     tokio::time::sleep(STABLE + Duration::from_millis(100)).await;
     open_for.push(open_and_time_the_back_off(&gw, &redis).await);
-    assert_eq!(metric(&gw, "tollgate_breaker_opened_total").await, 5.0);
+    assert_eq!(gw.sample("tollgate_breaker_opened_total").await, 5.0);
 
     // Assert: 100, 200, 400 (doubled each time), 400 (capped: not 800), then 100 again.
     // Each is measured from when /metrics first showed the breaker open to when it first

@@ -32,10 +32,6 @@ fn unpooled_client() -> reqwest::Client {
         .unwrap()
 }
 
-fn decided(r: &reqwest::Response) -> bool {
-    r.headers().contains_key("ratelimit")
-}
-
 async fn get(http: &reqwest::Client, base: &str, key: &str) -> reqwest::Response {
     http.get(format!("{base}/orders"))
         .header("x-api-key", key)

@@ -112,18 +112,6 @@ fn quota(r: &reqwest::Response) -> u64 {
         .unwrap_or_else(|| panic!("no quota in {policy:?}"))
 }
 
-/// A sample from `gw`'s `/metrics` that must be there.
-async fn sample(gw: &TestGateway, series: &str) -> f64 {
-    gw.metric(series)
-        .await
-        .unwrap_or_else(|| panic!("no {series} on /metrics"))
-}
-
-/// Whether the response carries a real bucket decision (failing open sends no `RateLimit`).
-fn decided(r: &reqwest::Response) -> bool {
-    r.headers().contains_key("ratelimit")
-}
-
 /// The tokens a bucket in `redis` held at its last take (its `tk` field, which must be
 /// there).
 fn tokens_in(redis: &RedisServer, bucket: &str) -> f64 {
@@ -627,7 +615,7 @@ async fn a_stopped_regional_redis_fails_open_only_for_that_regions_shards() {
         a.decided && a.quota < 5,
         "hot is decided on its eu shard: {a:?}"
     );
-    let before = sample(&gw, "tollgate_fail_open_total").await;
+    let before = gw.sample("tollgate_fail_open_total").await;
 
     // Act: the regional Redis stops (SIGSTOP: connections open, nothing answers).
     regional.stall().unwrap();
@@ -648,7 +636,7 @@ async fn a_stopped_regional_redis_fails_open_only_for_that_regions_shards() {
         hot_answers.iter().all(|a| a.admitted && !a.decided),
         "{hot_answers:?}"
     );
-    assert_eq!(sample(&gw, "tollgate_fail_open_total").await - before, 8.0);
+    assert_eq!(gw.sample("tollgate_fail_open_total").await - before, 8.0);
     // ...while calm, on the global Redis, is limited exactly, before and after the regional
     // breaker opened, and the global breaker stays closed.
     assert!(
@@ -660,7 +648,7 @@ async fn a_stopped_regional_redis_fails_open_only_for_that_regions_shards() {
         admitted,
         [true, true, true, true, true, false, false, false]
     );
-    assert_eq!(sample(&gw, "tollgate_breaker_open").await, 0.0);
+    assert_eq!(gw.sample("tollgate_breaker_open").await, 0.0);
     regional.resume().unwrap();
 }
 

@@ -13,11 +13,6 @@ fn token() -> String {
     admin_token("ops", "admin:read admin:write")
 }
 
-/// Whether a response carries a real bucket decision (only then is `RateLimit` sent).
-fn decided(r: &reqwest::Response) -> bool {
-    r.headers().contains_key("ratelimit")
-}
-
 /// A fail-open answer: forwarded, with the plan's `RateLimit-Policy` and no token count.
 fn assert_failed_open(r: &reqwest::Response) {
     assert_eq!(r.status(), 200);
@@ -30,22 +25,11 @@ fn assert_failed_open(r: &reqwest::Response) {
 }
 
 /// A series on the gateway's `/metrics`, which must be there.
-async fn metric(gw: &TestGateway, series: &str) -> f64 {
-    gw.metric(series)
-        .await
-        .unwrap_or_else(|| panic!("no {series} on /metrics"))
-}
-
 async fn fail_opens(gw: &TestGateway, reason: &str) -> f64 {
-    metric(
-        gw,
-        &format!("tollgate_fail_open_reasons_total{{reason=\"{reason}\"}}"),
-    )
+    gw.sample(&format!(
+        "tollgate_fail_open_reasons_total{{reason=\"{reason}\"}}"
+    ))
     .await
-}
-
-async fn breaker_open(gw: &TestGateway) -> bool {
-    metric(gw, "tollgate_breaker_open").await == 1.0
 }
 
 #[tokio::test]
@@ -67,7 +51,7 @@ async fn a_stalled_then_killed_redis_fails_open_and_limiting_resumes_by_itself()
     .await;
     let timeouts_before = fail_opens(&gw, "timeout").await;
     let skipped_before = fail_opens(&gw, "breaker_open").await;
-    let fail_open_before = metric(&gw, "tollgate_fail_open_total").await;
+    let fail_open_before = gw.sample("tollgate_fail_open_total").await;
 
     // Act 1: Redis stalls (SIGSTOP). Every request is still admitted, with the client's
     // policy and no token count (the gateway knows none).
@@ -92,11 +76,11 @@ async fn a_stalled_then_killed_redis_fails_open_and_limiting_resumes_by_itself()
         "only {skipped} requests skipped the stalled Redis"
     );
     assert_eq!(
-        metric(&gw, "tollgate_fail_open_total").await - fail_open_before,
+        gw.sample("tollgate_fail_open_total").await - fail_open_before,
         30.0
     );
-    assert!(breaker_open(&gw).await);
-    assert!(metric(&gw, "tollgate_breaker_opened_total").await >= 1.0);
+    assert!(gw.breaker_open().await);
+    assert!(gw.sample("tollgate_breaker_opened_total").await >= 1.0);
     assert!(
         stalled_for < Duration::from_secs(3),
         "30 requests took {stalled_for:?}"
@@ -118,7 +102,7 @@ async fn a_stalled_then_killed_redis_fails_open_and_limiting_resumes_by_itself()
         || async { decided(&gw.get("/orders", Some(&k)).await) },
     )
     .await;
-    assert!(!breaker_open(&gw).await);
+    assert!(!gw.breaker_open().await);
 
     // Act 3: Redis dies, then comes back empty on the same port.
     redis.kill();
@@ -229,7 +213,9 @@ async fn replies_stay_with_their_requests_when_redis_stalls_under_load() {
             eventually(
                 Duration::from_secs(5),
                 &format!("a request sent after thaw {n} decided"),
-                || async { decided_after[n].load(Ordering::SeqCst) > 0 && !breaker_open(gw).await },
+                || async {
+                    decided_after[n].load(Ordering::SeqCst) > 0 && !gw.breaker_open().await
+                },
             )
             .await
         }
@@ -286,7 +272,7 @@ async fn replies_stay_with_their_requests_when_redis_stalls_under_load() {
     // request n is told between capacity - n (every earlier one spent) and capacity less
     // the decided ones so far (a request failing open may not have spent).
     eventually(Duration::from_secs(5), "the breaker closes", || async {
-        !breaker_open(&gw).await
+        !gw.breaker_open().await
     })
     .await;
     let _: () = redis::cmd("FLUSHDB")
@@ -433,7 +419,7 @@ async fn shadow_mode_forwards_everything_and_reports_disagreement_over_all_gatew
         let series = format!(
             "tollgate_shadow_comparisons_total{{gateway=\"{gateway}\",service=\"{service}\"}}"
         );
-        table.push(metric(&a, &series).await + metric(&b, &series).await);
+        table.push(a.sample(&series).await + b.sample(&series).await);
     }
     assert_eq!(
         table,
