@@ -10,13 +10,36 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use tollgate::configuration::RouteSettings;
-use tollgate::domain::{bucket, BucketState, Decision, Outcome, RateLimitHeaders, Verdict};
-use tollgate::domain::{KeyHash, Plan, PlanName, ServiceName, Upstream};
+use tollgate::domain::{bucket, Applied, BucketState, Decision, Outcome, RateLimitHeaders};
+use tollgate::domain::{Bucket, KeyHash, Limit, LimitSpec, Limits, PlanName, ServiceName, Upstream};
 use tollgate::proxy::RouteTable;
 use tollgate::store::{LocalBuckets, Store};
 
-fn plan() -> Plan {
-    Plan::new(100.0, 50.0).expect("a valid plan")
+fn plan() -> Bucket {
+    Bucket::new(100.0, 50.0).expect("a valid plan")
+}
+
+/// A plan of one bucket, or of three limits: a burst bucket, a slower bucket and a
+/// monthly quota, as the limiter applies them to one request.
+fn applied(three: bool, capacity: f64) -> Vec<Applied> {
+    let mut items = vec![Limit::default_bucket(
+        Bucket::new(capacity, capacity).expect("a valid bucket"),
+    )];
+    if three {
+        let spec = |json: &str| {
+            Limit::from_spec(&serde_json::from_str::<LimitSpec>(json).expect("a spec"))
+                .expect("a valid limit")
+        };
+        items.push(spec(r#"{"name":"sustained","capacity":1e9,"rate":1e8}"#));
+        items.push(spec(r#"{"name":"monthly","quota":1e15,"period":"month"}"#));
+    }
+    let limits = Limits::new(items).expect("valid limits");
+    limits
+        .items()
+        .iter()
+        .enumerate()
+        .map(|(i, l)| Applied::of(i, l))
+        .collect()
 }
 
 /// The refill-and-take arithmetic, for an existing and for a new bucket.
@@ -72,15 +95,18 @@ fn route_find(c: &mut Criterion) {
 /// The `RateLimit-Policy` and `RateLimit` header values for a response.
 fn ratelimit_headers(c: &mut Criterion) {
     let name = PlanName::parse("gold").expect("a valid plan name");
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let store = Store::embedded(&dir.path().join("catalog.json")).expect("an embedded store");
+    let applied = applied(false, 100.0);
+    let ruling = at_once(store.take("k", &applied, 1.0, None)).expect("a ruling");
     let d = Decision {
         outcome: Outcome::Allowed,
-        plan: plan(),
-        verdict: Some(Verdict {
-            allowed: true,
-            tokens: 7.4,
-            wait_us: Some(0),
-        }),
+        applied,
+        ruling: Some(ruling),
         safety_wait_us: None,
+        as_planned: false,
+        cost: 1.0,
+        sharded: false,
     };
     c.bench_function("RateLimitHeaders::new", |b| {
         b.iter(|| RateLimitHeaders::new(black_box(&name), black_box(&d)))
@@ -101,9 +127,14 @@ fn at_once<T>(f: impl Future<Output = T>) -> T {
 fn embedded_take(c: &mut Criterion) {
     let dir = tempfile::tempdir().expect("a temp dir");
     let store = Store::embedded(&dir.path().join("catalog.json")).expect("an embedded store");
-    let p = Plan::new(1e9, 1e9).expect("a valid plan");
+    let p = Bucket::new(1e9, 1e9).expect("a valid plan");
+    let one = applied(false, 1e9);
+    let three = applied(true, 1e9);
     c.bench_function("Store::take, embedded (one hot key)", |b| {
-        b.iter(|| at_once(store.take(black_box("tollgate:b:{acme}"), p, 1.0)))
+        b.iter(|| at_once(store.take(black_box("tollgate:b:{acme}"), &one, 1.0, None)))
+    });
+    c.bench_function("Store::take, embedded (one hot key, 3 limits)", |b| {
+        b.iter(|| at_once(store.take(black_box("tollgate:b:{acme3}"), &three, 1.0, None)))
     });
     let keys: Vec<String> = (0..10_000)
         .map(|i| format!("tollgate:b:{{c{i}}}"))
@@ -112,7 +143,7 @@ fn embedded_take(c: &mut Criterion) {
     c.bench_function("Store::take, embedded (10,000 keys in turn)", |b| {
         b.iter(|| {
             i = (i + 1) % keys.len();
-            at_once(store.take(black_box(&keys[i]), p, 1.0))
+            at_once(store.take(black_box(&keys[i]), &one, 1.0, None))
         })
     });
     let buckets: LocalBuckets<Box<str>> = LocalBuckets::default();
@@ -139,17 +170,21 @@ fn decision_path(c: &mut Criterion) {
     let store = Store::embedded(&dir.path().join("catalog.json")).expect("an embedded store");
     let table = routes(3);
     let name = PlanName::parse("gold").expect("a valid plan name");
-    let p = Plan::new(1e9, 1e9).expect("a valid plan");
+    let one = applied(false, 1e9);
     c.bench_function("hash + route + take + headers (embedded)", |b| {
         b.iter(|| {
             let hash = KeyHash::of(black_box("tg_3f9a0c1d2b4e5f60718293a4b5c6d7e8f9"));
             let route = table.find(black_box("/svc1/v1/orders/42"));
-            let verdict = at_once(store.take("tollgate:b:{acme}", p, 1.0)).expect("a verdict");
+            let ruling =
+                at_once(store.take("tollgate:b:{acme}", &one, 1.0, None)).expect("a ruling");
             let d = Decision {
                 outcome: Outcome::Allowed,
-                plan: p,
-                verdict: Some(verdict),
+                applied: one.clone(),
+                ruling: Some(ruling),
                 safety_wait_us: None,
+                as_planned: false,
+                cost: 1.0,
+                sharded: false,
             };
             (hash, route.is_some(), RateLimitHeaders::new(&name, &d))
         })

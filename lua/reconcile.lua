@@ -15,7 +15,8 @@
 -- measured over its own last interval, so reports need not line up with periods)
 -- ARGV[4] its bucket fill (0..1, or '' if unknown)    ARGV[5] floor (share kept by idle
 -- regions, summed over all regions)                   ARGV[6] capacity   ARGV[7] rate
--- ARGV[8..] the client's regions
+-- ARGV[8] the field prefix of the shared bucket's state in KEYS[3] ('' or 'name:')
+-- ARGV[9..] the client's regions
 --
 -- Returns { ts, since, seed, region1, share1, fill1, region2, ... } (numbers as strings).
 
@@ -24,7 +25,8 @@ local period = tonumber(ARGV[1])
 local me, demand, fill = ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local floor, cap, rate = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local regions = {}
-for i = 8, #ARGV do regions[#regions + 1] = ARGV[i] end
+local field = ARGV[8]
+for i = 9, #ARGV do regions[#regions + 1] = ARGV[i] end
 local n = #regions
 
 local t = redis.call('TIME')
@@ -37,7 +39,7 @@ local ts = tonumber(redis.call('HGET', state, 'ts') or '')
 if not ts then
   -- Sharding begins: equal shares, and the regional buckets start as full as the global
   -- bucket is now, so the switch hands out no extra burst.
-  local b = redis.call('HMGET', global, 'tk', 'ts')
+  local b = redis.call('HMGET', global, field .. 'tk', field .. 'ts')
   local seed = 1
   if b[1] then
     local elapsed = math.max(0, now * 1000 - tonumber(b[2]))

@@ -25,15 +25,17 @@ pub enum ApiError {
     BadPath(String),
     #[error("the path is longer than {0} bytes")]
     PathTooLong(usize),
-    #[error("rate limit exceeded; retry after {retry_after_s} s")]
+    #[error("rate limit exceeded{}; retry after {retry_after_s} s", by(.limit))]
     RateLimited {
         retry_after_ms: u64,
         retry_after_s: u64,
+        /// The policy name of the limit that refused.
+        limit: Option<String>,
     },
     #[error(
-        "this request costs more tokens than the plan's capacity, so it can never be admitted"
+        "this request costs more than a limit of the plan can ever hold{}, so it can never be admitted", by(.limit)
     )]
-    CostExceedsCapacity,
+    CostExceedsCapacity { limit: Option<String> },
     #[error("request body is larger than {0} bytes")]
     PayloadTooLarge(u64),
     #[error("the upstream service could not be reached")]
@@ -61,6 +63,13 @@ pub enum ApiError {
     StoreUnavailable(String),
     #[error("an internal error occurred")]
     Internal(#[source] anyhow::Error),
+}
+
+fn by(limit: &Option<String>) -> String {
+    limit
+        .as_deref()
+        .map(|l| format!(" (limit {l:?})"))
+        .unwrap_or_default()
 }
 
 fn fields(errors: &[FieldError]) -> String {
@@ -100,6 +109,10 @@ pub struct Problem {
     /// 429 only: milliseconds until the request would be admitted.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry_after_ms: Option<u64>,
+    /// 429 only: the limit that refused, by its `RateLimit-Policy` name (`gold`, or
+    /// `gold.monthly` for a plan's other limits).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub limit: Option<String>,
     /// Validation errors only: each invalid field and what is wrong with it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub errors: Option<Vec<FieldError>>,
@@ -112,7 +125,7 @@ impl ApiError {
             ApiError::NoRoute => "not-found",
             ApiError::BadPath(_) => "bad-path",
             ApiError::PathTooLong(_) => "uri-too-long",
-            ApiError::RateLimited { .. } | ApiError::CostExceedsCapacity => "rate-limited",
+            ApiError::RateLimited { .. } | ApiError::CostExceedsCapacity { .. } => "rate-limited",
             ApiError::PayloadTooLarge(_) => "payload-too-large",
             ApiError::BadGateway => "bad-gateway",
             ApiError::GatewayTimeout => "gateway-timeout",
@@ -137,7 +150,7 @@ impl ResponseError for ApiError {
             ApiError::NoRoute => StatusCode::NOT_FOUND,
             ApiError::BadPath(_) => StatusCode::BAD_REQUEST,
             ApiError::PathTooLong(_) => StatusCode::URI_TOO_LONG,
-            ApiError::RateLimited { .. } | ApiError::CostExceedsCapacity => {
+            ApiError::RateLimited { .. } | ApiError::CostExceedsCapacity { .. } => {
                 StatusCode::TOO_MANY_REQUESTS
             }
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
@@ -168,6 +181,12 @@ impl ResponseError for ApiError {
             detail: self.to_string(),
             retry_after_ms: match self {
                 ApiError::RateLimited { retry_after_ms, .. } => Some(*retry_after_ms),
+                _ => None,
+            },
+            limit: match self {
+                ApiError::RateLimited { limit, .. } | ApiError::CostExceedsCapacity { limit } => {
+                    limit.clone()
+                }
                 _ => None,
             },
             errors: match self {

@@ -14,7 +14,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tokio::net::TcpListener;
 use tokio::sync::{oneshot, Semaphore};
-use tollgate::domain::Plan;
+use tollgate::domain::Bucket;
 use tollgate::domain::{bucket, BucketState};
 
 use crate::http::{serve_conn, OK};
@@ -60,7 +60,7 @@ impl Counts {
 /// sits the per-service limiter of ADR-001: a token bucket per client, inside the replica,
 /// with the client's contract.
 pub struct Replica {
-    limiter: Option<(Plan, Mutex<HashMap<String, BucketState>>)>,
+    limiter: Option<(Bucket, Mutex<HashMap<String, BucketState>>)>,
     workers: Semaphore,
     service_us: f64,
     rng: Mutex<SmallRng>,
@@ -74,7 +74,7 @@ pub struct Replica {
 }
 
 impl Replica {
-    pub fn new(workers: usize, service: Duration, limit: Option<Plan>, seed: u64) -> Replica {
+    pub fn new(workers: usize, service: Duration, limit: Option<Bucket>, seed: u64) -> Replica {
         Replica {
             limiter: limit.map(|p| (p, Mutex::new(HashMap::new()))),
             workers: Semaphore::new(workers),

@@ -333,6 +333,7 @@ pub async fn put(
             None => Condition::Absent,
         };
         let rec = ClientRecord {
+            overrides: Vec::new(),
             id: id.clone(),
             plan: plan.clone(),
             mode,
@@ -526,16 +527,20 @@ pub async fn bucket(
 ) -> Result<HttpResponse, ApiError> {
     let id = client_id(&id)?;
     let client = current(&state, &id).await?.value;
-    let plan = state
+    let limits = state
         .store
         .plan(client.plan.as_str())
         .await?
         .ok_or_else(|| ApiError::NotFound(format!("no plan {}", client.plan)))?
         .value
-        .plan()
+        .limits()
         .map_err(|e| ApiError::Internal(e.into()))?;
+    // The plan's first bucket for every service (see `/usage` for every limit).
+    let (field, plan) = crate::limiter::shares::headline(&limits).ok_or_else(|| {
+        ApiError::NotFound(format!("plan {} has no bucket for every service", client.plan))
+    })?;
     let key = state.catalog.key_names().bucket(&id);
-    let tokens = state.store.tokens_now(&key, plan).await?;
+    let tokens = state.store.tokens_now(&key, &field, plan).await?;
     let shards = match client.shards {
         Some(_) => {
             let (current, history) = state.store.shard_view(&id).await?;

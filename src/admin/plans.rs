@@ -9,7 +9,7 @@ use super::body::{etag, read_body, Description, Field};
 use super::shared::{condition, path_id};
 use super::Actor;
 use crate::catalog::{Audit, CatalogWrite, Condition, PlanRecord, Versioned, WriteOutcome};
-use crate::domain::{Capacity, Plan, PlanName, Rate};
+use crate::domain::{Bucket, Capacity, Limits, PlanName, Rate};
 use crate::error::{ApiError, Problem};
 use crate::state::AppState;
 
@@ -63,8 +63,8 @@ impl From<PlanRecord> for PlanView {
     fn from(p: PlanRecord) -> PlanView {
         PlanView {
             name: p.name.to_string(),
-            capacity: p.capacity,
-            rate: p.rate,
+            capacity: p.capacity.unwrap_or_default(),
+            rate: p.rate.unwrap_or_default(),
             description: p.description,
         }
     }
@@ -101,7 +101,7 @@ pub async fn list(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> 
 
 /// Read one plan.
 #[utoipa::path(operation_id = "getPlan", get, path = "/admin/v1/plans/{plan}", tag = "plans",
-    params(("plan" = PlanName, Path, description = "Plan name")),
+    params(("plan" = PlanName, Path, description = "Bucket name")),
     responses(
         (status = 200, description = "The plan; its ETag is its version", body = PlanView,
             headers(("ETag" = String, description = "Version, for If-Match"))),
@@ -122,7 +122,7 @@ pub async fn get(
 /// Create (201) or replace (200) a plan. Takes effect on every gateway within
 /// `catalog.refresh_ms`.
 #[utoipa::path(operation_id = "putPlan", put, path = "/admin/v1/plans/{plan}", tag = "plans",
-    params(("plan" = PlanName, Path, description = "Plan name"),
+    params(("plan" = PlanName, Path, description = "Bucket name"),
         ("If-Match" = Option<String>, Header, description = "Only if the plan is at this ETag")),
     request_body(content = PlanInput, content_type = "application/json"),
     responses(
@@ -148,13 +148,12 @@ pub async fn put(
     let rate = f.required("rate", input.rate);
     let description = f.optional("description", input.description);
     f.finish()?;
-    let plan = Plan::from_parts(capacity.expect("checked"), rate.expect("checked"));
-    let rec = PlanRecord {
-        name: name.clone(),
-        capacity: plan.capacity(),
-        rate: plan.rate(),
-        description: description.map(String::from),
-    };
+    let plan = Bucket::from_parts(capacity.expect("checked"), rate.expect("checked"));
+    let rec = PlanRecord::new(
+        name.clone(),
+        &Limits::single(plan),
+        description.map(String::from),
+    );
     let cond = condition(&req, "plan", || async {
         Ok(state.store.plan(name.as_str()).await?.map(|p| p.rev))
     })
@@ -181,7 +180,7 @@ pub async fn put(
 
 /// Delete a plan no client uses.
 #[utoipa::path(operation_id = "deletePlan", delete, path = "/admin/v1/plans/{plan}", tag = "plans",
-    params(("plan" = PlanName, Path, description = "Plan name"),
+    params(("plan" = PlanName, Path, description = "Bucket name"),
         ("If-Match" = Option<String>, Header, description = "Only if the plan is at this ETag")),
     responses(
         (status = 204, description = "Deleted"),

@@ -101,12 +101,11 @@ mod tests {
             version: 7,
             plans: vec![Versioned {
                 rev: 3,
-                value: PlanRecord {
-                    name: PlanName::parse("gold").unwrap(),
-                    capacity: 10.0,
-                    rate: 0.5,
-                    description: None,
-                },
+                value: PlanRecord::new(
+                    PlanName::parse("gold").unwrap(),
+                    &crate::domain::Limits::single(crate::domain::Bucket::new(10.0, 0.5).unwrap()),
+                    None,
+                ),
             }],
             ..CatalogDump::default()
         };

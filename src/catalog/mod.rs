@@ -19,7 +19,7 @@ pub use crate::store::records::{
 use actix_web::http::header::HeaderValue;
 
 use crate::configuration::Settings;
-use crate::domain::{ClientId, KeyHash, Mode, Plan, PlanName, Region};
+use crate::domain::{ClientId, Decision, KeyHash, Limits, Mode, PlanName, Region};
 use crate::store::{Keys, Store, StoreError};
 
 /// A plan's current limits, shared by every client on it so a plan edit is one store.
@@ -30,19 +30,20 @@ pub struct PlanSlot {
 
 /// One version of a plan, with what the request path derives from it, computed once.
 struct PlanState {
-    limits: Plan,
+    limits: Arc<Limits>,
     record: PlanRecord,
     /// The catalog version that last wrote it (kept so a restore keeps every ETag).
     rev: u64,
-    /// The `RateLimit-Policy` value every response for this plan carries.
+    /// The `RateLimit-Policy` value of a request its limits for every service decide.
     policy: HeaderValue,
 }
 
 impl PlanState {
-    fn new(name: &PlanName, limits: Plan, record: Versioned<PlanRecord>) -> PlanState {
+    fn new(name: &PlanName, limits: Limits, record: Versioned<PlanRecord>) -> PlanState {
+        let applied = limits.applied(None);
         PlanState {
-            policy: crate::domain::policy_header(name, limits),
-            limits,
+            policy: crate::domain::policy_header(name, &applied),
+            limits: Arc::new(limits),
             record: record.value,
             rev: record.rev,
         }
@@ -50,29 +51,29 @@ impl PlanState {
 }
 
 impl PlanSlot {
-    fn new(name: PlanName, limits: Plan, record: Versioned<PlanRecord>) -> PlanSlot {
+    fn new(name: PlanName, limits: Limits, record: Versioned<PlanRecord>) -> PlanSlot {
         PlanSlot {
             current: ArcSwap::from_pointee(PlanState::new(&name, limits, record)),
             name,
         }
     }
 
-    pub fn limits(&self) -> Plan {
-        self.current.load().limits
+    pub fn limits(&self) -> Arc<Limits> {
+        Arc::clone(&self.current.load().limits)
     }
 
     pub fn record(&self) -> PlanRecord {
         self.current.load().record.clone()
     }
 
-    /// The `RateLimit-Policy` value for a decision under `limits`: the plan's, built once,
-    /// unless the decision was under other limits (a regional shard's portion).
-    pub fn policy(&self, limits: Plan) -> HeaderValue {
-        let current = self.current.load();
-        if current.limits == limits {
-            current.policy.clone()
+    /// The `RateLimit-Policy` value for a decision: the plan's, built once, when the
+    /// decision was under the plan's own limits for every service, else built for it (a
+    /// service's own limits, an override, a regional shard's portion).
+    pub fn policy(&self, decision: &Decision) -> HeaderValue {
+        if decision.as_planned {
+            self.current.load().policy.clone()
         } else {
-            crate::domain::policy_header(&self.name, limits)
+            crate::domain::policy_header(&self.name, &decision.applied)
         }
     }
 }
@@ -92,6 +93,21 @@ pub struct ClientEntry {
     pub record: ClientRecord,
     /// The catalog version that last wrote it.
     pub rev: u64,
+}
+
+impl ClientEntry {
+    /// The limits its requests are decided against now: its plan's, with its overrides
+    /// that have not expired.
+    pub fn limits(&self) -> Arc<Limits> {
+        let plan = self.plan.limits();
+        if self.record.overrides.is_empty() {
+            return plan;
+        }
+        let now_s = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        Arc::new(plan.overridden(&self.record.overrides, now_s))
+    }
 }
 
 /// A hot client's regional sharding, as this gateway sees it.
@@ -419,7 +435,7 @@ impl Catalog {
             self.plans.remove(&name);
             return;
         };
-        let limits = match rec.value.plan() {
+        let limits = match rec.value.limits() {
             Ok(p) => p,
             Err(e) => {
                 tracing::warn!(plan = %name, error = %e, "invalid plan in the store ignored");
@@ -545,12 +561,7 @@ fn declared(settings: &Settings) -> (Vec<PlanRecord>, Vec<ClientRecord>) {
         .catalog
         .plans
         .iter()
-        .map(|p| PlanRecord {
-            name: p.name.clone(),
-            capacity: p.limits.capacity(),
-            rate: p.limits.rate(),
-            description: p.description.clone(),
-        })
+        .map(|p| PlanRecord::new(p.name.clone(), &p.limits, p.description.clone()))
         .collect();
     let clients = settings
         .catalog
@@ -562,6 +573,7 @@ fn declared(settings: &Settings) -> (Vec<PlanRecord>, Vec<ClientRecord>) {
             mode: c.mode,
             shards: None,
             keys: c.keys.iter().copied().map(KeyRecord::new).collect(),
+            overrides: Vec::new(),
         })
         .collect();
     (plans, clients)
@@ -609,12 +621,11 @@ mod tests {
     fn plan(name: &str) -> Versioned<PlanRecord> {
         Versioned {
             rev: 1,
-            value: PlanRecord {
-                name: PlanName::parse(name).unwrap(),
-                capacity: 10.0,
-                rate: 1.0,
-                description: None,
-            },
+            value: PlanRecord::new(
+                PlanName::parse(name).unwrap(),
+                &Limits::single(crate::domain::Bucket::new(10.0, 1.0).unwrap()),
+                None,
+            ),
         }
     }
 
@@ -644,6 +655,7 @@ mod tests {
                 mode: None,
                 shards: None,
                 keys: vec![KeyRecord::new(hash)],
+                overrides: Vec::new(),
             },
         };
         catalog.apply_client(id.clone(), Some(version(0)));

@@ -20,7 +20,8 @@ use super::settings::{
     RouteSettings, ServerSettings, Settings,
 };
 use crate::domain::{
-    ApiKey, Capacity, ClientId, KeyHash, Mode, Plan, PlanName, Rate, Region, ServiceName, Upstream,
+    ApiKey, Bucket, Capacity, ClientId, KeyHash, Limit, Limits, Mode, PlanName, Rate, Region,
+    ServiceName, Upstream,
 };
 
 /// RFC 7518 3.2: an HS256 key must be at least as long as the hash, 256 bits.
@@ -280,12 +281,47 @@ fn catalog(raw: RawCatalog, embedded: bool, p: &mut Problems) -> Option<CatalogS
             }
             parsed => p.take(format!("{key}.name"), parsed),
         };
-        // Both parsed, so a plan with both wrong names both.
-        let capacity = p.take(format!("{key}.capacity"), Capacity::parse(plan.capacity));
-        let rate = p.take(format!("{key}.rate"), Rate::parse(plan.rate));
+        let limits = if plan.limits.is_empty() {
+            // Both parsed, so a plan with both wrong names both.
+            let capacity = p.take(
+                format!("{key}.capacity"),
+                Capacity::parse(plan.capacity.unwrap_or(f64::NAN)),
+            );
+            let rate = p.take(
+                format!("{key}.rate"),
+                Rate::parse(plan.rate.unwrap_or(f64::NAN)),
+            );
+            Some(Limits::single(Bucket::from_parts(capacity?, rate?)))
+        } else {
+            if plan.capacity.is_some() || plan.rate.is_some() {
+                p.add(
+                    format!("{key}.limits"),
+                    "give either limits or capacity and rate, not both",
+                );
+            }
+            let items: Vec<Option<Limit>> = plan
+                .limits
+                .iter()
+                .enumerate()
+                .map(|(j, spec)| {
+                    Limit::from_spec(spec)
+                        .map_err(|e| p.add(format!("{key}.limits[{j}].{}", e.field()), e.to_string()))
+                        .ok()
+                })
+                .collect();
+            let items: Option<Vec<Limit>> = items.into_iter().collect();
+            match items.map(Limits::new) {
+                Some(Ok(l)) => Some(l),
+                Some(Err(e)) => {
+                    p.add(format!("{key}.limits"), e.to_string());
+                    None
+                }
+                None => None,
+            }
+        };
         Some(PlanSettings {
             name: name?,
-            limits: Plan::from_parts(capacity?, rate?),
+            limits: limits?,
             description: plan.description,
         })
     });
@@ -386,6 +422,7 @@ fn periods(raw: RawPeriods, p: &mut Problems) -> Option<Periods> {
     let share = ms("share_ms", raw.share_ms, 100);
     let unshard_window = ms("unshard_window_ms", raw.unshard_window_ms, 1);
     let shadow_flush = ms("shadow_flush_ms", raw.shadow_flush_ms, 1);
+    let debit = ms("debit_ms", raw.debit_ms, 1);
     let base = ms("breaker_backoff_ms", raw.breaker_backoff_ms, 1);
     let max = ms("breaker_backoff_max_ms", raw.breaker_backoff_max_ms, 1);
     let stable = ms("breaker_stable_ms", raw.breaker_stable_ms, 1);
@@ -403,6 +440,7 @@ fn periods(raw: RawPeriods, p: &mut Problems) -> Option<Periods> {
         share: share?,
         unshard_window: unshard_window?,
         shadow_flush: shadow_flush?,
+        debit: debit?,
         backoff: BackOff {
             base: base?,
             max: max?,
@@ -731,7 +769,8 @@ mod tests {
         assert_eq!(s.catalog.refresh, Duration::from_millis(500));
         assert_eq!(s.catalog.cache_file, None);
         let plan = &s.catalog.plans[0];
-        assert_eq!((plan.limits.capacity(), plan.limits.rate()), (100.0, 50.0));
+        let bucket = plan.limits.headline_bucket().unwrap();
+        assert_eq!((bucket.capacity(), bucket.rate()), (100.0, 50.0));
         let client = &s.catalog.clients[0];
         assert_eq!(client.id, ClientId::parse("acme").unwrap());
         assert_eq!(client.mode, Some(Mode::Shadow));

@@ -16,6 +16,9 @@ pub struct Periods {
     pub unshard_window: Duration,
     /// How often shadow-mode counts are flushed to the store.
     pub shadow_flush: Duration,
+    /// How long costs debited after the fact (reported by a service; a sharded client's
+    /// quotas) are summed on a worker before they go to the store as one call.
+    pub debit: Duration,
     /// The breaker's back-off between probes of a store that stopped answering.
     pub backoff: BackOff,
 }
@@ -36,6 +39,7 @@ impl Default for Periods {
             share: Duration::from_secs(1),
             unshard_window: Duration::from_secs(60),
             shadow_flush: Duration::from_secs(1),
+            debit: Duration::from_millis(20),
             backoff: BackOff::default(),
         }
     }

@@ -64,8 +64,13 @@ pub(super) struct RawCatalog {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawPlan {
     pub(super) name: String,
-    pub(super) capacity: f64,
-    pub(super) rate: f64,
+    #[serde(default)]
+    pub(super) capacity: Option<f64>,
+    #[serde(default)]
+    pub(super) rate: Option<f64>,
+    /// Several limits instead of one `capacity` and `rate`.
+    #[serde(default)]
+    pub(super) limits: Vec<crate::domain::LimitSpec>,
     #[serde(default)]
     pub(super) description: Option<String>,
 }
@@ -97,6 +102,7 @@ pub(super) struct RawPeriods {
     pub(super) share_ms: u64,
     pub(super) unshard_window_ms: u64,
     pub(super) shadow_flush_ms: u64,
+    pub(super) debit_ms: u64,
     pub(super) breaker_backoff_ms: u64,
     pub(super) breaker_backoff_max_ms: u64,
     pub(super) breaker_stable_ms: u64,

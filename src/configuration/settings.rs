@@ -11,7 +11,7 @@ use ipnet::IpNet;
 use secrecy::SecretString;
 
 use super::periods::Periods;
-use crate::domain::{ClientId, KeyHash, Mode, Plan, PlanName, Region, ServiceName, Upstream};
+use crate::domain::{ClientId, KeyHash, Limits, Mode, PlanName, Region, ServiceName, Upstream};
 
 /// Everything the gateway is configured with.
 #[derive(Debug, Clone)]
@@ -96,8 +96,8 @@ pub struct CatalogSettings {
 pub struct PlanSettings {
     /// `name`.
     pub name: PlanName,
-    /// `capacity` (tokens) and `rate` (tokens per second).
-    pub limits: Plan,
+    /// `limits`, or one bucket of `capacity` (tokens) and `rate` (tokens per second).
+    pub limits: Limits,
     /// `description`.
     pub description: Option<String>,
 }

@@ -1,7 +1,7 @@
 //! The token bucket arithmetic, once. `lua/bucket.lua` performs the same operations in
 //! the same order, so the embedded store and Redis decide identically.
 
-use super::plan::Plan;
+use super::plan::Bucket;
 
 /// What a bucket stores between requests.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -28,7 +28,7 @@ pub struct Verdict {
 pub fn take(
     state: Option<BucketState>,
     now_us: u64,
-    plan: Plan,
+    plan: Bucket,
     cost: f64,
 ) -> (BucketState, Verdict) {
     take_seeded(state, now_us, plan, cost, None)
@@ -39,7 +39,7 @@ pub fn take(
 pub fn take_seeded(
     state: Option<BucketState>,
     now_us: u64,
-    plan: Plan,
+    plan: Bucket,
     cost: f64,
     initial: Option<f64>,
 ) -> (BucketState, Verdict) {
@@ -56,7 +56,7 @@ pub fn take_seeded(
 
 /// The bucket's tokens at `now_us`: what it held, plus the rate times the time since,
 /// never past capacity. A bucket seen for the first time holds `initial` (default: full).
-pub fn refill(state: Option<BucketState>, now_us: u64, plan: Plan, initial: Option<f64>) -> f64 {
+pub fn refill(state: Option<BucketState>, now_us: u64, plan: Bucket, initial: Option<f64>) -> f64 {
     let cap = plan.capacity();
     let (tokens, ts) = match state {
         Some(s) => (s.tokens, s.ts_us),
@@ -67,7 +67,7 @@ pub fn refill(state: Option<BucketState>, now_us: u64, plan: Plan, initial: Opti
 }
 
 /// Takes `cost` from already refilled `tokens` if they hold that much.
-pub fn take_from(tokens: &mut f64, plan: Plan, cost: f64) -> Verdict {
+pub fn take_from(tokens: &mut f64, plan: Bucket, cost: f64) -> Verdict {
     if *tokens >= cost {
         *tokens -= cost;
         Verdict {
@@ -93,14 +93,14 @@ pub fn take_from(tokens: &mut f64, plan: Plan, cost: f64) -> Verdict {
 /// `n` takes of `cost` at one instant, in order, from `refilled` tokens: what `n` calls of
 /// [`take`] at the same time decide. The batched script does the same subtractions in the
 /// same order, so replaying them here gives each request its exact verdict.
-pub fn take_many(refilled: f64, plan: Plan, cost: f64, n: usize) -> Vec<Verdict> {
+pub fn take_many(refilled: f64, plan: Bucket, cost: f64, n: usize) -> Vec<Verdict> {
     let mut tokens = refilled;
     (0..n).map(|_| take_from(&mut tokens, plan, cost)).collect()
 }
 
 /// How long an untouched bucket needs to be full again: after that it can be forgotten,
 /// since a missing bucket starts full. One second of slack, as in the script.
-pub fn idle_expiry_ms(plan: Plan, tokens: f64) -> u64 {
+pub fn idle_expiry_ms(plan: Bucket, tokens: f64) -> u64 {
     ((plan.capacity() - tokens) / plan.rate() * 1000.0).ceil() as u64 + 1000
 }
 
@@ -108,8 +108,8 @@ pub fn idle_expiry_ms(plan: Plan, tokens: f64) -> u64 {
 mod tests {
     use super::*;
 
-    fn plan(capacity: f64, rate: f64) -> Plan {
-        Plan::new(capacity, rate).unwrap()
+    fn plan(capacity: f64, rate: f64) -> Bucket {
+        Bucket::new(capacity, rate).unwrap()
     }
 
     #[test]

@@ -1,7 +1,6 @@
 //! What the limiter decides about one request, and what the response needs from it.
 
-use super::bucket::Verdict;
-use super::plan::Plan;
+use super::limits::{Applied, Ruling};
 
 /// What the gateway does with a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,12 +36,21 @@ impl Outcome {
 }
 
 /// A decision and what the response headers need from it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Decision {
     pub outcome: Outcome,
-    pub plan: Plan,
-    /// The client bucket's verdict; `None` when the store did not answer.
-    pub verdict: Option<Verdict>,
+    /// The limits the request was decided against, as it saw them.
+    pub applied: Vec<Applied>,
+    /// The store's answer; `None` when the store did not answer.
+    pub ruling: Option<Ruling>,
+    /// Whether `applied` are the plan's own limits for every service, unchanged (no
+    /// service's own limit, override or regional portion): the plan's policy header fits.
+    pub as_planned: bool,
+    /// What was taken up front from each limit.
+    pub cost: f64,
+    /// Whether its buckets were decided in a regional shard (its quotas then globally,
+    /// after the fact).
+    pub sharded: bool,
     /// For `SafetyDenied`: the wait until the safety bucket has the tokens.
     pub safety_wait_us: Option<u64>,
 }

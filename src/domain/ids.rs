@@ -112,7 +112,7 @@ id_type!(
     "acme"
 );
 id_type!(
-    /// The name of a plan (capacity, rate).
+    /// The name of a plan (a set of limits).
     PlanName,
     64,
     "gold"
@@ -122,6 +122,14 @@ id_type!(
     ServiceName,
     64,
     "orders"
+);
+id_type!(
+    /// The name of one of a plan's limits, e.g. `monthly`: unique within the plan, and the
+    /// name its state is kept under, so a plan change keeps what a limit of the same name
+    /// has spent.
+    LimitName,
+    32,
+    "monthly"
 );
 id_type!(
     /// A deployment region, e.g. `eu-west`.

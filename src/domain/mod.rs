@@ -7,17 +7,23 @@ mod api_key;
 pub mod bucket;
 mod decision;
 mod ids;
+pub mod limits;
 mod plan;
-mod ratelimit;
+pub mod quota;
+pub mod ratelimit;
 mod upstream;
 
 pub use api_key::{ApiKey, KeyHash};
 pub use bucket::{BucketState, Verdict};
 pub use decision::{Decision, Outcome};
-pub use ids::{ClientId, IdError, PlanName, Region, ServiceName, ID_PATTERN};
+pub use ids::{ClientId, IdError, LimitName, PlanName, Region, ServiceName, ID_PATTERN};
 pub use plan::{
-    Capacity, Mode, Plan, PlanError, Rate, MAX_CAPACITY, MAX_RATE, MAX_REFILL_SECS, MIN_CAPACITY,
+    Capacity, Mode, Bucket, PlanError, Rate, MAX_CAPACITY, MAX_RATE, MAX_REFILL_SECS, MIN_CAPACITY,
     MIN_RATE,
+};
+pub use limits::{
+    Applied, AppliedKind, Level, Limit, LimitError, LimitKind, LimitSpec, LimitState, Limits,
+    Override, Quota, Ruling,
 };
 pub use ratelimit::{policy_header, RateLimitHeaders};
 pub use upstream::Upstream;

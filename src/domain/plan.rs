@@ -115,7 +115,7 @@ bounded!(
 /// A plan's limits: a bucket of `capacity` tokens refilled at `rate` tokens per second.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(try_from = "RawPlan")]
-pub struct Plan {
+pub struct Bucket {
     capacity: f64,
     rate: f64,
 }
@@ -126,23 +126,23 @@ struct RawPlan {
     rate: f64,
 }
 
-impl TryFrom<RawPlan> for Plan {
+impl TryFrom<RawPlan> for Bucket {
     type Error = PlanError;
     fn try_from(r: RawPlan) -> Result<Self, PlanError> {
-        Plan::new(r.capacity, r.rate)
+        Bucket::new(r.capacity, r.rate)
     }
 }
 
-impl Plan {
-    pub fn new(capacity: f64, rate: f64) -> Result<Plan, PlanError> {
-        Ok(Plan::from_parts(
+impl Bucket {
+    pub fn new(capacity: f64, rate: f64) -> Result<Bucket, PlanError> {
+        Ok(Bucket::from_parts(
             Capacity::parse(capacity)?,
             Rate::parse(rate)?,
         ))
     }
 
-    pub fn from_parts(capacity: Capacity, rate: Rate) -> Plan {
-        Plan {
+    pub fn from_parts(capacity: Capacity, rate: Rate) -> Bucket {
+        Bucket {
             capacity: capacity.get(),
             rate: rate.get(),
         }
@@ -157,8 +157,8 @@ impl Plan {
     }
 
     /// The same plan scaled by `factor` (safety limits, 1-1000): the refill time stays.
-    pub fn scaled(&self, factor: f64) -> Plan {
-        Plan {
+    pub fn scaled(&self, factor: f64) -> Bucket {
+        Bucket {
             capacity: (self.capacity * factor).max(MIN_CAPACITY),
             rate: (self.rate * factor).max(MIN_RATE),
         }
@@ -167,8 +167,8 @@ impl Plan {
     /// A `share` (0..1) of this plan, for one region's shard; the capacity never drops
     /// below `min_capacity` (a request's cost), so a small share can still admit, and the
     /// rate never below [`MIN_RATE`], so the refill time stays within [`MAX_REFILL_SECS`].
-    pub fn portion(&self, share: f64, min_capacity: f64) -> Plan {
-        Plan {
+    pub fn portion(&self, share: f64, min_capacity: f64) -> Bucket {
+        Bucket {
             capacity: (self.capacity * share).max(min_capacity).min(self.capacity),
             rate: (self.rate * share).max(MIN_RATE.min(self.rate)),
         }
@@ -216,20 +216,20 @@ mod tests {
 
     #[test]
     fn a_sane_plan_is_accepted() {
-        let p = Plan::new(100.0, 50.0).unwrap();
+        let p = Bucket::new(100.0, 50.0).unwrap();
         assert_eq!(p.window_secs(), 2.0);
     }
 
     #[test]
     fn the_bounds_are_accepted() {
         for (c, r) in [(1.0, 0.001), (1e9, 1e9), (1e9, 0.001), (1.0, 1e9)] {
-            assert!(Plan::new(c, r).is_ok(), "{c} {r}");
+            assert!(Bucket::new(c, r).is_ok(), "{c} {r}");
         }
     }
 
     #[test]
     fn the_longest_refill_is_exact_in_ms_and_fits_in_us() {
-        let p = Plan::new(MAX_CAPACITY, MIN_RATE).unwrap();
+        let p = Bucket::new(MAX_CAPACITY, MIN_RATE).unwrap();
         assert_eq!(p.window_secs(), MAX_REFILL_SECS);
         let ms = (p.window_secs() * 1000.0).ceil() + 1000.0;
         assert!(ms < 2f64.powi(53), "exact in an f64 and a Lua number");
@@ -244,10 +244,10 @@ mod tests {
 
     #[test]
     fn scaling_and_portions_keep_the_refill_time_bounded() {
-        let p = Plan::new(MAX_CAPACITY, MIN_RATE).unwrap();
+        let p = Bucket::new(MAX_CAPACITY, MIN_RATE).unwrap();
         assert!(p.scaled(1000.0).window_secs() <= MAX_REFILL_SECS);
         for share in [0.0, 1e-300, 1e-9, 0.5] {
-            let q = Plan::new(MAX_CAPACITY, 1.0).unwrap().portion(share, 1.0);
+            let q = Bucket::new(MAX_CAPACITY, 1.0).unwrap().portion(share, 1.0);
             assert!(q.window_secs() <= MAX_REFILL_SECS, "{share}");
             assert!(q.rate() >= MIN_RATE, "{share}");
         }
@@ -256,20 +256,20 @@ mod tests {
     #[test]
     fn bad_capacities_are_refused_by_name() {
         for c in [0.0, -1.0, 0.5, f64::NAN, f64::INFINITY, 1e9 + 1.0, 1e13] {
-            assert_eq!(Plan::new(c, 1.0).unwrap_err().field(), "capacity", "{c}");
+            assert_eq!(Bucket::new(c, 1.0).unwrap_err().field(), "capacity", "{c}");
         }
     }
 
     #[test]
     fn bad_rates_are_refused_by_name() {
         for r in [0.0, -1.0, 0.0009, 1e-300, f64::NAN, f64::INFINITY, 1e10] {
-            assert_eq!(Plan::new(10.0, r).unwrap_err().field(), "rate", "{r}");
+            assert_eq!(Bucket::new(10.0, r).unwrap_err().field(), "rate", "{r}");
         }
     }
 
     #[test]
     fn plans_deserialize_through_new() {
-        assert!(serde_json::from_str::<Plan>(r#"{"capacity":0,"rate":1}"#).is_err());
-        assert!(serde_json::from_str::<Plan>(r#"{"capacity":5,"rate":1}"#).is_ok());
+        assert!(serde_json::from_str::<Bucket>(r#"{"capacity":0,"rate":1}"#).is_err());
+        assert!(serde_json::from_str::<Bucket>(r#"{"capacity":5,"rate":1}"#).is_ok());
     }
 }

@@ -1,16 +1,22 @@
 //! `RateLimit-Policy` and `RateLimit` response fields, per the IETF httpapi draft
-//! (draft-ietf-httpapi-ratelimit-headers): one policy per client plan, named after it.
+//! (draft-ietf-httpapi-ratelimit-headers): one policy item per limit that applies to the
+//! request. The plan's first limit is named after the plan (as the one bucket of a
+//! single-limit plan always was); each other limit is `plan.limit`.
 //!
-//! - quota `q` = the plan's capacity;
-//! - window `w` = seconds for an empty bucket to fill;
-//! - remaining `r` = whole tokens left;
-//! - reset `t` = seconds until the bucket is full again.
+//! - quota `q` = a bucket's capacity, or a quota's amount;
+//! - window `w` = seconds for an empty bucket to fill, or a quota's nominal period;
+//! - remaining `r` = whole tokens (or requests of the quota) left;
+//! - reset `t` = seconds until the bucket is full again, or the quota's window ends.
+//!
+//! `RateLimit` reports the one limit closest to refusing (the one that refused, on a 429).
+
+use std::fmt::Write;
 
 use actix_web::http::header::{HeaderName, HeaderValue};
 
 use super::decision::Decision;
 use super::ids::PlanName;
-use super::plan::Plan;
+use super::limits::Applied;
 
 pub struct RateLimitHeaders {
     pub policy: HeaderValue,
@@ -20,34 +26,45 @@ pub struct RateLimitHeaders {
 pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
-/// The `RateLimit-Policy` value for a plan (or a shard's portion of one).
-pub fn policy_header(plan_name: &PlanName, plan: Plan) -> HeaderValue {
-    let policy = format!(
-        "\"{}\";q={};w={}",
-        plan_name,
-        plan.capacity().floor() as u64,
-        plan.window_secs().ceil() as u64
-    );
-    // Plan names are of a header-safe charset, so this cannot fail.
+/// The policy name of an applied limit: the plan's for its first limit, else `plan.limit`.
+pub fn policy_name(plan: &PlanName, applied: &Applied) -> String {
+    if applied.index == 0 {
+        plan.to_string()
+    } else {
+        format!("{plan}.{}", applied.name)
+    }
+}
+
+/// The `RateLimit-Policy` value for the limits a request was decided against.
+pub fn policy_header(plan: &PlanName, applied: &[Applied]) -> HeaderValue {
+    let mut policy = String::new();
+    for (i, a) in applied.iter().enumerate() {
+        let (q, w) = a.quota_and_window();
+        let sep = if i == 0 { "" } else { ", " };
+        let _ = write!(policy, "{sep}\"{}\";q={q};w={w}", policy_name(plan, a));
+    }
+    // Plan and limit names are of a header-safe charset, so this cannot fail.
     HeaderValue::from_str(&policy).unwrap_or(HeaderValue::from_static(""))
 }
 
 impl RateLimitHeaders {
-    pub fn new(plan_name: &PlanName, decision: &Decision) -> RateLimitHeaders {
-        RateLimitHeaders::with_policy(plan_name, decision, policy_header(plan_name, decision.plan))
+    pub fn new(plan: &PlanName, decision: &Decision) -> RateLimitHeaders {
+        RateLimitHeaders::with_policy(plan, decision, policy_header(plan, &decision.applied))
     }
 
     /// With the policy value already built (the catalog keeps one per plan).
     pub fn with_policy(
-        plan_name: &PlanName,
+        plan: &PlanName,
         decision: &Decision,
         policy: HeaderValue,
     ) -> RateLimitHeaders {
-        let plan = decision.plan;
-        let limit = decision.verdict.and_then(|v| {
-            let remaining = v.tokens.max(0.0).floor() as u64;
-            let reset = ((plan.capacity() - v.tokens).max(0.0) / plan.rate()).ceil() as u64;
-            HeaderValue::from_str(&format!("\"{plan_name}\";r={remaining};t={reset}")).ok()
+        let limit = decision.ruling.as_ref().and_then(|r| {
+            let i = r.tightest(&decision.applied)?;
+            let (a, level) = (&decision.applied[i], r.levels[i]);
+            let remaining = level.remaining(&a.kind).max(0.0).floor() as u64;
+            let reset = level.reset_us(&a.kind, r.now_us).div_ceil(1_000_000);
+            let name = policy_name(plan, a);
+            HeaderValue::from_str(&format!("\"{name}\";r={remaining};t={reset}")).ok()
         });
         RateLimitHeaders { policy, limit }
     }
@@ -63,22 +80,75 @@ impl RateLimitHeaders {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::{Outcome, Verdict};
+    use crate::domain::limits::{Level, Limit, Ruling};
+    use crate::domain::quota::{Period, QuotaClock, Reset};
+    use crate::domain::{Bucket, LimitKind, LimitName, Outcome, Quota};
 
-    #[test]
-    fn headers_follow_the_draft() {
-        let d = Decision {
+    fn decision(levels: Vec<Level>, refused_by: Option<usize>) -> Decision {
+        let month = QuotaClock::new(Period::Month, Reset::Calendar, "UTC").unwrap();
+        let limits = [
+            Limit::default_bucket(Bucket::new(100.0, 50.0).unwrap()),
+            Limit::new(
+                LimitName::parse("monthly").unwrap(),
+                None,
+                LimitKind::Quota(Quota::new(1e6, month).unwrap()),
+            ),
+        ];
+        Decision {
             outcome: Outcome::Allowed,
-            plan: Plan::new(100.0, 50.0).unwrap(),
-            verdict: Some(Verdict {
-                allowed: true,
-                tokens: 7.4,
+            applied: limits
+                .iter()
+                .enumerate()
+                .map(|(i, l)| Applied::of(i, l))
+                .collect(),
+            ruling: Some(Ruling {
+                allowed: refused_by.is_none(),
+                levels,
                 wait_us: Some(0),
+                refused_by,
+                now_us: 0,
             }),
             safety_wait_us: None,
-        };
+            as_planned: false,
+            cost: 1.0,
+            sharded: false,
+        }
+    }
+
+    #[test]
+    fn headers_follow_the_draft_with_one_item_per_limit() {
+        let d = decision(
+            vec![
+                Level::Tokens(7.4),
+                Level::Used {
+                    used: 10.0,
+                    end_us: 3_000_000,
+                },
+            ],
+            None,
+        );
         let h = RateLimitHeaders::new(&PlanName::parse("gold").unwrap(), &d);
-        assert_eq!(h.policy, "\"gold\";q=100;w=2");
+        assert_eq!(
+            h.policy,
+            "\"gold\";q=100;w=2, \"gold.monthly\";q=1000000;w=2592000"
+        );
+        // The bucket, with 7 left, is closer to refusing than the quota.
         assert_eq!(h.limit.unwrap(), "\"gold\";r=7;t=2");
+    }
+
+    #[test]
+    fn a_refusal_reports_the_limit_that_refused() {
+        let d = decision(
+            vec![
+                Level::Tokens(0.0),
+                Level::Used {
+                    used: 1e6,
+                    end_us: 3_000_000,
+                },
+            ],
+            Some(1),
+        );
+        let h = RateLimitHeaders::new(&PlanName::parse("gold").unwrap(), &d);
+        assert_eq!(h.limit.unwrap(), "\"gold.monthly\";r=0;t=3");
     }
 }

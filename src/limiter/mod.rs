@@ -9,11 +9,13 @@
 
 pub mod breaker;
 mod breakers;
+pub mod debits;
 mod hot;
 mod safety;
 mod shadow;
 pub mod shares;
 
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -26,7 +28,8 @@ pub use shares::ShareBook;
 
 use crate::catalog::{Catalog, ClientEntry};
 use crate::configuration::Periods;
-use crate::domain::{Decision, Mode, Outcome, Plan};
+use crate::domain::limits::Level;
+use crate::domain::{Applied, AppliedKind, ClientId, Decision, Limits, Mode, Outcome, Ruling};
 use crate::metrics::{FailOpenReason, Metrics};
 use crate::store::{Store, StoreError};
 
@@ -46,6 +49,8 @@ pub struct Limiter {
     safety: SafetyLimit,
     shadow: Arc<ShadowStats>,
     periods: Periods,
+    /// Sharded clients whose global quota is used up, until when (unix µs).
+    quota_blocks: Arc<dashmap::DashMap<ClientId, u64>>,
 }
 
 impl Limiter {
@@ -74,6 +79,7 @@ impl Limiter {
             safety: SafetyLimit::new(default_multiplier),
             shadow: Arc::new(ShadowStats::default()),
             periods,
+            quota_blocks: Arc::new(dashmap::DashMap::new()),
         }
     }
 
@@ -111,12 +117,13 @@ impl Limiter {
         }
     }
 
-    /// Decides one request for `client` to `service`, costing `cost` tokens.
+    /// Decides one request for `client` to `service`, costing `cost` tokens from every
+    /// limit that applies to it.
     pub async fn decide(&self, client: &ClientEntry, service: &Arc<str>, cost: f64) -> Decision {
         let started = Instant::now();
         self.hot.observe(&client.id);
-        let plan = client.plan.limits();
-        let decision = self.decide_inner(client, service, cost, plan).await;
+        let limits = client.limits();
+        let decision = self.decide_inner(client, service, cost, &limits).await;
         self.metrics
             .record_decision(decision.outcome, started.elapsed());
         decision
@@ -127,54 +134,88 @@ impl Limiter {
         client: &ClientEntry,
         service: &Arc<str>,
         cost: f64,
-        plan: Plan,
+        limits: &Limits,
     ) -> Decision {
-        let multiplier = self
-            .safety
-            .multiplier(&self.catalog.safety_guard(), service);
-        let safety = self.safety.take(client, service, plan, multiplier, cost);
-        if !safety.allowed {
-            return Decision {
-                outcome: Outcome::SafetyDenied,
-                plan,
-                verdict: None,
-                safety_wait_us: safety.wait_us,
-            };
+        let mut applied = limits.applied(Some(service));
+        let mut decision = Decision {
+            outcome: Outcome::Allowed,
+            applied: Vec::new(),
+            ruling: None,
+            safety_wait_us: None,
+            as_planned: !limits.has_scoped() && client.record.overrides.is_empty(),
+            cost,
+            sharded: false,
+        };
+
+        // The coarse safety limit scales the plan's first bucket (a plan of quotas alone
+        // has none).
+        if let Some(bucket) = limits.headline_bucket() {
+            let multiplier = self
+                .safety
+                .multiplier(&self.catalog.safety_guard(), service);
+            let safety = self.safety.take(client, service, bucket, multiplier, cost);
+            if !safety.allowed {
+                decision.outcome = Outcome::SafetyDenied;
+                decision.safety_wait_us = safety.wait_us;
+                decision.applied = applied;
+                return decision;
+            }
         }
 
         // A hot client sharded by region takes from this region's shard, in the regional
-        // store, holding its share of the plan; everyone else from their global bucket.
+        // store, holding its share of each bucket; its quotas stay global (see
+        // `quota_in_shard`). Everyone else takes from their global state.
         let shard = client
             .shard
             .as_ref()
             .and_then(|s| s.local_key.as_deref())
+            .filter(|_| limits.headline_bucket().is_some())
             .and_then(|k| Some((k, self.shares.observe(&client.id)?)));
-        let (store, breakers, key, plan, initial) = match shard {
+        let (store, breakers, key) = match shard {
             Some((key, now)) => {
-                let portion = plan.portion(now.share, cost.max(1.0));
-                let initial = now.seed.map(|s| s * portion.capacity());
-                (
-                    &self.regional,
-                    &self.regional_breakers,
-                    key,
-                    portion,
-                    initial,
-                )
+                let quotas_apart = limits.has_quotas();
+                for a in &mut applied {
+                    // The regional shard holds the buckets alone, the global state the quotas.
+                    a.others |= quotas_apart;
+                    if let AppliedKind::Bucket { bucket, initial } = &mut a.kind {
+                        let portion = bucket.portion(now.share, cost.max(1.0));
+                        *initial = now.seed.map(|s| s * portion.capacity());
+                        *bucket = portion;
+                    }
+                }
+                let (quotas, buckets): (Vec<Applied>, Vec<Applied>) = applied
+                    .into_iter()
+                    .partition(|a| matches!(a.kind, AppliedKind::Quota { .. }));
+                if let Some(refusal) = self.quota_in_shard(client, &quotas, cost) {
+                    decision.applied = quotas;
+                    decision.outcome = match client.mode {
+                        Mode::Shadow => Outcome::ShadowDenied,
+                        Mode::Enforce => Outcome::Denied,
+                    };
+                    decision.ruling = Some(refusal);
+                    decision.as_planned = false;
+                    return decision;
+                }
+                applied = buckets;
+                decision.as_planned = false;
+                decision.sharded = true;
+                decision.applied = quotas;
+                (&self.regional, &self.regional_breakers, key)
             }
             None => {
-                // Just un-sharded: the global bucket starts as full as the shards were.
-                let initial = client
+                // Just un-sharded: the global buckets start as full as the shards were.
+                let fill = client
                     .unsharded_at
                     .filter(|t| t.elapsed() < self.periods.unshard_window)
-                    .and_then(|_| self.shares.fill(&client.id))
-                    .map(|f| f * plan.capacity());
-                (
-                    &self.store,
-                    &self.breakers,
-                    &*client.bucket_key,
-                    plan,
-                    initial,
-                )
+                    .and_then(|_| self.shares.fill(&client.id));
+                if let Some(fill) = fill {
+                    for a in &mut applied {
+                        if let AppliedKind::Bucket { bucket, initial } = &mut a.kind {
+                            *initial = Some(fill * bucket.capacity());
+                        }
+                    }
+                }
+                (&self.store, &self.breakers, &*client.bucket_key)
             }
         };
         let answer = if breakers.with(key, Breaker::is_open) {
@@ -185,7 +226,7 @@ impl Limiter {
             let deadline = tokio::time::Instant::now() + self.timeout;
             let answer = tokio::time::timeout_at(
                 deadline,
-                store.take_seeded(key, plan, cost, initial, Some(deadline)),
+                store.take(key, &applied, cost, Some(deadline)),
             )
             .await
             .unwrap_or(Err(StoreError::Deadline { sent: true }));
@@ -199,23 +240,138 @@ impl Limiter {
                 }
             })
         };
-        let outcome = match answer {
-            Ok(v) if v.allowed => Outcome::Allowed,
+        let never = applied.iter().any(|a| cost > a.ceiling());
+        decision.outcome = match &answer {
+            Ok(r) if r.allowed => Outcome::Allowed,
             Ok(_) if client.mode == Mode::Shadow => Outcome::ShadowDenied,
             Ok(_) => Outcome::Denied,
-            // A cost the bucket can never hold is refused whatever the store would say, so
+            // A cost some limit can never hold is refused whatever the store would say, so
             // not hearing from the store is no reason to admit it.
-            Err(_) if cost > plan.capacity() && client.mode == Mode::Enforce => Outcome::Denied,
+            Err(_) if never && client.mode == Mode::Enforce => Outcome::Denied,
             Err(reason) => {
-                self.metrics.fail_open(reason);
+                self.metrics.fail_open(*reason);
                 Outcome::FailOpen
             }
         };
-        Decision {
-            outcome,
-            plan,
-            verdict: answer.ok(),
-            safety_wait_us: None,
+        if decision.sharded {
+            // Admitted in the region: its quotas are counted globally, after the fact.
+            let quotas = std::mem::take(&mut decision.applied);
+            if decision.outcome == Outcome::Allowed {
+                self.debit_global_quotas(client, &quotas, cost);
+            }
+            applied.extend(quotas);
+        }
+        decision.applied = applied;
+        decision.ruling = answer.ok();
+        decision
+    }
+
+    /// A sharded client's quotas live in the global store, beside its global bucket, while
+    /// its buckets are decided in its region's shard: one round trip per request still. The
+    /// region counts them after the fact ([`debits`], summed per period) and learns from
+    /// each count whether a quota is used up; until its window ends, it refuses here. The
+    /// error bound: what every region admits in one debit period plus one round trip.
+    fn quota_in_shard(
+        &self,
+        client: &ClientEntry,
+        quotas: &[Applied],
+        cost: f64,
+    ) -> Option<Ruling> {
+        if quotas.is_empty() {
+            return None;
+        }
+        let now_us = crate::store::LocalLimits::now_us();
+        let blocked = self
+            .quota_blocks
+            .get(&client.id)
+            .map(|b| *b)
+            .filter(|until| *until > now_us);
+        let until = match blocked {
+            Some(until) => until,
+            None if quotas.iter().any(|a| cost > a.ceiling()) => now_us,
+            None => return None,
+        };
+        let levels = quotas
+            .iter()
+            .map(|a| Level::Used {
+                used: a.ceiling(),
+                end_us: until,
+            })
+            .collect();
+        Some(Ruling {
+            allowed: false,
+            levels,
+            wait_us: (until > now_us).then(|| until - now_us),
+            refused_by: Some(0),
+            now_us,
+        })
+    }
+
+    fn debit_global_quotas(&self, client: &ClientEntry, quotas: &[Applied], cost: f64) {
+        if quotas.is_empty() {
+            return;
+        }
+        let blocks = Arc::clone(&self.quota_blocks);
+        let (id, kinds) = (client.id.clone(), quotas.to_vec());
+        let on_reply: debits::OnReply = Rc::new(move |r: &Ruling| {
+            // Used up: refused here until the latest exhausted window ends.
+            let until = r
+                .levels
+                .iter()
+                .zip(&kinds)
+                .filter(|(l, a)| l.remaining(&a.kind) <= 0.0)
+                .filter_map(|(l, _)| match l {
+                    Level::Used { end_us, .. } => Some(*end_us),
+                    Level::Tokens(_) => None,
+                })
+                .max();
+            match until {
+                Some(until) => {
+                    blocks.insert(id.clone(), until);
+                }
+                None => {
+                    blocks.remove(&id);
+                }
+            }
+        });
+        debits::queue(
+            &self.store,
+            &client.bucket_key,
+            quotas,
+            cost,
+            self.periods.debit,
+            Some(on_reply),
+        );
+    }
+
+    /// After the response: the request's real cost, as its service reported it. The
+    /// difference to what was taken up front is debited (or refunded) from the limits
+    /// it was decided against, off the request path and batched (see [`debits`]); a
+    /// balance may go below zero, and the client's next requests wait it off.
+    pub fn settle(&self, client: &ClientEntry, decision: &Decision, real_cost: f64) {
+        if decision.outcome != Outcome::Allowed || !real_cost.is_finite() {
+            return;
+        }
+        let delta = real_cost - decision.cost;
+        let period = self.periods.debit;
+        let (quotas, buckets): (Vec<Applied>, Vec<Applied>) = decision
+            .applied
+            .iter()
+            .cloned()
+            .partition(|a| matches!(a.kind, AppliedKind::Quota { .. }));
+        match (decision.sharded, client.shard.as_ref().and_then(|s| s.local_key.as_deref())) {
+            (true, Some(local)) => {
+                debits::queue(&self.regional, local, &buckets, delta, period, None);
+                self.debit_global_quotas(client, &quotas, delta);
+            }
+            _ => debits::queue(
+                &self.store,
+                &client.bucket_key,
+                &decision.applied,
+                delta,
+                period,
+                None,
+            ),
         }
     }
 
@@ -224,7 +380,7 @@ impl Limiter {
         // No comparison without a gateway decision (failing open), or without an answer
         // from the service (the gateway's own 502/504).
         if client.mode != Mode::Shadow
-            || decision.verdict.is_none()
+            || decision.ruling.is_none()
             || matches!(service_status, 502 | 504)
         {
             return;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use crate::catalog::{ClientEntry, SafetyRecord};
 use crate::domain::Verdict;
-use crate::domain::{ClientId, Plan};
+use crate::domain::{ClientId, Bucket};
 use crate::store::LocalBuckets;
 
 /// A (client, service) pair; cloning it copies two reference counts, never a string.
@@ -54,7 +54,7 @@ impl SafetyLimit {
         &self,
         client: &ClientEntry,
         service: &Arc<str>,
-        plan: Plan,
+        plan: Bucket,
         multiplier: f64,
         cost: f64,
     ) -> Verdict {

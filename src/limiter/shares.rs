@@ -156,7 +156,12 @@ impl ShareBook {
         let Some(local_key) = &shard.local_key else {
             return;
         };
-        let plan = client.plan.limits();
+        // Shares divide the plan's first bucket for every service (and, by the same share,
+        // its other buckets); a plan of quotas alone is not sharded.
+        let limits = client.limits();
+        let Some((field, plan)) = headline(&limits) else {
+            return;
+        };
         let now_ms = self.epoch.elapsed().as_millis() as u64;
         let (count, since_ms) = self.entries.get(&client.id).map_or((0, 0), |e| {
             (
@@ -174,7 +179,7 @@ impl ShareBook {
             let portion = plan.portion(share, 1.0);
             match tokio::time::timeout(
                 Duration::from_millis(200),
-                regional.tokens_now(local_key, portion),
+                regional.tokens_now(local_key, &field, portion),
             )
             .await
             {
@@ -192,6 +197,7 @@ impl ShareBook {
             fill,
             regions: &shard.regions,
             global_key: &global_key,
+            field: &field,
             plan,
             period_ms: (self.periods.share.as_millis() as u64).saturating_sub(50),
             floor: FLOOR,
@@ -215,4 +221,12 @@ impl ShareBook {
             }
         }
     }
+}
+
+/// The plan's first bucket for every service, and where its state lives.
+pub fn headline(limits: &crate::domain::Limits) -> Option<(std::sync::Arc<str>, crate::domain::Bucket)> {
+    limits.items().iter().find_map(|l| match (l.kind(), l.service()) {
+        (crate::domain::LimitKind::Bucket(b), None) => Some((std::sync::Arc::clone(l.field()), *b)),
+        _ => None,
+    })
 }

@@ -12,6 +12,7 @@ use actix_web::{web, HttpMessage, ResponseError};
 use super::{NormalPath, Route};
 use crate::catalog::ClientEntry;
 use crate::domain::{KeyHash, Mode};
+use crate::domain::ratelimit::policy_name;
 use crate::domain::{Outcome, RateLimitHeaders};
 use crate::error::ApiError;
 use crate::state::AppState;
@@ -89,21 +90,30 @@ pub async fn guard(
     let rl = RateLimitHeaders::with_policy(
         &client.plan.name,
         &decision,
-        client.plan.policy(decision.plan),
+        client.plan.policy(&decision),
     );
     if !decision.outcome.forwards() {
-        let wait = match decision.outcome {
-            Outcome::SafetyDenied => decision.safety_wait_us,
-            _ => decision.verdict.and_then(|v| v.wait_us),
+        let (wait, limit) = match decision.outcome {
+            Outcome::SafetyDenied => (decision.safety_wait_us, None),
+            _ => {
+                let ruling = decision.ruling.as_ref();
+                let refused = ruling
+                    .and_then(|r| r.refused_by)
+                    .and_then(|i| decision.applied.get(i))
+                    .map(|a| policy_name(&client.plan.name, a));
+                (ruling.and_then(|r| r.wait_us), refused)
+            }
         };
         let err = match wait {
             Some(wait_us) => ApiError::RateLimited {
                 retry_after_ms: wait_us.div_ceil(1000),
                 // Whole seconds, rounded up, at least 1: a retry after this long finds
-                // the tokens, and it is never more than a second pessimistic.
+                // the tokens in every limit, and it is never more than a second
+                // pessimistic.
                 retry_after_s: wait_us.div_ceil(1_000_000).max(1),
+                limit,
             },
-            None => ApiError::CostExceedsCapacity,
+            None => ApiError::CostExceedsCapacity { limit },
         };
         return Ok(reject(req, err, Some(rl)));
     }

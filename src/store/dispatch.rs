@@ -18,8 +18,7 @@ use super::records::{
 use super::redis::RedisStore;
 use super::shards::{Reconcile, ShardState};
 use super::{Keys, StoreError};
-use crate::domain::Verdict;
-use crate::domain::{ClientId, Plan};
+use crate::domain::{Applied, Bucket, ClientId, Ruling};
 
 /// Embedded or Redis; cheap to clone.
 #[derive(Clone)]
@@ -66,34 +65,56 @@ impl Store {
         )?)))
     }
 
-    /// Refills the bucket at `key` and takes `cost` tokens, atomically, on the store's clock.
-    pub async fn take(&self, key: &str, plan: Plan, cost: f64) -> Result<Verdict, StoreError> {
-        self.take_seeded(key, plan, cost, None, None).await
-    }
-
-    /// [`Store::take`]; a bucket that does not exist yet starts with `initial` tokens (at
-    /// most the capacity) instead of full. With a `deadline`, the answer past it is
+    /// Takes `cost` from every limit in `applied` at `key`, or from none, atomically, on
+    /// the store's clock. With a `deadline`, the answer past it is
     /// [`StoreError::Deadline`] (the embedded store always answers at once).
-    pub async fn take_seeded(
+    pub async fn take(
         &self,
         key: &str,
-        plan: Plan,
+        applied: &[Applied],
         cost: f64,
-        initial: Option<f64>,
         deadline: Option<tokio::time::Instant>,
-    ) -> Result<Verdict, StoreError> {
+    ) -> Result<Ruling, StoreError> {
         match self {
-            Store::Embedded(s) => Ok(s.take_seeded(key, plan, cost, initial)),
-            Store::Redis(s) => s.take(key, plan, cost, initial, deadline).await,
+            Store::Embedded(s) => Ok(s.take(key, applied, cost)),
+            Store::Redis(s) => s.take(key, applied, cost, deadline).await,
         }
     }
 
-    /// The bucket's tokens now, refilled on the store's clock; `None` when the bucket does
-    /// not exist (it is full). For inspection; takes nothing.
-    pub async fn tokens_now(&self, key: &str, plan: Plan) -> Result<Option<f64>, StoreError> {
+    /// Debits `delta` from every limit in `applied` at `key` (a refund when negative),
+    /// whatever the balance: a bucket may go below zero and waits it off. Returns the
+    /// levels after it.
+    pub async fn adjust(
+        &self,
+        key: &str,
+        applied: &[Applied],
+        delta: f64,
+    ) -> Result<Ruling, StoreError> {
         match self {
-            Store::Embedded(s) => Ok(s.tokens_now(key, plan)),
-            Store::Redis(s) => s.tokens_now(key, plan).await,
+            Store::Embedded(s) => Ok(s.adjust(key, applied, delta)),
+            Store::Redis(s) => s.adjust(key, applied, delta).await,
+        }
+    }
+
+    /// Every limit's level now, on the store's clock. For inspection; changes nothing.
+    pub async fn peek(&self, key: &str, applied: &[Applied]) -> Result<Ruling, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.peek(key, applied)),
+            Store::Redis(s) => s.peek(key, applied).await,
+        }
+    }
+
+    /// The tokens now of the bucket whose state is under `field` at `key`, refilled on the
+    /// store's clock; `None` when it has no state (it is full). Takes nothing.
+    pub async fn tokens_now(
+        &self,
+        key: &str,
+        field: &str,
+        bucket: Bucket,
+    ) -> Result<Option<f64>, StoreError> {
+        match self {
+            Store::Embedded(s) => Ok(s.tokens_now(key, field, bucket)),
+            Store::Redis(s) => s.tokens_now(key, field, bucket).await,
         }
     }
 
@@ -113,6 +134,14 @@ impl Store {
         match self {
             Store::Embedded(_) => None,
             Store::Redis(s) => Some(s.bucket_calls()),
+        }
+    }
+
+    /// A number that tells stores apart (the same for clones of one store).
+    pub fn id(&self) -> usize {
+        match self {
+            Store::Embedded(s) => Arc::as_ptr(s) as usize,
+            Store::Redis(s) => Arc::as_ptr(s) as usize,
         }
     }
 

@@ -1,6 +1,6 @@
 //! Token buckets in process memory: a sharded map, so concurrent requests for different
 //! keys rarely meet on a lock, and no lock is ever held across an await. The embedded
-//! store's buckets and the coarse safety limit both live here.
+//! store's limits and the coarse safety limit both live here.
 
 use std::borrow::Borrow;
 use std::collections::HashMap;
@@ -11,8 +11,11 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 
-use crate::domain::Plan;
-use crate::domain::{bucket, BucketState, Verdict};
+use std::sync::Arc;
+
+use crate::domain::limits::{levels_at, take_many};
+use crate::domain::Bucket;
+use crate::domain::{bucket, Applied, BucketState, LimitState, Ruling, Verdict};
 
 const SHARDS: usize = 64;
 
@@ -54,7 +57,7 @@ impl<K: Hash + Eq> LocalBuckets<K> {
     }
 
     /// Refills and takes `cost` tokens at `now_us`; the key is copied only for a new bucket.
-    pub fn take_at<Q>(&self, key: &Q, plan: Plan, cost: f64, now_us: u64) -> Verdict
+    pub fn take_at<Q>(&self, key: &Q, plan: Bucket, cost: f64, now_us: u64) -> Verdict
     where
         K: Borrow<Q> + for<'a> From<&'a Q>,
         Q: Hash + Eq + ?Sized,
@@ -66,7 +69,7 @@ impl<K: Hash + Eq> LocalBuckets<K> {
     pub fn take_seeded<Q>(
         &self,
         key: &Q,
-        plan: Plan,
+        plan: Bucket,
         cost: f64,
         now_us: u64,
         initial: Option<f64>,
@@ -115,6 +118,149 @@ impl<K: Hash + Eq> LocalBuckets<K> {
             .map(|s| {
                 let mut s = s.lock();
                 s.retain(|_, slot| slot.expires_us > now);
+                s.len()
+            })
+            .sum()
+    }
+}
+
+/// Every client's limit states in process memory (the embedded store), on the system
+/// clock in unix microseconds, since quotas follow the calendar. The same arithmetic as
+/// `lua/bucket.lua`: see `domain::limits`.
+pub struct LocalLimits {
+    shards: Box<[Mutex<HashMap<Box<str>, Entry, RandomState>>]>,
+    hasher: RandomState,
+}
+
+struct Entry {
+    /// By field prefix, as in the client's Redis hash.
+    states: Vec<(Arc<str>, LimitState)>,
+    /// Once the clock passes this, every limit would be whole again and can be forgotten.
+    expires_us: u64,
+}
+
+/// What to do with the levels read.
+#[derive(Clone, Copy)]
+pub enum LocalOp {
+    Take { cost: f64 },
+    Adjust { delta: f64 },
+    Peek,
+}
+
+impl Default for LocalLimits {
+    fn default() -> Self {
+        LocalLimits {
+            shards: (0..SHARDS)
+                .map(|_| Mutex::new(HashMap::default()))
+                .collect(),
+            hasher: Default::default(),
+        }
+    }
+}
+
+impl LocalLimits {
+    /// The system clock in unix microseconds.
+    pub fn now_us() -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64)
+    }
+
+    fn shard(&self, key: &str) -> &Mutex<HashMap<Box<str>, Entry, RandomState>> {
+        &self.shards[self.hasher.hash_one(key) as usize % SHARDS]
+    }
+
+    /// Runs `op` on the limits `applied` of `key`, atomically, at `now_us`.
+    pub fn run(&self, key: &str, applied: &[Applied], op: LocalOp, now_us: u64) -> Ruling {
+        let mut shard = self.shard(key).lock();
+        let states: Vec<Option<LimitState>> = applied
+            .iter()
+            .map(|a| {
+                shard.get(key).and_then(|e| {
+                    e.states
+                        .iter()
+                        .find(|(f, _)| **f == *a.field)
+                        .map(|(_, s)| *s)
+                })
+            })
+            .collect();
+        let levels = levels_at(applied, &states, now_us);
+        let ruling = match op {
+            LocalOp::Take { cost } => take_many(applied, levels, cost, 1, now_us)
+                .pop()
+                .expect("one take"),
+            LocalOp::Adjust { delta } => {
+                let mut levels = levels;
+                for (l, a) in levels.iter_mut().zip(applied) {
+                    l.adjust(&a.kind, delta);
+                }
+                Ruling {
+                    allowed: true,
+                    levels,
+                    wait_us: Some(0),
+                    refused_by: None,
+                    now_us,
+                }
+            }
+            LocalOp::Peek => {
+                return Ruling {
+                    allowed: true,
+                    levels,
+                    wait_us: Some(0),
+                    refused_by: None,
+                    now_us,
+                }
+            }
+        };
+        let keep_us = applied
+            .iter()
+            .zip(&ruling.levels)
+            .map(|(a, l)| l.keep_ms(&a.kind, now_us) * 1000)
+            .max()
+            .unwrap_or(0);
+        let entry = match shard.get_mut(key) {
+            Some(e) => e,
+            None => shard.entry(key.into()).or_insert(Entry {
+                states: Vec::new(),
+                expires_us: 0,
+            }),
+        };
+        entry.expires_us = entry.expires_us.max(now_us + keep_us);
+        for (a, l) in applied.iter().zip(&ruling.levels) {
+            let state = l.state(now_us);
+            match entry.states.iter_mut().find(|(f, _)| **f == *a.field) {
+                Some((_, s)) => *s = state,
+                None => entry.states.push((Arc::clone(&a.field), state)),
+            }
+        }
+        ruling
+    }
+
+    /// The bucket state under `field` of `key`, if any.
+    pub fn bucket_state(&self, key: &str, field: &str) -> Option<BucketState> {
+        let shard = self.shard(key).lock();
+        shard
+            .get(key)?
+            .states
+            .iter()
+            .find_map(|(f, s)| match s {
+                LimitState::Bucket(b) if **f == *field => Some(*b),
+                _ => None,
+            })
+    }
+
+    pub fn remove(&self, key: &str) {
+        self.shard(key).lock().remove(key);
+    }
+
+    /// Forgets clients whose limits would all be whole by now; returns how many remain.
+    pub fn evict_idle(&self) -> usize {
+        let now = Self::now_us();
+        self.shards
+            .iter()
+            .map(|s| {
+                let mut s = s.lock();
+                s.retain(|_, e| e.expires_us > now);
                 s.len()
             })
             .sum()

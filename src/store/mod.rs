@@ -20,6 +20,6 @@ mod shards;
 pub use self::dispatch::Store;
 pub use self::error::StoreError;
 pub use self::keys::{key_in_slot, key_slot, Keys};
-pub use self::local::LocalBuckets;
+pub use self::local::{LocalBuckets, LocalLimits, LocalOp};
 pub use self::records::ClientsPage;
 pub use self::shards::{Reconcile, RegionShare, ShardState};

@@ -2,21 +2,55 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::domain::{ClientId, KeyHash, Mode, Plan, PlanError, PlanName, Region};
+use crate::domain::{
+    Bucket, ClientId, KeyHash, Limit, LimitError, LimitSpec, Limits, Mode, Override, PlanName,
+    Region,
+};
 
 /// A plan as stored (and, later, as the admin API shows it).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PlanRecord {
     pub name: PlanName,
-    pub capacity: f64,
-    pub rate: f64,
+    /// Its limits as written; checked by [`PlanRecord::limits`].
+    #[serde(default)]
+    pub limits: Vec<LimitSpec>,
+    /// The first bucket's values, written beside `limits` so that a gateway from before
+    /// plans had several limits reads the plan as that one bucket. Read only when
+    /// `limits` is empty (a record such a gateway wrote).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
 }
 
 impl PlanRecord {
-    pub fn plan(&self) -> Result<Plan, PlanError> {
-        Plan::new(self.capacity, self.rate)
+    pub fn new(name: PlanName, limits: &Limits, description: Option<String>) -> PlanRecord {
+        let headline = limits.headline_bucket();
+        PlanRecord {
+            name,
+            limits: limits.items().iter().map(Limit::spec).collect(),
+            capacity: headline.map(|b| b.capacity()),
+            rate: headline.map(|b| b.rate()),
+            description,
+        }
+    }
+
+    pub fn limits(&self) -> Result<Limits, LimitError> {
+        if self.limits.is_empty() {
+            let bucket = Bucket::new(
+                self.capacity.unwrap_or(f64::NAN),
+                self.rate.unwrap_or(f64::NAN),
+            )?;
+            return Ok(Limits::single(bucket));
+        }
+        let items = self
+            .limits
+            .iter()
+            .map(Limit::from_spec)
+            .collect::<Result<Vec<_>, _>>()?;
+        Limits::new(items)
     }
 }
 
@@ -59,6 +93,9 @@ pub struct ClientRecord {
     pub shards: Option<Shards>,
     #[serde(default)]
     pub keys: Vec<KeyRecord>,
+    /// Its own values for some of its plan's limits.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub overrides: Vec<Override>,
 }
 
 /// Coarse per-(client, service) safety limits: `multiplier` x the plan, overridable per

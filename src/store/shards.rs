@@ -1,7 +1,7 @@
 //! What regional reconciliation exchanges with the store: a region's report for a sharded
 //! client ([`Reconcile`]) and the shares the store answers with ([`ShardState`]).
 
-use crate::domain::{ClientId, Plan, Region};
+use crate::domain::{ClientId, Bucket, Region};
 
 /// One region's part of a sharded client's plan.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, utoipa::ToSchema)]
@@ -36,7 +36,9 @@ pub struct Reconcile<'a> {
     pub regions: &'a [Region],
     /// The client's global bucket key (its fill seeds the shards when sharding begins).
     pub global_key: &'a str,
-    pub plan: Plan,
+    /// Where the shared bucket's state lives in that key (its field prefix).
+    pub field: &'a str,
+    pub plan: Bucket,
     pub period_ms: u64,
     /// The part of the plan idle regions keep, summed over all regions.
     pub floor: f64,

@@ -586,7 +586,7 @@ async fn a_gateway_in_a_region_outside_the_shard_list_takes_from_the_global_buck
 #[tokio::test]
 async fn a_stopped_regional_redis_fails_open_only_for_that_regions_shards() {
     // Arrange: a gateway in eu with a regional Redis; `hot` is sharded over eu and us,
-    // `calm` is not. Plan `five`: 5 tokens, refilled at one per 1000 s.
+    // `calm` is not. Bucket `five`: 5 tokens, refilled at one per 1000 s.
     let global = RedisServer::start().unwrap();
     let regional = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;

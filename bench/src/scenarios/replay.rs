@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tollgate::domain::Plan;
+use tollgate::domain::Bucket;
 use tollgate_testkit::{ClientDef, PlanDef, RedisServer, RouteDef};
 
 use super::{seconds, summary_json};
@@ -247,7 +247,7 @@ fn phase(
     mode: &'static str,
     per_client: f64,
 ) -> anyhow::Result<Phase> {
-    let contract = Plan::new(a.contract_rate, a.contract_rate)?;
+    let contract = Bucket::new(a.contract_rate, a.contract_rate)?;
     let service = Duration::from_secs_f64(a.service_ms / 1000.0);
     let replicas: Vec<Arc<Replica>> = (0..a.services * a.replicas)
         .map(|i| {

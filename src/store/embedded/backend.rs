@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::domain::{ClientId, KeyHash, PlanName};
 use crate::store::records::{AuditEntry, ClientRecord, PlanRecord, SafetyRecord, Versioned};
-use crate::store::{LocalBuckets, StoreError};
+use crate::store::{LocalLimits, StoreError};
 
 const AUDIT_LEN: usize = 10_000;
 
@@ -22,7 +22,7 @@ const AUDIT_LEN: usize = 10_000;
 /// while the file is written and synced: a write is staged under the lock, written to disk
 /// without it, then committed under it again, so readers never wait for the disk.
 pub struct EmbeddedStore {
-    pub(super) buckets: LocalBuckets<Box<str>>,
+    pub(super) limits: LocalLimits,
     pub(super) shards: Mutex<HashMap<ClientId, EmbeddedShard>>,
     pub(super) catalog: Mutex<FileCatalog>,
     /// Held for a whole write (stage, persist, commit); only in blocking threads.
@@ -86,7 +86,7 @@ impl EmbeddedStore {
         lock_path.push(".lock");
         let lock = lock_catalog(file, PathBuf::from(lock_path))?;
         Ok(EmbeddedStore {
-            buckets: LocalBuckets::default(),
+            limits: LocalLimits::default(),
             shards: Mutex::new(HashMap::new()),
             catalog: Mutex::new(FileCatalog::open(file)?),
             writer: Mutex::new(()),
@@ -141,7 +141,7 @@ pub(super) fn now_ms() -> u64 {
 
 pub(super) struct FileCatalog {
     pub(super) data: CatalogFile,
-    /// Plan name → clients on it.
+    /// Bucket name → clients on it.
     pub(super) users: HashMap<PlanName, usize>,
     pub(super) keys: HashMap<KeyHash, ClientId>,
     /// Recent changes (version, kind, id), like the Redis change feed.

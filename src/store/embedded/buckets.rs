@@ -1,56 +1,73 @@
-//! In-process buckets: takes, inspection, refills, and forgetting idle buckets.
+//! In-process limits: takes, adjustments, inspection, refills, and forgetting idle state.
 
 use super::backend::EmbeddedStore;
-use crate::domain::{bucket, BucketState, Plan, Verdict};
+use crate::domain::{bucket, Applied, Bucket, Ruling};
+use crate::store::{LocalLimits, LocalOp};
 
 impl EmbeddedStore {
-    pub fn take(&self, key: &str, plan: Plan, cost: f64) -> Verdict {
-        self.take_seeded(key, plan, cost, None)
+    /// Takes `cost` from every limit in `applied` at `key`, or from none.
+    pub fn take(&self, key: &str, applied: &[Applied], cost: f64) -> Ruling {
+        self.limits
+            .run(key, applied, LocalOp::Take { cost }, LocalLimits::now_us())
     }
 
-    /// [`EmbeddedStore::take`]; a new bucket starts with `initial` tokens, if given.
-    pub fn take_seeded(&self, key: &str, plan: Plan, cost: f64, initial: Option<f64>) -> Verdict {
-        self.buckets
-            .take_seeded(key, plan, cost, self.buckets.now_us(), initial)
+    /// Debits `delta` from every limit in `applied` (a refund when negative).
+    pub fn adjust(&self, key: &str, applied: &[Applied], delta: f64) -> Ruling {
+        self.limits
+            .run(key, applied, LocalOp::Adjust { delta }, LocalLimits::now_us())
     }
 
-    pub fn peek(&self, key: &str) -> Option<BucketState> {
-        self.buckets.peek(key)
+    /// Every limit's level now; changes nothing.
+    pub fn peek(&self, key: &str, applied: &[Applied]) -> Ruling {
+        self.limits
+            .run(key, applied, LocalOp::Peek, LocalLimits::now_us())
     }
 
-    /// The bucket's tokens now, or `None` if it does not exist (a missing bucket is full).
-    pub fn tokens_now(&self, key: &str, plan: Plan) -> Option<f64> {
-        let state = self.peek(key)?;
+    /// The tokens now of the bucket under `field`, or `None` if it has no state (a
+    /// missing bucket is full).
+    pub fn tokens_now(&self, key: &str, field: &str, plan: Bucket) -> Option<f64> {
+        let state = self.limits.bucket_state(key, field)?;
         Some(
-            bucket::take(Some(state), self.buckets.now_us(), plan, 0.0)
+            bucket::take(Some(state), LocalLimits::now_us(), plan, 0.0)
                 .1
                 .tokens,
         )
     }
 
     pub fn refill(&self, key: &str) {
-        self.buckets.remove(key);
+        self.limits.remove(key);
     }
 
-    /// Forgets buckets that would be full by now; returns how many remain.
+    /// Forgets clients whose limits would all be whole by now; returns how many remain.
     pub fn evict_idle(&self) -> usize {
-        self.buckets.evict_idle()
+        self.limits.evict_idle()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::domain::Limit;
 
     #[test]
-    fn idle_buckets_are_evicted_once_they_would_be_full() {
+    fn idle_state_is_evicted_once_every_limit_would_be_whole() {
         let dir = tempfile::tempdir().unwrap();
         let s = EmbeddedStore::open(&dir.path().join("c.json")).unwrap();
-        let p = Plan::new(1.0, 1000.0).unwrap();
-        s.take("k", p, 1.0);
-        assert!(s.peek("k").is_some());
+        let applied = [Applied::of(
+            0,
+            &Limit::default_bucket(Bucket::new(1.0, 1000.0).unwrap()),
+        )];
+        s.take("k", &applied, 1.0);
+        assert!(s.tokens_now("k", "", applied_bucket(&applied)).is_some());
         std::thread::sleep(std::time::Duration::from_millis(1100));
         assert_eq!(s.evict_idle(), 0);
-        assert!(s.peek("k").is_none());
+        assert!(s.tokens_now("k", "", applied_bucket(&applied)).is_none());
+    }
+
+    fn applied_bucket(a: &[Applied]) -> Bucket {
+        match a[0].kind {
+            crate::domain::AppliedKind::Bucket { bucket, .. } => bucket,
+            _ => unreachable!(),
+        }
     }
 }

@@ -347,16 +347,16 @@ mod tests {
     }
 
     fn plan(name: &str) -> PlanRecord {
-        PlanRecord {
-            name: PlanName::parse(name).unwrap(),
-            capacity: 10.0,
-            rate: 1.0,
-            description: None,
-        }
+        PlanRecord::new(
+            PlanName::parse(name).unwrap(),
+            &crate::domain::Limits::single(crate::domain::Bucket::new(10.0, 1.0).unwrap()),
+            None,
+        )
     }
 
     fn client(id: &str, plan: &str, key: &str) -> ClientRecord {
         ClientRecord {
+            overrides: Vec::new(),
             id: ClientId::parse(id).unwrap(),
             plan: PlanName::parse(plan).unwrap(),
             mode: None,

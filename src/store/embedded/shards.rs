@@ -12,7 +12,7 @@ impl EmbeddedStore {
         let now = now_ms();
         let mut shards = self.shards.lock();
         let seed = || {
-            self.tokens_now(r.global_key, r.plan)
+            self.tokens_now(r.global_key, r.field, r.plan)
                 .map_or(1.0, |t| t / r.plan.capacity())
         };
         let s = shards

@@ -57,8 +57,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::domain::Plan;
-use crate::domain::Verdict;
+use crate::domain::{Applied, Ruling};
 use crate::store::StoreError;
 
 /// Most requests one call decides; more wait for the next call.
@@ -72,22 +71,20 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 /// One request's take.
 #[derive(Debug, Clone, Copy)]
-pub struct Take {
-    pub plan: Plan,
+pub struct Take<'a> {
+    /// Every limit that applies to the request.
+    pub applied: &'a [Applied],
     pub cost: f64,
-    /// Tokens a bucket that does not exist yet starts with (default: full).
-    pub initial: Option<f64>,
     /// When the request's budget runs out. `None`: no deadline here (the caller bounds
     /// the wait), and a queued take waits for a call in flight to return.
     pub deadline: Option<Instant>,
 }
 
-/// One call: `n` takes of `cost` from one bucket, under the leader's plan.
+/// One call: `n` takes of `cost` from one client's limits, as the leader sees them.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Batch {
-    pub plan: Plan,
+pub struct Batch<'a> {
+    pub applied: &'a [Applied],
     pub cost: f64,
-    pub initial: Option<f64>,
     pub n: usize,
 }
 
@@ -98,7 +95,7 @@ enum State {
     Sent,
     /// This request leads the next call, for itself and these riders (older, in order).
     Lead(Vec<Rc<Waiter>>),
-    Done(Result<Verdict, StoreError>),
+    Done(Result<Ruling, StoreError>),
     Finished,
 }
 
@@ -158,8 +155,9 @@ impl Lane {
 
 type LaneRef = Rc<RefCell<Lane>>;
 
-/// Per bucket key: (coalescer, cost bits, lane). Lookups by `&str` allocate nothing.
-type Lanes = HashMap<Box<str>, Vec<(u64, u64, LaneRef)>, foldhash::fast::RandomState>;
+/// Per state key: (coalescer, cost bits, which limits, lane). Lookups by `&str` allocate
+/// nothing.
+type Lanes = HashMap<Box<str>, Vec<(u64, u64, u64, LaneRef)>, foldhash::fast::RandomState>;
 
 thread_local! {
     static LANES: RefCell<Lanes> = RefCell::new(HashMap::default());
@@ -213,6 +211,17 @@ impl RoundTrip {
     }
 }
 
+/// Which limits a take is decided against, as a number: their fields, in order.
+fn fingerprint(applied: &[Applied]) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = foldhash::fast::FixedState::with_seed(0).build_hasher();
+    for a in applied {
+        h.write(a.field.as_bytes());
+        h.write_u8(0xff);
+    }
+    h.finish()
+}
+
 /// Coalesces takes for one store.
 pub struct Coalescer {
     id: u64,
@@ -238,6 +247,9 @@ struct LaneId<'a> {
     key: &'a str,
     store: u64,
     cost: u64,
+    /// Which limits: requests of one client to services with limits of their own decide
+    /// against different sets, so they never share a call.
+    set: u64,
 }
 
 impl LaneId<'_> {
@@ -245,8 +257,8 @@ impl LaneId<'_> {
         LANES.with(|m| {
             m.borrow().get(self.key).and_then(|v| {
                 v.iter()
-                    .find(|(s, c, _)| *s == self.store && *c == self.cost)
-                    .map(|(_, _, l)| Rc::clone(l))
+                    .find(|(s, c, t, _)| *s == self.store && *c == self.cost && *t == self.set)
+                    .map(|(_, _, _, l)| Rc::clone(l))
             })
         })
     }
@@ -257,6 +269,7 @@ impl LaneId<'_> {
             m.borrow_mut().entry(self.key.into()).or_default().push((
                 self.store,
                 self.cost,
+                self.set,
                 Rc::clone(&lane),
             ))
         });
@@ -267,7 +280,7 @@ impl LaneId<'_> {
         LANES.with(|m| {
             let mut m = m.borrow_mut();
             if let Some(v) = m.get_mut(self.key) {
-                v.retain(|(s, c, _)| !(*s == self.store && *c == self.cost));
+                v.retain(|(s, c, t, _)| !(*s == self.store && *c == self.cost && *t == self.set));
                 if v.is_empty() {
                     m.remove(self.key);
                 }
@@ -376,10 +389,15 @@ impl Coalescer {
     /// Decides `take` on the bucket `key` with `call`, alone or with other takes queued
     /// for the same bucket. `call` must return one verdict per request, in order. Past
     /// `take.deadline` the answer is [`StoreError::Deadline`].
-    pub async fn take<F, Fut>(&self, key: &str, take: Take, call: F) -> Result<Verdict, StoreError>
+    pub async fn take<'a, F, Fut>(
+        &self,
+        key: &str,
+        take: Take<'a>,
+        call: F,
+    ) -> Result<Ruling, StoreError>
     where
-        F: Fn(Batch) -> Fut,
-        Fut: Future<Output = Result<Vec<Verdict>, StoreError>>,
+        F: Fn(Batch<'a>) -> Fut,
+        Fut: Future<Output = Result<Vec<Ruling>, StoreError>>,
     {
         let sent = Cell::new(false);
         let Some(deadline) = take.deadline else {
@@ -389,21 +407,22 @@ impl Coalescer {
         answer.unwrap_or(Err(StoreError::Deadline { sent: sent.get() }))
     }
 
-    async fn decide<F, Fut>(
+    async fn decide<'a, F, Fut>(
         &self,
         key: &str,
-        take: Take,
+        take: Take<'a>,
         sent: &Cell<bool>,
         call: F,
-    ) -> Result<Verdict, StoreError>
+    ) -> Result<Ruling, StoreError>
     where
-        F: Fn(Batch) -> Fut,
-        Fut: Future<Output = Result<Vec<Verdict>, StoreError>>,
+        F: Fn(Batch<'a>) -> Fut,
+        Fut: Future<Output = Result<Vec<Ruling>, StoreError>>,
     {
         let id = LaneId {
             key,
             store: self.id,
             cost: take.cost.to_bits(),
+            set: fingerprint(take.applied),
         };
         let Some(lane) = id.find() else {
             // Idle: send at once.
@@ -507,18 +526,19 @@ impl Coalescer {
 
     /// Sends one call for `riders` (older, in order) and this take, last (its place in the
     /// lane is reserved).
-    async fn lead<F, Fut>(
+    #[allow(clippy::too_many_arguments)]
+    async fn lead<'a, F, Fut>(
         &self,
         id: LaneId<'_>,
         lane: LaneRef,
-        take: Take,
+        take: Take<'a>,
         sent: &Cell<bool>,
         riders: Vec<Rc<Waiter>>,
         call: F,
-    ) -> Result<Verdict, StoreError>
+    ) -> Result<Ruling, StoreError>
     where
-        F: Fn(Batch) -> Fut,
-        Fut: Future<Output = Result<Vec<Verdict>, StoreError>>,
+        F: Fn(Batch<'a>) -> Fut,
+        Fut: Future<Output = Result<Vec<Ruling>, StoreError>>,
     {
         let n = 1 + riders.len();
         let mine = riders.len();
@@ -536,9 +556,8 @@ impl Coalescer {
         self.calls.fetch_add(1, Ordering::Relaxed);
         self.takes.fetch_add(n as u64, Ordering::Relaxed);
         let reply = call(Batch {
-            plan: take.plan,
+            applied: take.applied,
             cost: take.cost,
-            initial: take.initial,
             n,
         })
         .await;
@@ -587,15 +606,25 @@ mod tests {
     use tokio::sync::mpsc;
 
     use super::*;
-    use crate::domain::bucket;
+    use crate::domain::limits::{take_many, Level};
+    use crate::domain::{Bucket, Limit};
 
-    fn take() -> Take {
+    static ONE_BUCKET: std::sync::LazyLock<Vec<Applied>> = std::sync::LazyLock::new(|| {
+        let bucket = Limit::default_bucket(Bucket::new(3.0, 0.001).unwrap());
+        vec![Applied::of(0, &bucket)]
+    });
+
+    fn take() -> Take<'static> {
         Take {
-            plan: Plan::new(3.0, 0.001).unwrap(),
+            applied: &ONE_BUCKET,
             cost: 1.0,
-            initial: None,
             deadline: None,
         }
+    }
+
+    /// `n` takes from a bucket holding `tokens`, as the script decides them.
+    fn rulings(tokens: f64, b: Batch) -> Vec<Ruling> {
+        take_many(b.applied, vec![Level::Tokens(tokens)], b.cost, b.n, 0)
     }
 
     /// A store whose calls wait for `go`, and which records each batch's size.
@@ -614,10 +643,10 @@ mod tests {
             })
         }
 
-        async fn call(&self, b: Batch) -> Result<Vec<Verdict>, StoreError> {
+        async fn call(&self, b: Batch<'_>) -> Result<Vec<Ruling>, StoreError> {
             self.batches.borrow_mut().push(b.n);
             self.go.notified().await;
-            let verdicts = bucket::take_many(self.tokens.get(), b.plan, b.cost, b.n);
+            let verdicts = rulings(self.tokens.get(), b);
             let spent = verdicts.iter().filter(|v| v.allowed).count() as f64 * b.cost;
             self.tokens.set(self.tokens.get() - spent);
             Ok(verdicts)
@@ -629,7 +658,7 @@ mod tests {
         c: &Rc<Coalescer>,
         store: &Rc<Slow>,
         budget_ms: u64,
-    ) -> tokio::task::JoinHandle<Result<Result<Verdict, StoreError>, tokio::time::error::Elapsed>>
+    ) -> tokio::task::JoinHandle<Result<Result<Ruling, StoreError>, tokio::time::error::Elapsed>>
     {
         let (c, store) = (Rc::clone(c), Rc::clone(store));
         tokio::task::spawn_local(async move {
@@ -764,10 +793,10 @@ mod tests {
             })
         }
 
-        async fn call(&self, b: Batch) -> Result<Vec<Verdict>, StoreError> {
+        async fn call(&self, b: Batch<'_>) -> Result<Vec<Ruling>, StoreError> {
             let start = self.tokens.get();
             self.calls.borrow_mut().push((b.n, start));
-            let verdicts = bucket::take_many(start, b.plan, b.cost, b.n);
+            let verdicts = rulings(start, b);
             let spent = verdicts.iter().filter(|v| v.allowed).count() as f64 * b.cost;
             self.tokens.set(start - spent);
             self.go.notified().await;
@@ -784,7 +813,7 @@ mod tests {
         c: &Rc<Coalescer>,
         store: &Rc<Pipelined>,
         budget_ms: Option<u64>,
-    ) -> tokio::task::JoinHandle<Result<Verdict, StoreError>> {
+    ) -> tokio::task::JoinHandle<Result<Ruling, StoreError>> {
         let (c, store) = (Rc::clone(c), Rc::clone(store));
         let t = Take {
             deadline: budget_ms.map(|ms| Instant::now() + Duration::from_millis(ms)),

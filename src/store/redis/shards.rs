@@ -17,7 +17,8 @@ impl RedisStore {
             .arg(r.fill.map(|f| f.to_string()).unwrap_or_default())
             .arg(r.floor)
             .arg(r.plan.capacity())
-            .arg(r.plan.rate());
+            .arg(r.plan.rate())
+            .arg(r.field);
         for region in r.regions {
             inv.arg(region.as_str());
         }
