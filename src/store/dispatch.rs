@@ -15,7 +15,7 @@ use super::records::{
     Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, ClientsPage,
     PlanRecord, SafetyRecord, Versioned, WriteOutcome,
 };
-use super::redis::RedisStore;
+use super::redis::{Persistence, RedisStore};
 use super::shards::{Reconcile, ShardState};
 use super::{Keys, StoreError};
 use crate::domain::{Applied, Bucket, ClientId, Ruling};
@@ -402,6 +402,17 @@ impl Store {
         match self {
             Store::Embedded(_) => "embedded, single instance".to_string(),
             Store::Redis(s) => s.describe(),
+        }
+    }
+
+    /// What the store keeps across its own restart, for the start-up log: the embedded
+    /// store's buckets live in this process's memory, so a gateway restart forgets them
+    /// ([`Persistence::Embedded`]); Redis is asked (every master of a cluster: the weakest
+    /// answer is the cluster's). An error: Redis could not be reached, so nothing is known.
+    pub async fn persistence(&self) -> Result<Persistence, StoreError> {
+        match self {
+            Store::Embedded(_) => Ok(Persistence::Embedded),
+            Store::Redis(s) => s.persistence().await,
         }
     }
 }

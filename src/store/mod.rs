@@ -22,4 +22,5 @@ pub use self::error::StoreError;
 pub use self::keys::{key_in_slot, key_slot, Keys};
 pub use self::local::{LocalBuckets, LocalLimits, LocalOp};
 pub use self::records::ClientsPage;
+pub use self::redis::Persistence;
 pub use self::shards::{Reconcile, RegionShare, ShardState};

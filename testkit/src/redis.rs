@@ -1,5 +1,6 @@
 //! `redis-server` processes on free ports of 127.0.0.1, with no persistence unless asked
-//! (`SAVE`), and a local Redis Cluster of three of them.
+//! (`SAVE`, or [`RedisServer::start_with`] `--appendonly yes`), and a local Redis Cluster of
+//! three of them.
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::{SocketAddr, TcpListener};
@@ -27,6 +28,12 @@ impl RedisServer {
     /// until it answers `PING`.
     pub fn start() -> anyhow::Result<RedisServer> {
         on_a_free_port("redis-server", |port| RedisServer::start_on(port, &[]))
+    }
+
+    /// [`RedisServer::start`] with `args` after the defaults (which they override, e.g.
+    /// `--appendonly yes`), kept for restarts. The directory is always the server's own.
+    pub fn start_with(args: &[&str]) -> anyhow::Result<RedisServer> {
+        on_a_free_port("redis-server", |port| RedisServer::start_on(port, args))
     }
 
     fn start_on(port: u16, args: &[&str]) -> anyhow::Result<RedisServer> {
@@ -107,9 +114,25 @@ impl RedisServer {
         stop(&mut self.child, Duration::ZERO);
     }
 
-    /// Kills the server if it runs and starts a fresh one on the same port and directory
-    /// (empty, unless a `SAVE` left a snapshot there). Fails with [`PortTaken`] if another
-    /// process took the port in between.
+    /// Stops the server the way an operator does (SIGTERM: it finishes its shutdown, which
+    /// saves nothing unless its configuration says so) and waits until it has exited.
+    /// Fails, after killing it, if it has not within 10 s.
+    pub fn terminate(&mut self) -> anyhow::Result<()> {
+        signal(&self.child, libc::SIGTERM)?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.child.try_wait()?.is_none() {
+            if Instant::now() > deadline {
+                self.kill();
+                bail!("redis-server on {} ignored SIGTERM for 10 s", self.port);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
+    /// Kills the server if it runs and starts a fresh one on the same port, directory and
+    /// arguments (empty, unless a `SAVE` left a snapshot there or it keeps an append-only
+    /// file). Fails with [`PortTaken`] if another process took the port in between.
     pub fn restart(&mut self) -> anyhow::Result<()> {
         self.kill();
         self.child = RedisServer::spawn(self.port, &self.args, &self.dir)?;

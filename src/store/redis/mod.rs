@@ -3,15 +3,18 @@
 //!
 //! `backend.rs` holds [`RedisStore`] and how it reaches Redis (`pool.rs`: connections to
 //! one server); each concern adds its own `impl RedisStore` block: `buckets.rs` (takes,
-//! through `coalesce.rs`), `catalog.rs`, `audit.rs`, `shadow.rs` and `shards.rs`.
+//! through `coalesce.rs`), `catalog.rs`, `audit.rs`, `shadow.rs`, `shards.rs` and
+//! `persistence.rs` (what Redis keeps across its restart).
 
 mod audit;
 mod backend;
 mod buckets;
 mod catalog;
 mod coalesce;
+mod persistence;
 mod pool;
 mod shadow;
 mod shards;
 
 pub(super) use self::backend::RedisStore;
+pub use self::persistence::Persistence;

@@ -1,0 +1,167 @@
+//! What the store keeps across a restart of Redis: the store says it (an append-only file,
+//! snapshots, nothing, or that it would not say), and what it says holds: spent tokens
+//! survive a restart with an append-only file and are forgotten without persistence.
+
+use std::time::Duration;
+
+use secrecy::SecretString;
+use tollgate::domain::Plan;
+use tollgate::store::{Keys, Persistence, Store};
+
+use crate::helpers::*;
+
+/// `--dir` is the server's own temporary directory, kept across restarts.
+const AOF: &[&str] = &["--appendonly", "yes", "--appendfsync", "always"];
+const NOTHING: &[&str] = &["--save", "", "--appendonly", "no"];
+/// Managed Redis often renames or disables CONFIG.
+const NO_CONFIG: &[&str] = &["--rename-command", "CONFIG", ""];
+
+fn store_on(redis: &RedisServer) -> Store {
+    Store::redis(
+        &SecretString::from(redis.url()),
+        2,
+        Duration::from_secs(1),
+        Keys::new("t:"),
+    )
+    .unwrap()
+}
+
+/// The bucket API in one place (it is changing): spends `cost` tokens of the test's bucket
+/// (`Some`), then reads the tokens it holds now (`None`: no bucket, so it is full).
+async fn spend_then_read(store: &Store, cost: Option<f64>) -> Option<f64> {
+    // 100 tokens, refilled at one per 1000 s: nothing visible comes back during a test.
+    let plan = Plan::new(100.0, 0.001).unwrap();
+    let key = "t:b:{acme}";
+    if let Some(cost) = cost {
+        let verdict = store.take(key, plan, cost).await.unwrap();
+        assert!(verdict.allowed, "{verdict:?}");
+    }
+    store.tokens_now(key, plan).await.unwrap()
+}
+
+#[tokio::test]
+async fn redis_says_whether_it_appends_every_write_snapshots_or_keeps_nothing() {
+    // Arrange
+    let aof = RedisServer::start_with(AOF).unwrap();
+    let snapshots = RedisServer::start_with(&["--save", "3600 1 300 100"]).unwrap();
+    let nothing = RedisServer::start_with(NOTHING).unwrap();
+
+    // Act
+    let aof = store_on(&aof).persistence().await.unwrap();
+    let snapshots = store_on(&snapshots).persistence().await.unwrap();
+    let nothing = store_on(&nothing).persistence().await.unwrap();
+
+    // Assert
+    assert_eq!(aof, Persistence::Aof);
+    assert!(aof.keeps_quotas());
+    assert_eq!(
+        snapshots,
+        Persistence::Snapshots {
+            save: "3600 1 300 100".into()
+        }
+    );
+    assert!(!snapshots.keeps_quotas());
+    assert_eq!(nothing, Persistence::None);
+    assert!(!nothing.keeps_quotas());
+    assert!(
+        nothing
+            .describe()
+            .contains("forgets every bucket and quota"),
+        "{}",
+        nothing.describe()
+    );
+}
+
+#[tokio::test]
+async fn a_redis_without_config_still_says_it_appends_and_otherwise_that_it_does_not_know() {
+    // Arrange: CONFIG is disabled, as on many managed Redis services.
+    let aof = RedisServer::start_with(&[AOF, NO_CONFIG].concat()).unwrap();
+    let nothing = RedisServer::start_with(&[NOTHING, NO_CONFIG].concat()).unwrap();
+
+    // Act
+    let aof = store_on(&aof).persistence().await.unwrap();
+    let nothing = store_on(&nothing).persistence().await.unwrap();
+
+    // Assert: INFO tells the append-only file; the snapshot rules are not guessed.
+    assert_eq!(aof, Persistence::Aof);
+    let Persistence::Unknown(why) = &nothing else {
+        panic!("{nothing:?}");
+    };
+    assert!(why.contains("CONFIG GET save"), "{why}");
+    assert!(!nothing.keeps_quotas());
+}
+
+#[tokio::test]
+async fn the_embedded_store_says_its_buckets_live_in_the_gateway() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::embedded(&dir.path().join("catalog.json")).unwrap();
+
+    let p = store.persistence().await.unwrap();
+
+    assert_eq!(p, Persistence::Embedded);
+    assert!(!p.keeps_quotas());
+}
+
+#[tokio::test]
+async fn spent_tokens_are_still_spent_after_redis_restarts_with_an_append_only_file() {
+    // Arrange: 60 of 100 tokens spent.
+    let mut redis = RedisServer::start_with(AOF).unwrap();
+    let left = spend_then_read(&store_on(&redis), Some(60.0))
+        .await
+        .unwrap();
+    assert!((40.0..41.0).contains(&left), "{left}");
+
+    // Act: Redis stops (SIGTERM) and starts again on its port and directory.
+    redis.terminate().unwrap();
+    redis.restart().unwrap();
+
+    // Assert: a store connected afresh reads the spent tokens back.
+    let after = spend_then_read(&store_on(&redis), None).await;
+    assert!(
+        after.is_some_and(|t| (40.0..41.0).contains(&t)),
+        "after the restart: {after:?}"
+    );
+}
+
+#[tokio::test]
+async fn spent_tokens_are_forgotten_when_redis_restarts_without_persistence() {
+    // Arrange: 60 of 100 tokens spent.
+    let mut redis = RedisServer::start_with(NOTHING).unwrap();
+    let left = spend_then_read(&store_on(&redis), Some(60.0))
+        .await
+        .unwrap();
+    assert!((40.0..41.0).contains(&left), "{left}");
+
+    // Act
+    redis.terminate().unwrap();
+    redis.restart().unwrap();
+
+    // Assert: the bucket is gone, so it is full again: a free refill.
+    assert_eq!(spend_then_read(&store_on(&redis), None).await, None);
+}
+
+#[tokio::test]
+async fn a_cluster_keeps_what_its_weakest_master_keeps() {
+    // Arrange: three masters, none persisting (the testkit's default).
+    let cluster = RedisCluster::start().unwrap();
+    let nodes: Vec<SecretString> = cluster.urls().into_iter().map(SecretString::from).collect();
+    let store = Store::cluster(&nodes, Duration::from_secs(2), Keys::new("t:")).unwrap();
+    let appendonly = |node: &RedisServer, on: &str| {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("appendonly")
+            .arg(on)
+            .query(&mut node.conn().unwrap())
+            .unwrap();
+    };
+
+    // Act + Assert: nothing; then an append-only file on every master; then one master
+    // turns it off.
+    assert_eq!(store.persistence().await.unwrap(), Persistence::None);
+    for node in &cluster.nodes {
+        appendonly(node, "yes");
+    }
+    assert_eq!(store.persistence().await.unwrap(), Persistence::Aof);
+    appendonly(&cluster.nodes[1], "no");
+    assert_eq!(store.persistence().await.unwrap(), Persistence::None);
+}
