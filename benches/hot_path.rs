@@ -11,7 +11,9 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use tollgate::configuration::RouteSettings;
 use tollgate::domain::{bucket, Applied, BucketState, Decision, Outcome, RateLimitHeaders};
-use tollgate::domain::{Bucket, KeyHash, Limit, LimitSpec, Limits, PlanName, ServiceName, Upstream};
+use tollgate::domain::{
+    Bucket, KeyHash, Limit, LimitSpec, Limits, PlanName, ServiceName, Upstream,
+};
 use tollgate::proxy::RouteTable;
 use tollgate::store::{LocalBuckets, Store};
 

@@ -156,6 +156,7 @@ impl Application {
                 "embedded store: buckets live in this process, so limits hold for this single instance only"
             );
         }
+        warn_unless_persistent(store.clone(), Arc::clone(&state.catalog));
         Ok(Application {
             port,
             admin_port,
@@ -263,4 +264,30 @@ async fn prepare_store(
             Ok(())
         }
     }
+}
+
+/// Says once what the store keeps across its own restart, when it first answers (Redis may
+/// be down at start), and warns when a plan has a quota and the store may forget its count:
+/// a Redis restarted empty hands every client a fresh period (README, Durability).
+fn warn_unless_persistent(store: Store, catalog: Arc<Catalog>) {
+    tokio::spawn(async move {
+        loop {
+            match store.persistence().await {
+                Ok(p) => {
+                    tracing::info!(persistence = %p.describe(), "store persistence");
+                    if catalog.has_quotas() && !p.keeps_quotas() {
+                        tracing::warn!(
+                            persistence = %p.describe(),
+                            "a plan has a quota, and the store does not say it keeps every write: a restart of it can forget every quota's count and hand every client a fresh period (Redis: appendonly yes; see README, Durability)"
+                        );
+                    }
+                    return;
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "store persistence not known yet; asking again");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        }
+    });
 }

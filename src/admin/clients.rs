@@ -537,7 +537,10 @@ pub async fn bucket(
         .map_err(|e| ApiError::Internal(e.into()))?;
     // The plan's first bucket for every service (see `/usage` for every limit).
     let (field, plan) = crate::limiter::shares::headline(&limits).ok_or_else(|| {
-        ApiError::NotFound(format!("plan {} has no bucket for every service", client.plan))
+        ApiError::NotFound(format!(
+            "plan {} has no bucket for every service",
+            client.plan
+        ))
     })?;
     let key = state.catalog.key_names().bucket(&id);
     let tokens = state.store.tokens_now(&key, &field, plan).await?;

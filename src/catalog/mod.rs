@@ -217,6 +217,11 @@ impl Catalog {
         self
     }
 
+    /// Whether some plan has a quota (whose count the store must keep across its restart).
+    pub fn has_quotas(&self) -> bool {
+        self.plans.iter().any(|p| p.limits().has_quotas())
+    }
+
     /// How many clients the mirror holds.
     pub fn len(&self) -> usize {
         self.clients.len()

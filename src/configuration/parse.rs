@@ -305,7 +305,9 @@ fn catalog(raw: RawCatalog, embedded: bool, p: &mut Problems) -> Option<CatalogS
                 .enumerate()
                 .map(|(j, spec)| {
                     Limit::from_spec(spec)
-                        .map_err(|e| p.add(format!("{key}.limits[{j}].{}", e.field()), e.to_string()))
+                        .map_err(|e| {
+                            p.add(format!("{key}.limits[{j}].{}", e.field()), e.to_string())
+                        })
                         .ok()
                 })
                 .collect();

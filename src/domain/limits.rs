@@ -389,7 +389,11 @@ impl Limits {
     /// These limits with `f` applied to the named ones (an override's values).
     pub fn replaced(&self, f: impl Fn(&Limit) -> Option<Limit>) -> Limits {
         Limits {
-            items: self.items.iter().map(|l| f(l).unwrap_or(l.clone())).collect(),
+            items: self
+                .items
+                .iter()
+                .map(|l| f(l).unwrap_or(l.clone()))
+                .collect(),
         }
     }
 }
@@ -436,14 +440,24 @@ impl Limits {
     /// kind and bounds. The error names the field.
     pub fn check_override(&self, o: &Override) -> Result<(), (&'static str, String)> {
         let Some(limit) = self.get(o.limit.as_str()) else {
-            return Err(("limit", format!("the plan has no limit {:?}", o.limit.as_str())));
+            return Err((
+                "limit",
+                format!("the plan has no limit {:?}", o.limit.as_str()),
+            ));
         };
         match (&limit.kind, o.quota, o.capacity.or(o.rate)) {
             (LimitKind::Bucket(_), Some(_), _) => {
-                return Err(("quota", "this limit is a bucket: give capacity or rate".into()))
+                return Err((
+                    "quota",
+                    "this limit is a bucket: give capacity or rate".into(),
+                ))
             }
             (LimitKind::Quota(_), _, Some(_)) => {
-                let f = if o.capacity.is_some() { "capacity" } else { "rate" };
+                let f = if o.capacity.is_some() {
+                    "capacity"
+                } else {
+                    "rate"
+                };
                 return Err((f, "this limit is a quota: give quota".into()));
             }
             _ => {}
@@ -531,7 +545,10 @@ impl Applied {
 pub enum LimitState {
     Bucket(BucketState),
     /// `used` of the quota in the window that ends at `end_us`.
-    Quota { used: f64, end_us: u64 },
+    Quota {
+        used: f64,
+        end_us: u64,
+    },
 }
 
 /// A limit's level at one instant, before any take: a bucket's tokens after refilling, a
@@ -812,7 +829,10 @@ mod tests {
     fn a_quota_starts_over_when_its_window_ends() {
         let a = applied(&[daily("day", 3.0)]);
         let end = NOON + 12 * 3600 * 1_000_000;
-        let full = Some(LimitState::Quota { used: 3.0, end_us: end });
+        let full = Some(LimitState::Quota {
+            used: 3.0,
+            end_us: end,
+        });
         assert!(!take_many(&a, levels_at(&a, &[full], end - 1), 1.0, 1, end - 1)[0].allowed);
         let r = take_many(&a, levels_at(&a, &[full], end), 1.0, 1, end);
         assert!(r[0].allowed);

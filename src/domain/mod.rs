@@ -17,13 +17,13 @@ pub use api_key::{ApiKey, KeyHash};
 pub use bucket::{BucketState, Verdict};
 pub use decision::{Decision, Outcome};
 pub use ids::{ClientId, IdError, LimitName, PlanName, Region, ServiceName, ID_PATTERN};
-pub use plan::{
-    Capacity, Mode, Bucket, PlanError, Rate, MAX_CAPACITY, MAX_RATE, MAX_REFILL_SECS, MIN_CAPACITY,
-    MIN_RATE,
-};
 pub use limits::{
     Applied, AppliedKind, Level, Limit, LimitError, LimitKind, LimitSpec, LimitState, Limits,
     Override, Quota, Ruling,
+};
+pub use plan::{
+    Bucket, Capacity, Mode, PlanError, Rate, MAX_CAPACITY, MAX_RATE, MAX_REFILL_SECS, MIN_CAPACITY,
+    MIN_RATE,
 };
 pub use ratelimit::{policy_header, RateLimitHeaders};
 pub use upstream::Upstream;

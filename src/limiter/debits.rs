@@ -82,7 +82,9 @@ async fn flush() {
                     f(&ruling);
                 }
             }
-            Err(e) => tracing::warn!(error = %e, key = %key, delta = p.delta, "a debit was dropped"),
+            Err(e) => {
+                tracing::warn!(error = %e, key = %key, delta = p.delta, "a debit was dropped")
+            }
         }
     });
     futures_util::future::join_all(calls).await;

@@ -224,12 +224,10 @@ impl Limiter {
             // The store answers by the deadline itself, saying whether the call went out;
             // the timeout around it only guards against a store that would not.
             let deadline = tokio::time::Instant::now() + self.timeout;
-            let answer = tokio::time::timeout_at(
-                deadline,
-                store.take(key, &applied, cost, Some(deadline)),
-            )
-            .await
-            .unwrap_or(Err(StoreError::Deadline { sent: true }));
+            let answer =
+                tokio::time::timeout_at(deadline, store.take(key, &applied, cost, Some(deadline)))
+                    .await
+                    .unwrap_or(Err(StoreError::Deadline { sent: true }));
             // The breaker judges the store: see `Breaker::observe`.
             breakers.with(key, |b| b.observe(&answer));
             answer.map_err(|e| match e {
@@ -359,7 +357,10 @@ impl Limiter {
             .iter()
             .cloned()
             .partition(|a| matches!(a.kind, AppliedKind::Quota { .. }));
-        match (decision.sharded, client.shard.as_ref().and_then(|s| s.local_key.as_deref())) {
+        match (
+            decision.sharded,
+            client.shard.as_ref().and_then(|s| s.local_key.as_deref()),
+        ) {
             (true, Some(local)) => {
                 debits::queue(&self.regional, local, &buckets, delta, period, None);
                 self.debit_global_quotas(client, &quotas, delta);

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use crate::catalog::{ClientEntry, SafetyRecord};
 use crate::domain::Verdict;
-use crate::domain::{ClientId, Bucket};
+use crate::domain::{Bucket, ClientId};
 use crate::store::LocalBuckets;
 
 /// A (client, service) pair; cloning it copies two reference counts, never a string.

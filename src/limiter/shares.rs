@@ -224,9 +224,16 @@ impl ShareBook {
 }
 
 /// The plan's first bucket for every service, and where its state lives.
-pub fn headline(limits: &crate::domain::Limits) -> Option<(std::sync::Arc<str>, crate::domain::Bucket)> {
-    limits.items().iter().find_map(|l| match (l.kind(), l.service()) {
-        (crate::domain::LimitKind::Bucket(b), None) => Some((std::sync::Arc::clone(l.field()), *b)),
-        _ => None,
-    })
+pub fn headline(
+    limits: &crate::domain::Limits,
+) -> Option<(std::sync::Arc<str>, crate::domain::Bucket)> {
+    limits
+        .items()
+        .iter()
+        .find_map(|l| match (l.kind(), l.service()) {
+            (crate::domain::LimitKind::Bucket(b), None) => {
+                Some((std::sync::Arc::clone(l.field()), *b))
+            }
+            _ => None,
+        })
 }

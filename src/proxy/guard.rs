@@ -11,8 +11,8 @@ use actix_web::{web, HttpMessage, ResponseError};
 
 use super::{NormalPath, Route};
 use crate::catalog::ClientEntry;
-use crate::domain::{KeyHash, Mode};
 use crate::domain::ratelimit::policy_name;
+use crate::domain::{KeyHash, Mode};
 use crate::domain::{Outcome, RateLimitHeaders};
 use crate::error::ApiError;
 use crate::state::AppState;
@@ -87,11 +87,8 @@ pub async fn guard(
         .limiter
         .decide(&client, &route.service, route.cost)
         .await;
-    let rl = RateLimitHeaders::with_policy(
-        &client.plan.name,
-        &decision,
-        client.plan.policy(&decision),
-    );
+    let rl =
+        RateLimitHeaders::with_policy(&client.plan.name, &decision, client.plan.policy(&decision));
     if !decision.outcome.forwards() {
         let (wait, limit) = match decision.outcome {
             Outcome::SafetyDenied => (decision.safety_wait_us, None),

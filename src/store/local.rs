@@ -128,9 +128,11 @@ impl<K: Hash + Eq> LocalBuckets<K> {
 /// clock in unix microseconds, since quotas follow the calendar. The same arithmetic as
 /// `lua/bucket.lua`: see `domain::limits`.
 pub struct LocalLimits {
-    shards: Box<[Mutex<HashMap<Box<str>, Entry, RandomState>>]>,
+    shards: Box<[LimitShard]>,
     hasher: RandomState,
 }
+
+type LimitShard = Mutex<HashMap<Box<str>, Entry, RandomState>>;
 
 struct Entry {
     /// By field prefix, as in the client's Redis hash.
@@ -166,7 +168,7 @@ impl LocalLimits {
             .map_or(0, |d| d.as_micros() as u64)
     }
 
-    fn shard(&self, key: &str) -> &Mutex<HashMap<Box<str>, Entry, RandomState>> {
+    fn shard(&self, key: &str) -> &LimitShard {
         &self.shards[self.hasher.hash_one(key) as usize % SHARDS]
     }
 
@@ -239,14 +241,10 @@ impl LocalLimits {
     /// The bucket state under `field` of `key`, if any.
     pub fn bucket_state(&self, key: &str, field: &str) -> Option<BucketState> {
         let shard = self.shard(key).lock();
-        shard
-            .get(key)?
-            .states
-            .iter()
-            .find_map(|(f, s)| match s {
-                LimitState::Bucket(b) if **f == *field => Some(*b),
-                _ => None,
-            })
+        shard.get(key)?.states.iter().find_map(|(f, s)| match s {
+            LimitState::Bucket(b) if **f == *field => Some(*b),
+            _ => None,
+        })
     }
 
     pub fn remove(&self, key: &str) {

@@ -1,7 +1,7 @@
 //! What regional reconciliation exchanges with the store: a region's report for a sharded
 //! client ([`Reconcile`]) and the shares the store answers with ([`ShardState`]).
 
-use crate::domain::{ClientId, Bucket, Region};
+use crate::domain::{Bucket, ClientId, Region};
 
 /// One region's part of a sharded client's plan.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, utoipa::ToSchema)]

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use secrecy::SecretString;
-use tollgate::domain::Plan;
+use tollgate::domain::Limits;
 use tollgate::store::{Keys, Persistence, Store};
 
 use crate::helpers::*;
@@ -26,17 +26,24 @@ fn store_on(redis: &RedisServer) -> Store {
     .unwrap()
 }
 
-/// The bucket API in one place (it is changing): spends `cost` tokens of the test's bucket
-/// (`Some`), then reads the tokens it holds now (`None`: no bucket, so it is full).
-async fn spend_then_read(store: &Store, cost: Option<f64>) -> Option<f64> {
-    // 100 tokens, refilled at one per 1000 s: nothing visible comes back during a test.
-    let plan = Plan::new(100.0, 0.001).unwrap();
+/// Spends `cost` (if any) from a plan of a bucket of 100 tokens (refilled at one per
+/// 1000 s: nothing visible comes back during a test) and a calendar-month quota of a
+/// million, then reads both back: (tokens left, quota left).
+async fn spend_then_read(store: &Store, cost: Option<f64>) -> (f64, f64) {
+    let limits: Limits = serde_json::from_str(
+        r#"[{"name":"default","capacity":100,"rate":0.001},
+            {"name":"monthly","quota":1000000,"period":"month"}]"#,
+    )
+    .unwrap();
+    let applied = limits.applied(None);
     let key = "t:b:{acme}";
     if let Some(cost) = cost {
-        let verdict = store.take(key, plan, cost).await.unwrap();
-        assert!(verdict.allowed, "{verdict:?}");
+        let ruling = store.take(key, &applied, cost, None).await.unwrap();
+        assert!(ruling.allowed, "{ruling:?}");
     }
-    store.tokens_now(key, plan).await.unwrap()
+    let now = store.peek(key, &applied).await.unwrap();
+    let left = |i: usize| now.levels[i].remaining(&applied[i].kind);
+    (left(0), left(1))
 }
 
 #[tokio::test]
@@ -106,38 +113,38 @@ async fn the_embedded_store_says_its_buckets_live_in_the_gateway() {
 async fn spent_tokens_are_still_spent_after_redis_restarts_with_an_append_only_file() {
     // Arrange: 60 of 100 tokens spent.
     let mut redis = RedisServer::start_with(AOF).unwrap();
-    let left = spend_then_read(&store_on(&redis), Some(60.0))
-        .await
-        .unwrap();
+    let (left, quota) = spend_then_read(&store_on(&redis), Some(60.0)).await;
     assert!((40.0..41.0).contains(&left), "{left}");
+    assert_eq!(quota, 999_940.0);
 
     // Act: Redis stops (SIGTERM) and starts again on its port and directory.
     redis.terminate().unwrap();
     redis.restart().unwrap();
 
     // Assert: a store connected afresh reads the spent tokens back.
-    let after = spend_then_read(&store_on(&redis), None).await;
-    assert!(
-        after.is_some_and(|t| (40.0..41.0).contains(&t)),
-        "after the restart: {after:?}"
-    );
+    let (left, quota) = spend_then_read(&store_on(&redis), None).await;
+    assert!((40.0..41.0).contains(&left), "after the restart: {left}");
+    assert_eq!(quota, 999_940.0, "the month's count survived");
 }
 
 #[tokio::test]
 async fn spent_tokens_are_forgotten_when_redis_restarts_without_persistence() {
     // Arrange: 60 of 100 tokens spent.
     let mut redis = RedisServer::start_with(NOTHING).unwrap();
-    let left = spend_then_read(&store_on(&redis), Some(60.0))
-        .await
-        .unwrap();
+    let (left, quota) = spend_then_read(&store_on(&redis), Some(60.0)).await;
     assert!((40.0..41.0).contains(&left), "{left}");
+    assert_eq!(quota, 999_940.0);
 
     // Act
     redis.terminate().unwrap();
     redis.restart().unwrap();
 
-    // Assert: the bucket is gone, so it is full again: a free refill.
-    assert_eq!(spend_then_read(&store_on(&redis), None).await, None);
+    // Assert: the state is gone: the bucket is full again and the month starts over, a
+    // free month.
+    assert_eq!(
+        spend_then_read(&store_on(&redis), None).await,
+        (100.0, 1_000_000.0)
+    );
 }
 
 #[tokio::test]

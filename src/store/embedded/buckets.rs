@@ -13,8 +13,12 @@ impl EmbeddedStore {
 
     /// Debits `delta` from every limit in `applied` (a refund when negative).
     pub fn adjust(&self, key: &str, applied: &[Applied], delta: f64) -> Ruling {
-        self.limits
-            .run(key, applied, LocalOp::Adjust { delta }, LocalLimits::now_us())
+        self.limits.run(
+            key,
+            applied,
+            LocalOp::Adjust { delta },
+            LocalLimits::now_us(),
+        )
     }
 
     /// Every limit's level now; changes nothing.

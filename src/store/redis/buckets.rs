@@ -119,7 +119,11 @@ impl RedisStore {
             })
             .arg(cost)
             .arg(n)
-            .arg(if applied.iter().any(|a| a.others) { "1" } else { "" });
+            .arg(if applied.iter().any(|a| a.others) {
+                "1"
+            } else {
+                ""
+            });
         let now_us = wall_clock_us();
         for a in applied {
             inv.arg(&*a.field);
