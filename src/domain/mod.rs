@@ -1,7 +1,8 @@
 //! The lowest floor: values every other layer speaks in, with no I/O and no imports from
 //! the rest of the crate. Types that refuse bad values (once constructed, they are valid),
-//! the token-bucket arithmetic both stores run, decisions and their outcomes, the IETF
-//! `RateLimit` header values, and where a route's service lives ([`Upstream`]).
+//! the token-bucket arithmetic both stores run, quota windows on the calendar ([`quota`]),
+//! decisions and their outcomes, the IETF `RateLimit` header values, and where a route's
+//! service lives ([`Upstream`]).
 
 mod api_key;
 pub mod bucket;
@@ -25,5 +26,6 @@ pub use plan::{
     Bucket, Capacity, Mode, PlanError, Rate, MAX_CAPACITY, MAX_RATE, MAX_REFILL_SECS, MIN_CAPACITY,
     MIN_RATE,
 };
+pub use quota::{window_end, Bounds, Period, QuotaClock, QuotaError, Reset};
 pub use ratelimit::{policy_header, RateLimitHeaders};
 pub use upstream::Upstream;
