@@ -386,6 +386,15 @@ impl Limits {
         applied
     }
 
+    /// Every limit, as one request would see them all (to read every limit's state).
+    pub fn every(&self) -> Vec<Applied> {
+        self.items
+            .iter()
+            .enumerate()
+            .map(|(i, l)| Applied::of(i, l))
+            .collect()
+    }
+
     /// These limits with `f` applied to the named ones (an override's values).
     pub fn replaced(&self, f: impl Fn(&Limit) -> Option<Limit>) -> Limits {
         Limits {
