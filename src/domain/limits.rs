@@ -71,13 +71,21 @@ impl LimitError {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Quota {
     amount: f64,
-    clock: QuotaClock,
+    /// Shared: every request to the plan carries it, and a clock holds its zone's name.
+    clock: Arc<QuotaClock>,
 }
 
 impl Quota {
     pub fn new(amount: f64, clock: QuotaClock) -> Result<Quota, LimitError> {
+        Ok(Quota {
+            amount: Quota::check(amount)?,
+            clock: Arc::new(clock),
+        })
+    }
+
+    fn check(amount: f64) -> Result<f64, LimitError> {
         if amount.is_finite() && (MIN_QUOTA..=MAX_QUOTA).contains(&amount) {
-            Ok(Quota { amount, clock })
+            Ok(amount)
         } else {
             Err(LimitError::Amount(amount))
         }
@@ -269,7 +277,11 @@ impl Limit {
                 rate.unwrap_or(b.rate()),
             )?),
             LimitKind::Quota(q) => {
-                LimitKind::Quota(Quota::new(quota.unwrap_or(q.amount), q.clock.clone())?)
+                // The clock is shared, not rebuilt: an override changes the amount only.
+                LimitKind::Quota(Quota {
+                    amount: Quota::check(quota.unwrap_or(q.amount))?,
+                    clock: Arc::clone(&q.clock),
+                })
             }
         };
         Ok(Limit {
@@ -505,7 +517,7 @@ pub enum AppliedKind {
     },
     Quota {
         amount: f64,
-        clock: QuotaClock,
+        clock: Arc<QuotaClock>,
     },
 }
 
@@ -523,7 +535,7 @@ impl Applied {
                 },
                 LimitKind::Quota(q) => AppliedKind::Quota {
                     amount: q.amount,
-                    clock: q.clock.clone(),
+                    clock: Arc::clone(&q.clock),
                 },
             },
         }
