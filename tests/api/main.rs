@@ -14,6 +14,7 @@ mod forwarding;
 mod limiting;
 mod outage_start;
 mod paths;
+mod plans;
 mod regions;
 mod resilience;
 mod shadow;
