@@ -15,6 +15,7 @@ mod limiting;
 mod outage_start;
 mod paths;
 mod plans;
+mod quotas;
 mod regions;
 mod resilience;
 mod shadow;
