@@ -117,9 +117,10 @@ async fn a_request_any_of_three_limits_refuses_spends_from_none_even_in_coalesce
     // The 400 takes went to Redis in shared calls: one per round trip, not per request.
     let calls = gw.sample("tollgate_store_bucket_calls_total").await;
     let takes = gw.sample("tollgate_store_bucket_takes_total").await;
+    eprintln!("plans: {calls} script calls for {takes} takes");
     assert_eq!(takes, 400.0);
     assert!(
-        calls * 5.0 <= takes,
+        calls * 10.0 <= takes,
         "{calls} script calls for {takes} takes: the queued requests were not batched"
     );
 }
