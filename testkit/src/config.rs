@@ -188,6 +188,25 @@ pub fn catalog_toml(plan: (&str, f64, f64), clients: &[&str]) -> String {
     t
 }
 
+/// A plan of several limits and `clients` on it (each with the key [`key`] gives it), as
+/// TOML. `limits` is the plan's `limits` value, an array of inline tables, e.g.
+/// `[{ name = "burst", capacity = 200, rate = 100 }, { name = "monthly", quota = 1000000,
+/// period = "month" }]`.
+pub fn limits_catalog_toml(plan: &str, limits: &str, clients: &[&str]) -> String {
+    let mut t = format!("[[catalog.plans]]\nname = {plan:?}\nlimits = {limits}\n");
+    for c in clients {
+        t.push_str(
+            &ClientDef {
+                id: c.to_string(),
+                plan: plan.into(),
+                key: key(c),
+            }
+            .toml(),
+        );
+    }
+    t
+}
+
 /// A route as TOML.
 pub fn route_toml(service: &str, prefix: &str, upstreams: &[String]) -> String {
     RouteDef {

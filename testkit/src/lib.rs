@@ -5,7 +5,8 @@
 //! - [`GatewayProcess`]: the gateway's real binary as a child process, started by a
 //!   [`Launcher`] from a [`GatewayConfig`], the one TOML builder for a gateway's
 //!   configuration (plans, clients, routes, store, admin API, catalog file); the snippets
-//!   tests layer on it are [`catalog_toml`], [`route_toml`] and [`admin_toml`].
+//!   tests layer on it are [`catalog_toml`] (a plan of one bucket),
+//!   [`limits_catalog_toml`] (a plan of several limits), [`route_toml`] and [`admin_toml`].
 //! - [`free_port`], [`on_a_free_port`] (start a child again on another port when someone
 //!   took its port first: [`PortTaken`]), [`temp_dir`] (and [`clean_stale_dirs`]),
 //!   [`command`] (a child that dies with its parent), [`signal`], [`wait_for_port`] (only
@@ -16,6 +17,9 @@
 //!   (a partition, or a failover that moves a name while the old peer keeps the socket),
 //!   resets, and refused connections. No iptables or tc: it is a plain TCP proxy on
 //!   loopback, run on its own thread so a stalled test runtime cannot stall it.
+//! - [`FakeClock`]: a wall clock of the test's choosing for the gateway and `redis-server`
+//!   alike (a preloaded library reading one offset file), which the test moves while they
+//!   run: calendar quotas cross a month's end in seconds.
 //!
 //! Every fixture that can fail returns `anyhow::Result` (tests unwrap it, the load tool
 //! reports it), except [`FaultProxy`], which panics; children are killed on drop, and
@@ -25,6 +29,7 @@
 //! gateway of the tests stays with the tests.
 
 mod config;
+mod fake_clock;
 mod fault_proxy;
 mod gateway;
 mod ports;
@@ -32,9 +37,10 @@ mod process;
 mod redis;
 
 pub use config::{
-    admin_toml, catalog_toml, key, route_toml, ClientDef, GatewayConfig, PlanDef, RouteDef,
-    ADMIN_SECRET,
+    admin_toml, catalog_toml, key, limits_catalog_toml, route_toml, ClientDef, GatewayConfig,
+    PlanDef, RouteDef, ADMIN_SECRET,
 };
+pub use fake_clock::FakeClock;
 pub use fault_proxy::FaultProxy;
 pub use gateway::{GatewayProcess, Launcher};
 pub use ports::{free_port, on_a_free_port, PortTaken};

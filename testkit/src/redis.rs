@@ -20,6 +20,8 @@ pub struct RedisServer {
     pub port: u16,
     /// Arguments beyond the defaults (a cluster node's), for restarts.
     args: Vec<String>,
+    /// Its environment beyond ours (a [`crate::FakeClock`]'s), for restarts.
+    env: Vec<(String, String)>,
     dir: TempDir,
 }
 
@@ -27,30 +29,48 @@ impl RedisServer {
     /// Starts a server on a free port (another if someone takes that one first) and waits
     /// until it answers `PING`.
     pub fn start() -> anyhow::Result<RedisServer> {
-        on_a_free_port("redis-server", |port| RedisServer::start_on(port, &[]))
+        on_a_free_port("redis-server", |port| RedisServer::start_on(port, &[], &[]))
     }
 
     /// [`RedisServer::start`] with `args` after the defaults (which they override, e.g.
     /// `--appendonly yes`), kept for restarts. The directory is always the server's own.
     pub fn start_with(args: &[&str]) -> anyhow::Result<RedisServer> {
-        on_a_free_port("redis-server", |port| RedisServer::start_on(port, args))
+        on_a_free_port("redis-server", |port| {
+            RedisServer::start_on(port, args, &[])
+        })
     }
 
-    fn start_on(port: u16, args: &[&str]) -> anyhow::Result<RedisServer> {
+    /// [`RedisServer::start`] with `env` added to the server's environment (kept for
+    /// restarts), e.g. a [`crate::FakeClock`]'s, so that `TIME` reads the test's clock.
+    pub fn start_with_env(env: &[(&str, &str)]) -> anyhow::Result<RedisServer> {
+        on_a_free_port("redis-server", |port| RedisServer::start_on(port, &[], env))
+    }
+
+    fn start_on(port: u16, args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<RedisServer> {
         let dir = temp_dir("redis")?;
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-        let child = RedisServer::spawn(port, &args, &dir)?;
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let child = RedisServer::spawn(port, &args, &env, &dir)?;
         let server = RedisServer {
             child,
             port,
             args,
+            env,
             dir,
         };
         server.wait_until_ready()?;
         Ok(server)
     }
 
-    fn spawn(port: u16, args: &[String], dir: &TempDir) -> anyhow::Result<Child> {
+    fn spawn(
+        port: u16,
+        args: &[String],
+        env: &[(String, String)],
+        dir: &TempDir,
+    ) -> anyhow::Result<Child> {
         let log = dir.path().join("redis.log");
         let mut child = command("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
@@ -60,6 +80,7 @@ impl RedisServer {
             .arg(dir.path())
             .arg("--logfile")
             .arg(&log)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .spawn()
             .context("starting redis-server (apt-get install -y redis-server)")?;
         wait_for_port(
@@ -135,7 +156,7 @@ impl RedisServer {
     /// file). Fails with [`PortTaken`] if another process took the port in between.
     pub fn restart(&mut self) -> anyhow::Result<()> {
         self.kill();
-        self.child = RedisServer::spawn(self.port, &self.args, &self.dir)?;
+        self.child = RedisServer::spawn(self.port, &self.args, &self.env, &self.dir)?;
         self.wait_until_ready()
     }
 
@@ -217,6 +238,7 @@ impl RedisCluster {
                         "--cluster-config-file",
                         "nodes.conf",
                     ],
+                    &[],
                 )
             })?);
         }
@@ -406,7 +428,7 @@ mod tests {
 
         // Straight onto the taken port: ours exits, the other answers PING, and that is
         // not taken for ours.
-        match RedisServer::start_on(other.port, &[]) {
+        match RedisServer::start_on(other.port, &[], &[]) {
             Ok(s) => panic!(
                 "started on a taken port, answered by pid {}",
                 process_id(&s)
@@ -417,7 +439,7 @@ mod tests {
         // Offered the taken port first, it starts on the next one.
         let ports = std::iter::once(Ok(other.port)).chain(std::iter::from_fn(|| Some(free_port())));
         let ours = on_ports("redis-server", ports, |port| {
-            RedisServer::start_on(port, &[])
+            RedisServer::start_on(port, &[], &[])
         })
         .unwrap();
         assert_ne!(ours.port, other.port);

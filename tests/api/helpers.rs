@@ -12,11 +12,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
+use secrecy::SecretString;
 use tollgate::configuration::Settings;
+use tollgate::domain::Limits;
 use tollgate::startup::Application;
+use tollgate::store::{Keys, Store};
 pub use tollgate_testkit::{
-    admin_toml, catalog_toml, free_port, key, route_toml, GatewayProcess, RedisCluster,
-    RedisServer, ADMIN_SECRET,
+    admin_toml, catalog_toml, free_port, key, limits_catalog_toml, route_toml, FakeClock,
+    GatewayProcess, RedisCluster, RedisServer, ADMIN_SECRET,
 };
 use tollgate_testkit::{temp_dir, GatewayConfig, Launcher};
 
@@ -136,6 +139,78 @@ pub fn settings(toml: &str) -> Settings {
     let base_file = dir.join("base.toml");
     std::fs::write(&base_file, base.toml("127.0.0.1:0", &dir)).unwrap();
     Settings::load_with_env(&[base_file, file], std::iter::empty()).expect("test settings")
+}
+
+/// Redis settings with a generous decision budget, for tests about the limit rather than
+/// about failing open (a debug build on two cores can take more than 5 ms under load).
+pub fn redis_toml(redis: &RedisServer) -> String {
+    format!("[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n", redis.url())
+}
+
+/// The limits of `plan` as a gateway configured with `toml` reads them.
+pub fn plan_limits(toml: &str, plan: &str) -> Limits {
+    settings(toml)
+        .catalog
+        .plans
+        .into_iter()
+        .find(|p| p.name.as_str() == plan)
+        .unwrap_or_else(|| panic!("no plan {plan} in the configuration"))
+        .limits
+}
+
+/// A store on `redis` with the gateway's default key prefix, to read what the gateway
+/// wrote: a client's state is at `tollgate:b:{<client>}`.
+pub fn redis_store(redis: &RedisServer) -> Store {
+    Store::redis(
+        &SecretString::from(redis.url()),
+        2,
+        Duration::from_secs(1),
+        Keys::new("tollgate:"),
+    )
+    .unwrap()
+}
+
+/// A response's `RateLimit` field, `"<policy>";r=<remaining>;t=<reset s>`, read back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RateLimit {
+    pub policy: String,
+    pub remaining: u64,
+    pub reset: u64,
+}
+
+impl RateLimit {
+    /// The `RateLimit` of `r`, which must have one.
+    pub fn of(r: &reqwest::Response) -> RateLimit {
+        let v = r
+            .headers()
+            .get("ratelimit")
+            .unwrap_or_else(|| panic!("no RateLimit in {:?}", r.headers()))
+            .to_str()
+            .unwrap();
+        let mut parts = v.split(';');
+        let policy = parts.next().unwrap().trim_matches('"').to_string();
+        let mut field = |name: &str| -> u64 {
+            parts
+                .next()
+                .and_then(|p| p.strip_prefix(name))
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("no {name} in {v:?}"))
+        };
+        let remaining = field("r=");
+        let reset = field("t=");
+        RateLimit {
+            policy,
+            remaining,
+            reset,
+        }
+    }
+}
+
+/// A response's `Retry-After` in seconds, if it has one.
+pub fn retry_after(r: &reqwest::Response) -> Option<u64> {
+    r.headers()
+        .get("retry-after")
+        .map(|v| v.to_str().unwrap().parse().unwrap())
 }
 
 /// A gateway running in this process.

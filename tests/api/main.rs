@@ -14,6 +14,8 @@ mod forwarding;
 mod limiting;
 mod outage_start;
 mod paths;
+mod plans;
+mod quotas;
 mod regions;
 mod resilience;
 mod shadow;

@@ -14,9 +14,16 @@ use crate::helpers::*;
 
 /// The share period these tests run with (the default is 1 s).
 const SHARE: Duration = Duration::from_millis(500);
+/// How long a region sums the quota debits of a sharded client before sending them (the
+/// default, set here because a bound below depends on it).
+const DEBIT: Duration = Duration::from_millis(20);
 
 fn periods_toml() -> String {
-    format!("[periods]\nshare_ms = {}\n", SHARE.as_millis())
+    format!(
+        "[periods]\nshare_ms = {}\ndebit_ms = {}\n",
+        SHARE.as_millis(),
+        DEBIT.as_millis()
+    )
 }
 
 fn token() -> String {
@@ -134,15 +141,27 @@ fn regional_toml(
     clients: &[&str],
     up: &Upstream,
 ) -> String {
+    let catalog = catalog_toml(plan, clients);
+    regional_toml_of(region, global, regional, extra_redis, &catalog, up)
+}
+
+/// [`regional_toml`] with the plans and clients given as TOML (`catalog`).
+fn regional_toml_of(
+    region: &str,
+    global: &RedisServer,
+    regional: Option<&RedisServer>,
+    extra_redis: &str,
+    catalog: &str,
+    up: &Upstream,
+) -> String {
     let regional_url = regional
         .map(|r| format!("regional_url = \"{}\"\n", r.url()))
         .unwrap_or_default();
     format!(
-        "{}{}[server]\nregion = \"{region}\"\n[redis]\nurl = \"{}\"\n{regional_url}{extra_redis}[catalog]\nrefresh_ms = 200\n{}{}",
+        "{}{}[server]\nregion = \"{region}\"\n[redis]\nurl = \"{}\"\n{regional_url}{extra_redis}[catalog]\nrefresh_ms = 200\n{catalog}{}",
         admin_toml(),
         periods_toml(),
         global.url(),
-        catalog_toml(plan, clients),
         route_toml("orders", "/orders", &[up.url()]),
     )
 }
@@ -650,6 +669,107 @@ async fn a_stopped_regional_redis_fails_open_only_for_that_regions_shards() {
     );
     assert_eq!(gw.sample("tollgate_breaker_open").await, 0.0);
     regional.resume().unwrap();
+}
+
+#[tokio::test]
+async fn a_sharded_clients_quota_holds_across_regions_within_a_debit_period_of_traffic() {
+    // Arrange: a global Redis, one per region (eu, us) and a gateway in each; plan
+    // `metered` = a bucket too big to matter, and a daily quota of 200, which stays in the
+    // global store while the bucket is shared out to the regions' shards.
+    let global = RedisServer::start().unwrap();
+    let regional = [RedisServer::start().unwrap(), RedisServer::start().unwrap()];
+    let up = Upstream::start(Behaviour::Echo).await;
+    let quota = 200.0;
+    let catalog = limits_catalog_toml(
+        "metered",
+        &format!(
+            r#"[{{ name = "default", capacity = 1000, rate = 1000 }},
+                {{ name = "daily", quota = {quota}, period = "day" }}]"#
+        ),
+        &["hot"],
+    );
+    let regions = ["eu", "us"];
+    let mut gateways = Vec::new();
+    for (region, redis) in regions.iter().zip(&regional) {
+        let toml = regional_toml_of(
+            region,
+            &global,
+            Some(redis),
+            "timeout_ms = 2000\n",
+            &catalog,
+            &up,
+        );
+        gateways.push(TestGateway::spawn(settings(&toml)).await);
+    }
+    let r = gateways[0]
+        .admin(Method::PUT, "/clients/hot", &token())
+        .json(&json!({"plan": "metered", "shards": {"regions": regions}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    for gw in &gateways {
+        gw.wait_for_catalog(etag_version(&r)).await;
+    }
+    bucket_when(&gateways[0], "hot", "eu and us report a fill", |v| {
+        regions.iter().all(|r| fill(v, r).is_some())
+    })
+    .await;
+
+    // Act: 100 requests a second from each region for 1.5 s, 300 for a quota of 200.
+    let rate = 100.0;
+    let never = AtomicBool::new(false);
+    let t0 = Instant::now();
+    let results = futures_util::future::join_all(
+        gateways
+            .iter()
+            .map(|gw| drive(gw, "hot", rate, Duration::from_millis(1500), t0, &never)),
+    )
+    .await;
+
+    // Assert: both regions admitted until the quota was used up, and together at most
+    // what each admits in one debit period and a round trip past it (at this rate 2 or 3
+    // each: within 5%)...
+    let counts: Vec<(u32, usize)> = results.iter().map(|r| (r.0, r.1.len())).collect();
+    let admitted: usize = counts.iter().map(|c| c.1).sum();
+    eprintln!("regions: quota {quota}, (sent, admitted) per region {counts:?}");
+    assert!(
+        (quota as usize..=(quota * 1.05) as usize).contains(&admitted),
+        "admitted {admitted} for a quota of {quota}: {counts:?}"
+    );
+    assert!(counts.iter().all(|c| c.1 >= 50), "{counts:?}");
+    // ...every admitted request counted once in the global quota...
+    eventually(
+        Duration::from_secs(2),
+        "the global quota counts every admitted request",
+        || async {
+            let used: Option<String> = redis::cmd("HGET")
+                .arg("tollgate:b:{hot}")
+                .arg("daily:n")
+                .query(&mut global.conn().unwrap())
+                .unwrap();
+            used == Some(admitted.to_string())
+        },
+    )
+    .await;
+    // ...and both regions now refuse, naming the quota, until midnight UTC.
+    let to_midnight = 86_400
+        - SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+            % 86_400;
+    for gw in &gateways {
+        let r = gw.get("/orders", Some(&key("hot"))).await;
+        assert_eq!(r.status(), 429);
+        let wait = retry_after(&r).unwrap();
+        assert!(wait.abs_diff(to_midnight) <= 2, "{wait} vs {to_midnight}");
+        let rl = RateLimit::of(&r);
+        assert_eq!((rl.policy.as_str(), rl.remaining), ("metered.daily", 0));
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(body["limit"], "metered.daily", "{body}");
+    }
+    assert_eq!(up.hits(), admitted);
 }
 
 #[tokio::test]

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use secrecy::SecretString;
-use tollgate::domain::{Applied, Bucket, Level, Limit, Ruling};
+use tollgate::domain::{Applied, Bucket, Level, Limit, Limits, Ruling};
 use tollgate::store::{Keys, Store};
 
 use crate::helpers::*;
@@ -58,6 +58,96 @@ async fn the_embedded_store_decides_like_the_redis_script_on_the_same_timeline()
         allowed,
         [true, true, true, false, false, true, false, false, false, false, true, false]
     );
+}
+
+#[tokio::test]
+async fn the_embedded_store_and_redis_agree_on_a_timeline_of_three_limits() {
+    // Arrange: two buckets and a monthly quota, decided at once, on both stores.
+    let redis = RedisServer::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let embedded = Store::embedded(&dir.path().join("c.json")).unwrap();
+    let remote = Store::redis(
+        &SecretString::from(redis.url()),
+        2,
+        Duration::from_secs(1),
+        Keys::new("t:"),
+    )
+    .unwrap();
+    let limits: Limits = serde_json::from_str(
+        r#"[{"name":"burst","capacity":4,"rate":4},
+            {"name":"steady","capacity":6,"rate":1},
+            {"name":"monthly","quota":7,"period":"month"}]"#,
+    )
+    .unwrap();
+    let applied = limits.applied(None);
+    // (pause before, cost, whether admitted, the limit that refuses): each limit refuses
+    // once on its own while the others would hold the request, the quota once used up,
+    // and last a cost the burst bucket can never hold. Every refusal by a bucket has at
+    // least 250 ms of slack, so a loaded machine decides the same.
+    let timeline = [
+        (0, 2.0, true, None),
+        (0, 2.0, true, None),
+        (0, 1.0, false, Some(0)),    // burst empty: 250 ms to a token
+        (600, 2.0, true, None),      // burst 2.4, steady 2.6
+        (500, 2.0, false, Some(1)),  // burst 2.4 holds it, steady 1.1 does not
+        (0, 1.0, true, None),        // the quota's 7th
+        (1000, 1.0, false, Some(2)), // both buckets hold it, the quota is used up
+        (0, 5.0, false, Some(0)),    // more than the burst bucket ever holds
+    ];
+
+    // Act
+    let mut decisions = Vec::new();
+    for (pause, cost, ..) in &timeline {
+        tokio::time::sleep(Duration::from_millis(*pause)).await;
+        let e = embedded
+            .take("t:b:{acme}", &applied, *cost, None)
+            .await
+            .unwrap();
+        let r = remote
+            .take("t:b:{acme}", &applied, *cost, None)
+            .await
+            .unwrap();
+        decisions.push((e, r));
+    }
+
+    // Assert: the same decisions, refused by the same limit, with the same wait (none for
+    // the cost no wait helps), and the same levels: tokens within a few ms of refill, the
+    // quota's count and window exactly.
+    for (i, ((e, r), (_, _, allowed, refused_by))) in decisions.iter().zip(&timeline).enumerate() {
+        assert_eq!(
+            (e.allowed, r.allowed),
+            (*allowed, *allowed),
+            "step {i}: {e:?} vs {r:?}"
+        );
+        assert_eq!(
+            (e.refused_by, r.refused_by),
+            (*refused_by, *refused_by),
+            "step {i}"
+        );
+        match (e.wait_us, r.wait_us) {
+            (Some(a), Some(b)) => assert!(a.abs_diff(b) < 100_000, "step {i}: {e:?} vs {r:?}"),
+            (None, None) => assert_eq!(i, 7, "step {i}: {e:?}"),
+            _ => panic!("step {i}: {e:?} vs {r:?}"),
+        }
+        for (a, b) in e.levels.iter().zip(&r.levels) {
+            match (a, b) {
+                (Level::Tokens(a), Level::Tokens(b)) => {
+                    assert!((a - b).abs() < 0.1, "step {i}: {e:?} vs {r:?}")
+                }
+                _ => assert_eq!(a, b, "step {i}"),
+            }
+        }
+    }
+    // The quota refused with a wait until the month's end, and both stores keep its 7.
+    let (e, _) = &decisions[6];
+    assert_eq!(
+        e.wait_us,
+        Some(e.levels[2].reset_us(&applied[2].kind, e.now_us))
+    );
+    for store in [&embedded, &remote] {
+        let now = store.peek("t:b:{acme}", &applied).await.unwrap();
+        assert_eq!(now.levels[2].remaining(&applied[2].kind), 0.0);
+    }
 }
 
 fn tokens(r: &Ruling) -> f64 {
