@@ -8,14 +8,14 @@ use crate::helpers::*;
 
 /// Redis settings with a generous decision budget: these tests are about the limit, not
 /// about failing open (a debug build on two cores can take more than 5 ms under load).
-fn redis_toml(redis: &RedisServer) -> String {
+pub(crate) fn redis_toml(redis: &RedisServer) -> String {
     format!("[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n", redis.url())
 }
 
 /// Waits until Redis has run nothing but `INFO` between two looks 50 ms apart: the
 /// gateway's start-up traffic (the first catalog poll, each worker's request-path
 /// connection) is over, so command counts from here on are the test's.
-async fn quiet(redis: &RedisServer) {
+pub(crate) async fn quiet(redis: &RedisServer) {
     let counts = || {
         let mut calls = redis.command_calls().unwrap();
         calls.remove("info");
