@@ -77,6 +77,7 @@ fn routes(n: usize) -> RouteTable {
                 .to_vec(),
             cost: 1.0,
             timeout: Duration::from_secs(30),
+            cost_header: None,
         })
         .collect();
     RouteTable::new(&settings)

@@ -49,6 +49,22 @@ pub enum StoreErrorKind {
     Pool,
 }
 
+/// What a service's report of a request's real cost (a route's `cost_header`) came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CostReport {
+    /// More than the route's cost: the difference is debited.
+    Debit,
+    /// Less: the difference is refunded.
+    Refund,
+    /// Exactly the route's cost: nothing to do.
+    Same,
+    /// Not a number from 0 to 1e9 (or sent twice): ignored.
+    Invalid,
+}
+
+/// The `outcome` label of `tollgate_cost_reports_total`, in [`CostReport`] order.
+const COST_REPORTS: [&str; 4] = ["debit", "refund", "same", "invalid"];
+
 /// Writes a metric family's `# HELP` and `# TYPE` lines.
 pub fn family(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
@@ -77,6 +93,8 @@ struct Shard {
     /// Service → responses by status class (1xx..5xx). Keyed by the route's own
     /// `Arc<str>`, so counting a response allocates nothing.
     upstream: DashMap<Arc<str>, [AtomicU64; 5], foldhash::fast::RandomState>,
+    /// Service → cost reports by [`CostReport`], keyed like `upstream`.
+    cost_reports: DashMap<Arc<str>, [AtomicU64; COST_REPORTS.len()], foldhash::fast::RandomState>,
 }
 
 pub struct Metrics {
@@ -161,6 +179,16 @@ impl Metrics {
             return;
         }
         upstream.entry(Arc::clone(service)).or_default()[class].fetch_add(1, Relaxed);
+    }
+
+    /// Counts a service's report of a request's real cost.
+    pub fn record_cost_report(&self, service: &Arc<str>, report: CostReport) {
+        let reports = &self.shard().cost_reports;
+        if let Some(c) = reports.get(&**service) {
+            c[report as usize].fetch_add(1, Relaxed);
+            return;
+        }
+        reports.entry(Arc::clone(service)).or_default()[report as usize].fetch_add(1, Relaxed);
     }
 
     /// The Prometheus text exposition.
@@ -277,6 +305,32 @@ impl Metrics {
                 );
             }
         }
+        family(
+            &mut out,
+            "tollgate_cost_reports_total",
+            "counter",
+            "Real costs reported by services (a route's cost_header), by what they came to.",
+        );
+        let mut merged: std::collections::BTreeMap<Arc<str>, [u64; COST_REPORTS.len()]> =
+            Default::default();
+        for shard in self.shards.iter() {
+            for e in shard.cost_reports.iter() {
+                let row = merged.entry(e.key().clone()).or_default();
+                for (total, c) in row.iter_mut().zip(e.value()) {
+                    *total += c.load(Relaxed);
+                }
+            }
+        }
+        // Every outcome of a service that reported once, zeros included, so an alert on
+        // `outcome="invalid"` has a series from the first report.
+        for (service, counts) in merged {
+            for (label, n) in COST_REPORTS.iter().zip(counts) {
+                let _ = writeln!(
+                    out,
+                    "tollgate_cost_reports_total{{service=\"{service}\",outcome=\"{label}\"}} {n}"
+                );
+            }
+        }
         out
     }
 }
@@ -295,6 +349,24 @@ mod tests {
             Outcome::SafetyDenied,
         ] {
             assert_eq!(OUTCOMES[o as usize], o.label());
+        }
+    }
+
+    #[test]
+    fn cost_reports_are_counted_per_service_and_outcome() {
+        let m = Metrics::default();
+        let llm: Arc<str> = Arc::from("llm");
+        for r in [CostReport::Debit, CostReport::Debit, CostReport::Invalid] {
+            m.record_cost_report(&llm, r);
+        }
+        let text = m.render();
+        for line in [
+            "tollgate_cost_reports_total{service=\"llm\",outcome=\"debit\"} 2\n",
+            "tollgate_cost_reports_total{service=\"llm\",outcome=\"refund\"} 0\n",
+            "tollgate_cost_reports_total{service=\"llm\",outcome=\"same\"} 0\n",
+            "tollgate_cost_reports_total{service=\"llm\",outcome=\"invalid\"} 1\n",
+        ] {
+            assert!(text.contains(line), "{line} not in {text}");
         }
     }
 

@@ -520,14 +520,55 @@ fn routes(raw: Vec<RawRoute>, p: &mut Problems) -> Option<Vec<RouteSettings>> {
             format!("{key}.timeout_ms"),
             within(route.timeout_ms, 1..=u64::MAX, "must be at least 1"),
         );
+        let cost_header = match route.cost_header {
+            None => Some(None),
+            Some(name) => p
+                .take(format!("{key}.cost_header"), cost_header(&name))
+                .map(Some),
+        };
         Some(RouteSettings {
             service: service?,
             prefix: prefix?,
             upstreams: upstreams?,
             cost: cost?,
             timeout: Duration::from_millis(timeout?),
+            cost_header: cost_header?,
         })
     })
+}
+
+/// Response headers a service cannot report its costs in: the gateway removes the cost
+/// header from the response, so it must not be one the response is framed by, one that
+/// never reaches the gateway (hop-by-hop), or one the gateway sets itself.
+const NOT_A_COST_HEADER: [&str; 16] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "content-length",
+    "content-type",
+    "content-encoding",
+    "content-range",
+    "ratelimit",
+    "ratelimit-policy",
+    "retry-after",
+    "x-request-id",
+];
+
+/// A route's `cost_header`: a header name of the service's own.
+fn cost_header(name: &str) -> Result<HeaderName, String> {
+    let header = HeaderName::from_bytes(name.as_bytes())
+        .map_err(|_| format!("{name:?} is not a valid header name"))?;
+    if NOT_A_COST_HEADER.contains(&header.as_str()) {
+        return Err(format!(
+            "{name:?} frames the response or is the gateway's own; use a header of the service's own, e.g. x-tollgate-cost"
+        ));
+    }
+    Ok(header)
 }
 
 fn parse_listen(s: &str) -> Result<SocketAddr, String> {
@@ -785,6 +826,31 @@ mod tests {
         );
         assert_eq!(route.timeout, Duration::from_millis(1500));
         assert_eq!(route.cost, 1.0);
+        assert_eq!(route.cost_header, None);
+    }
+
+    #[test]
+    fn a_cost_header_is_a_header_name_of_the_services_own() {
+        let route = |header: &str| {
+            format!(
+                "[[routes]]\nservice = \"llm\"\nprefix = \"/llm\"\nupstreams = [\"http://127.0.0.1:9001\"]\ncost_header = {header:?}\n"
+            )
+        };
+        let s = load(&route("X-Tollgate-Cost"), &[]).unwrap();
+        assert_eq!(
+            s.routes[0].cost_header,
+            Some(HeaderName::from_static("x-tollgate-cost"))
+        );
+        for bad in [
+            "",
+            "x cost",
+            "cost:",
+            "Content-Length",
+            "ratelimit",
+            "connection",
+        ] {
+            assert_eq!(problems(&route(bad)), ["routes[0].cost_header"], "{bad:?}");
+        }
     }
 
     #[test]

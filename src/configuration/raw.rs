@@ -127,6 +127,8 @@ pub(super) struct RawRoute {
     pub(super) cost: f64,
     #[serde(default = "default_route_timeout")]
     pub(super) timeout_ms: u64,
+    #[serde(default)]
+    pub(super) cost_header: Option<String>,
 }
 
 fn default_cost() -> f64 {

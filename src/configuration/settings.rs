@@ -154,6 +154,10 @@ pub struct RouteSettings {
     /// `timeout_ms`: upstream response deadline (default 30 s); past it the gateway answers
     /// `504`.
     pub timeout: Duration,
+    /// `cost_header` (absent: none): a response header in which the service may report an
+    /// admitted request's real cost (a number from 0 to 1e9); the difference to `cost` is
+    /// debited or refunded after the response, and the header is not passed to the client.
+    pub cost_header: Option<HeaderName>,
 }
 
 impl Settings {

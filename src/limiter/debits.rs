@@ -4,9 +4,11 @@
 //!
 //! Debits are summed per worker thread, per client state and set of limits, and each sum
 //! goes to the store as one `adjust` call (one `EVALSHA`) when its period ends: a client
-//! with many requests in a period costs one call, not one per request. Nothing here delays
-//! a response, and a debit the store refuses is logged and dropped (the store was down:
-//! the gateway failed open meanwhile anyway).
+//! with many requests in a period costs one call, not one per request, and a sum that
+//! comes to nothing (debits and refunds cancelling out) costs none. Nothing here delays a
+//! response, and a debit the store refuses, or does not answer within [`ANSWER_WITHIN`],
+//! is logged and dropped (the store was down or stalled: the gateway failed open
+//! meanwhile anyway).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -18,6 +20,11 @@ use crate::store::Store;
 
 /// Called with the levels after a debit.
 pub type OnReply = Rc<dyn Fn(&Ruling)>;
+
+/// How long a flush waits for the store's answer to one sum before dropping it (it may
+/// still have been applied). Without a bound, a stalled store would keep one waiting flush
+/// per period and worker, with every sum it holds, until the connection failed.
+pub const ANSWER_WITHIN: Duration = Duration::from_secs(1);
 
 struct Pending {
     store: Store,
@@ -75,17 +82,30 @@ async fn flush() {
     let Some(queue) = QUEUE.with(|q| q.borrow_mut().take()) else {
         return;
     };
-    let calls = queue.into_iter().map(|((_, key, _), p)| async move {
-        match p.store.adjust(&key, &p.applied, p.delta).await {
-            Ok(ruling) => {
-                if let Some(f) = &p.on_reply {
-                    f(&ruling);
+    let calls = queue
+        .into_iter()
+        .filter(|(_, p)| p.delta != 0.0)
+        .map(|((_, key, _), p)| async move {
+            let answer = tokio::time::timeout(
+                ANSWER_WITHIN,
+                p.store.adjust(&key, &p.applied, p.delta),
+            )
+            .await;
+            match answer {
+                Ok(Ok(ruling)) => {
+                    if let Some(f) = &p.on_reply {
+                        f(&ruling);
+                    }
                 }
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, key = %key, delta = p.delta, "a debit was dropped")
+                }
+                Err(_) => tracing::warn!(
+                    key = %key,
+                    delta = p.delta,
+                    "a debit was dropped: no answer within {ANSWER_WITHIN:?} (it may have been applied)"
+                ),
             }
-            Err(e) => {
-                tracing::warn!(error = %e, key = %key, delta = p.delta, "a debit was dropped")
-            }
-        }
-    });
+        });
     futures_util::future::join_all(calls).await;
 }

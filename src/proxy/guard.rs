@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use actix_web::body::{BoxBody, MessageBody};
 use actix_web::dev::{ServiceRequest, ServiceResponse};
-use actix_web::http::header;
+use actix_web::http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use actix_web::http::uri::PathAndQuery;
 use actix_web::middleware::Next;
 use actix_web::{web, HttpMessage, ResponseError};
@@ -12,9 +12,10 @@ use actix_web::{web, HttpMessage, ResponseError};
 use super::{NormalPath, Route};
 use crate::catalog::ClientEntry;
 use crate::domain::ratelimit::policy_name;
+use crate::domain::{Decision, Outcome, RateLimitHeaders};
 use crate::domain::{KeyHash, Mode};
-use crate::domain::{Outcome, RateLimitHeaders};
 use crate::error::ApiError;
+use crate::metrics::CostReport;
 use crate::state::AppState;
 
 /// What the guard hands the forwarder for an admitted request.
@@ -27,11 +28,16 @@ pub struct Admitted {
     pub path_and_query: Option<PathAndQuery>,
 }
 
+/// The largest real cost a service may report (the largest `cost` a route may have).
+const MAX_REPORTED_COST: f64 = 1e9;
+
 /// Decides a request: `400`/`414` for a path it will not route (see [`NormalPath`]),
 /// `401` for a missing or unknown key (no store call), `404` without a route for the
 /// normal path, `413` for a declared body over the limit, `429` when the bucket is empty.
 /// All before a token is spent or a service is called. Admitted requests go on to the
-/// forwarder, and every answer carries the client's rate-limit headers.
+/// forwarder, and every answer carries the client's rate-limit headers. On a route with a
+/// `cost_header`, the real cost the service reports in its response is settled (see
+/// [`CostedRoute::settle`]) as soon as the response head is in, before its body streams.
 #[tracing::instrument(name = "guard", level = "debug", skip_all, fields(client_id = tracing::field::Empty))]
 pub async fn guard(
     req: ServiceRequest,
@@ -83,11 +89,11 @@ pub async fn guard(
         return Ok(reject(req, err, None));
     }
 
-    let decision = state
+    let mut decision = state
         .limiter
         .decide(&client, &route.service, route.cost)
         .await;
-    let rl =
+    let mut rl =
         RateLimitHeaders::with_policy(&client.plan.name, &decision, client.plan.policy(&decision));
     if !decision.outcome.forwards() {
         let (wait, limit) = match decision.outcome {
@@ -119,6 +125,12 @@ pub async fn guard(
     // limiter (and the client) after the forward.
     let shadow =
         (client.mode == Mode::Shadow).then(|| (Arc::clone(&state.limiter), Arc::clone(&client)));
+    // Likewise only a route whose service reports costs needs them after the forward.
+    let costed = route.cost_header.is_some().then(|| CostedRoute {
+        route: Arc::clone(&route),
+        client: Arc::clone(&client),
+        state: state.clone(),
+    });
     req.extensions_mut().insert(Admitted {
         client,
         route,
@@ -128,8 +140,85 @@ pub async fn guard(
     if let Some((limiter, client)) = shadow {
         limiter.compare(&client, &decision, res.status().as_u16());
     }
+    if let Some(costed) = costed {
+        if costed.settle(&mut decision, res.headers_mut()) {
+            let plan = &costed.client.plan;
+            rl = RateLimitHeaders::with_policy(&plan.name, &decision, plan.policy(&decision));
+        }
+    }
     rl.apply(res.headers_mut());
     Ok(res)
+}
+
+/// What settling a reported cost needs once the response head is in: only requests to a
+/// route with a `cost_header` carry it past the forward.
+struct CostedRoute {
+    route: Arc<Route>,
+    client: Arc<ClientEntry>,
+    state: web::Data<AppState>,
+}
+
+impl CostedRoute {
+    /// Takes the service's cost report out of its response (it is the service's
+    /// accounting, not the client's business: the client sees its effect in `RateLimit`)
+    /// and, for an admitted request, counts it and queues the difference to what was
+    /// taken up front as a debit or a refund ([`crate::limiter::Limiter::settle`]:
+    /// batched, off the request path). Returns whether that moved the decision's levels,
+    /// which then show the real cost. A request that was not admitted (failed open, or a
+    /// shadow-mode refusal) took nothing to settle against; a malformed report is ignored.
+    fn settle(&self, decision: &mut Decision, headers: &mut HeaderMap) -> bool {
+        let Some(name) = &self.route.cost_header else {
+            return false;
+        };
+        let Some(reported) = take_reported_cost(headers, name) else {
+            return false;
+        };
+        if decision.outcome != Outcome::Allowed {
+            return false;
+        }
+        let Some(real) = reported else {
+            tracing::debug!(service = %self.route.service, header = %name, "a malformed cost report was ignored");
+            self.state
+                .metrics
+                .record_cost_report(&self.route.service, CostReport::Invalid);
+            return false;
+        };
+        let delta = real - decision.cost;
+        let report = match delta.partial_cmp(&0.0) {
+            Some(std::cmp::Ordering::Greater) => CostReport::Debit,
+            Some(std::cmp::Ordering::Less) => CostReport::Refund,
+            _ => CostReport::Same,
+        };
+        let service = &self.route.service;
+        self.state.metrics.record_cost_report(service, report);
+        if report == CostReport::Same {
+            return false;
+        }
+        self.state.limiter.settle(&self.client, decision, real);
+        if let Some(ruling) = decision.ruling.as_mut() {
+            for (level, applied) in ruling.levels.iter_mut().zip(&decision.applied) {
+                level.adjust(&applied.kind, delta);
+            }
+        }
+        true
+    }
+}
+
+/// Removes the service's cost report from `headers`: `None` when there was none,
+/// `Some(None)` when it is not one finite number from 0 to [`MAX_REPORTED_COST`] (sent
+/// more than once included).
+fn take_reported_cost(headers: &mut HeaderMap, name: &HeaderName) -> Option<Option<f64>> {
+    let mut values = headers.remove(name);
+    let first = values.next()?;
+    if values.next().is_some() {
+        return Some(None);
+    }
+    Some(parse_cost(&first))
+}
+
+fn parse_cost(value: &HeaderValue) -> Option<f64> {
+    let cost: f64 = value.to_str().ok()?.trim().parse().ok()?;
+    (cost.is_finite() && (0.0..=MAX_REPORTED_COST).contains(&cost)).then_some(cost)
 }
 
 /// The path and query to forward when the path was rewritten: the normal path, then the
@@ -157,4 +246,48 @@ fn reject(
         rl.apply(resp.headers_mut());
     }
     req.into_response(resp)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reported(values: &[&'static str]) -> (Option<Option<f64>>, HeaderMap) {
+        let name = HeaderName::from_static("x-tollgate-cost");
+        let mut headers = HeaderMap::new();
+        for v in values {
+            headers.append(name.clone(), HeaderValue::from_static(v));
+        }
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        (take_reported_cost(&mut headers, &name), headers)
+    }
+
+    #[test]
+    fn a_reported_cost_is_a_finite_number_from_zero_to_a_billion() {
+        for (value, cost) in [
+            ("5", 5.0),
+            (" 2.5 ", 2.5),
+            ("0", 0.0),
+            ("1e9", 1e9),
+            ("1e3", 1000.0),
+        ] {
+            assert_eq!(reported(&[value]).0, Some(Some(cost)), "{value:?}");
+        }
+        for value in ["", "-1", "1e10", "NaN", "inf", "five", "5 tokens", "0x10"] {
+            assert_eq!(reported(&[value]).0, Some(None), "{value:?}");
+        }
+    }
+
+    #[test]
+    fn a_cost_reported_twice_is_malformed_and_none_is_nothing() {
+        assert_eq!(reported(&["1", "2"]).0, Some(None));
+        assert_eq!(reported(&[]).0, None);
+    }
+
+    #[test]
+    fn the_report_is_taken_out_of_the_response_and_nothing_else() {
+        let (_, headers) = reported(&["1", "x"]);
+        assert!(!headers.contains_key("x-tollgate-cost"));
+        assert!(headers.contains_key(header::CONTENT_TYPE));
+    }
 }

@@ -4,6 +4,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use actix_web::http::header::HeaderName;
+
 use crate::configuration::RouteSettings;
 use crate::domain::Upstream;
 
@@ -15,6 +17,8 @@ pub struct Route {
     pub upstreams: Vec<Upstream>,
     pub cost: f64,
     pub timeout: Duration,
+    /// The response header in which the service reports a request's real cost, if any.
+    pub cost_header: Option<HeaderName>,
     next: AtomicUsize,
 }
 
@@ -52,6 +56,7 @@ impl RouteTable {
                     upstreams: r.upstreams.clone(),
                     cost: r.cost,
                     timeout: r.timeout,
+                    cost_header: r.cost_header.clone(),
                     next: AtomicUsize::new(0),
                 })
             })
@@ -84,6 +89,7 @@ mod tests {
                         .to_vec(),
                     cost: 1.0,
                     timeout: Duration::from_secs(1),
+                    cost_header: None,
                 })
                 .collect::<Vec<_>>(),
         )

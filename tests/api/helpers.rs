@@ -40,6 +40,9 @@ pub enum Behaviour {
     Slow(Duration),
     /// A service's own limiter: admits this many requests per `x-client-id`, then 429.
     Limit(usize),
+    /// 200, echoing the request body, with this response header (name, value): e.g. the
+    /// real cost of the request, reported in a route's `cost_header`.
+    Header(&'static str, &'static str),
 }
 
 /// An HTTP service that records what reaches it.
@@ -98,8 +101,11 @@ impl Upstream {
                                 return HttpResponse::TooManyRequests().finish();
                             }
                         }
-                        HttpResponse::Ok()
-                            .insert_header(("x-upstream-port", port.to_string()))
+                        let mut ok = HttpResponse::Ok();
+                        if let Behaviour::Header(name, value) = behaviour {
+                            ok.insert_header((name, value));
+                        }
+                        ok.insert_header(("x-upstream-port", port.to_string()))
                             .body(body)
                     }
                 }))

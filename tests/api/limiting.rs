@@ -9,7 +9,7 @@ use crate::helpers::*;
 /// Waits until Redis has run nothing but `INFO` between two looks 50 ms apart: the
 /// gateway's start-up traffic (the first catalog poll, each worker's request-path
 /// connection) is over, so command counts from here on are the test's.
-async fn quiet(redis: &RedisServer) {
+pub(crate) async fn quiet(redis: &RedisServer) {
     let counts = || {
         let mut calls = redis.command_calls().unwrap();
         calls.remove("info");

@@ -8,6 +8,7 @@ mod breaker;
 mod catalog;
 mod cluster;
 mod configuration;
+mod costs;
 mod durability;
 mod faults;
 mod forwarding;
