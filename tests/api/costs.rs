@@ -222,6 +222,7 @@ async fn a_balance_below_zero_is_waited_off(backend: Backend) {
 
 on_both_stores!(a_quota_is_debited_by_the_real_cost_too);
 async fn a_quota_is_debited_by_the_real_cost_too(backend: Backend) {
+    clear_of_midnight().await;
     // Arrange: a plan of a roomy bucket (next to no refill, so the admin API can see when
     // a debit landed) and 10 requests a day; the route takes 1, the service reports 5.
     let up = Upstream::start(Behaviour::Header(COST_HEADER, "5")).await;

@@ -401,3 +401,20 @@ pub fn output_within(cmd: &mut std::process::Command, within: Duration) -> std::
 pub fn decided(r: &reqwest::Response) -> bool {
     r.headers().contains_key("ratelimit")
 }
+
+/// Seconds since the Unix epoch.
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+/// Waits out the last 30 s before midnight UTC, if the test starts in them: a test with a
+/// daily quota must not see its window end halfway through.
+pub async fn clear_of_midnight() {
+    let to_midnight = 86_400 - unix_now() % 86_400;
+    if to_midnight <= 30 {
+        tokio::time::sleep(Duration::from_secs(to_midnight + 1)).await;
+    }
+}

@@ -58,6 +58,7 @@ async fn burst(gw: &TestGateway, client: &str, n: usize) -> (Vec<RateLimit>, Vec
 
 #[tokio::test]
 async fn a_request_any_of_three_limits_refuses_spends_from_none_even_in_coalesced_calls() {
+    clear_of_midnight().await;
     // Arrange: one worker, so concurrent requests for a client queue behind its call in
     // flight and go to Redis together.
     let redis = RedisServer::start().unwrap();
@@ -205,6 +206,7 @@ async fn a_per_service_limit_applies_beside_the_plans_and_its_refusals_spend_not
 
 #[tokio::test]
 async fn ratelimit_reports_the_limit_closest_to_refusing() {
+    clear_of_midnight().await;
     // Arrange: a bucket of 10 that refills within a millisecond, and a daily quota of 14:
     // the bucket is closest to refusing until the quota has no more left than it (a tie
     // goes to the limit that takes longer to be whole again: the quota).
@@ -258,6 +260,7 @@ async fn ratelimit_reports_the_limit_closest_to_refusing() {
 
 #[tokio::test]
 async fn a_cost_one_limit_can_never_hold_gets_429_without_retry_after_naming_that_limit() {
+    clear_of_midnight().await;
     // Arrange: a bucket of 100 and a daily quota of 10; /bulk costs 12, more than the
     // quota can ever hold (but not the bucket), /orders costs 1.
     let redis = RedisServer::start().unwrap();
@@ -305,11 +308,4 @@ async fn a_cost_one_limit_can_never_hold_gets_429_without_retry_after_naming_tha
         (RateLimit::of(&r).policy, RateLimit::of(&r).remaining),
         ("capped.daily".to_string(), 9)
     );
-}
-
-fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
 }

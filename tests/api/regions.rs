@@ -673,6 +673,7 @@ async fn a_stopped_regional_redis_fails_open_only_for_that_regions_shards() {
 
 #[tokio::test]
 async fn a_sharded_clients_quota_holds_across_regions_within_a_debit_period_of_traffic() {
+    clear_of_midnight().await;
     // Arrange: a global Redis, one per region (eu, us) and a gateway in each; plan
     // `metered` = a bucket too big to matter, and a daily quota of 200, which stays in the
     // global store while the bucket is shared out to the regions' shards.
