@@ -274,13 +274,14 @@ fn warn_unless_persistent(store: Store, catalog: Arc<Catalog>) {
         loop {
             match store.persistence().await {
                 Ok(p) => {
-                    tracing::info!(persistence = %p.describe(), "store persistence");
+                    // The warning first: once "store persistence" is in the log, so is it.
                     if catalog.has_quotas() && !p.keeps_quotas() {
                         tracing::warn!(
                             persistence = %p.describe(),
                             "a plan has a quota, and the store does not say it keeps every write: a restart of it can forget every quota's count and hand every client a fresh period (Redis: appendonly yes; see README, Durability)"
                         );
                     }
+                    tracing::info!(persistence = %p.describe(), "store persistence");
                     return;
                 }
                 Err(e) => {

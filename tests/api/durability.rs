@@ -172,3 +172,45 @@ async fn a_cluster_keeps_what_its_weakest_master_keeps() {
     appendonly(&cluster.nodes[1], "no");
     assert_eq!(store.persistence().await.unwrap(), Persistence::None);
 }
+
+/// The gateway's log once it has said what its store keeps (`store persistence`).
+async fn persistence_log(redis: &RedisServer, limits: &str) -> String {
+    let toml = format!(
+        "{}{}",
+        redis_toml(redis),
+        limits_catalog_toml("gold", limits, &["acme"])
+    );
+    let gw = gateway_process(&toml, &[("RUST_LOG", "info"), ("NO_COLOR", "1")]);
+    let log_file = gw.dir().join("gateway.log");
+    let mut log = String::new();
+    eventually(Duration::from_secs(10), "the persistence log line", || {
+        log = std::fs::read_to_string(&log_file).unwrap_or_default();
+        let said = log.contains("store persistence");
+        async move { said }
+    })
+    .await;
+    log
+}
+
+const QUOTA: &str = r#"[{ name = "default", capacity = 10, rate = 1 },
+    { name = "monthly", quota = 1000, period = "month" }]"#;
+const WARNING: &str = "a plan has a quota, and the store does not say it keeps every write";
+
+#[tokio::test]
+async fn the_gateway_warns_at_start_when_a_plan_has_a_quota_and_redis_keeps_nothing() {
+    let nothing = RedisServer::start_with(NOTHING).unwrap();
+    let log = persistence_log(&nothing, QUOTA).await;
+    assert!(log.contains(WARNING), "{log}");
+}
+
+#[tokio::test]
+async fn the_gateway_does_not_warn_with_an_append_only_file_or_without_quotas() {
+    let aof = RedisServer::start_with(AOF).unwrap();
+    let log = persistence_log(&aof, QUOTA).await;
+    assert!(!log.contains(WARNING), "{log}");
+
+    let nothing = RedisServer::start_with(NOTHING).unwrap();
+    let buckets_only = r#"[{ name = "default", capacity = 10, rate = 1 }]"#;
+    let log = persistence_log(&nothing, buckets_only).await;
+    assert!(!log.contains(WARNING), "{log}");
+}
