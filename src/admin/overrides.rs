@@ -28,7 +28,7 @@ const MAX_OVERRIDES: usize = 2 * MAX_LIMITS;
 
 /// A client's own values for one of its plan's limits. Values left out are the plan's.
 #[derive(Debug, Serialize, ToSchema)]
-#[schema(example = json!({"limit": "burst", "capacity": 400.0, "until": "2026-12-01T00:00:00Z"}))]
+#[schema(example = json!({"limit": "burst", "capacity": 400.0, "until": "2030-01-01T00:00:00Z"}))]
 pub struct OverrideView {
     /// The plan's limit it changes.
     #[schema(value_type = LimitName)]
@@ -42,7 +42,7 @@ pub struct OverrideView {
     /// Until when it holds (RFC 3339, UTC, whole seconds); absent: until deleted. An
     /// override past it does nothing (it stays listed until deleted).
     #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(format = DateTime, example = "2026-12-01T00:00:00Z")]
+    #[schema(format = DateTime, example = "2030-01-01T00:00:00Z")]
     pub until: Option<String>,
 }
 
@@ -63,7 +63,7 @@ impl From<&Override> for OverrideView {
 /// plan's; optionally `until`.
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-#[schema(example = json!({"capacity": 400, "until": "2026-12-01T00:00:00Z"}))]
+#[schema(example = json!({"capacity": 400, "until": "2030-01-01T00:00:00Z"}))]
 pub struct OverrideInput {
     /// A bucket's size instead of the plan's.
     #[serde(default)]
@@ -77,11 +77,11 @@ pub struct OverrideInput {
     #[serde(default)]
     #[schema(value_type = Option<QuotaAmount>)]
     quota: Field<QuotaAmount>,
-    /// Until when it holds: an RFC 3339 time in the future (`2026-12-01T00:00:00Z`,
-    /// `2026-12-01T01:00:00+01:00`), kept in whole seconds (a fraction rounds up).
+    /// Until when it holds: an RFC 3339 time in the future (`2030-01-01T00:00:00Z`,
+    /// `2030-01-01T01:00:00+01:00`), kept in whole seconds (a fraction rounds up).
     /// Absent: until deleted.
     #[serde(default)]
-    #[schema(value_type = Option<String>, format = DateTime, example = "2026-12-01T00:00:00Z")]
+    #[schema(value_type = Option<String>, format = DateTime, example = "2030-01-01T00:00:00Z")]
     until: Field<Until>,
     /// Read-only: an override read with GET may be sent back as it is; the limit must
     /// then be the one in the path.
@@ -102,7 +102,7 @@ struct Until(u64);
 impl TryFrom<Value> for Until {
     type Error = String;
     fn try_from(v: Value) -> Result<Until, String> {
-        const WANTED: &str = "must be an RFC 3339 time, e.g. \"2026-12-01T00:00:00Z\"";
+        const WANTED: &str = "must be an RFC 3339 time, e.g. \"2030-01-01T00:00:00Z\"";
         let Value::String(s) = v else {
             return Err(WANTED.into());
         };

@@ -88,7 +88,7 @@ pub struct LimitUsage {
     pub overridden: bool,
     /// Until when that override holds (RFC 3339, UTC); absent when it holds until deleted.
     #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(format = DateTime, example = "2026-12-01T00:00:00Z")]
+    #[schema(format = DateTime, example = "2030-01-01T00:00:00Z")]
     pub overridden_until: Option<String>,
 }
 
