@@ -88,7 +88,7 @@ pub struct ClientInput {
     /// Ignored (a client read with GET may be sent back as it is): overrides are managed
     /// under `/overrides`.
     #[serde(default)]
-    #[schema(value_type = Vec<Object>)]
+    #[schema(value_type = Option<Vec<Object>>)]
     overrides: Field<Vec<serde_json::Map<String, Value>>>,
 }
 

@@ -98,16 +98,16 @@ pub struct QuotaLimit {
     pub period: Period,
     /// Default `calendar`; GET always shows it.
     #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(value_type = Option<ResetRule>)]
+    #[schema(value_type = Option<ResetRule>, nullable = false)]
     pub reset: Option<String>,
     /// With `reset: anchor` only (and period `month`): the day of the month the window
     /// starts over, at midnight in `time_zone`; in a month without that day, its last day.
     #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(minimum = 1, maximum = 31, example = 15)]
+    #[schema(minimum = 1, maximum = 31, example = 15, nullable = false)]
     pub anchor_day: Option<i64>,
     /// An IANA time zone (bundled with the gateway); default `UTC`; GET always shows it.
     #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(example = "UTC")]
+    #[schema(example = "UTC", nullable = false)]
     pub time_zone: Option<String>,
 }
 
@@ -256,10 +256,7 @@ struct LimitInput {
     "description": "100 req/s bursting to 200, 1,000,000 a month, /search at 10 req/s"
 }))]
 pub struct PlanInput {
-    /// 1 to 8 limits with distinct names; the first applies to every service (no
-    /// `service`). Each bad field is named with its place, e.g. `limits[1].quota`; a
-    /// problem of the whole set (two limits of one name, more than 8, a first limit for
-    /// one service) is named `limits`.
+    /// 1 to 8 limits: see [`limits_schema`].
     #[serde(default)]
     #[schema(schema_with = limits_schema)]
     limits: Field<Vec<Value>>,
@@ -286,10 +283,19 @@ fn read_only_name() -> utoipa::openapi::RefOr<utoipa::openapi::Schema> {
 }
 
 fn limits_schema() -> utoipa::openapi::schema::Array {
-    utoipa::openapi::schema::ArrayBuilder::new()
+    use utoipa::openapi::schema::{ArrayBuilder, SchemaType, Type};
+    // `null` is absent, as for every member of a body.
+    ArrayBuilder::new()
+        .schema_type(SchemaType::from_iter([Type::Array, Type::Null]))
         .items(utoipa::openapi::Ref::from_schema_name("PlanLimit"))
         .min_items(Some(1))
         .max_items(Some(MAX_LIMITS))
+        .description(Some(
+            "1 to 8 limits with distinct names; the first applies to every service (no \
+             `service`). Each bad field is named with its place, e.g. `limits[1].quota`; a \
+             problem of the whole set (two limits of one name, more than 8, a first limit \
+             for one service) is named `limits`.",
+        ))
         .build()
 }
 
@@ -414,8 +420,17 @@ fn limit_set(items: Vec<Value>, f: &mut Fields) -> Option<Limits> {
 }
 
 /// One limit at `at` (`limits[i]`), every bad field named `{at}.{field}`.
-fn parse_limit(value: Value, at: &str, f: &mut Fields) -> Option<crate::domain::Limit> {
+fn parse_limit(mut value: Value, at: &str, f: &mut Fields) -> Option<crate::domain::Limit> {
     let before = f.errors.len();
+    // A limit is written as GET shows it: without nulls (its schema has none).
+    if let Value::Object(members) = &mut value {
+        members.retain(|k, v| {
+            if v.is_null() {
+                f.bad(&format!("{at}.{k}"), "must not be null (leave it out)");
+            }
+            !v.is_null()
+        });
+    }
     let input: LimitInput = read_member(value, at, f)?;
     let field = |name: &str| format!("{at}.{name}");
     // Which kind it is, from the fields given (valid or not).

@@ -255,7 +255,8 @@ async fn every_bad_field_of_every_limit_is_named_with_its_place_and_nothing_is_s
         {"name": "both", "capacity": 5, "rate": 1, "quota": 10, "period": "day"},
         {"name": "half", "quota": 10},
         {"name": "anchorless", "quota": 10, "period": "month", "anchor_day": 3},
-        {"name": "bad name!", "service": "no spaces", "capacity": 1, "rate": 1, "reset": "rolling"}
+        {"name": "bad name!", "service": "no spaces", "capacity": 1, "rate": 1, "reset": "rolling"},
+        {"name": "nulls", "service": null, "capacity": 1, "rate": 1}
     ], "rate": "fast"});
 
     // Act
@@ -279,6 +280,7 @@ async fn every_bad_field_of_every_limit_is_named_with_its_place_and_nothing_is_s
             "limits[8].name",
             "limits[8].reset",
             "limits[8].service",
+            "limits[9].service",
             "rate",
         ]
     );
