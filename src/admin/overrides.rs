@@ -33,10 +33,13 @@ pub struct OverrideView {
     /// The plan's limit it changes.
     #[schema(value_type = LimitName)]
     pub limit: String,
+    /// A bucket's size instead of the plan's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub capacity: Option<f64>,
+    /// A bucket's refill instead of the plan's, tokens per second.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rate: Option<f64>,
+    /// A quota's amount instead of the plan's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub quota: Option<f64>,
     /// Until when it holds (RFC 3339, UTC, whole seconds); absent: until deleted. An
