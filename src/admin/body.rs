@@ -68,6 +68,13 @@ pub enum Field<T> {
     Invalid(String),
 }
 
+impl<T> Field<T> {
+    /// Whether the member was there (valid or not), not absent or `null`.
+    pub fn is_given(&self) -> bool {
+        !matches!(self, Field::Absent)
+    }
+}
+
 impl<'de, T: DeserializeOwned> Deserialize<'de> for Field<T> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Field<T>, D::Error> {
         Ok(match Value::deserialize(d)? {
@@ -89,17 +96,45 @@ pub async fn read_body<T: DeserializeOwned>(
 ) -> Result<(T, Fields), ApiError> {
     let mut obj = read_object(payload).await?;
     let mut f = Fields::default();
+    known_members::<T>(&mut obj, "", "is not a field of this resource", &mut f);
+    let body = serde_json::from_value(Value::Object(obj))
+        .map_err(|e| ApiError::BadRequest(format!("the body does not fit: {e}")))?;
+    Ok((body, f))
+}
+
+/// Reads one object inside a body (an item of a list, say) into `T` as [`read_body`] reads
+/// a body: its members `T` does not have are refused by name, `{at}.{member}`, and a value
+/// that is no object is refused as `at`. The caller names `T`'s fields `{at}.{field}`.
+pub fn read_member<T: DeserializeOwned>(value: Value, at: &str, f: &mut Fields) -> Option<T> {
+    let Value::Object(mut obj) = value else {
+        f.bad(at, "must be an object");
+        return None;
+    };
+    known_members::<T>(&mut obj, &format!("{at}."), "is not a field of it", f);
+    match serde_json::from_value(Value::Object(obj)) {
+        Ok(t) => Some(t),
+        Err(e) => {
+            f.bad(at, e.to_string());
+            None
+        }
+    }
+}
+
+/// Drops the members of `obj` that `T` has no field for, naming each in `f`.
+fn known_members<T: DeserializeOwned>(
+    obj: &mut Map<String, Value>,
+    prefix: &str,
+    message: &str,
+    f: &mut Fields,
+) {
     let names = field_names::<T>();
     obj.retain(|k, _| {
         let known = names.contains(&k.as_str());
         if !known {
-            f.bad(k, "is not a field of this resource");
+            f.bad(&format!("{prefix}{k}"), message);
         }
         known
     });
-    let body = serde_json::from_value(Value::Object(obj))
-        .map_err(|e| ApiError::BadRequest(format!("the body does not fit: {e}")))?;
-    Ok((body, f))
 }
 
 /// The field names of a struct that derives `Deserialize`, read from the derive itself.

@@ -1,4 +1,5 @@
 //! `/admin/v1/clients`: clients, their plan and mode, their API keys, their live bucket.
+//! Overrides and usage, under a client too, are in `overrides.rs` and `usage.rs`.
 
 use actix_web::http::{header, StatusCode};
 use actix_web::{web, HttpRequest, HttpResponse};
@@ -7,7 +8,7 @@ use serde_json::Value;
 use utoipa::{IntoParams, ToSchema};
 
 use super::body::{etag, if_match, read_body, Field};
-use super::shared::{path_id, precondition, refusal};
+use super::shared::{client_id, current, precondition, refusal, update_client, WRITE_TRIES};
 use super::Actor;
 use crate::catalog::{
     Audit, AuditEntry, CatalogWrite, ClientRecord, Condition, KeyRecord, Shards, Versioned,
@@ -21,8 +22,6 @@ use crate::state::AppState;
 const MAX_KEYS: usize = 100;
 /// A sharded client names at most this many regions.
 const MAX_REGIONS: usize = 16;
-/// Writes that lose a race with another writer are retried this often.
-const WRITE_TRIES: usize = 5;
 
 /// One of a client's keys. The key itself is shown only once, when it is created.
 #[derive(Debug, Serialize, ToSchema)]
@@ -56,9 +55,12 @@ pub struct ClientView {
     pub shards: Option<ShardsView>,
     /// Read-only here: keys are managed under `/keys`.
     pub keys: Vec<KeyView>,
+    /// Read-only here: overrides are managed under `/overrides`.
+    pub overrides: Vec<super::overrides::OverrideView>,
 }
 
-/// The body of `PUT /admin/v1/clients/{client}` (its keys are kept as they are).
+/// The body of `PUT /admin/v1/clients/{client}` (its keys and overrides are kept as they
+/// are).
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ClientInput {
@@ -83,6 +85,11 @@ pub struct ClientInput {
     #[serde(default)]
     #[schema(value_type = Vec<Object>)]
     keys: Field<Vec<serde_json::Map<String, Value>>>,
+    /// Ignored (a client read with GET may be sent back as it is): overrides are managed
+    /// under `/overrides`.
+    #[serde(default)]
+    #[schema(value_type = Option<Vec<Object>>)]
+    overrides: Field<Vec<serde_json::Map<String, Value>>>,
 }
 
 fn read_only_id() -> utoipa::openapi::RefOr<utoipa::openapi::Schema> {
@@ -210,6 +217,7 @@ impl From<ClientRecord> for ClientView {
                     created_at: k.created_at,
                 })
                 .collect(),
+            overrides: c.overrides.iter().map(Into::into).collect(),
         }
     }
 }
@@ -222,18 +230,6 @@ fn one(rec: Versioned<ClientRecord>, status: StatusCode) -> HttpResponse {
         resp.insert_header((header::LOCATION, format!("/admin/v1/clients/{id}")));
     }
     resp.json(ClientView::from(rec.value))
-}
-
-fn client_id(raw: &str) -> Result<ClientId, ApiError> {
-    path_id(raw, ClientId::parse, "client")
-}
-
-async fn current(state: &AppState, id: &ClientId) -> Result<Versioned<ClientRecord>, ApiError> {
-    state
-        .store
-        .client(id.as_str())
-        .await?
-        .ok_or_else(|| ApiError::NotFound(format!("no client {id}")))
 }
 
 /// List clients, a page at a time, in id order.
@@ -290,6 +286,7 @@ fn parse_client(
 ) -> Result<(PlanName, Option<Mode>, Option<Shards>), ApiError> {
     f.same_id("id", input.id, id);
     f.optional("keys", input.keys);
+    f.optional("overrides", input.overrides);
     let plan = f.required("plan", input.plan);
     let mode = f.optional("mode", input.mode);
     let shards = f
@@ -299,7 +296,9 @@ fn parse_client(
     Ok((plan.expect("checked"), mode, shards))
 }
 
-/// Create (201) or replace (200) a client; its keys are kept. Unknown plan: 422.
+/// Create (201) or replace (200) a client; its keys and overrides are kept. Unknown plan:
+/// 422. A new plan keeps what the client has spent from each limit whose name the new plan
+/// has too (no free refill); overrides of limits the new plan lacks do nothing.
 #[utoipa::path(operation_id = "putClient", put, path = "/admin/v1/clients/{client}", tag = "clients",
     params(("client" = ClientId, Path, description = "Client id"),
         ("If-Match" = Option<String>, Header, description = "Only if the client is at this ETag")),
@@ -332,13 +331,16 @@ pub async fn put(
             Some(cur) => Condition::Rev(cur.rev),
             None => Condition::Absent,
         };
+        let (keys, overrides) = existing
+            .map(|c| (c.value.keys, c.value.overrides))
+            .unwrap_or_default();
         let rec = ClientRecord {
-            overrides: Vec::new(),
             id: id.clone(),
             plan: plan.clone(),
             mode,
             shards: shards.clone(),
-            keys: existing.map(|c| c.value.keys).unwrap_or_default(),
+            keys,
+            overrides,
         };
         match state
             .store
@@ -406,36 +408,6 @@ pub async fn delete(
     }
 }
 
-/// Changes a client's record with `edit`, retrying when another writer got there first.
-async fn update_client<T>(
-    state: &AppState,
-    id: &ClientId,
-    audit: Audit,
-    edit: impl Fn(&mut ClientRecord) -> Result<T, ApiError>,
-) -> Result<T, ApiError> {
-    for _ in 0..WRITE_TRIES {
-        let cur = current(state, id).await?;
-        let mut rec = cur.value;
-        let out = edit(&mut rec)?;
-        match state
-            .store
-            .catalog_write(
-                &CatalogWrite::PutClient(rec, Condition::Rev(cur.rev)),
-                &audit,
-            )
-            .await?
-        {
-            WriteOutcome::Written { .. } => return Ok(out),
-            WriteOutcome::Stale { .. } => continue,
-            WriteOutcome::Missing => return Err(ApiError::NotFound(format!("no client {id}"))),
-            other => return Err(refusal(other, "client")),
-        }
-    }
-    Err(ApiError::Conflict(
-        "the client kept changing; try again".into(),
-    ))
-}
-
 /// Generate a key (`{}`) or import an existing one (`{"key": "..."}`). The key is shown in
 /// this response only; the gateway stores its SHA-256 hash.
 #[utoipa::path(operation_id = "createKey", post, path = "/admin/v1/clients/{client}/keys", tag = "clients",
@@ -461,21 +433,27 @@ pub async fn create_key(
     let key = key.unwrap_or_else(ApiKey::generate);
     let record = KeyRecord::new(key.hash());
     let key_id = record.key_id.clone();
-    update_client(&state, &id, Audit::new(&actor.sub, "key.create"), |c| {
-        if c.keys.iter().any(|k| k.hash == record.hash) {
-            return Err(ApiError::Conflict(
-                "this client has that key already".into(),
-            ));
-        }
-        if c.keys.len() >= MAX_KEYS {
-            return Err(ApiError::field(
-                "key",
-                format!("a client has at most {MAX_KEYS} keys"),
-            ));
-        }
-        c.keys.push(record.clone());
-        Ok(())
-    })
+    update_client(
+        &state,
+        &id,
+        Audit::new(&actor.sub, "key.create"),
+        None,
+        async |c| {
+            if c.keys.iter().any(|k| k.hash == record.hash) {
+                return Err(ApiError::Conflict(
+                    "this client has that key already".into(),
+                ));
+            }
+            if c.keys.len() >= MAX_KEYS {
+                return Err(ApiError::field(
+                    "key",
+                    format!("a client has at most {MAX_KEYS} keys"),
+                ));
+            }
+            c.keys.push(record.clone());
+            Ok(())
+        },
+    )
     .await?;
     Ok(HttpResponse::Created().json(NewKey {
         key_id,
@@ -499,16 +477,22 @@ pub async fn revoke_key(
 ) -> Result<HttpResponse, ApiError> {
     let (id, key_id) = path.into_inner();
     let id = client_id(&id)?;
-    update_client(&state, &id, Audit::new(&actor.sub, "key.revoke"), |c| {
-        let before = c.keys.len();
-        c.keys.retain(|k| k.key_id != key_id);
-        if c.keys.len() == before {
-            return Err(ApiError::NotFound(format!(
-                "client {id} has no key {key_id}"
-            )));
-        }
-        Ok(())
-    })
+    update_client(
+        &state,
+        &id,
+        Audit::new(&actor.sub, "key.revoke"),
+        None,
+        async |c| {
+            let before = c.keys.len();
+            c.keys.retain(|k| k.key_id != key_id);
+            if c.keys.len() == before {
+                return Err(ApiError::NotFound(format!(
+                    "client {id} has no key {key_id}"
+                )));
+            }
+            Ok(())
+        },
+    )
     .await?;
     Ok(HttpResponse::NoContent().finish())
 }
@@ -527,14 +511,7 @@ pub async fn bucket(
 ) -> Result<HttpResponse, ApiError> {
     let id = client_id(&id)?;
     let client = current(&state, &id).await?.value;
-    let limits = state
-        .store
-        .plan(client.plan.as_str())
-        .await?
-        .ok_or_else(|| ApiError::NotFound(format!("no plan {}", client.plan)))?
-        .value
-        .limits()
-        .map_err(|e| ApiError::Internal(e.into()))?;
+    let limits = super::shared::plan_limits(&state, &client.plan).await?;
     // The plan's first bucket for every service (see `/usage` for every limit).
     let (field, plan) = crate::limiter::shares::headline(&limits).ok_or_else(|| {
         ApiError::NotFound(format!(
@@ -562,11 +539,12 @@ pub async fn bucket(
     }))
 }
 
-/// Refill the client's bucket (it starts full again).
+/// Refill the client: its state is forgotten, so every limit starts whole again, its
+/// buckets full and its quotas' counts at zero (a quota's window starts over too).
 #[utoipa::path(operation_id = "refillBucket", delete, path = "/admin/v1/clients/{client}/bucket", tag = "clients",
     params(("client" = ClientId, Path, description = "Client id")),
     responses(
-        (status = 204, description = "Refilled"),
+        (status = 204, description = "Refilled: every limit whole"),
         (status = 404, description = "No such client", body = Problem, content_type = "application/problem+json"),
     ),
     security(("bearer" = [])))]

@@ -7,10 +7,12 @@ pub mod auth;
 mod body;
 mod clients;
 mod hot;
+mod overrides;
 mod plans;
 mod safety;
 mod shadow;
 mod shared;
+mod usage;
 
 use actix_web::dev::Payload;
 use actix_web::middleware::from_fn;
@@ -67,6 +69,22 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
                     .default_service(allow("DELETE")),
             )
             .service(
+                web::resource("/clients/{client}/overrides")
+                    .get(overrides::list)
+                    .default_service(allow("GET")),
+            )
+            .service(
+                web::resource("/clients/{client}/overrides/{limit}")
+                    .put(overrides::put)
+                    .delete(overrides::delete)
+                    .default_service(allow("PUT, DELETE")),
+            )
+            .service(
+                web::resource("/clients/{client}/usage")
+                    .get(usage::get)
+                    .default_service(allow("GET")),
+            )
+            .service(
                 web::resource("/clients/{client}/bucket")
                     .get(clients::bucket)
                     .delete(clients::refill)
@@ -115,7 +133,8 @@ fn allow(methods: &'static str) -> actix_web::Route {
 #[openapi(
     info(
         title = "tollgate admin API",
-        description = "Plans, clients, API keys, safety limits and the audit log of the tollgate gateway. \
+        description = "Plans (each a set of limits: token buckets and quotas, some for one service only), \
+            clients with their API keys, overrides and usage, safety limits and the audit log of the tollgate gateway. \
             Every call needs `Authorization: Bearer <JWT>`: `admin:read` for GET, `admin:write` for the rest. \
             Every error is `application/problem+json`.",
         license(name = "MIT")
@@ -124,6 +143,7 @@ fn allow(methods: &'static str) -> actix_web::Route {
         plans::list, plans::get, plans::put, plans::delete,
         clients::list, clients::get, clients::put, clients::delete,
         clients::create_key, clients::revoke_key, clients::bucket, clients::refill,
+        overrides::list, overrides::put, overrides::delete, usage::get,
         safety::get, safety::put,
         shadow::get, shadow::reset, hot::hot,
         audit::list,
@@ -136,8 +156,8 @@ fn allow(methods: &'static str) -> actix_web::Route {
     )),
     modifiers(&BearerAuth, &CommonResponses),
     tags(
-        (name = "plans", description = "What each plan allows"),
-        (name = "clients", description = "Clients, their plans, keys and buckets"),
+        (name = "plans", description = "What each plan allows: its limits"),
+        (name = "clients", description = "Clients, their plans, keys, overrides, usage and buckets"),
         (name = "safety", description = "Coarse per-service safety limits"),
         (name = "shadow", description = "Shadow-mode agreement with the services' own limiters"),
         (name = "audit", description = "Who changed what"),

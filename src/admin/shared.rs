@@ -1,12 +1,15 @@
-//! What the handlers share: ids from the path, `If-Match` conditions, refusals, the clock.
+//! What the handlers share: ids from the path, `If-Match` conditions, refusals, the clock
+//! and how times are written, a plan's limits, a client read and changed.
 
 use std::future::Future;
 
 use actix_web::HttpRequest;
 
-use super::body;
-use crate::catalog::{Condition, WriteOutcome};
+use super::body::{self, IfMatch};
+use crate::catalog::{Audit, CatalogWrite, ClientRecord, Condition, Versioned, WriteOutcome};
+use crate::domain::{ClientId, Limits, PlanName};
 use crate::error::ApiError;
+use crate::state::AppState;
 
 /// Unix milliseconds on this gateway's clock (for audit entries outside the catalog).
 pub(super) fn now_ms() -> u64 {
@@ -14,6 +17,30 @@ pub(super) fn now_ms() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+/// A unix time in microseconds as RFC 3339 in UTC, to the millisecond (rounded up, so a
+/// reset is never shown before it happens), e.g. `2026-12-01T00:00:00Z`,
+/// `2026-11-17T09:30:01.25Z`.
+pub(super) fn rfc3339(unix_us: u64) -> String {
+    let ms = i64::try_from(unix_us.div_ceil(1000)).unwrap_or(i64::MAX);
+    jiff::Timestamp::from_millisecond(ms)
+        .unwrap_or(jiff::Timestamp::MAX)
+        .to_string()
+}
+
+/// A plan's limits, read from the store (as written; overrides not applied). A client's
+/// plan always exists (a plan in use cannot be deleted), so a missing one is a `404` of a
+/// race with a delete.
+pub(super) async fn plan_limits(state: &AppState, plan: &PlanName) -> Result<Limits, ApiError> {
+    state
+        .store
+        .plan(plan.as_str())
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("no plan {plan}")))?
+        .value
+        .limits()
+        .map_err(|e| ApiError::Internal(e.into()))
 }
 
 /// Parses an id from the path, as a `422` naming it when it is not a valid id.
@@ -80,4 +107,60 @@ pub(super) fn refusal(outcome: WriteOutcome, what: &str) -> ApiError {
             ApiError::Internal(anyhow::anyhow!("a written {what} reported as refused"))
         }
     }
+}
+
+/// Writes that lose a race with another writer are retried this often.
+pub(super) const WRITE_TRIES: usize = 5;
+
+/// A client id from the path.
+pub(super) fn client_id(raw: &str) -> Result<ClientId, ApiError> {
+    path_id(raw, ClientId::parse, "client")
+}
+
+/// A client as stored now; `404` when there is none.
+pub(super) async fn current(
+    state: &AppState,
+    id: &ClientId,
+) -> Result<Versioned<ClientRecord>, ApiError> {
+    state
+        .store
+        .client(id.as_str())
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("no client {id}")))
+}
+
+/// Changes a client's record with `edit`, retrying when another writer got there first;
+/// with `If-Match` (`wanted`), only at that version, and `412` rather than a retry. Returns
+/// what `edit` returned and the client's new version (its ETag).
+pub(super) async fn update_client<T>(
+    state: &AppState,
+    id: &ClientId,
+    audit: Audit,
+    wanted: Option<&IfMatch>,
+    edit: impl AsyncFn(&mut ClientRecord) -> Result<T, ApiError>,
+) -> Result<(T, u64), ApiError> {
+    for _ in 0..WRITE_TRIES {
+        let cur = current(state, id).await?;
+        if let Some(wanted) = wanted {
+            precondition(wanted, Some(cur.rev), "client")?;
+        }
+        let mut rec = cur.value;
+        let out = edit(&mut rec).await?;
+        match state
+            .store
+            .catalog_write(
+                &CatalogWrite::PutClient(rec, Condition::Rev(cur.rev)),
+                &audit,
+            )
+            .await?
+        {
+            WriteOutcome::Written { rev, .. } => return Ok((out, rev)),
+            WriteOutcome::Stale { .. } if wanted.is_none() => continue,
+            WriteOutcome::Missing => return Err(ApiError::NotFound(format!("no client {id}"))),
+            other => return Err(refusal(other, "client")),
+        }
+    }
+    Err(ApiError::Conflict(
+        "the client kept changing; try again".into(),
+    ))
 }

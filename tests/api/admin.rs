@@ -360,7 +360,8 @@ async fn put_creates_then_replaces_and_if_match_guards_against_lost_updates() {
     assert_eq!(got.headers()["etag"].to_str().unwrap(), replaced_etag);
     assert_eq!(
         got.json::<Value>().await.unwrap(),
-        json!({"name": "gold", "capacity": 20.0, "rate": 2.0, "description": "more"})
+        json!({"name": "gold", "capacity": 20.0, "rate": 2.0, "description": "more",
+            "limits": [{"name": "default", "capacity": 20.0, "rate": 2.0}]})
     );
 }
 

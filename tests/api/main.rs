@@ -3,6 +3,7 @@
 mod helpers;
 
 mod admin;
+mod admin_limits;
 mod admin_redis;
 mod breaker;
 mod catalog;

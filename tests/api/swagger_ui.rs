@@ -1,5 +1,6 @@
 //! Swagger UI in a real headless Chromium, driven over WebDriver (chromedriver): load the
-//! page, authorize with a token, execute an admin call, read the answer.
+//! page, authorize with a token, execute an admin call, read the answer, and see a plan's
+//! limits in the documented bodies and schemas.
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -199,5 +200,54 @@ async fn swagger_ui_authorizes_with_a_token_and_executes_an_admin_call() {
         )
         .await;
     assert!(body.contains("\"capacity\""), "{body}");
+    // A plan is shown as its set of limits: the one bucket of the configured plan...
+    assert!(
+        body.contains("\"limits\"") && body.contains("\"default\""),
+        "{body}"
+    );
+
+    // ...and the body of a plan write shows the worked example of several limits.
+    browser
+        .click("#operations-plans-putPlan .opblock-summary")
+        .await;
+    let example = browser
+        .text_when(
+            "#operations-plans-putPlan .opblock-section-request-body",
+            |t| t.contains("\"limits\""),
+        )
+        .await;
+    for part in [
+        "\"monthly\"",
+        "\"period\": \"month\"",
+        "\"service\": \"search\"",
+    ] {
+        assert!(example.contains(part), "{part} not in {example}");
+    }
+    // Its schema: the plan body's fields, `limits` among them.
+    browser
+        .click(
+            "#operations-plans-putPlan .opblock-section-request-body button.tablinks[data-name=\"model\"]",
+        )
+        .await;
+    let schema = browser
+        .text_when(
+            "#operations-plans-putPlan .opblock-section-request-body",
+            |t| t.contains("PlanInput"),
+        )
+        .await;
+    // e.g. "limits … array<(object | object)>[1, 8] items": a bucket or a quota, 1 to 8.
+    assert!(
+        schema
+            .lines()
+            .any(|l| l.starts_with("limits") && l.contains("[1, 8] items")),
+        "{schema}"
+    );
+    // The schemas list a limit as a bucket or a quota.
+    let models = browser
+        .text_when("section.models", |t| t.contains("PlanLimit"))
+        .await;
+    for model in ["BucketLimit", "QuotaLimit", "PlanView", "UsageView"] {
+        assert!(models.contains(model), "{model} not in {models}");
+    }
     browser.call(reqwest::Method::DELETE, "", json!({})).await;
 }
