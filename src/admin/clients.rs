@@ -539,12 +539,12 @@ pub async fn bucket(
     }))
 }
 
-/// Refill the client: its state is forgotten, so every limit starts whole again, its
-/// buckets full and its quotas' counts at zero (a quota's window starts over too).
+/// Refill the client's buckets: they start full again. Its quotas' counts are kept (a
+/// refill is not a free month); a quota is changed with an override.
 #[utoipa::path(operation_id = "refillBucket", delete, path = "/admin/v1/clients/{client}/bucket", tag = "clients",
     params(("client" = ClientId, Path, description = "Client id")),
     responses(
-        (status = 204, description = "Refilled: every limit whole"),
+        (status = 204, description = "Refilled: every bucket full, quota counts kept"),
         (status = 404, description = "No such client", body = Problem, content_type = "application/problem+json"),
     ),
     security(("bearer" = [])))]
@@ -554,10 +554,18 @@ pub async fn refill(
     actor: Actor,
 ) -> Result<HttpResponse, ApiError> {
     let id = client_id(&id)?;
-    current(&state, &id).await?;
+    let client = current(&state, &id).await?.value;
+    // Every bucket of the plan, for every service; the quotas' fields stay.
+    let buckets: Vec<std::sync::Arc<str>> = super::shared::plan_limits(&state, &client.plan)
+        .await?
+        .items()
+        .iter()
+        .filter(|l| matches!(l.kind(), crate::domain::LimitKind::Bucket(_)))
+        .map(|l| std::sync::Arc::clone(l.field()))
+        .collect();
     state
         .store
-        .refill(&state.catalog.key_names().bucket(&id))
+        .refill(&state.catalog.key_names().bucket(&id), &buckets)
         .await?;
     state
         .store

@@ -118,14 +118,15 @@ impl Store {
         }
     }
 
-    /// Forgets the bucket, so it starts full.
-    pub async fn refill(&self, key: &str) -> Result<(), StoreError> {
+    /// Forgets the state of the buckets whose fields are `buckets` at `key`, so they start
+    /// full; the client's other limits (its quotas' counts) stay.
+    pub async fn refill(&self, key: &str, buckets: &[Arc<str>]) -> Result<(), StoreError> {
         match self {
             Store::Embedded(s) => {
-                s.refill(key);
+                s.refill(key, buckets);
                 Ok(())
             }
-            Store::Redis(s) => s.refill(key).await,
+            Store::Redis(s) => s.refill(key, buckets).await,
         }
     }
 

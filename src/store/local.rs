@@ -247,8 +247,13 @@ impl LocalLimits {
         })
     }
 
-    pub fn remove(&self, key: &str) {
-        self.shard(key).lock().remove(key);
+    /// Forgets the bucket states under `fields` at `key` (quota counts stay).
+    pub fn forget(&self, key: &str, fields: &[Arc<str>]) {
+        if let Some(e) = self.shard(key).lock().get_mut(key) {
+            e.states.retain(|(f, s)| {
+                !(matches!(s, LimitState::Bucket(_)) && fields.iter().any(|g| **g == **f))
+            });
+        }
     }
 
     /// Forgets clients whose limits would all be whole by now; returns how many remain.

@@ -738,6 +738,11 @@ async fn on_redis_any_gateway_reads_the_usage_and_writes_the_overrides_of_anothe
     assert_eq!(r.status(), 201);
     a.wait_for_catalog(etag_version(&r)).await;
     assert_eq!(admitted(&a, "/orders", &key, 1).await, 0);
+    let used_before = read(&a, "/clients/acme/usage").await["limits"][1]["used"]
+        .as_f64()
+        .unwrap();
+    assert!(used_before > 0.0);
+    // A refill fills the buckets and keeps the quota's count: it is not a free day.
     assert_eq!(
         call(&b, Method::DELETE, "/clients/acme/bucket", None)
             .await
@@ -746,6 +751,7 @@ async fn on_redis_any_gateway_reads_the_usage_and_writes_the_overrides_of_anothe
     );
     assert_eq!(admitted(&a, "/orders", &key, 7).await, 6);
     let usage = read(&a, "/clients/acme/usage").await;
+    assert_eq!(usage["limits"][1]["used"], used_before + 6.0, "{usage}");
     assert_eq!(usage["limits"][0]["overridden"], true);
     assert_eq!(usage["limits"][0]["capacity"], 6.0);
     // The catalog script wrote the override's audit entry with it.

@@ -38,8 +38,9 @@ impl EmbeddedStore {
         )
     }
 
-    pub fn refill(&self, key: &str) {
-        self.limits.remove(key);
+    /// Forgets the state of the buckets under `buckets` (field prefixes) at `key`.
+    pub fn refill(&self, key: &str, buckets: &[std::sync::Arc<str>]) {
+        self.limits.forget(key, buckets);
     }
 
     /// Forgets clients whose limits would all be whole by now; returns how many remain.

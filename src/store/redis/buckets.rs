@@ -157,9 +157,21 @@ impl RedisStore {
         parse_reply(&reply?, applied)
     }
 
-    pub async fn refill(&self, key: &str) -> Result<(), StoreError> {
+    /// Deletes the state of the buckets under `buckets` (field prefixes) at `key`.
+    pub async fn refill(
+        &self,
+        key: &str,
+        buckets: &[std::sync::Arc<str>],
+    ) -> Result<(), StoreError> {
+        if buckets.is_empty() {
+            return Ok(());
+        }
+        let fields: Vec<String> = buckets
+            .iter()
+            .flat_map(|f| [format!("{f}tk"), format!("{f}ts")])
+            .collect();
         retrying!(self, |c| async {
-            let _: i64 = c.del(key).await?;
+            let _: i64 = c.hdel(key, &fields).await?;
             Ok(())
         }
         .await)
