@@ -1,6 +1,6 @@
 //! `plans`: what a plan of three limits costs next to a plan of one (issue 13).
 //!
-//! Two parts, each against its baselines in the same run:
+//! Three parts, each against its baselines in the same run:
 //! - **cost**: the same open-loop load (fixed rate, latency from the intended send time)
 //!   goes, in alternating slices, to the upstream directly, to the bare actix-web + awc
 //!   floor proxy, to a gateway whose client has a plan of one bucket, and to a gateway
@@ -9,6 +9,9 @@
 //!   its own, so Redis' counters (`INFO commandstats`, `INFO cpu`) belong to one plan:
 //!   Redis calls per request, the time inside the script per call, and Redis' CPU per
 //!   decision.
+//! - **redis**: Redis alone, kept busy by the gateway's own store code (`Store::take`)
+//!   with many takes in flight for distinct clients: the same two figures when Redis is
+//!   saturated rather than woken once per request.
 //! - **accuracy**: one client offers 9x the rate of the limit meant to bind, through N
 //!   gateways x S services x R replicas (as `accuracy`), once per case: the one-bucket
 //!   plan, then a three-limit plan where the first bucket, the second bucket, and the
@@ -20,7 +23,10 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use secrecy::SecretString;
 use serde_json::{json, Value};
+use tollgate::domain::{Applied, Bucket, Limit, LimitSpec, Limits, Period};
+use tollgate::store::{Keys, Store};
 use tollgate_testkit::{ClientDef, GatewayConfig, PlanDef, RedisServer};
 
 use super::accuracy::{metric_sum, Fleet, Topology};
@@ -34,7 +40,7 @@ use crate::upstream::{Server, Upstreams};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Run one part only (default: both, cost first).
+    /// Run one part only (default: all three, in this order: cost, redis, accuracy).
     #[arg(long, value_enum)]
     only: Option<Part>,
     /// Cost: requests per second, on each target.
@@ -56,6 +62,13 @@ pub struct Args {
     /// The gateways' decision budget (`redis.timeout_ms`); past it a request fails open.
     #[arg(long, default_value_t = 5)]
     timeout_ms: u64,
+    /// Redis part: seconds per plan per round (two rounds, alternating 1 limit and 3).
+    #[arg(long, default_value = "3", value_parser = seconds)]
+    redis_seconds: f64,
+    /// Redis part: takes in flight at once, each for a client of its own (so none
+    /// coalesce).
+    #[arg(long, default_value_t = 64)]
+    redis_concurrency: usize,
     #[command(flatten)]
     topology: Topology,
     /// Accuracy: seconds the client sends for, per case.
@@ -76,6 +89,7 @@ pub struct Args {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum Part {
     Cost,
+    Redis,
     Accuracy,
 }
 
@@ -85,13 +99,22 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     let mut json = serde_json::Map::new();
     json.insert("scenario".into(), "plans".into());
     let mut charts = Vec::new();
-    if a.only != Some(Part::Accuracy) {
+    if a.only.is_none_or(|only| only == Part::Cost) {
         let (md, j, chart) = cost(a)?;
         markdown.push_str(&md);
         json.insert("cost".into(), j);
         charts.push(("plans-percentiles.svg".to_string(), chart));
     }
-    if a.only != Some(Part::Cost) {
+    let runs = |part: Part| a.only.is_none_or(|only| only == part);
+    if runs(Part::Redis) {
+        if !markdown.is_empty() {
+            markdown.push('\n');
+        }
+        let (md, j) = saturated(a)?;
+        markdown.push_str(&md);
+        json.insert("redis".into(), j);
+    }
+    if runs(Part::Accuracy) {
         if !markdown.is_empty() {
             markdown.push('\n');
         }
@@ -173,6 +196,27 @@ fn num(v: f64) -> String {
     }
 }
 
+impl Lim {
+    /// The limit as the gateway holds it.
+    fn limit(&self) -> Limit {
+        let mut spec = LimitSpec {
+            name: self.name.into(),
+            ..LimitSpec::default()
+        };
+        match self.kind {
+            Kind::Bucket { capacity, rate } => {
+                spec.capacity = Some(capacity);
+                spec.rate = Some(rate);
+            }
+            Kind::Quota { amount } => {
+                spec.quota = Some(amount);
+                spec.period = Some(Period::Month);
+            }
+        }
+        Limit::from_spec(&spec).expect("the bench's limits are valid")
+    }
+}
+
 /// `[[catalog.plans]]` with `limits`, for [`GatewayConfig::extra`].
 fn plan_toml(name: &str, limits: &[Lim]) -> String {
     let limits: Vec<String> = limits.iter().map(Lim::toml).collect();
@@ -184,6 +228,16 @@ fn plan_toml(name: &str, limits: &[Lim]) -> String {
 
 // ---------------------------------------------------------------------------------------
 // Cost: Redis calls, Redis CPU and added latency, one limit vs three.
+
+/// The three-limit plan of the cost and Redis parts: all for every service, none ever
+/// refusing at the rates measured, so a request takes from each in the one script call.
+fn never_refusing() -> [Lim; 3] {
+    [
+        Lim::bucket("burst", 1e9, 1e9),
+        Lim::bucket("steady", 1e9, 1e9),
+        Lim::monthly("monthly", 1e12),
+    ]
+}
 
 const PATH: &str = "/api/items/42";
 // The same length, so every target parses the same bytes.
@@ -281,11 +335,7 @@ fn cost(a: &Args) -> anyhow::Result<CostResult> {
     let one = config(&redis_one, "plan-one", KEY_ONE);
     // Three limits, all for every service, none ever refusing at this rate: a request
     // takes from each of them in the one script call.
-    let three_limits = [
-        Lim::bucket("burst", 1e9, 1e9),
-        Lim::bucket("steady", 1e9, 1e9),
-        Lim::monthly("monthly", 1e12),
-    ];
+    let three_limits = never_refusing();
     let mut three = config(&redis_three, "plan-three", KEY_THREE);
     let client = three
         .clients
@@ -600,6 +650,141 @@ fn cost(a: &Args) -> anyhow::Result<CostResult> {
     }
     .render(&series);
     Ok((markdown, json, chart))
+}
+
+// ---------------------------------------------------------------------------------------
+// Redis alone, saturated: what a decision costs Redis when it is busy.
+
+/// Redis kept busy by the gateway's own store code (`Store::take`, as the limiter calls
+/// it: one multiplexed connection, `EVALSHA`), from one thread, with
+/// `--redis-concurrency` takes in flight, each for a client of its own so none coalesce:
+/// Redis reads many calls per wake-up, so its per-call cost is the script's and the
+/// protocol's, without the idle wake-ups a 1,000 req/s run pays.
+fn saturated(a: &Args) -> anyhow::Result<(String, Value)> {
+    let machine = machine();
+    let redis = RedisServer::start()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    // The store's pool starts its timers on the runtime it is made in.
+    let _in_rt = rt.enter();
+    let store = Store::redis(
+        &SecretString::from(redis.url()),
+        2,
+        Duration::from_secs(1),
+        Keys::new("tollgate:"),
+    )?;
+    let one = Limits::new(vec![Limit::default_bucket(Bucket::new(1e9, 1e9)?)])?;
+    let three = Limits::new(never_refusing().iter().map(Lim::limit).collect())?;
+    let plans = [("1 limit", one.every()), ("3 limits", three.every())];
+    let local = tokio::task::LocalSet::new();
+    // Takes and failures over `seconds`, every client taking in a loop.
+    let drive = |applied: &Vec<Applied>, label: &str, seconds: f64| {
+        local.block_on(&rt, async {
+            let until = tokio::time::Instant::now() + Duration::from_secs_f64(seconds);
+            let tasks: Vec<_> = (0..a.redis_concurrency)
+                .map(|i| {
+                    let (store, applied) = (store.clone(), applied.clone());
+                    let key = format!("tollgate:b:{{hot-{}-{i}}}", label.replace(' ', "-"));
+                    tokio::task::spawn_local(async move {
+                        let (mut ok, mut failed) = (0u64, 0u64);
+                        while tokio::time::Instant::now() < until {
+                            match store.take(&key, &applied, 1.0, None).await {
+                                Ok(_) => ok += 1,
+                                Err(_) => failed += 1,
+                            }
+                        }
+                        (ok, failed)
+                    })
+                })
+                .collect();
+            let mut total = (0u64, 0u64);
+            for t in tasks {
+                let (ok, failed) = t.await.unwrap_or((0, 0));
+                total = (total.0 + ok, total.1 + failed);
+            }
+            total
+        })
+    };
+    eprintln!(
+        "plans/redis: {} takes in flight, {} s per plan x 2 rounds ({machine})",
+        a.redis_concurrency, a.redis_seconds
+    );
+    // Warm-up: loads the script, opens the connection, creates every client's state.
+    for (label, applied) in &plans {
+        drive(applied, label, 0.5);
+    }
+    let mut totals: Vec<(RedisSpent, u64, u64, f64)> = vec![Default::default(); plans.len()];
+    for _round in 0..2 {
+        for (k, (label, applied)) in plans.iter().enumerate() {
+            let before = RedisSpent::read(&redis)?;
+            let started = Instant::now();
+            let (ok, failed) = drive(applied, label, a.redis_seconds);
+            let wall = started.elapsed().as_secs_f64();
+            let spent = RedisSpent::read(&redis)?.since(&before);
+            let t = &mut totals[k];
+            for (c, (calls, usec)) in spent.commands {
+                let e = t.0.commands.entry(c).or_default();
+                *e = (e.0 + calls, e.1 + usec);
+            }
+            t.0.cpu_s += spent.cpu_s;
+            t.1 += ok;
+            t.2 += failed;
+            t.3 += wall;
+        }
+    }
+    let mut table = Table::new(&[
+        "plan",
+        "takes",
+        "takes/s",
+        "EVALSHA per take",
+        "µs inside EVALSHA per call",
+        "Redis CPU per decision µs",
+        "failed",
+    ]);
+    let mut rows = Vec::new();
+    for (k, (label, _)) in plans.iter().enumerate() {
+        let (spent, ok, failed, wall) = &totals[k];
+        let evalsha = spent.calls("evalsha");
+        let per_call = spent.usec("evalsha") as f64 / evalsha.max(1) as f64;
+        let cpu = spent.cpu_s * 1e6 / (*ok).max(1) as f64;
+        table.row(vec![
+            label.to_string(),
+            ok.to_string(),
+            format!("{:.0}", *ok as f64 / wall),
+            format!("{:.3}", evalsha as f64 / (*ok).max(1) as f64),
+            format!("**{per_call:.1}**"),
+            format!("**{cpu:.1}**"),
+            failed.to_string(),
+        ]);
+        rows.push(json!({
+            "plan": label,
+            "takes": ok,
+            "takes_per_s": round(*ok as f64 / wall, 0),
+            "evalsha": evalsha,
+            "evalsha_usec_per_call": round(per_call, 2),
+            "redis_cpu_per_decision_us": round(cpu, 2),
+            "failed": failed,
+        }));
+    }
+    let markdown = format!(
+        "### plans, Redis alone: {} takes in flight through `Store::take`, {} s per plan x 2 \
+         rounds\n\n{}\n\
+         Redis CPU per decision: `used_cpu_sys + used_cpu_user` over the rounds / takes (no \
+         idle to subtract: Redis is busy throughout); µs inside EVALSHA: `INFO \
+         commandstats`. The caller shares the machine's two cores with Redis. {machine}.\n",
+        a.redis_concurrency,
+        a.redis_seconds,
+        table.render(),
+    );
+    let json = json!({
+        "concurrency": a.redis_concurrency,
+        "seconds_per_round": a.redis_seconds,
+        "rounds": 2,
+        "plans": rows,
+        "machine": machine,
+    });
+    Ok((markdown, json))
 }
 
 // ---------------------------------------------------------------------------------------
