@@ -286,12 +286,12 @@ impl RedisSpent {
     }
 
     /// What was spent since `before`; commands not called meanwhile left out, and so are
-    /// the bench's own `INFO`s.
+    /// the bench's own (`INFO`, and `HLEN` to check the plans).
     fn since(&self, before: &RedisSpent) -> RedisSpent {
         let mut commands = BTreeMap::new();
         for (name, &(calls, usec)) in &self.commands {
             let (c0, u0) = before.commands.get(name).copied().unwrap_or((0, 0));
-            if calls > c0 && name != "info" {
+            if calls > c0 && name != "info" && name != "hlen" {
                 commands.insert(name.clone(), (calls - c0, usec - u0));
             }
         }
