@@ -99,13 +99,13 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     let mut json = serde_json::Map::new();
     json.insert("scenario".into(), "plans".into());
     let mut charts = Vec::new();
-    if a.only.is_none_or(|only| only == Part::Cost) {
+    let runs = |part: Part| a.only.is_none_or(|only| only == part);
+    if runs(Part::Cost) {
         let (md, j, chart) = cost(a)?;
         markdown.push_str(&md);
         json.insert("cost".into(), j);
         charts.push(("plans-percentiles.svg".to_string(), chart));
     }
-    let runs = |part: Part| a.only.is_none_or(|only| only == part);
     if runs(Part::Redis) {
         if !markdown.is_empty() {
             markdown.push('\n');
