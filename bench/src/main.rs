@@ -16,7 +16,7 @@
 //! - [`procs`]: the gateway as the scenarios run it (the release binary, probed until it
 //!   forwards), nginx and the floor proxy; `redis-server`, the config builder and the
 //!   process plumbing come from `tollgate-testkit`, shared with the tests.
-//! - [`scenarios`]: latency, throughput, accuracy, failopen, slowredis, replay.
+//! - [`scenarios`]: latency, throughput, accuracy, plans, failopen, slowredis, replay.
 //! - [`report`] and [`svg`]: the table, the JSON and the charts.
 
 mod floor;
@@ -33,8 +33,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-/// Measures tollgate: added latency, throughput, accuracy, fail-open, a slow Redis and the
-/// incident replay.
+/// Measures tollgate: added latency, throughput, accuracy, plans of several limits,
+/// fail-open, a slow Redis and the incident replay.
 #[derive(Debug, Parser)]
 #[command(name = "tollgate-bench", version)]
 struct Cli {
@@ -69,6 +69,9 @@ enum Scenario {
     Throughput(scenarios::throughput::Args),
     /// One client at 9x its contract through N gateways x S services x R replicas.
     Accuracy(scenarios::accuracy::Args),
+    /// A plan of 1 limit vs 3: Redis calls and CPU per decision, added latency (against
+    /// direct and the floor proxy), and each limit's accuracy at 9x its rate.
+    Plans(scenarios::plans::Args),
     /// Latency while Redis is stalled (SIGSTOP), before and after the breaker opens.
     Failopen(scenarios::failopen::Args),
     /// The September incident: per-service limiters only, then the edge limiter.
@@ -107,6 +110,7 @@ fn main() -> ExitCode {
         Scenario::Latency(a) => scenarios::latency::run(&a),
         Scenario::Throughput(a) => scenarios::throughput::run(&a),
         Scenario::Accuracy(a) => scenarios::accuracy::run(&a),
+        Scenario::Plans(a) => scenarios::plans::run(&a),
         Scenario::Failopen(a) => scenarios::failopen::run(&a),
         Scenario::Replay(a) => scenarios::replay::run(&a),
         Scenario::Slowredis(a) => scenarios::slowredis::run(&a),

@@ -3,6 +3,7 @@
 pub mod accuracy;
 pub mod failopen;
 pub mod latency;
+pub mod plans;
 pub mod replay;
 pub mod slowredis;
 pub mod throughput;
