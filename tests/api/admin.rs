@@ -1161,7 +1161,7 @@ async fn several_bad_fields_get_one_error_each_and_bounds_hold() {
     assert_eq!(r.status(), 422);
     assert_eq!(r.headers()["content-type"], "application/problem+json");
     assert_eq!(
-        error_fields(r).await,
+        problem_fields(r).await,
         ["colour", "id", "keys", "mode", "plan", "shards"]
     );
     let r = gw
@@ -1180,7 +1180,7 @@ async fn several_bad_fields_get_one_error_each_and_bounds_hold() {
         .unwrap();
     assert_eq!(r.status(), 422);
     assert_eq!(
-        error_fields(r).await,
+        problem_fields(r).await,
         [
             "multiplier",
             "services.bad name",
@@ -1194,19 +1194,6 @@ async fn several_bad_fields_get_one_error_each_and_bounds_hold() {
     // A plan read back may be sent back as it is.
     let read: Value = at_bounds.json().await.unwrap();
     assert_eq!(put_plan(&gw, "gold", read).await.status(), 200);
-}
-
-/// The `field` of every error in a `422` problem, sorted.
-async fn error_fields(r: reqwest::Response) -> Vec<String> {
-    let problem: Value = r.json().await.unwrap();
-    let mut fields: Vec<String> = problem["errors"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no errors in {problem}"))
-        .iter()
-        .map(|e| e["field"].as_str().unwrap().to_string())
-        .collect();
-    fields.sort();
-    fields
 }
 
 #[tokio::test]

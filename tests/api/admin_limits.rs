@@ -22,19 +22,14 @@ async fn gateway(extra: &str) -> TestGateway {
     .await
 }
 
-/// `method path` with a JSON body when given.
+/// `method path` as `rw`, with a JSON body when given.
 async fn call(
     gw: &TestGateway,
     method: Method,
     path: &str,
     body: Option<Value>,
 ) -> reqwest::Response {
-    let req = gw.admin(method, path, &rw());
-    let req = match body {
-        Some(b) => req.json(&b),
-        None => req,
-    };
-    req.send().await.unwrap()
+    gw.send_admin(method, path, &rw(), body).await
 }
 
 async fn read(gw: &TestGateway, path: &str) -> Value {
@@ -47,15 +42,7 @@ async fn read(gw: &TestGateway, path: &str) -> Value {
 async fn refused_fields(r: reqwest::Response) -> Vec<String> {
     assert_eq!(r.status(), 422);
     assert_eq!(r.headers()["content-type"], "application/problem+json");
-    let problem: Value = r.json().await.unwrap();
-    let mut fields: Vec<String> = problem["errors"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no errors in {problem}"))
-        .iter()
-        .map(|e| e["field"].as_str().unwrap().to_string())
-        .collect();
-    fields.sort();
-    fields
+    problem_fields(r).await
 }
 
 /// A plan, a client `acme` on it with a new key, and the gateway's mirror caught up with

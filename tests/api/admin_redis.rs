@@ -36,12 +36,7 @@ async fn call(
     path: &str,
     body: Option<Value>,
 ) -> reqwest::Response {
-    let req = gw.admin(method, path, &token("ops"));
-    let req = match body {
-        Some(b) => req.json(&b),
-        None => req,
-    };
-    req.send().await.unwrap()
+    gw.send_admin(method, path, &token("ops"), body).await
 }
 
 fn etag(r: &reqwest::Response) -> String {

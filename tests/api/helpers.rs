@@ -261,6 +261,22 @@ impl TestGateway {
             .bearer_auth(token)
     }
 
+    /// `method path` on the admin API as `token`, with a JSON body when given.
+    pub async fn send_admin(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        token: &str,
+        body: Option<serde_json::Value>,
+    ) -> reqwest::Response {
+        let req = self.admin(method, path, token);
+        let req = match body {
+            Some(b) => req.json(&b),
+            None => req,
+        };
+        req.send().await.expect("gateway answers")
+    }
+
     /// A sample from this gateway's `/metrics`: the line starting `series ` (a name, or a
     /// name with its labels).
     pub async fn metric(&self, series: &str) -> Option<f64> {
@@ -417,4 +433,17 @@ pub async fn clear_of_midnight() {
     if to_midnight <= 30 {
         tokio::time::sleep(Duration::from_secs(to_midnight + 1)).await;
     }
+}
+
+/// The `field` of every error in a `422` problem, sorted.
+pub async fn problem_fields(r: reqwest::Response) -> Vec<String> {
+    let problem: serde_json::Value = r.json().await.unwrap();
+    let mut fields: Vec<String> = problem["errors"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no errors in {problem}"))
+        .iter()
+        .map(|e| e["field"].as_str().unwrap().to_string())
+        .collect();
+    fields.sort();
+    fields
 }
