@@ -50,7 +50,8 @@ pub struct Limiter {
     shadow: Arc<ShadowStats>,
     periods: Periods,
     /// Sharded clients whose global quota is used up, until when (unix µs).
-    quota_blocks: Arc<dashmap::DashMap<ClientId, u64>>,
+    /// With the quotas' amounts then: a raised quota (an override, a plan change) lifts it.
+    quota_blocks: Arc<dashmap::DashMap<ClientId, (u64, f64)>>,
 }
 
 impl Limiter {
@@ -279,11 +280,13 @@ impl Limiter {
             return None;
         }
         let now_us = crate::store::LocalLimits::now_us();
+        let amounts = amounts(quotas);
         let blocked = self
             .quota_blocks
             .get(&client.id)
             .map(|b| *b)
-            .filter(|until| *until > now_us);
+            .filter(|(until, then)| *until > now_us && *then == amounts)
+            .map(|(until, _)| until);
         let until = match blocked {
             Some(until) => until,
             None if quotas.iter().any(|a| cost > a.ceiling()) => now_us,
@@ -311,6 +314,7 @@ impl Limiter {
         }
         let blocks = Arc::clone(&self.quota_blocks);
         let (id, kinds) = (client.id.clone(), quotas.to_vec());
+        let amounts = amounts(quotas);
         let on_reply: debits::OnReply = Rc::new(move |r: &Ruling| {
             // Used up: refused here until the latest exhausted window ends.
             let until = r
@@ -325,7 +329,7 @@ impl Limiter {
                 .max();
             match until {
                 Some(until) => {
-                    blocks.insert(id.clone(), until);
+                    blocks.insert(id.clone(), (until, amounts));
                 }
                 None => {
                     blocks.remove(&id);
@@ -415,4 +419,9 @@ impl Limiter {
     pub fn breakers(&self) -> &Breakers {
         &self.breakers
     }
+}
+
+/// The quotas' amounts together: a block learned under other amounts no longer holds.
+fn amounts(quotas: &[Applied]) -> f64 {
+    quotas.iter().map(Applied::ceiling).sum()
 }

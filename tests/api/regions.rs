@@ -771,6 +771,21 @@ async fn a_sharded_clients_quota_holds_across_regions_within_a_debit_period_of_t
         assert_eq!(body["limit"], "metered.daily", "{body}");
     }
     assert_eq!(up.hits(), admitted);
+
+    // A raise of the quota (an override) lifts the refusal in both regions at once: they
+    // do not wait for the day to end.
+    let r = gateways[0]
+        .admin(Method::PUT, "/clients/hot/overrides/daily", &token())
+        .json(&json!({"quota": quota + 100.0}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    for gw in &gateways {
+        gw.wait_for_catalog(etag_version(&r)).await;
+        let r = gw.get("/orders", Some(&key("hot"))).await;
+        assert_eq!(r.status(), 200, "{:?}", r.headers());
+    }
 }
 
 #[tokio::test]
