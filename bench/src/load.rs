@@ -387,7 +387,9 @@ async fn closed(
         );
         tasks.push(tokio::task::spawn_local(async move {
             let mut conn: Option<Conn> = None;
-            let mut i = c;
+            // Connections start spread over the requests, so with many clients' requests
+            // they do not send the same ones a step apart.
+            let mut i = c * (requests.len() / conns.max(1)).max(1);
             while Instant::now() < until {
                 if conn.is_none() {
                     match Conn::connect(addr).await {

@@ -16,7 +16,8 @@
 //! - [`procs`]: the gateway as the scenarios run it (the release binary, probed until it
 //!   forwards), nginx and the floor proxy; `redis-server`, the config builder and the
 //!   process plumbing come from `tollgate-testkit`, shared with the tests.
-//! - [`scenarios`]: latency, throughput, accuracy, plans, failopen, slowredis, replay.
+//! - [`scenarios`]: latency, throughput, accuracy, plans, redis, failopen, slowredis,
+//!   replay.
 //! - [`report`] and [`svg`]: the table, the JSON and the charts.
 
 mod floor;
@@ -72,6 +73,9 @@ enum Scenario {
     /// A plan of 1 limit vs 3: Redis calls and CPU per decision, added latency (against
     /// direct and the floor proxy), and each limit's accuracy at 9x its rate.
     Plans(scenarios::plans::Args),
+    /// Redis CPU per decision with 1, 1,000 and 10,000 active clients (uniform and
+    /// Zipf-skewed), Redis driven through the gateway's store code alone.
+    Redis(scenarios::redis::Args),
     /// Latency while Redis is stalled (SIGSTOP), before and after the breaker opens.
     Failopen(scenarios::failopen::Args),
     /// The September incident: per-service limiters only, then the edge limiter.
@@ -111,6 +115,7 @@ fn main() -> ExitCode {
         Scenario::Throughput(a) => scenarios::throughput::run(&a),
         Scenario::Accuracy(a) => scenarios::accuracy::run(&a),
         Scenario::Plans(a) => scenarios::plans::run(&a),
+        Scenario::Redis(a) => scenarios::redis::run(&a),
         Scenario::Failopen(a) => scenarios::failopen::run(&a),
         Scenario::Replay(a) => scenarios::replay::run(&a),
         Scenario::Slowredis(a) => scenarios::slowredis::run(&a),

@@ -8,8 +8,8 @@ use std::time::Duration;
 use serde_json::json;
 use tollgate_testkit::RedisServer;
 
+use super::clients::Clients;
 use super::{seconds, summary_json};
-use crate::http::get_request;
 use crate::load::{run_open, sorted_ns, Arrivals, Stream, Summary};
 use crate::procs::{one_unlimited_client, raise_fd_limit, Gateway};
 use crate::report::{machine, ms, round, Outcome, Table};
@@ -37,12 +37,15 @@ pub struct Args {
     /// The gateway's decision budget (`redis.timeout_ms`); past it a request fails open.
     #[arg(long, default_value_t = 5)]
     timeout_ms: u64,
+    #[command(flatten)]
+    clients: Clients,
 }
 
 const PATH: &str = "/api/items/42";
 const KEY: &str = "bench-latency-key-1";
 
 pub fn run(a: &Args) -> anyhow::Result<Outcome> {
+    a.clients.check()?;
     raise_fd_limit();
     let machine = machine();
     let redis = RedisServer::start()?;
@@ -51,13 +54,14 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         one_unlimited_client(Some(redis.url()), upstream.urls(), "latency-client", KEY);
     config.workers = a.gateway_workers;
     config.timeout_ms = Some(a.timeout_ms);
+    a.clients.add_to(&mut config, "large");
     let gateway = Gateway::start(&config, PATH)?;
 
-    let request = get_request(PATH, Some(KEY));
+    let requests = a.clients.requests(PATH, KEY);
     let direct_addr = upstream.addrs[0];
     let stream = |addr, from: f64, until: f64| Stream {
         addr,
-        requests: vec![request.clone()],
+        requests: requests.clone(),
         rate: a.rate,
         arrivals: Arrivals::Uniform,
         from: Duration::from_secs_f64(from),
@@ -142,11 +146,12 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     ]);
     let calls_per_request = evalsha as f64 / gateway_sent.max(1) as f64;
     let markdown = format!(
-        "### latency: {} req/s open loop, {} s per side\n\n{}\n\
+        "### latency: {} req/s open loop, {} s per side, {}\n\n{}\n\
          Redis calls per gateway request: {:.3} (EVALSHA). Fail-opens: {}. \
          Generator wake-up lateness p50/p99: {:.0}/{:.0} µs (included in both sides). {}.\n",
         a.rate,
         a.duration,
+        a.clients.describe(),
         table.render(),
         calls_per_request,
         fail_open,
@@ -156,6 +161,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     );
     let json = json!({
         "scenario": "latency",
+        "clients": a.clients.describe(),
         "rate": a.rate,
         "duration_s": a.duration,
         "gateway_workers": a.gateway_workers,

@@ -1,11 +1,14 @@
 //! The scenarios. Each starts what it needs, measures, and returns an [`Outcome`].
 
 pub mod accuracy;
+pub mod clients;
 pub mod failopen;
 pub mod latency;
 pub mod plans;
+pub mod redis;
 pub mod replay;
 pub mod slowredis;
+mod takes;
 pub mod throughput;
 
 use serde_json::{json, Value};

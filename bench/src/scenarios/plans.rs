@@ -21,15 +21,15 @@
 //!   with the admitted requests (a refused request spends from no limit).
 
 use std::collections::BTreeMap;
+use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use secrecy::SecretString;
 use serde_json::{json, Value};
 use tollgate::domain::{Applied, Bucket, Limit, LimitSpec, Limits, Period};
-use tollgate::store::{Keys, Store};
 use tollgate_testkit::{ClientDef, GatewayConfig, PlanDef, RedisServer};
 
 use super::accuracy::{metric_sum, Fleet, Topology};
+use super::takes::{client_key, Draw, Driver, RedisSpent};
 use super::{seconds, summary_json};
 use crate::http::get_request;
 use crate::load::{sorted_ns, Arrivals, OpenRun, Sample, Stream, Summary};
@@ -243,72 +243,6 @@ const PATH: &str = "/api/items/42";
 // The same length, so every target parses the same bytes.
 const KEY_ONE: &str = "bench-plans-key-one1";
 const KEY_THREE: &str = "bench-plans-key-thr3";
-
-/// What a `redis-server` has spent so far, by its own counters.
-#[derive(Debug, Clone, Default)]
-struct RedisSpent {
-    /// `INFO commandstats`: command → (calls, µs inside it). A script's own `redis.call`s
-    /// are counted as commands too, and their time is also inside the script's.
-    commands: BTreeMap<String, (u64, u64)>,
-    /// `INFO cpu`: `used_cpu_sys + used_cpu_user`, seconds (the whole process).
-    cpu_s: f64,
-}
-
-impl RedisSpent {
-    fn read(redis: &RedisServer) -> anyhow::Result<RedisSpent> {
-        let info: String = redis::cmd("INFO")
-            .arg("commandstats")
-            .arg("cpu")
-            .query(&mut redis.conn()?)?;
-        let mut spent = RedisSpent::default();
-        for line in info.lines() {
-            if let Some(l) = line.strip_prefix("cmdstat_") {
-                let Some((name, rest)) = l.split_once(':') else {
-                    continue;
-                };
-                let field = |key: &str| {
-                    rest.split(',')
-                        .find_map(|kv| kv.strip_prefix(key))
-                        .and_then(|v| v.parse::<u64>().ok())
-                        .unwrap_or(0)
-                };
-                spent
-                    .commands
-                    .insert(name.to_string(), (field("calls="), field("usec=")));
-            } else if let Some(v) = line
-                .strip_prefix("used_cpu_sys:")
-                .or_else(|| line.strip_prefix("used_cpu_user:"))
-            {
-                spent.cpu_s += v.trim().parse::<f64>().unwrap_or(0.0);
-            }
-        }
-        Ok(spent)
-    }
-
-    /// What was spent since `before`; commands not called meanwhile left out, and so are
-    /// the bench's own (`INFO`, and `HLEN` to check the plans).
-    fn since(&self, before: &RedisSpent) -> RedisSpent {
-        let mut commands = BTreeMap::new();
-        for (name, &(calls, usec)) in &self.commands {
-            let (c0, u0) = before.commands.get(name).copied().unwrap_or((0, 0));
-            if calls > c0 && name != "info" && name != "hlen" {
-                commands.insert(name.clone(), (calls - c0, usec - u0));
-            }
-        }
-        RedisSpent {
-            commands,
-            cpu_s: self.cpu_s - before.cpu_s,
-        }
-    }
-
-    fn calls(&self, command: &str) -> u64 {
-        self.commands.get(command).map_or(0, |c| c.0)
-    }
-
-    fn usec(&self, command: &str) -> u64 {
-        self.commands.get(command).map_or(0, |c| c.1)
-    }
-}
 
 /// One target of the cost run.
 struct Target {
@@ -663,71 +597,43 @@ fn cost(a: &Args) -> anyhow::Result<CostResult> {
 fn saturated(a: &Args) -> anyhow::Result<(String, Value)> {
     let machine = machine();
     let redis = RedisServer::start()?;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    // The store's pool starts its timers on the runtime it is made in.
-    let _in_rt = rt.enter();
-    let store = Store::redis(
-        &SecretString::from(redis.url()),
-        2,
-        Duration::from_secs(1),
-        Keys::new("tollgate:"),
-    )?;
+    let driver = Driver::new(&redis)?;
     let one = Limits::new(vec![Limit::default_bucket(Bucket::new(1e9, 1e9)?)])?;
     let three = Limits::new(never_refusing().iter().map(Lim::limit).collect())?;
     let plans = [("1 limit", one.every()), ("3 limits", three.every())];
-    let local = tokio::task::LocalSet::new();
-    // Takes and failures over `seconds`, every client taking in a loop.
-    let drive = |applied: &Vec<Applied>, label: &str, seconds: f64| {
-        local.block_on(&rt, async {
-            let until = tokio::time::Instant::now() + Duration::from_secs_f64(seconds);
-            let tasks: Vec<_> = (0..a.redis_concurrency)
-                .map(|i| {
-                    let (store, applied) = (store.clone(), applied.clone());
-                    let key = format!("tollgate:b:{{hot-{}-{i}}}", label.replace(' ', "-"));
-                    tokio::task::spawn_local(async move {
-                        let (mut ok, mut failed) = (0u64, 0u64);
-                        while tokio::time::Instant::now() < until {
-                            match store.take(&key, &applied, 1.0, None).await {
-                                Ok(_) => ok += 1,
-                                Err(_) => failed += 1,
-                            }
-                        }
-                        (ok, failed)
-                    })
-                })
-                .collect();
-            let mut total = (0u64, 0u64);
-            for t in tasks {
-                let (ok, failed) = t.await.unwrap_or((0, 0));
-                total = (total.0 + ok, total.1 + failed);
-            }
-            total
+    // Each take in flight on a client of its own, one set of clients per plan.
+    let keys: Vec<Rc<Vec<String>>> = plans
+        .iter()
+        .map(|(label, _)| {
+            Rc::new(
+                (0..a.redis_concurrency)
+                    .map(|i| client_key(&format!("hot-{}-{i}", label.replace(' ', "-"))))
+                    .collect(),
+            )
         })
+        .collect();
+    let own = Rc::new(Draw::Own);
+    let drive = |k: usize, applied: &Vec<Applied>, seconds: f64| {
+        driver.drive(&keys[k], &own, applied, a.redis_concurrency, seconds)
     };
     eprintln!(
         "plans/redis: {} takes in flight, {} s per plan x 2 rounds ({machine})",
         a.redis_concurrency, a.redis_seconds
     );
     // Warm-up: loads the script, opens the connection, creates every client's state.
-    for (label, applied) in &plans {
-        drive(applied, label, 0.5);
+    for (k, (_, applied)) in plans.iter().enumerate() {
+        drive(k, applied, 0.5);
     }
     let mut totals: Vec<(RedisSpent, u64, u64, f64)> = vec![Default::default(); plans.len()];
     for _round in 0..2 {
-        for (k, (label, applied)) in plans.iter().enumerate() {
+        for (k, (_, applied)) in plans.iter().enumerate() {
             let before = RedisSpent::read(&redis)?;
             let started = Instant::now();
-            let (ok, failed) = drive(applied, label, a.redis_seconds);
+            let (ok, failed) = drive(k, applied, a.redis_seconds);
             let wall = started.elapsed().as_secs_f64();
             let spent = RedisSpent::read(&redis)?.since(&before);
             let t = &mut totals[k];
-            for (c, (calls, usec)) in spent.commands {
-                let e = t.0.commands.entry(c).or_default();
-                *e = (e.0 + calls, e.1 + usec);
-            }
-            t.0.cpu_s += spent.cpu_s;
+            t.0.add(&spent);
             t.1 += ok;
             t.2 += failed;
             t.3 += wall;

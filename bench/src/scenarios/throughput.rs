@@ -9,8 +9,8 @@ use std::time::Duration;
 use serde_json::json;
 use tollgate_testkit::RedisServer;
 
+use super::clients::Clients;
 use super::seconds;
-use crate::http::get_request;
 use crate::load::run_closed;
 use crate::procs::{one_unlimited_client, raise_fd_limit, Floor, Gateway, Nginx};
 use crate::report::{machine, round, Outcome, Table};
@@ -43,6 +43,8 @@ pub struct Args {
     /// Skip the floor rows (bare actix-web + awc, no limiter).
     #[arg(long)]
     no_floor: bool,
+    #[command(flatten)]
+    clients: Clients,
 }
 
 const PATH: &str = "/api/items/42";
@@ -93,10 +95,11 @@ fn median(v: &[f64]) -> f64 {
 
 pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     anyhow::ensure!(a.rounds >= 1, "--rounds must be at least 1");
+    a.clients.check()?;
     raise_fd_limit();
     let machine = machine();
     let upstream = Upstreams::start(vec![Server::Fast(Default::default())])?;
-    let requests = vec![get_request(PATH, Some(KEY))];
+    let requests = a.clients.requests(PATH, KEY);
     let (warmup, slice) = (
         Duration::from_secs_f64(a.warmup),
         Duration::from_secs_f64(a.duration / a.rounds as f64),
@@ -156,6 +159,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
                 KEY,
             );
             config.workers = w;
+            a.clients.add_to(&mut config, "large");
             let gateway = Gateway::start(&config, PATH)?;
             rows.push(Row::new(
                 format!("tollgate ({store}), {w} worker{}", plural(w)),
@@ -226,10 +230,11 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     );
     let (floor_ratio, floor) = best("floor");
     let mut markdown = format!(
-        "### throughput: closed loop, {} connections, {} s per target in {} rounds\n\n{}\n",
+        "### throughput: closed loop, {} connections, {} s per target in {} rounds, {}\n\n{}\n",
         a.conns,
         a.duration,
         a.rounds,
+        a.clients.describe(),
         table.render()
     );
     markdown.push_str(&format!(
@@ -253,6 +258,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
 
     let json = json!({
         "scenario": "throughput",
+        "clients": a.clients.describe(),
         "conns": a.conns,
         "duration_s": a.duration,
         "rounds": a.rounds,
