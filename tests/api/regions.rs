@@ -18,6 +18,28 @@ const SHARE: Duration = Duration::from_millis(500);
 /// default, set here because a bound below depends on it).
 const DEBIT: Duration = Duration::from_millis(20);
 
+/// Shards client `hot` (on `plan`) over `regions` through `writer`, and waits until every
+/// gateway in `gateways` has the change; returns the catalog version it made.
+async fn shard_hot(
+    writer: &TestGateway,
+    plan: &str,
+    regions: &[&str],
+    gateways: &[&TestGateway],
+) -> u64 {
+    let r = writer
+        .admin(Method::PUT, "/clients/hot", &token())
+        .json(&json!({"plan": plan, "shards": {"regions": regions}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let version = etag_version(&r);
+    for gw in gateways {
+        gw.wait_for_catalog(version).await;
+    }
+    version
+}
+
 fn periods_toml() -> String {
     format!(
         "[periods]\nshare_ms = {}\ndebit_ms = {}\n",
@@ -212,17 +234,8 @@ async fn three_regions_share_one_limit_and_shares_follow_demand() {
         );
         gateways.push(TestGateway::spawn(settings(&toml)).await);
     }
-    let r = gateways[0]
-        .admin(Method::PUT, "/clients/hot", &token())
-        .json(&json!({"plan": "hot", "shards": {"regions": regions}}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let sharded_at = etag_version(&r);
-    for gw in &gateways {
-        gw.wait_for_catalog(sharded_at).await;
-    }
+    let all: Vec<&TestGateway> = gateways.iter().collect();
+    shard_hot(&gateways[0], "hot", &regions, &all).await;
     // Every gateway has read its region's share: a gateway reports its shard's fill only
     // with a share in hand.
     bucket_when(&gateways[0], "hot", "every region reports a fill", |v| {
@@ -550,16 +563,7 @@ async fn a_gateway_in_a_region_outside_the_shard_list_takes_from_the_global_buck
         &up,
     )))
     .await;
-    let r = eu
-        .admin(Method::PUT, "/clients/hot", &token())
-        .json(&json!({"plan": "five", "shards": {"regions": ["eu", "us"]}}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    for gw in [&eu, &ap] {
-        gw.wait_for_catalog(etag_version(&r)).await;
-    }
+    shard_hot(&eu, "five", &["eu", "us"], &[&eu, &ap]).await;
     // Shares exist and have been recomputed twice: every gateway has reconciled since.
     let view = bucket_when(&eu, "hot", "two reconciliations", |v| {
         fill(v, "eu").is_some()
@@ -619,14 +623,7 @@ async fn a_stopped_regional_redis_fails_open_only_for_that_regions_shards() {
         &up,
     )))
     .await;
-    let r = gw
-        .admin(Method::PUT, "/clients/hot", &token())
-        .json(&json!({"plan": "five", "shards": {"regions": ["eu", "us"]}}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    gw.wait_for_catalog(etag_version(&r)).await;
+    shard_hot(&gw, "five", &["eu", "us"], &[&gw]).await;
     bucket_when(&gw, "hot", "eu reports a fill", |v| fill(v, "eu").is_some()).await;
     let (hot, calm) = (key("hot"), key("calm"));
     let a = Answer::of(&gw.get("/orders", Some(&hot)).await);
@@ -702,16 +699,8 @@ async fn a_sharded_clients_quota_holds_across_regions_within_a_debit_period_of_t
         );
         gateways.push(TestGateway::spawn(settings(&toml)).await);
     }
-    let r = gateways[0]
-        .admin(Method::PUT, "/clients/hot", &token())
-        .json(&json!({"plan": "metered", "shards": {"regions": regions}}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    for gw in &gateways {
-        gw.wait_for_catalog(etag_version(&r)).await;
-    }
+    let all: Vec<&TestGateway> = gateways.iter().collect();
+    shard_hot(&gateways[0], "metered", &regions, &all).await;
     bucket_when(&gateways[0], "hot", "eu and us report a fill", |v| {
         regions.iter().all(|r| fill(v, r).is_some())
     })
