@@ -356,16 +356,17 @@ impl Limiter {
         }
         let delta = real_cost - decision.cost;
         let period = self.periods.debit;
-        let (quotas, buckets): (Vec<Applied>, Vec<Applied>) = decision
-            .applied
-            .iter()
-            .cloned()
-            .partition(|a| matches!(a.kind, AppliedKind::Quota { .. }));
         match (
             decision.sharded,
             client.shard.as_ref().and_then(|s| s.local_key.as_deref()),
         ) {
             (true, Some(local)) => {
+                // Buckets to the region's shard, quotas to the global state.
+                let (quotas, buckets): (Vec<Applied>, Vec<Applied>) = decision
+                    .applied
+                    .iter()
+                    .cloned()
+                    .partition(|a| matches!(a.kind, AppliedKind::Quota { .. }));
                 debits::queue(&self.regional, local, &buckets, delta, period, None);
                 self.debit_global_quotas(client, &quotas, delta);
             }
