@@ -1,17 +1,16 @@
--- tollgate limits: every limit that applies to a request, decided at once, atomically.
--- A plan is a set of limits (token buckets and quotas); a client's state for all of them
--- lives in one hash, so one call (one slot in a cluster) decides them all: a request any
--- limit refuses spends from none.
+-- tollgate limits: every limit that applies to a request, decided at once, atomically, for
+-- the requests of many clients in one call.
 --
--- KEYS[1] = the client's state, e.g. tollgate:b:{acme} (the hash tag keeps it in one slot)
--- ARGV[1] = 't': take `cost` for each of `n` requests that arrived together, in order;
---           'a': adjust every limit by `cost` (a debit, or a refund when negative) whatever
---                the balance: a cost reported after the response;
---           'p': peek (refill and reset, return the levels, write nothing).
--- ARGV[2] = cost (tokens), ARGV[3] = n (requests; 't' only)
--- ARGV[4] = '1' when the hash holds limits besides these (limits of other services): its
---           expiry then only ever grows, so theirs is never cut short; '' otherwise.
--- Then six arguments per limit: its field prefix ('' or 'name:'), its kind, and four values:
+-- A plan is a set of limits (token buckets and quotas); a client's state for all of them
+-- lives in one hash, so one entry decides them all: a request any limit refuses spends
+-- from none. A call carries one entry per KEY: a worker sends the entries that queued up
+-- during one turn of its event loop together, so Redis pays its per-call cost once for
+-- them all (on a cluster, only entries whose keys share a slot travel together). Entries
+-- are decided in order: a key may appear twice, and the second entry sees the first's.
+--
+-- KEYS[k] = a client's state, e.g. tollgate:b:{acme} (the hash tag keeps it in one slot).
+-- ARGV[1] = the number of limit sets; then each set: its number of limits, and six
+-- arguments per limit: its field prefix ('' or 'name:'), its kind, and four values:
 --   'b' bucket:  capacity, rate (tokens/s), the tokens a bucket that does not exist yet
 --                starts with ('' = full: used when a client moves between its global
 --                bucket and regional shards), unused;
@@ -19,121 +18,199 @@
 --                previous, current and next windows around the gateway's clock: Redis'
 --                own clock picks among them, so gateway clocks never matter;
 --   'r' rolling quota: amount, the window's length (µs) if one started now, unused x2.
+-- Then four arguments per entry (per KEY), in order:
+--   op: 't': take `cost` for each of `n` requests that arrived together, in order;
+--       'a': adjust every limit by `cost` (a debit, or a refund when negative) whatever
+--            the balance: a cost reported after the response;
+--       'p': peek (refill and reset, return the levels, write nothing);
+--   cost (tokens); n (requests; 't' only); the entry's limit set (1-based).
+-- A batch of clients on the same plan shares one set: an entry is four short arguments.
 --
--- The time comes from Redis itself (TIME). The arithmetic is src/domain/limits.rs's
--- (`Level::at`, then `take_many` / `Level::adjust`), operation for operation, so the
--- embedded store decides identically and the gateway replays the takes to give each
--- request its own answer.
+-- The time comes from Redis itself (TIME), once per call. The arithmetic is
+-- src/domain/limits.rs's (`Level::at`, then `take_many` / `Level::adjust`), operation for
+-- operation, so the embedded store decides identically and the gateway replays the takes
+-- to give each request its own answer.
 --
--- Returns { requests admitted, now (µs), then two strings per limit, before any take:
--- a bucket's tokens after refilling and ''; a quota's count and its window's end }.
-
-local op = ARGV[1]
-local cost = tonumber(ARGV[2])
-local n = tonumber(ARGV[3]) or 1
-local others = ARGV[4] == '1'
-local count = (#ARGV - 4) / 6
+-- Returns { now (µs, decimal), then one binary string per entry: struct '<I' requests
+-- admitted, then per limit two little-endian doubles, before any take: a bucket's tokens
+-- after refilling and 0; a quota's count and its window's end (µs) }. Binary keeps every
+-- bit of a double without formatting it; formatting doubles was a third of the script's
+-- cost.
+--
+-- State is written in decimal (whole numbers as integers, others with 17 digits: every
+-- bit of the double). The hash lives until the last of its limits is whole again (a
+-- bucket full, a quota's window over, +1 s of slack); its expiry is set to twice that and
+-- noted in field 'x' (unix ms), and set again only when a write needs more than 'x' has:
+-- most writes need no PEXPIRE, and an expiry is never shortened (limits of other services
+-- in the same hash keep theirs).
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local nowstr = t[1] .. string.format('%06d', tonumber(t[2]))
+local nowms = math.floor(now / 1000)
+local floor, min, max, format = math.floor, math.min, math.max, string.format
 
-local names = {}
-for i = 1, count do
-  local f = ARGV[4 + (i - 1) * 6 + 1]
-  if ARGV[4 + (i - 1) * 6 + 2] == 'b' then
-    names[2 * i - 1], names[2 * i] = f .. 'tk', f .. 'ts'
-  else
-    names[2 * i - 1], names[2 * i] = f .. 'n', f .. 'e'
-  end
+-- Exact decimal: whole numbers as integers (cheap), others with every bit.
+local function dec(v)
+  if v == floor(v) and v > -1e15 and v < 1e15 then return format('%d', v) end
+  return format('%.17g', v)
 end
-local s = redis.call('HMGET', KEYS[1], unpack(names))
 
--- Levels now: buckets refilled, quotas reset when their window is over.
-local kind, a, b, lv, en = {}, {}, {}, {}, {}
-for i = 1, count do
-  local base = 4 + (i - 1) * 6
-  kind[i] = ARGV[base + 2]
-  a[i] = tonumber(ARGV[base + 3])
-  local s1, s2 = tonumber(s[2 * i - 1]), tonumber(s[2 * i])
-  if kind[i] == 'b' then
-    b[i] = tonumber(ARGV[base + 4])
-    local tokens = s1 or math.min(a[i], tonumber(ARGV[base + 5]) or a[i])
-    local elapsed = now - (s2 or now)
-    if elapsed < 0 then elapsed = 0 end
-    lv[i] = math.min(a[i], tokens + elapsed * b[i] / 1000000)
-  elseif s1 and s2 and now < s2 then
-    lv[i], en[i] = s1, s2
-  else
-    lv[i] = 0
-    if kind[i] == 'r' then
-      en[i] = now + tonumber(ARGV[base + 4])
+-- The limit sets.
+local sets = {}
+local at = 1
+for s = 1, tonumber(ARGV[1]) do
+  local count = tonumber(ARGV[at + 1])
+  local set = { count = count, kind = {}, a = {}, v1 = {}, v2 = {}, v3 = {}, read = {},
+    field = {}, fmt = '<I' .. string.rep('d', 2 * count) }
+  for i = 1, count do
+    local base = at + 1 + (i - 1) * 6
+    local f, k = ARGV[base + 1], ARGV[base + 2]
+    set.kind[i], set.a[i] = k, tonumber(ARGV[base + 3])
+    set.v1[i], set.v2[i], set.v3[i] =
+      tonumber(ARGV[base + 4]), tonumber(ARGV[base + 5]), tonumber(ARGV[base + 6])
+    if k == 'b' then
+      set.field[2 * i - 1], set.field[2 * i] = f .. 'tk', f .. 'ts'
     else
-      local e0, e1 = tonumber(ARGV[base + 4]), tonumber(ARGV[base + 5])
-      if now < e0 then en[i] = e0 elseif now < e1 then en[i] = e1 else en[i] = tonumber(ARGV[base + 6]) end
+      set.field[2 * i - 1], set.field[2 * i] = f .. 'n', f .. 'e'
     end
+    set.read[2 * i - 1], set.read[2 * i] = set.field[2 * i - 1], set.field[2 * i]
   end
+  set.read[2 * count + 1] = 'x'
+  -- One bucket, the commonest plan: decided by `one` below.
+  if count == 1 and set.kind[1] == 'b' then
+    set.one = true
+    set.tk, set.ts, set.cap, set.rate, set.init = set.field[1], set.field[2], set.a[1], set.v1[1], set.v2[1]
+  end
+  sets[s] = set
+  at = at + 1 + 6 * count
 end
 
-local reply = { '0', nowstr }
-for i = 1, count do
-  reply[1 + 2 * i] = string.format('%.17g', lv[i])
-  reply[2 + 2 * i] = kind[i] == 'b' and '' or string.format('%.0f', en[i])
-end
-if op == 'p' then return reply end
+local reply = { nowstr }
 
-local admitted = 0
-if op == 't' then
-  -- Once one request is refused the rest are too: they all cost the same.
-  local fits = true
-  while fits and admitted < n do
-    for i = 1, count do
-      if kind[i] == 'b' then
-        if lv[i] < cost then fits = false end
-      elseif lv[i] + cost > a[i] then
-        fits = false
-      end
-    end
-    if fits then
-      for i = 1, count do
-        if kind[i] == 'b' then lv[i] = lv[i] - cost else lv[i] = lv[i] + cost end
-      end
+-- The entry of a set of one bucket: the general case below, with its loops unrolled.
+local function one(k, key, set, op, cost, n)
+  local cap, rate = set.cap, set.rate
+  local s = redis.call('HMGET', key, set.tk, set.ts, 'x')
+  local lv = tonumber(s[1]) or min(cap, set.init or cap)
+  local elapsed = now - (tonumber(s[2]) or now)
+  if elapsed < 0 then elapsed = 0 end
+  lv = min(cap, lv + elapsed * rate / 1000000)
+  local before, admitted = lv, 0
+  if op == 't' then
+    while admitted < n and lv >= cost do
+      lv = lv - cost
       admitted = admitted + 1
     end
+  elseif op == 'a' then
+    lv = max(-1e9, min(cap, lv - cost))
   end
-else
-  -- A bucket may go below zero (down to minus the largest capacity) and wait it off; a
-  -- quota's count never goes below zero.
+  reply[k + 1] = struct.pack('<Idd', admitted, before, 0)
+  if op == 'p' then return end
+  local keep = math.ceil((cap - lv) / rate * 1000) + 1000
+  local x = tonumber(s[3])
+  if x and x >= nowms + keep then
+    redis.call('HSET', key, set.tk, dec(lv), set.ts, nowstr)
+  else
+    redis.call('HSET', key, set.tk, dec(lv), set.ts, nowstr, 'x', format('%d', nowms + 2 * keep))
+    redis.call('PEXPIRE', key, 2 * keep)
+  end
+end
+
+-- Reused by every entry.
+local lv, en, packed, out = {}, {}, {}, {}
+
+for k = 1, #KEYS do
+  local key = KEYS[k]
+  local op, cost, n = ARGV[at + 1], tonumber(ARGV[at + 2]), tonumber(ARGV[at + 3]) or 1
+  local set = sets[tonumber(ARGV[at + 4])]
+  at = at + 4
+  if set.one then
+    one(k, key, set, op, cost, n)
+  else
+  local count, kind, a = set.count, set.kind, set.a
+  local s = redis.call('HMGET', key, unpack(set.read))
+
+  -- Levels now: buckets refilled, quotas reset when their window is over.
   for i = 1, count do
+    local s1, s2 = tonumber(s[2 * i - 1]), tonumber(s[2 * i])
+    en[i] = 0
     if kind[i] == 'b' then
-      lv[i] = math.max(-1e9, math.min(a[i], lv[i] - cost))
+      local tokens = s1 or min(a[i], set.v2[i] or a[i])
+      local elapsed = now - (s2 or now)
+      if elapsed < 0 then elapsed = 0 end
+      lv[i] = min(a[i], tokens + elapsed * set.v1[i] / 1000000)
+    elseif s1 and s2 and now < s2 then
+      lv[i], en[i] = s1, s2
     else
-      lv[i] = math.max(0, math.min(2 * a[i], lv[i] + cost))
+      lv[i] = 0
+      if kind[i] == 'r' then
+        en[i] = now + set.v1[i]
+      elseif now < set.v1[i] then en[i] = set.v1[i]
+      elseif now < set.v2[i] then en[i] = set.v2[i]
+      else en[i] = set.v3[i] end
+    end
+    packed[2 * i], packed[2 * i + 1] = lv[i], en[i]
+  end
+
+  local admitted = 0
+  if op == 't' then
+    -- Once one request is refused the rest are too: they all cost the same.
+    local fits = true
+    while fits and admitted < n do
+      for i = 1, count do
+        if kind[i] == 'b' then
+          if lv[i] < cost then fits = false end
+        elseif lv[i] + cost > a[i] then
+          fits = false
+        end
+      end
+      if fits then
+        for i = 1, count do
+          if kind[i] == 'b' then lv[i] = lv[i] - cost else lv[i] = lv[i] + cost end
+        end
+        admitted = admitted + 1
+      end
+    end
+  elseif op == 'a' then
+    -- A bucket may go below zero (down to -1e9) and wait it off; a quota's count never
+    -- goes below zero.
+    for i = 1, count do
+      if kind[i] == 'b' then
+        lv[i] = max(-1e9, min(a[i], lv[i] - cost))
+      else
+        lv[i] = max(0, min(2 * a[i], lv[i] + cost))
+      end
     end
   end
-end
-reply[1] = tostring(admitted)
+  packed[1] = admitted
+  reply[k + 1] = struct.pack(set.fmt, unpack(packed, 1, 1 + 2 * count))
 
--- %.17g keeps every bit of the double; TIME's parts keep the timestamp exact. The state is
--- kept until the last of its limits is whole again (a bucket full, a quota's window over,
--- +1 s of slack), never shortened by a request that some limits did not apply to.
-local out, keep = {}, 0
-for i = 1, count do
-  local f = names[2 * i - 1]
-  local k
-  if kind[i] == 'b' then
-    out[#out + 1] = f; out[#out + 1] = string.format('%.17g', lv[i])
-    out[#out + 1] = names[2 * i]; out[#out + 1] = nowstr
-    k = math.ceil((a[i] - lv[i]) / b[i] * 1000) + 1000
-  else
-    out[#out + 1] = f; out[#out + 1] = string.format('%.17g', lv[i])
-    out[#out + 1] = names[2 * i]; out[#out + 1] = string.format('%.0f', en[i])
-    k = math.ceil((en[i] - now) / 1000) + 1000
+  if op ~= 'p' then
+    local m, keep = 0, 0
+    for i = 1, count do
+      local want
+      out[m + 1], out[m + 2], out[m + 3] = set.field[2 * i - 1], dec(lv[i]), set.field[2 * i]
+      if kind[i] == 'b' then
+        out[m + 4] = nowstr
+        want = math.ceil((a[i] - lv[i]) / set.v1[i] * 1000) + 1000
+      else
+        out[m + 4] = dec(en[i])
+        want = math.ceil((en[i] - now) / 1000) + 1000
+      end
+      m = m + 4
+      if want > keep then keep = want end
+    end
+    local x = tonumber(s[2 * count + 1])
+    if not x or x < nowms + keep then
+      out[m + 1], out[m + 2] = 'x', format('%d', nowms + 2 * keep)
+      m = m + 2
+      redis.call('HSET', key, unpack(out, 1, m))
+      redis.call('PEXPIRE', key, 2 * keep)
+    else
+      redis.call('HSET', key, unpack(out, 1, m))
+    end
   end
-  if k > keep then keep = k end
-end
-redis.call('HSET', KEYS[1], unpack(out))
-if not others or redis.call('PTTL', KEYS[1]) < keep then
-  redis.call('PEXPIRE', KEYS[1], keep)
+  end
 end
 return reply

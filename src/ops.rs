@@ -143,7 +143,7 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
             &mut out,
             "tollgate_store_bucket_calls_total",
             "counter",
-            "Bucket script calls sent to Redis; one call decides every take for a bucket queued behind the previous call.",
+            "Limits script calls sent to Redis for takes; one call decides the takes a worker made in one turn of its event loop, of any clients.",
         );
         let _ = writeln!(out, "tollgate_store_bucket_calls_total {calls}");
         family(

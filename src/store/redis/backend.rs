@@ -12,6 +12,7 @@ use redis::{RedisFuture, Script, Value};
 use secrecy::{ExposeSecret, SecretString};
 
 use super::coalesce::Coalescer;
+use super::gather::Gatherer;
 use super::pool::{tcp_settings, Dialer, PerThread, RedisManager};
 use crate::configuration::redact_url;
 use crate::store::{Keys, StoreError};
@@ -150,6 +151,9 @@ macro_rules! retrying {
 }
 pub(super) use retrying;
 
+/// The limits script (`lua/bucket.lua`).
+const BUCKET_LUA: &str = include_str!("../../../lua/bucket.lua");
+
 /// Redis (one server or a cluster) as the store.
 pub struct RedisStore {
     pub(super) backend: Backend,
@@ -160,6 +164,10 @@ pub struct RedisStore {
     pub(super) reconcile: Script,
     url: String,
     pub(super) coalescer: Coalescer,
+    /// Take entries, gathered per worker turn into script calls.
+    pub(super) takes: Gatherer,
+    /// Adjustments and peeks, gathered apart from the takes.
+    pub(super) others: Gatherer,
 }
 
 impl RedisStore {
@@ -167,12 +175,14 @@ impl RedisStore {
         RedisStore {
             backend,
             keys,
-            bucket: Script::new(include_str!("../../../lua/bucket.lua")),
+            bucket: Script::new(BUCKET_LUA),
             catalog_write: Script::new(include_str!("../../../lua/catalog_write.lua")),
             catalog_restore: Script::new(include_str!("../../../lua/catalog_restore.lua")),
             reconcile: Script::new(include_str!("../../../lua/reconcile.lua")),
             url,
             coalescer: Coalescer::default(),
+            takes: Gatherer::new(BUCKET_LUA),
+            others: Gatherer::new(BUCKET_LUA),
         }
     }
 

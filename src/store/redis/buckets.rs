@@ -2,22 +2,15 @@
 //! path's part of the Redis store, one `EVALSHA` per decision (or per batch of queued
 //! decisions), whatever the number of limits.
 
-use redis::{AsyncCommands, RedisError};
+use redis::AsyncCommands;
 
 use super::backend::{retrying, Backend, RedisStore};
 use super::coalesce::{Batch, Take};
+use super::gather::{Conn, Entry, Op};
 use crate::domain::limits::{take_many, Level};
-use crate::domain::quota::Bounds;
 use crate::domain::{bucket, Applied, AppliedKind, Bucket, BucketState, Ruling};
+use crate::store::keys::key_slot;
 use crate::store::StoreError;
-
-/// What the script is asked to do (`ARGV[1]`).
-#[derive(Clone, Copy)]
-enum Op {
-    Take,
-    Adjust,
-    Peek,
-}
 
 impl RedisStore {
     /// Takes `cost` from every limit in `applied` at `key`, or from none, answering by
@@ -44,7 +37,7 @@ impl RedisStore {
 
     /// Script calls sent for takes, and the takes they decided, since start.
     pub fn bucket_calls(&self) -> (u64, u64) {
-        self.coalescer.counts()
+        self.takes.counts()
     }
 
     /// One `EVALSHA` deciding `batch.n` takes, in order. Several may be in flight for one
@@ -99,7 +92,9 @@ impl RedisStore {
         })
     }
 
-    /// One script call: (admitted, each limit's level before the op, Redis' clock).
+    /// One entry of a script call: (admitted, each limit's level before the op, Redis'
+    /// clock). Takes are gathered with the other takes this worker makes in the same turn
+    /// (`gather`); adjustments and peeks with each other, so the take calls stay countable.
     async fn call(
         &self,
         key: &str,
@@ -108,53 +103,28 @@ impl RedisStore {
         cost: f64,
         n: usize,
     ) -> Result<(usize, Vec<Level>, u64), StoreError> {
-        // `invoke_async` sends EVALSHA and, on NOSCRIPT (a restarted or flushed Redis),
-        // loads the script and retries once.
-        let mut inv = self.bucket.prepare_invoke();
-        inv.key(key)
-            .arg(match op {
-                Op::Take => "t",
-                Op::Adjust => "a",
-                Op::Peek => "p",
-            })
-            .arg(cost)
-            .arg(n)
-            .arg(if applied.iter().any(|a| a.others) {
-                "1"
-            } else {
-                ""
-            });
-        let now_us = wall_clock_us();
-        for a in applied {
-            inv.arg(&*a.field);
-            match &a.kind {
-                AppliedKind::Bucket { bucket, initial } => {
-                    inv.arg("b")
-                        .arg(bucket.capacity())
-                        .arg(bucket.rate())
-                        .arg(initial.map(|i| i.to_string()).unwrap_or_default())
-                        .arg("");
-                }
-                AppliedKind::Quota { amount, clock } => match clock.bounds(now_us) {
-                    Bounds::Fixed([e0, e1, e2]) => {
-                        inv.arg("q").arg(amount).arg(e0).arg(e1).arg(e2);
-                    }
-                    Bounds::Rolling(len) => {
-                        inv.arg("r").arg(amount).arg(len).arg("").arg("");
-                    }
-                },
-            }
-        }
-        let reply: Result<Vec<String>, RedisError> = match &self.backend {
-            Backend::Single { per_thread, .. } => {
-                let link = per_thread.get().await?;
-                let r = inv.invoke_async(&mut link.connection()).await;
-                link.check(&r);
-                r
-            }
-            Backend::Cluster(c) => inv.invoke_async(&mut c.conn()).await,
+        let entry = Entry {
+            key,
+            op,
+            cost,
+            n,
+            applied,
         };
-        parse_reply(&reply?, applied)
+        let gatherer = match op {
+            Op::Take => &self.takes,
+            Op::Adjust | Op::Peek => &self.others,
+        };
+        let group = if self.is_cluster() { key_slot(key) } else { 0 };
+        let answer = gatherer
+            .decide(group, entry, || async {
+                Ok(match &self.backend {
+                    Backend::Single { per_thread, .. } => Conn::Single(per_thread.get().await?),
+                    Backend::Cluster(c) => Conn::Cluster(c.conn()),
+                })
+            })
+            .await?;
+        let (admitted, levels) = parse_reply(answer.bytes(), applied)?;
+        Ok((admitted, levels, answer.now_us))
     }
 
     /// Deletes the state of the buckets under `buckets` (field prefixes) at `key`.
@@ -209,38 +179,30 @@ impl RedisStore {
     }
 }
 
-/// The gateway's clock in unix microseconds: only to compute quota windows around, which
-/// Redis' clock then picks from.
-fn wall_clock_us() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
-}
-
-/// `{ admitted, now, then two strings per limit }` into levels.
-fn parse_reply(
-    reply: &[String],
-    applied: &[Applied],
-) -> Result<(usize, Vec<Level>, u64), StoreError> {
-    let bad = || StoreError::Protocol(format!("limits script reply {reply:?}"));
-    if reply.len() != 2 + 2 * applied.len() {
-        return Err(bad());
+/// An entry's binary reply: `u32` admitted, then two `f64` per limit (little-endian).
+fn parse_reply(reply: &[u8], applied: &[Applied]) -> Result<(usize, Vec<Level>), StoreError> {
+    if reply.len() != 4 + 16 * applied.len() {
+        return Err(StoreError::Protocol(format!(
+            "limits script reply of {} bytes for {} limits",
+            reply.len(),
+            applied.len()
+        )));
     }
-    let admitted = reply[0].parse::<usize>().map_err(|_| bad())?;
-    let now_us = reply[1].parse::<u64>().map_err(|_| bad())?;
+    let word = |at: usize| -> [u8; 8] { reply[at..at + 8].try_into().expect("8 bytes") };
+    let admitted = u32::from_le_bytes(reply[..4].try_into().expect("4 bytes")) as usize;
     let levels = applied
         .iter()
         .enumerate()
         .map(|(i, a)| {
-            let first = reply[2 + 2 * i].parse::<f64>().map_err(|_| bad())?;
-            Ok(match a.kind {
+            let first = f64::from_le_bytes(word(4 + 16 * i));
+            match a.kind {
                 AppliedKind::Bucket { .. } => Level::Tokens(first),
                 AppliedKind::Quota { .. } => Level::Used {
                     used: first,
-                    end_us: reply[3 + 2 * i].parse::<u64>().map_err(|_| bad())?,
+                    end_us: f64::from_le_bytes(word(12 + 16 * i)) as u64,
                 },
-            })
+            }
         })
-        .collect::<Result<Vec<_>, StoreError>>()?;
-    Ok((admitted, levels, now_us))
+        .collect();
+    Ok((admitted, levels))
 }

@@ -11,6 +11,7 @@ mod backend;
 mod buckets;
 mod catalog;
 mod coalesce;
+mod gather;
 mod persistence;
 mod pool;
 mod shadow;
