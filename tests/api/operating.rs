@@ -333,6 +333,7 @@ async fn a_busy_gateways_metrics_pass_promtool_check_metrics() {
 async fn a_real_prometheus_scraping_a_busy_gateway_answers_every_dashboard_query_and_evaluates_every_alert(
 ) {
     // Arrange: the dashboard and the rules, a busy gateway, Prometheus scraping it.
+    installed("prometheus");
     let dashboard: Value = serde_json::from_str(
         &std::fs::read_to_string(repo_file("deploy/grafana/tollgate.json")).unwrap(),
     )
@@ -422,6 +423,9 @@ async fn a_real_prometheus_scraping_a_busy_gateway_answers_every_dashboard_query
     );
     let mut failures = Vec::new();
     for (panel, expr) in &queries {
+        if !expr.contains("$instance") {
+            failures.push(format!("{panel}: not filtered by $instance: {expr}"));
+        }
         let sent = substitute(expr, &instance);
         if sent.contains('$') {
             failures.push(format!(
