@@ -61,9 +61,11 @@ impl Drop for Busy {
     }
 }
 
-/// The share of traffic: `acme` on a plan of 5/s sends 40/s (mostly refused), `shade` the
-/// same in shadow mode (compared with a service that refuses past 20 requests), `bulk`
-/// on a large plan to a service reporting costs, and a key nobody has.
+/// The traffic: `acme` on a plan of 5/s sends up to 40/s (mostly refused), `shade` the
+/// same in shadow mode (compared with a service that refuses a client past 20 requests),
+/// `bulk` on a large plan to a service that reports costs, and a key nobody has. A 200 ms
+/// budget: a debug build on a busy host does not fail open by chance, and a stalled Redis
+/// still opens the breaker within a second.
 async fn busy_gateway() -> Busy {
     let redis = RedisServer::start().unwrap();
     let orders = Upstream::start(Behaviour::Limit(20)).await;
