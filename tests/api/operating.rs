@@ -350,7 +350,7 @@ async fn a_real_prometheus_scraping_a_busy_gateway_answers_every_dashboard_query
     busy.warmed().await;
     busy.fail_open_for_a_moment().await;
     eventually(
-        Duration::from_secs(15),
+        Duration::from_secs(30),
         "Prometheus has scraped the gateway 5 times",
         || async {
             prometheus
