@@ -65,13 +65,14 @@ impl Drop for Busy {
 /// same in shadow mode (compared with a service that refuses a client past 20 requests),
 /// `bulk` on a large plan to a service that reports costs, and a key nobody has. A 200 ms
 /// budget: a debug build on a busy host does not fail open by chance, and a stalled Redis
-/// still opens the breaker within a second.
+/// still opens the breaker within a second. The busiest-client gauges change once per
+/// hot window: 1 s instead of 10, so they have a value before the test ends.
 async fn busy_gateway() -> Busy {
     let redis = RedisServer::start().unwrap();
     let orders = Upstream::start(Behaviour::Limit(20)).await;
     let llm = Upstream::start(Behaviour::Header("x-cost", "2")).await;
     let toml = format!(
-        "[redis]\nurl = \"{}\"\ntimeout_ms = 200\n\
+        "[redis]\nurl = \"{}\"\ntimeout_ms = 200\n[periods]\nhot_window_ms = 1000\n\
          [[catalog.plans]]\nname = \"small\"\ncapacity = 5\nrate = 5\n\
          [[catalog.plans]]\nname = \"big\"\ncapacity = 1000000\nrate = 1000000\n\
          [[catalog.clients]]\nid = \"acme\"\nplan = \"small\"\nkeys = [\"{}\"]\n\
