@@ -14,6 +14,7 @@ mod durability;
 mod faults;
 mod forwarding;
 mod limiting;
+mod operating;
 mod outage_start;
 mod paths;
 mod plans;
