@@ -61,28 +61,30 @@ local sets = {}
 local at = 1
 for s = 1, tonumber(ARGV[1]) do
   local count = tonumber(ARGV[at + 1])
-  local set = { count = count, kind = {}, a = {}, v1 = {}, v2 = {}, v3 = {}, read = {},
-    field = {}, fmt = '<I' .. string.rep('d', 2 * count) }
-  for i = 1, count do
-    local base = at + 1 + (i - 1) * 6
-    local f, k = ARGV[base + 1], ARGV[base + 2]
-    set.kind[i], set.a[i] = k, tonumber(ARGV[base + 3])
-    set.v1[i], set.v2[i], set.v3[i] =
-      tonumber(ARGV[base + 4]), tonumber(ARGV[base + 5]), tonumber(ARGV[base + 6])
-    if k == 'b' then
-      set.field[2 * i - 1], set.field[2 * i] = f .. 'tk', f .. 'ts'
-    else
-      set.field[2 * i - 1], set.field[2 * i] = f .. 'n', f .. 'e'
+  if count == 1 and ARGV[at + 3] == 'b' then
+    -- One bucket, the commonest plan: decided by `one` below.
+    local f = ARGV[at + 2]
+    sets[s] = { one = true, tk = f .. 'tk', ts = f .. 'ts', cap = tonumber(ARGV[at + 4]),
+      rate = tonumber(ARGV[at + 5]), init = tonumber(ARGV[at + 6]) }
+  else
+    local set = { count = count, kind = {}, a = {}, v1 = {}, v2 = {}, v3 = {}, read = {},
+      field = {}, fmt = '<I' .. string.rep('d', 2 * count) }
+    for i = 1, count do
+      local base = at + 1 + (i - 1) * 6
+      local f, k = ARGV[base + 1], ARGV[base + 2]
+      set.kind[i], set.a[i] = k, tonumber(ARGV[base + 3])
+      set.v1[i], set.v2[i], set.v3[i] =
+        tonumber(ARGV[base + 4]), tonumber(ARGV[base + 5]), tonumber(ARGV[base + 6])
+      if k == 'b' then
+        set.field[2 * i - 1], set.field[2 * i] = f .. 'tk', f .. 'ts'
+      else
+        set.field[2 * i - 1], set.field[2 * i] = f .. 'n', f .. 'e'
+      end
+      set.read[2 * i - 1], set.read[2 * i] = set.field[2 * i - 1], set.field[2 * i]
     end
-    set.read[2 * i - 1], set.read[2 * i] = set.field[2 * i - 1], set.field[2 * i]
+    set.read[2 * count + 1] = 'x'
+    sets[s] = set
   end
-  set.read[2 * count + 1] = 'x'
-  -- One bucket, the commonest plan: decided by `one` below.
-  if count == 1 and set.kind[1] == 'b' then
-    set.one = true
-    set.tk, set.ts, set.cap, set.rate, set.init = set.field[1], set.field[2], set.a[1], set.v1[1], set.v2[1]
-  end
-  sets[s] = set
   at = at + 1 + 6 * count
 end
 
