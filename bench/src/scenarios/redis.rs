@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 use tollgate::domain::{Bucket, Limit, Limits};
-use tollgate_testkit::RedisServer;
+use tollgate_testkit::{RedisCluster, RedisServer};
 
 use super::seconds;
 use super::takes::{client_key, Draw, Driver, RedisSpent};
@@ -43,6 +43,10 @@ pub struct Args {
     /// Seconds an idle Redis is watched for, to subtract its own CPU (timers, `hz`).
     #[arg(long, default_value = "2", value_parser = seconds)]
     idle_seconds: f64,
+    /// On a local Redis Cluster of three masters (the gateway's cluster store) instead of
+    /// one Redis; Redis CPU is then the masters' summed
+    #[arg(long)]
+    pub cluster: bool,
 }
 
 /// One row: N clients and how a take draws one.
@@ -63,8 +67,20 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     );
     anyhow::ensure!(a.zipf >= 0.0 && a.zipf.is_finite(), "--zipf needs S >= 0");
     let machine = machine();
-    let redis = RedisServer::start()?;
-    let driver = Driver::new(&redis)?;
+    // One Redis, or a cluster's three masters: what Redis spent is summed over `servers`.
+    let cluster = if a.cluster {
+        Some(RedisCluster::start()?)
+    } else {
+        None
+    };
+    let single;
+    let (servers, driver): (&[RedisServer], Driver) = match &cluster {
+        Some(c) => (&c.nodes, Driver::cluster(&c.urls())?),
+        None => {
+            single = [RedisServer::start()?];
+            (&single, Driver::new(&single[0])?)
+        }
+    };
     let plan = Limits::new(vec![Limit::default_bucket(Bucket::new(1e9, 1e9)?)])?;
     let applied = plan.every();
 
@@ -106,10 +122,10 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         driver.drive(&row.keys, &row.draw, &applied, a.concurrency, 0.3);
     }
     // Redis' own CPU when nobody calls it, per second of wall time.
-    let idle_before = RedisSpent::read(&redis)?;
+    let idle_before = RedisSpent::read_all(servers)?;
     let idle_started = Instant::now();
     std::thread::sleep(std::time::Duration::from_secs_f64(a.idle_seconds));
-    let idle = RedisSpent::read(&redis)?.since(&idle_before);
+    let idle = RedisSpent::read_all(servers)?.since(&idle_before);
     let idle_cpu_per_s = idle.cpu_s / idle_started.elapsed().as_secs_f64();
 
     for _round in 0..a.rounds {
@@ -120,17 +136,22 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
             // first-time inserts. Rarely drawn clients (Zipf's tail) still expire and
             // are created anew during the row, as in production.
             driver.touch(&row.keys, &applied, a.concurrency);
-            let before = RedisSpent::read(&redis)?;
+            let before = RedisSpent::read_all(servers)?;
             let started = Instant::now();
             let (ok, failed) =
                 driver.drive(&row.keys, &row.draw, &applied, a.concurrency, a.seconds);
             row.wall += started.elapsed().as_secs_f64();
-            row.spent.add(&RedisSpent::read(&redis)?.since(&before));
+            row.spent
+                .add(&RedisSpent::read_all(servers)?.since(&before));
             row.ok += ok;
             row.failed += failed;
         }
     }
-    let dbsize: u64 = redis::cmd("DBSIZE").query(&mut redis.conn()?)?;
+    let mut dbsize: u64 = 0;
+    for s in servers {
+        let n: u64 = redis::cmd("DBSIZE").query(&mut s.conn()?)?;
+        dbsize += n;
+    }
 
     let mut table = Table::new(&[
         "active clients",
@@ -185,14 +206,21 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         }));
     }
     let markdown = format!(
-        "### redis: Redis CPU per decision by active clients, {} takes in flight through \
+        "### redis: Redis CPU per decision by active clients{}, {} takes in flight through \
          `Store::take`, one bucket that never refuses, {} s per row x {} rounds\n\n{}\n\
          Redis CPU per decision: `used_cpu_sys + used_cpu_user` over the rounds, minus an \
          idle Redis' {:.2} ms/s over the same wall time, / decisions; µs inside EVALSHA: \
          `INFO commandstats`; Redis CPU s/s: how busy Redis was (1.00: one full core, what \
-         one Redis core decides at most is then decisions/s). Takes per EVALSHA above 1: the coalescer put several takes of \
-         one client into one script call. {} client hashes in Redis at the end. The caller \
-         shares the machine's two cores with Redis. {machine}.\n",
+         one Redis core decides at most is then decisions/s). Takes per EVALSHA above 1: \
+         takes shared a script call (of one client: the coalescer; of several: the \
+         gathering of a worker's turn, on a cluster only within one slot). {} client hashes \
+         in Redis at the end. The caller shares the machine's two cores with Redis. \
+         {machine}.\n",
+        if a.cluster {
+            " on a Redis Cluster of three masters (their CPU summed)"
+        } else {
+            ""
+        },
         a.concurrency,
         a.seconds,
         a.rounds,
@@ -202,6 +230,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     );
     let json = json!({
         "scenario": "redis",
+        "cluster": a.cluster,
         "concurrency": a.concurrency,
         "seconds_per_round": a.seconds,
         "rounds": a.rounds,

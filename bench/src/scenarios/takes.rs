@@ -25,6 +25,15 @@ pub struct RedisSpent {
 }
 
 impl RedisSpent {
+    /// What several servers (a cluster's masters) spent, summed.
+    pub fn read_all(servers: &[RedisServer]) -> anyhow::Result<RedisSpent> {
+        let mut all = RedisSpent::default();
+        for s in servers {
+            all.add(&RedisSpent::read(s)?);
+        }
+        Ok(all)
+    }
+
     pub fn read(redis: &RedisServer) -> anyhow::Result<RedisSpent> {
         let info: String = redis::cmd("INFO")
             .arg("commandstats")
@@ -144,18 +153,36 @@ pub struct Driver {
 
 impl Driver {
     pub fn new(redis: &RedisServer) -> anyhow::Result<Driver> {
+        Driver::with(|| {
+            Ok(Store::redis(
+                &SecretString::from(redis.url()),
+                2,
+                Duration::from_secs(1),
+                Keys::new("tollgate:"),
+            )?)
+        })
+    }
+
+    /// The same on a Redis Cluster, through the gateway's cluster store.
+    pub fn cluster(urls: &[String]) -> anyhow::Result<Driver> {
+        let nodes: Vec<SecretString> = urls.iter().map(|u| SecretString::from(u.clone())).collect();
+        Driver::with(|| {
+            Ok(Store::cluster(
+                &nodes,
+                Duration::from_secs(1),
+                Keys::new("tollgate:"),
+            )?)
+        })
+    }
+
+    fn with(store: impl FnOnce() -> anyhow::Result<Store>) -> anyhow::Result<Driver> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
         // The store's pool starts its timers on the runtime it is made in.
         let store = {
             let _in_rt = rt.enter();
-            Store::redis(
-                &SecretString::from(redis.url()),
-                2,
-                Duration::from_secs(1),
-                Keys::new("tollgate:"),
-            )?
+            store()?
         };
         Ok(Driver {
             rt,
