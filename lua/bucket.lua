@@ -9,7 +9,11 @@
 -- are decided in order: a key may appear twice, and the second entry sees the first's.
 --
 -- KEYS[k] = a client's state, e.g. tollgate:b:{acme} (the hash tag keeps it in one slot).
--- ARGV[1] = the number of limit sets; then each set: its number of limits, and six
+-- ARGV[1] = m, then m more keys: on a cluster a call declares only its first key (which
+-- routes it to its master) and passes the other keys of that master here; a key that is
+-- not the node's (its slot moved) fails its own entry only. The entries' keys are KEYS,
+-- then these.
+-- Then the number of limit sets; then each set: its number of limits, and six
 -- arguments per limit: its field prefix ('' or 'name:'), its kind, and four values:
 --   'b' bucket:  capacity, rate (tokens/s), the tokens a bucket that does not exist yet
 --                starts with ('' = full: used when a client moves between its global
@@ -31,7 +35,8 @@
 -- operation, so the embedded store decides identically and the gateway replays the takes
 -- to give each request its own answer.
 --
--- Returns { now (µs, decimal), then one binary string per entry: struct '<I' requests
+-- Returns { now (µs, decimal), a status per entry ('1' decided, '0' failed: its string
+-- is then the error), then one binary string per entry: struct '<I' requests
 -- admitted, then per limit two little-endian doubles, before any take: a bucket's tokens
 -- after refilling and 0; a quota's count and its window's end (µs) }. Binary keeps every
 -- bit of a double without formatting it; formatting doubles was a third of the script's
@@ -56,10 +61,14 @@ local function dec(v)
   return format('%.17g', v)
 end
 
+local keys, m = {}, tonumber(ARGV[1])
+for k = 1, #KEYS do keys[k] = KEYS[k] end
+for k = 1, m do keys[#KEYS + k] = ARGV[1 + k] end
+
 -- The limit sets.
 local sets = {}
-local at = 1
-for s = 1, tonumber(ARGV[1]) do
+local at = 2 + m
+for s = 1, tonumber(ARGV[at]) do
   local count = tonumber(ARGV[at + 1])
   if count == 1 and ARGV[at + 3] == 'b' then
     -- One bucket, the commonest plan: decided by `one` below.
@@ -88,10 +97,10 @@ for s = 1, tonumber(ARGV[1]) do
   at = at + 1 + 6 * count
 end
 
-local reply = { nowstr }
+local reply, status = { nowstr, '' }, {}
 
 -- The entry of a set of one bucket: the general case below, with its loops unrolled.
-local function one(k, key, set, op, cost, n)
+local function one(key, set, op, cost, n)
   local cap, rate = set.cap, set.rate
   local s = redis.call('HMGET', key, set.tk, set.ts, 'x')
   local lv = tonumber(s[1]) or min(cap, set.init or cap)
@@ -107,8 +116,8 @@ local function one(k, key, set, op, cost, n)
   elseif op == 'a' then
     lv = max(-1e9, min(cap, lv - cost))
   end
-  reply[k + 1] = struct.pack('<Idd', admitted, before, 0)
-  if op == 'p' then return end
+  local r = struct.pack('<Idd', admitted, before, 0)
+  if op == 'p' then return r end
   local keep = math.ceil((cap - lv) / rate * 1000) + 1000
   local x = tonumber(s[3])
   if x and x >= nowms + keep then
@@ -117,19 +126,14 @@ local function one(k, key, set, op, cost, n)
     redis.call('HSET', key, set.tk, dec(lv), set.ts, nowstr, 'x', format('%d', nowms + 2 * keep))
     redis.call('PEXPIRE', key, 2 * keep)
   end
+  return r
 end
 
 -- Reused by every entry.
 local lv, en, packed, out = {}, {}, {}, {}
 
-for k = 1, #KEYS do
-  local key = KEYS[k]
-  local op, cost, n = ARGV[at + 1], tonumber(ARGV[at + 2]), tonumber(ARGV[at + 3]) or 1
-  local set = sets[tonumber(ARGV[at + 4])]
-  at = at + 4
-  if set.one then
-    one(k, key, set, op, cost, n)
-  else
+-- The entry of any other set.
+local function many(key, set, op, cost, n)
   local count, kind, a = set.count, set.kind, set.a
   local s = redis.call('HMGET', key, unpack(set.read))
 
@@ -186,7 +190,7 @@ for k = 1, #KEYS do
     end
   end
   packed[1] = admitted
-  reply[k + 1] = struct.pack(set.fmt, unpack(packed, 1, 1 + 2 * count))
+  local r = struct.pack(set.fmt, unpack(packed, 1, 1 + 2 * count))
 
   if op ~= 'p' then
     local m, keep = 0, 0
@@ -213,6 +217,21 @@ for k = 1, #KEYS do
       redis.call('HSET', key, unpack(out, 1, m))
     end
   end
+  return r
+end
+
+for k = 1, #keys do
+  local op, cost, n = ARGV[at + 1], tonumber(ARGV[at + 2]), tonumber(ARGV[at + 3]) or 1
+  local set = sets[tonumber(ARGV[at + 4])]
+  at = at + 4
+  local ok, r = pcall(set.one and one or many, keys[k], set, op, cost, n)
+  status[k] = ok and '1' or '0'
+  if ok then
+    reply[k + 2] = r
+  else
+    -- redis.call raises a table { err = message }.
+    reply[k + 2] = type(r) == 'table' and tostring(r.err) or tostring(r)
   end
 end
+reply[2] = table.concat(status)
 return reply

@@ -100,3 +100,117 @@ async fn a_three_master_cluster_limits_every_client_exactly_and_a_stopped_node_f
     assert!(failed_open > 0, "some clients live on the stopped node");
     cluster.nodes[stopped].resume().unwrap();
 }
+
+/// EVALSHA calls summed over the cluster's masters.
+fn evalsha_calls(cluster: &RedisCluster) -> u64 {
+    cluster
+        .nodes
+        .iter()
+        .map(|n| {
+            n.command_calls()
+                .unwrap()
+                .get("evalsha")
+                .copied()
+                .unwrap_or(0)
+        })
+        .sum()
+}
+
+/// Each client's admitted requests' `RateLimit` remaining, sorted, for requests sent as
+/// `(client index, response)`.
+fn places(n: usize, answers: &[(usize, reqwest::Response)]) -> Vec<Vec<u64>> {
+    let mut places = vec![Vec::new(); n];
+    for (c, r) in answers {
+        assert!(r.headers().contains_key("ratelimit"), "a real decision");
+        if r.status() == 200 {
+            places[*c].push(RateLimit::of(r).remaining);
+        }
+    }
+    for p in &mut places {
+        p.sort_unstable();
+    }
+    places
+}
+
+#[tokio::test]
+async fn on_a_cluster_takes_of_one_masters_clients_share_calls_and_a_moved_slot_is_decided_alone() {
+    // Arrange: a cluster, one gateway, 60 clients of capacity 3 and 30 of capacity 2.
+    let cluster = RedisCluster::start().unwrap();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let first: Vec<String> = (0..60).map(|i| format!("a{i}")).collect();
+    let second: Vec<String> = (0..30).map(|i| format!("b{i}")).collect();
+    let warm: Vec<String> = (0..30).map(|i| format!("w{i}")).collect();
+    fn refs(v: &[String]) -> Vec<&str> {
+        v.iter().map(String::as_str).collect()
+    }
+    let toml = format!(
+        "[redis]\ncluster_nodes = {:?}\ntimeout_ms = 200\n{}{}{}",
+        cluster.urls(),
+        catalog_toml(("three", 3.0, 0.001), &refs(&first)),
+        catalog_toml(("two", 2.0, 0.001), &[refs(&second), refs(&warm)].concat()),
+        route_toml("orders", "/orders", &[up.url()]),
+    );
+    let gw = &TestGateway::spawn(settings(&toml)).await;
+    let (first, second) = (&first, &second);
+    // Connected, and the slot map read (it is read in the background once a second): a
+    // burst of 30 clients' first requests goes out in a handful of calls, not 30.
+    eventually(
+        std::time::Duration::from_secs(10),
+        "takes gathered per master",
+        || async {
+            let before = evalsha_calls(&cluster);
+            let keys: Vec<String> = warm.iter().map(|w| key(w)).collect();
+            let answers =
+                futures_util::future::join_all(keys.iter().map(|k| gw.get("/orders", Some(k))))
+                    .await;
+            let decided = answers
+                .iter()
+                .all(|r| r.headers().contains_key("ratelimit"));
+            decided && evalsha_calls(&cluster) - before < 15
+        },
+    )
+    .await;
+
+    // Act 1: 4 requests per client, all at once.
+    let before = evalsha_calls(&cluster);
+    let answers: Vec<(usize, reqwest::Response)> = futures_util::future::join_all(
+        (0..240)
+            .map(|i| async move { (i % 60, gw.get("/orders", Some(&key(&first[i % 60]))).await) }),
+    )
+    .await;
+
+    // Assert: every client exactly its 3 (remaining 2, 1, 0), in fewer calls than clients.
+    assert!(
+        places(60, &answers).iter().all(|p| *p == [0, 1, 2]),
+        "{:?}",
+        places(60, &answers)
+    );
+    let calls = evalsha_calls(&cluster) - before;
+    assert!(
+        calls < 60,
+        "{calls} calls for 240 takes of 60 clients on 3 masters"
+    );
+
+    // Act 2: b0's slot moves to another master; at once, before the gateway reads the slot
+    // map again, 3 requests of every b client, b0's last in each round: b0's take goes out
+    // with its old master's others.
+    let moved = format!("tollgate:b:{{{}}}", second[0]);
+    let old = cluster.owner(&moved).unwrap();
+    cluster.move_slot_of(&moved, (old + 1) % 3).unwrap();
+    let answers: Vec<(usize, reqwest::Response)> =
+        futures_util::future::join_all((0..90).map(|i| async move {
+            (
+                29 - i % 30,
+                gw.get("/orders", Some(&key(&second[29 - i % 30]))).await,
+            )
+        }))
+        .await;
+
+    // Assert: every b client, b0 included, decided exactly: 2 admitted, none failing open.
+    assert!(
+        places(30, &answers).iter().all(|p| *p == [0, 1]),
+        "{:?}",
+        places(30, &answers)
+    );
+    assert_eq!(gw.metric("tollgate_fail_open_total").await, Some(0.0));
+}

@@ -2,6 +2,7 @@
 //! the request path, a pool for the rest) or a cluster, the retry rule for calls off the
 //! request path ([`retrying!`]), and the reads every concern shares.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -47,11 +48,46 @@ pub(super) struct ClusterBackend {
     control_timeout: Duration,
     /// One renewal at a time.
     renewing: tokio::sync::Mutex<()>,
+    /// Which master serves each slot (an index among the masters), as last read: takes
+    /// for keys of one master go to it in one call (`gather`).
+    masters: Arc<ArcSwap<Option<Vec<u16>>>>,
+    /// When `masters` was last asked for (unix ms).
+    masters_at: Arc<AtomicU64>,
 }
+
+/// How often the slot map is read again; a stale one only costs takes a second call.
+const MASTERS_EVERY_MS: u64 = 1_000;
 
 impl ClusterBackend {
     pub(super) fn conn(&self) -> ClusterConnection {
         ClusterConnection::clone(&self.conn.load())
+    }
+
+    /// The master serving `slot` as last read, reading the slot map again in the
+    /// background when it is older than a second. `None` until it was read once.
+    pub(super) fn master_of(&self, slot: u16) -> Option<u16> {
+        let now = unix_ms();
+        let at = self.masters_at.load(Ordering::Relaxed);
+        if now.saturating_sub(at) >= MASTERS_EVERY_MS
+            && self
+                .masters_at
+                .compare_exchange(at, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            let (conn, masters) = (self.conn(), Arc::clone(&self.masters));
+            tokio::spawn(async move {
+                match read_masters(conn).await {
+                    Ok(m) => masters.store(Arc::new(Some(m))),
+                    Err(e) => tracing::debug!(error = %e, "reading the cluster's slot map"),
+                }
+            });
+        }
+        self.masters
+            .load()
+            .as_ref()
+            .as_ref()
+            .and_then(|m| m.get(usize::from(slot)).copied())
+            .filter(|m| *m != u16::MAX)
     }
 
     /// A fresh cluster connection (seed nodes, slot map, node connections), within the
@@ -248,6 +284,8 @@ impl RedisStore {
             config,
             control_timeout,
             renewing: tokio::sync::Mutex::new(()),
+            masters: Arc::new(ArcSwap::from_pointee(None)),
+            masters_at: Arc::new(AtomicU64::new(0)),
         }));
         Ok(RedisStore::new(backend, keys, url))
     }
@@ -277,28 +315,7 @@ impl RedisStore {
             Ok(redis::cmd("CLUSTER").arg("SLOTS").query_async(c).await?)
         }
         .await)?;
-        let mut out = Vec::new();
-        for r in ranges {
-            let Value::Array(parts) = r else { continue };
-            let (Some(start), Some(end), Some(Value::Array(master))) =
-                (parts.first(), parts.get(1), parts.get(2))
-            else {
-                continue;
-            };
-            let int = |v: Option<&Value>| -> Result<i64, StoreError> {
-                v.map(redis::from_redis_value_ref::<i64>)
-                    .transpose()
-                    .map_err(|e| StoreError::Protocol(format!("CLUSTER SLOTS: {e}")))
-                    .map(Option::unwrap_or_default)
-            };
-            let (start, end, port) = (int(Some(start))?, int(Some(end))?, int(master.get(1))?);
-            let host: String = master
-                .first()
-                .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
-                .unwrap_or_default();
-            out.push((start as u16, end as u16, format!("{host}:{port}")));
-        }
-        Ok(out)
+        parse_slots(ranges)
     }
 
     pub(super) async fn conn(&self) -> Result<Conn<'_>, StoreError> {
@@ -415,4 +432,56 @@ pub(super) async fn scan_hash(
         }
         cursor = next;
     }
+}
+
+/// `CLUSTER SLOTS` as (first slot, last slot, "host:port") per range.
+fn parse_slots(ranges: Vec<Value>) -> Result<Vec<(u16, u16, String)>, StoreError> {
+    let mut out = Vec::new();
+    for r in ranges {
+        let Value::Array(parts) = r else { continue };
+        let (Some(start), Some(end), Some(Value::Array(master))) =
+            (parts.first(), parts.get(1), parts.get(2))
+        else {
+            continue;
+        };
+        let int = |v: Option<&Value>| -> Result<i64, StoreError> {
+            v.map(redis::from_redis_value_ref::<i64>)
+                .transpose()
+                .map_err(|e| StoreError::Protocol(format!("CLUSTER SLOTS: {e}")))
+                .map(Option::unwrap_or_default)
+        };
+        let (start, end, port) = (int(Some(start))?, int(Some(end))?, int(master.get(1))?);
+        let host: String = master
+            .first()
+            .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
+            .unwrap_or_default();
+        out.push((start as u16, end as u16, format!("{host}:{port}")));
+    }
+    Ok(out)
+}
+
+/// The master of every slot, as an index among the masters (ordered by address).
+async fn read_masters(mut conn: ClusterConnection) -> Result<Vec<u16>, StoreError> {
+    let ranges: Vec<Value> = redis::cmd("CLUSTER")
+        .arg("SLOTS")
+        .query_async(&mut conn)
+        .await?;
+    let ranges = parse_slots(ranges)?;
+    let mut addrs: Vec<&str> = ranges.iter().map(|(_, _, a)| a.as_str()).collect();
+    addrs.sort_unstable();
+    addrs.dedup();
+    let mut masters = vec![u16::MAX; 16_384];
+    for (start, end, addr) in &ranges {
+        let m = addrs.binary_search(&addr.as_str()).unwrap_or(0) as u16;
+        for slot in *start..=(*end).min(16_383) {
+            masters[usize::from(slot)] = m;
+        }
+    }
+    Ok(masters)
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }

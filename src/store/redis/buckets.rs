@@ -6,7 +6,7 @@ use redis::AsyncCommands;
 
 use super::backend::{retrying, Backend, RedisStore};
 use super::coalesce::{Batch, Take};
-use super::gather::{Conn, Entry, Op};
+use super::gather::{Conn, Entry, Group, Op};
 use crate::domain::limits::{take_many, Level};
 use crate::domain::{bucket, Applied, AppliedKind, Bucket, BucketState, Ruling};
 use crate::store::keys::key_slot;
@@ -114,16 +114,32 @@ impl RedisStore {
             Op::Take => &self.takes,
             Op::Adjust | Op::Peek => &self.others,
         };
-        let group = if self.is_cluster() { key_slot(key) } else { 0 };
-        let answer = gatherer
-            .decide(group, entry, || async {
-                Ok(match &self.backend {
-                    Backend::Single { per_thread, .. } => Conn::Single(per_thread.get().await?),
-                    Backend::Cluster(c) => Conn::Cluster(c.conn()),
-                })
+        let conn = || async {
+            Ok(match &self.backend {
+                Backend::Single { per_thread, .. } => Conn::Single(per_thread.get().await?),
+                Backend::Cluster(c) => Conn::Cluster(c.conn()),
             })
-            .await?;
-        let (admitted, levels) = parse_reply(answer.bytes(), applied)?;
+        };
+        let group = match &self.backend {
+            Backend::Single { .. } => Group::All,
+            Backend::Cluster(c) => {
+                let slot = key_slot(key);
+                c.master_of(slot).map_or(Group::Slot(slot), Group::Master)
+            }
+        };
+        let mut answer = gatherer.decide(group, entry, conn).await?;
+        if let (Group::Master(_), Err(e)) = (group, answer.bytes()) {
+            // Its slot moved since the map was read: on its own, the cluster client
+            // follows the redirection.
+            tracing::debug!(error = %e, "a take sent with its master's failed; once more alone");
+            answer = gatherer
+                .decide(Group::Slot(key_slot(key)), entry, conn)
+                .await?;
+        }
+        let bytes = answer
+            .bytes()
+            .map_err(|e| StoreError::Protocol(format!("limits script: {e}")))?;
+        let (admitted, levels) = parse_reply(bytes, applied)?;
         Ok((admitted, levels, answer.now_us))
     }
 

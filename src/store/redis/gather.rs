@@ -18,9 +18,13 @@
 //! The sending is a task of its own, not a request's future: a request that gives up
 //! (its budget, a client that hung up) never takes the others' call down with it.
 //!
-//! On Redis Cluster a script's keys must share a slot, so a batch holds the takes of one
-//! slot only (`group`): with hash-tagged keys per client that is one client per batch in
-//! practice, and the cost per decision stays that of one call per take.
+//! On Redis Cluster the keys a command declares must share a slot, and a script may only
+//! touch keys its node serves. So a batch holds the takes of one master (`Group::Master`,
+//! from the slot map read once a second): the call declares its first key, which routes
+//! it, and passes the others as arguments. Each entry runs under `pcall`: a key whose slot
+//! moved since the map was read fails alone (`Answer::bytes` says why) and is sent again
+//! on its own, declared, where the cluster client follows the redirection. Until the map
+//! is read, a batch holds the takes of one slot (`Group::Slot`).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -80,8 +84,19 @@ pub enum Conn {
     Cluster(ClusterConnection),
 }
 
+/// Which takes may share a call.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Group {
+    /// One server: every take of a worker's turn.
+    All,
+    /// A cluster slot: the keys are declared.
+    Slot(u16),
+    /// A cluster master (an index among the masters): only the first key is declared.
+    Master(u16),
+}
+
 /// An entry's part of a call's reply: Redis' clock (unix µs) and the entry's binary
-/// string (see `lua/bucket.lua`).
+/// string (see `lua/bucket.lua`), or why it failed.
 /// A call's per-entry strings (the first is Redis' clock).
 type Replies = Arc<Vec<Vec<u8>>>;
 
@@ -93,8 +108,14 @@ pub struct Answer {
 }
 
 impl Answer {
-    pub fn bytes(&self) -> &[u8] {
-        &self.replies[self.at]
+    /// The entry's reply, or the error it met (e.g. a key whose slot moved).
+    pub fn bytes(&self) -> Result<&[u8], String> {
+        let reply = &self.replies[self.at];
+        if self.replies[1].get(self.at - 2) == Some(&b'1') {
+            Ok(reply)
+        } else {
+            Err(String::from_utf8_lossy(reply).into_owned())
+        }
     }
 }
 
@@ -108,6 +129,7 @@ pub enum Op {
 
 /// One entry to decide: `n` requests at `key`, each costing `cost` of every limit in
 /// `applied`.
+#[derive(Clone, Copy)]
 pub struct Entry<'a> {
     pub key: &'a str,
     pub op: Op,
@@ -119,6 +141,8 @@ pub struct Entry<'a> {
 /// The batch a worker is filling.
 struct Pending {
     conn: Conn,
+    /// Whether the call declares every key (else only the first).
+    declare_all: bool,
     keys: Vec<String>,
     /// The distinct limit sets of the entries, and their arguments.
     sets: Vec<Vec<Applied>>,
@@ -134,7 +158,7 @@ type Shared = Arc<Mutex<Pending>>;
 
 thread_local! {
     /// The open batch per (gatherer, group) on this thread.
-    static OPEN: RefCell<HashMap<(u64, u16), Shared>> = RefCell::new(HashMap::new());
+    static OPEN: RefCell<HashMap<(u64, Group), Shared>> = RefCell::new(HashMap::new());
 }
 
 /// Gathers one store's entries into calls of the limits script.
@@ -180,7 +204,7 @@ impl Gatherer {
     /// on the connection `conn` brings.
     pub async fn decide<C, Fut>(
         &self,
-        group: u16,
+        group: Group,
         entry: Entry<'_>,
         conn: C,
     ) -> Result<Answer, StoreError>
@@ -200,6 +224,7 @@ impl Gatherer {
         if let Some(tx) = tx {
             let mut pending = Pending {
                 conn: conn().await?,
+                declare_all: !matches!(group, Group::Master(_)),
                 keys: Vec::new(),
                 sets: Vec::new(),
                 set_args: Argv::default(),
@@ -293,7 +318,7 @@ fn wall_clock_us() -> u64 {
 
 /// Closes the batch and sends it as one call; answers every entry.
 async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
-    let (mut conn, keys, sets, set_args, entry_args, waiters, takes) = {
+    let (mut conn, declare_all, keys, sets, set_args, entry_args, waiters, takes) = {
         let mut b = batch.lock().unwrap_or_else(|p| p.into_inner());
         b.open = false;
         let conn = match &b.conn {
@@ -302,6 +327,7 @@ async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
         };
         (
             conn,
+            b.declare_all,
             std::mem::take(&mut b.keys),
             b.sets.len(),
             std::mem::take(&mut b.set_args),
@@ -314,12 +340,13 @@ async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
     counts.calls.fetch_add(1, Ordering::Relaxed);
     counts.takes.fetch_add(takes, Ordering::Relaxed);
     let mut cmd = redis::cmd("EVALSHA");
-    cmd.arg(&script.hash)
-        .arg(keys.len())
-        .arg(&keys)
-        .arg(sets)
-        .arg(&set_args)
-        .arg(&entry_args);
+    cmd.arg(&script.hash);
+    if declare_all {
+        cmd.arg(keys.len()).arg(&keys).arg(0);
+    } else {
+        cmd.arg(1).arg(&keys[0]).arg(keys.len() - 1).arg(&keys[1..]);
+    }
+    cmd.arg(sets).arg(&set_args).arg(&entry_args);
     let answer = match call(&mut conn, &cmd, &script).await {
         Ok(r) => split(r, waiters.len()),
         Err(e) => Err(StoreError::Redis(e)),
@@ -330,7 +357,7 @@ async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
                 let _ = tx.send(Ok(Answer {
                     now_us,
                     replies: Arc::clone(&replies),
-                    at: at + 1,
+                    at: at + 2,
                 }));
             }
         }
@@ -342,14 +369,16 @@ async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
     }
 }
 
-/// `{ now, one string per entry }`.
+/// `{ now, one status byte per entry ('1': done), one string per entry }`.
 fn split(reply: Vec<Vec<u8>>, entries: usize) -> Result<(u64, Replies), StoreError> {
     let now_us = reply
         .first()
         .and_then(|n| std::str::from_utf8(n).ok())
         .and_then(|n| n.parse::<u64>().ok());
     match now_us {
-        Some(now_us) if reply.len() == 1 + entries => Ok((now_us, Arc::new(reply))),
+        Some(now_us) if reply.len() == 2 + entries && reply[1].len() == entries => {
+            Ok((now_us, Arc::new(reply)))
+        }
         _ => Err(StoreError::Protocol(format!(
             "limits script reply of {} strings for {entries} entries",
             reply.len()
