@@ -43,6 +43,9 @@
 //! [`StoreError::Abandoned`], so they fail open at once instead of waiting for a reply
 //! nobody will read, and hands the lead to the next queued request.
 //!
+//! A lane's call is one *entry* of a script call: `gather` sends the entries a worker
+//! makes in one turn of its event loop, of any clients, as one `EVALSHA`.
+//!
 //! Lanes live in a thread-local map: an actix worker is one thread, so nothing here is
 //! shared between threads or needs a lock.
 
