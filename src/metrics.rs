@@ -211,7 +211,7 @@ impl Metrics {
             &mut out,
             "tollgate_fail_open_total",
             "counter",
-            "Requests admitted because the store did not answer in time.",
+            "Requests admitted without a store decision (failing open: the store did not answer in time, failed, or its breaker was open); the same count as tollgate_decisions_total{outcome=\"fail_open\"}.",
         );
         let _ = writeln!(out, "tollgate_fail_open_total {}", self.fail_open_total());
         family(
