@@ -61,9 +61,12 @@ local function dec(v)
   return format('%.17g', v)
 end
 
-local keys, m = {}, tonumber(ARGV[1])
-for k = 1, #KEYS do keys[k] = KEYS[k] end
-for k = 1, m do keys[#KEYS + k] = ARGV[1 + k] end
+local keys, m = KEYS, tonumber(ARGV[1])
+if m > 0 then
+  keys = {}
+  for k = 1, #KEYS do keys[k] = KEYS[k] end
+  for k = 1, m do keys[#KEYS + k] = ARGV[1 + k] end
+end
 
 -- The limit sets.
 local sets = {}
