@@ -414,3 +414,78 @@ async fn query<T: redis::FromRedisValue>(
         Conn::Cluster(c) => cmd.query_async(c).await,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::rc::Rc;
+    use std::time::Duration;
+
+    use secrecy::SecretString;
+    use tollgate_testkit::{FaultProxy, RedisServer};
+
+    use crate::domain::limits::{Limit, Limits};
+    use crate::domain::Bucket;
+    use crate::store::redis::RedisStore;
+    use crate::store::Keys;
+
+    #[tokio::test]
+    async fn takes_whose_requests_give_up_never_take_the_others_call_with_them() {
+        // Arrange: Redis 30 ms away, so a call is in flight long enough to give up on.
+        let redis = RedisServer::start().unwrap();
+        let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
+        let store = Rc::new(
+            RedisStore::connect(
+                &SecretString::from(proxy.redis_url()),
+                2,
+                Duration::from_secs(1),
+                Keys::new("tollgate:"),
+            )
+            .unwrap(),
+        );
+        let plan = Limits::new(vec![Limit::default_bucket(
+            Bucket::new(5.0, 0.001).unwrap(),
+        )])
+        .unwrap();
+        let applied = Rc::new(plan.every());
+        let local = tokio::task::LocalSet::new();
+        local
+            .run_until(async {
+                // The connection open and the script loaded.
+                store
+                    .take("tollgate:b:{w}", &applied, 1.0, None)
+                    .await
+                    .unwrap();
+                proxy.delay(Duration::from_millis(30));
+                let calls_before = store.bucket_calls().0;
+
+                // Act: ten clients' takes in one turn (one call); the even ones' requests
+                // give up while it is on its way.
+                let takes: Vec<_> = (0..10)
+                    .map(|i| {
+                        let (store, applied) = (Rc::clone(&store), Rc::clone(&applied));
+                        tokio::task::spawn_local(async move {
+                            store
+                                .take(&format!("tollgate:b:{{c{i}}}"), &applied, 1.0, None)
+                                .await
+                        })
+                    })
+                    .collect();
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                for t in takes.iter().step_by(2) {
+                    t.abort();
+                }
+
+                // Assert: the odd ones are all decided by that one call.
+                for t in takes.into_iter().skip(1).step_by(2) {
+                    let ruling = t.await.unwrap().expect("decided, not abandoned");
+                    assert!(ruling.allowed);
+                }
+                assert_eq!(
+                    store.bucket_calls().0 - calls_before,
+                    1,
+                    "one call for all ten"
+                );
+            })
+            .await;
+    }
+}
