@@ -213,7 +213,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
          `INFO commandstats`; Redis CPU s/s: how busy Redis was (1.00: one full core, what \
          one Redis core decides at most is then decisions/s). Takes per EVALSHA above 1: \
          takes shared a script call (of one client: the coalescer; of several: the \
-         gathering of a worker's turn, on a cluster only within one slot). {} client hashes \
+         gathering of a worker's turn, on a cluster within one master). {} client hashes \
          in Redis at the end. The caller shares the machine's two cores with Redis. \
          {machine}.\n",
         if a.cluster {
