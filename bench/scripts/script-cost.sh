@@ -11,6 +11,7 @@
 #
 #   bench/scripts/script-cost.sh [ENTRIES=32] [CALLS=200] [KEYS=2000] [SCRIPT=lua/bucket.lua]
 #
+# Only this valgrind process is zeroed and dumped (by its pid), not others on the machine.
 # Needs valgrind, redis-server and redis-benchmark (Debian: valgrind, redis-server, redis-tools).
 set -euo pipefail
 entries=${1:-32}
@@ -21,8 +22,9 @@ port=${PORT:-7790}
 out=$(mktemp -d)
 trap 'redis-cli -p "$port" shutdown nosave >/dev/null 2>&1 || true; rm -rf "$out"' EXIT
 
-valgrind --tool=callgrind --callgrind-out-file="$out/cg" \
+valgrind --tool=callgrind --vgdb=yes --callgrind-out-file="$out/cg" \
   redis-server --port "$port" --save '' --appendonly no >/dev/null 2>&1 &
+vg=$!
 for _ in $(seq 200); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
 sha=$(redis-cli -p "$port" SCRIPT LOAD "$(cat "$script")")
 # EVALSHA sha n key... 0 (no undeclared keys) 1 (one limit set: one bucket) then per entry
@@ -33,8 +35,8 @@ args+=(0 1 1 "" b "${CAPACITY:-1000000000}" "${RATE:-1000000000}" "" "")
 for _ in $(seq "$entries"); do args+=(t 1 1 1); done
 # Warm-up (every client's state created), then count only the measured calls.
 redis-benchmark -p "$port" -r "$keys" -c 4 -n $(( (keys * 2) / entries + 1 )) -q "${args[@]}" >/dev/null 2>&1
-callgrind_control -z >/dev/null 2>&1
+callgrind_control -z "$vg" >/dev/null 2>&1
 redis-benchmark -p "$port" -r "$keys" -c 4 -n "$calls" -q "${args[@]}" >/dev/null 2>&1
-callgrind_control -d >/dev/null 2>&1
+callgrind_control -d "$vg" >/dev/null 2>&1
 ir=$(callgrind_annotate "$out"/cg.* 2>/dev/null | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1; exit}')
 echo "$script: $entries entries per call, $calls calls, $keys clients: $(( ir / (calls * entries) )) instructions per decision"
