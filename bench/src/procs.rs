@@ -275,27 +275,87 @@ impl Gateway {
             // writes its data); then make sure.
             .stop_grace(Duration::from_secs(3 * patience))
             .spawn(config)?;
-        let addr = gw.addr;
         // The pid, for attaching a profiler (perf record -p).
-        eprintln!("  tollgate pid {} on {addr}", gw.child.id());
-        // Listening is not enough: the catalog must be mirrored and the route must reach
-        // an upstream.
+        eprintln!("  tollgate pid {} on {}", gw.child.id(), gw.addr);
+        let gateway = Gateway(gw);
+        gateway.wait_forwarding(probe_path, patience)?;
+        Ok(gateway)
+    }
+
+    /// Listening is not enough: the catalog must be mirrored and the route must reach an
+    /// upstream.
+    fn wait_forwarding(&self, probe_path: &str, patience: u64) -> anyhow::Result<()> {
+        let addr = self.0.addr;
         let deadline = Instant::now() + Duration::from_secs(20 * patience);
         loop {
             let status = block_on(http::fetch(addr, probe_path, Some(PROBE_KEY)))
                 .map(|(s, _)| s)
                 .unwrap_or(0);
             if status == 200 {
-                return Ok(Gateway(gw));
+                return Ok(());
             }
             if Instant::now() > deadline {
                 bail!(
                     "tollgate at {addr} answered {status} to a probe on {probe_path}; log in {}",
-                    gw.dir().display()
+                    self.0.dir().display()
                 );
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Stops an embedded-store gateway, adds `clients` to its catalog file in one write,
+    /// and starts it again on that file. Declared in its configuration instead, each client would
+    /// be seeded at start with a write of the whole file of its own (the embedded store
+    /// persists every catalog write): quadratic, so 10,000 clients do not start within a
+    /// minute. Those already in the catalog are left as they are.
+    pub fn add_clients_and_restart(
+        &mut self,
+        clients: &[ClientDef],
+        probe_path: &str,
+    ) -> anyhow::Result<()> {
+        use tollgate::domain::{ClientId, KeyHash, PlanName};
+        use tollgate::store::records::{ClientRecord, KeyRecord, Versioned};
+        // The file is the running gateway's alone: stopped first, started again below.
+        stop(&mut self.0.child, Duration::ZERO);
+        let store = tollgate::store::Store::embedded(&self.0.catalog)
+            .map_err(|e| anyhow::anyhow!("opening {}: {e}", self.0.catalog.display()))?;
+        block_on(async {
+            let mut dump = store.catalog_dump().await?;
+            let seen = (dump.epoch.clone(), dump.version);
+            for c in clients {
+                let id = ClientId::parse(&c.id)?;
+                if dump.clients.iter().any(|v| v.value.id == id) {
+                    continue;
+                }
+                dump.version += 1;
+                dump.clients.push(Versioned {
+                    rev: dump.version,
+                    value: ClientRecord {
+                        id,
+                        plan: PlanName::parse(&c.plan)?,
+                        mode: None,
+                        shards: None,
+                        keys: vec![KeyRecord::new(KeyHash::of(&c.key))],
+                        overrides: Vec::new(),
+                    },
+                });
+            }
+            let written = store
+                .catalog_restore((seen.0.as_deref(), seen.1), &dump)
+                .await?;
+            anyhow::ensure!(written, "the catalog file changed while clients were added");
+            anyhow::Ok(())
+        })?;
+        drop(store);
+        self.0.restart()?;
+        eprintln!(
+            "  tollgate pid {} on {} (restarted with {} more clients)",
+            self.0.child.id(),
+            self.0.addr,
+            clients.len()
+        );
+        self.wait_forwarding(probe_path, 1)
     }
 
     /// `GET /metrics`, parsed.

@@ -185,8 +185,15 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
                 KEY,
             );
             config.workers = w;
-            a.clients.add_to(&mut config, "large");
-            let gateway = Gateway::start_pinned(&config, PATH, pin)?;
+            let gateway = if embedded {
+                // Into its catalog file in one write (see `add_clients_and_restart`).
+                let mut gateway = Gateway::start_pinned(&config, PATH, pin)?;
+                gateway.add_clients_and_restart(&a.clients.defs("large"), PATH)?;
+                gateway
+            } else {
+                a.clients.add_to(&mut config, "large");
+                Gateway::start_pinned(&config, PATH, pin)?
+            };
             rows.push(Row::new(
                 format!("tollgate ({store}), {w} worker{}", plural(w)),
                 gateway.addr,
