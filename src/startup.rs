@@ -11,7 +11,6 @@ use actix_web::dev::{Server, ServerHandle};
 use actix_web::middleware::from_fn;
 use actix_web::{web, App, HttpServer};
 use anyhow::Context;
-use tracing_actix_web::TracingLogger;
 
 use crate::admin::{self, JwtVerifier};
 use crate::catalog::{self, Catalog};
@@ -93,8 +92,7 @@ impl Application {
             let limiter = Arc::clone(&data.limiter);
             actix_web::rt::spawn(async move { limiter.keep_connected().await });
             App::new()
-                .wrap(TracingLogger::<telemetry::RequestSpan>::new())
-                .wrap(from_fn(proxy::request_id))
+                .wrap(from_fn(telemetry::request))
                 .app_data(data.clone())
                 .app_data(jwt_data.clone())
                 .app_data(web::Data::new(proxy::upstream_client()))
@@ -127,8 +125,7 @@ impl Application {
             let data = state.clone();
             let admin = HttpServer::new(move || {
                 App::new()
-                    .wrap(TracingLogger::<telemetry::RequestSpan>::new())
-                    .wrap(from_fn(proxy::request_id))
+                    .wrap(from_fn(telemetry::request))
                     .app_data(data.clone())
                     .app_data(jwt.clone())
                     .configure(ops::configure)

@@ -330,11 +330,20 @@ pub struct ClosedResult {
     pub window: Duration,
     /// Latencies of the answers completed inside the window, in ns, sorted.
     pub latencies_ns: Vec<u64>,
+    /// CPU seconds (user + system) the watched process and its children used inside the
+    /// window, when one was watched.
+    pub cpu_s: Option<f64>,
 }
 
 impl ClosedResult {
     pub fn rate(&self) -> f64 {
         self.completed as f64 / self.window.as_secs_f64()
+    }
+
+    /// CPU µs the watched process spent per answer completed in the window.
+    pub fn cpu_us_per_request(&self) -> Option<f64> {
+        self.cpu_s
+            .map(|cpu| cpu * 1e6 / self.completed.max(1) as f64)
     }
 }
 
@@ -347,6 +356,19 @@ pub fn run_closed(
     warmup: Duration,
     duration: Duration,
 ) -> anyhow::Result<ClosedResult> {
+    run_closed_watching(addr, requests, conns, warmup, duration, None)
+}
+
+/// [`run_closed`], also counting the CPU time process `watch` (and its children: nginx's
+/// workers) spends inside the measured window.
+pub fn run_closed_watching(
+    addr: SocketAddr,
+    requests: Vec<Vec<u8>>,
+    conns: usize,
+    warmup: Duration,
+    duration: Duration,
+    watch: Option<u32>,
+) -> anyhow::Result<ClosedResult> {
     std::thread::Builder::new()
         .name("bench-closed".into())
         .spawn(move || {
@@ -355,7 +377,7 @@ pub fn run_closed(
                 .build()
                 .expect("a tokio runtime");
             let local = tokio::task::LocalSet::new();
-            local.block_on(&rt, closed(addr, requests, conns, warmup, duration))
+            local.block_on(&rt, closed(addr, requests, conns, warmup, duration, watch))
         })
         .context("spawning the closed-loop thread")?
         .join()
@@ -368,9 +390,19 @@ async fn closed(
     conns: usize,
     warmup: Duration,
     duration: Duration,
+    watch: Option<u32>,
 ) -> anyhow::Result<ClosedResult> {
     let start = Instant::now();
     let (from, until) = (start + warmup, start + warmup + duration);
+    // The watched process's CPU time at the window's two ends.
+    let cpu = watch.map(|pid| {
+        tokio::task::spawn_local(async move {
+            tokio::time::sleep_until(from.into()).await;
+            let before = crate::procs::cpu_seconds(pid);
+            tokio::time::sleep_until(until.into()).await;
+            Some(crate::procs::cpu_seconds(pid)? - before?)
+        })
+    });
     let requests = Rc::new(requests);
     let completed = Rc::new(Cell::new(0u64));
     let non_2xx = Rc::new(Cell::new(0u64));
@@ -430,9 +462,14 @@ async fn closed(
     for t in tasks {
         t.await.context("a closed-loop connection task failed")?;
     }
+    let cpu_s = match cpu {
+        Some(task) => task.await.context("the CPU watch failed")?,
+        None => None,
+    };
     let mut latencies_ns = latencies.take();
     latencies_ns.sort_unstable();
     Ok(ClosedResult {
+        cpu_s,
         completed: completed.get(),
         non_2xx: non_2xx.get(),
         errors: errors.get(),

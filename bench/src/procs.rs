@@ -33,6 +33,96 @@ pub fn raise_fd_limit() {
     }
 }
 
+/// `--pin`: the system under test (the gateway, the floor or nginx) alone on one core,
+/// [`Pin::SUT`], one worker; this tool (load generator, upstreams) and `redis-server` on
+/// another, [`Pin::REST`]. The way issue 14 measured: the core the system under test runs
+/// on is then all its own, so its rate is its CPU cost per request, not a share of two
+/// cores fought over with the load generator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pin;
+
+impl Pin {
+    /// The system under test's CPU.
+    pub const SUT: usize = 1;
+    /// Everything else's CPU.
+    pub const REST: usize = 0;
+
+    /// Pins every thread of this process to [`Pin::REST`]; threads and processes started
+    /// afterwards (the upstreams, the load generator, `redis-server`) inherit it. Call it
+    /// before starting anything.
+    pub fn this_process() -> anyhow::Result<Pin> {
+        let online = std::thread::available_parallelism().map_or(1, |n| n.get());
+        anyhow::ensure!(
+            online > Pin::SUT,
+            "--pin needs at least {} CPUs; this machine has {online}",
+            Pin::SUT + 1
+        );
+        let tasks = std::fs::read_dir("/proc/self/task").context("listing /proc/self/task")?;
+        for task in tasks {
+            let tid: libc::pid_t = task?
+                .file_name()
+                .to_string_lossy()
+                .parse()
+                .context("a task id in /proc/self/task")?;
+            set_affinity(tid, Pin::REST)
+                .with_context(|| format!("pinning thread {tid} to CPU {}", Pin::REST))?;
+        }
+        Ok(Pin)
+    }
+
+    /// Makes `cmd`'s process (and every thread and process it starts) run on
+    /// [`Pin::SUT`] only.
+    pub fn sut(cmd: &mut Command) {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: between fork and exec only async-signal-safe calls: sched_setaffinity
+        // and a stack-allocated CPU set.
+        unsafe {
+            cmd.pre_exec(|| set_affinity(0, Pin::SUT));
+        }
+    }
+
+    /// The same for a process started through a wrapper command (the gateway's launcher).
+    pub fn sut_wrapper() -> Vec<String> {
+        vec!["taskset".into(), "-c".into(), Pin::SUT.to_string()]
+    }
+}
+
+/// `sched_setaffinity(tid, {cpu})`; `tid` 0: the calling thread.
+fn set_affinity(tid: libc::pid_t, cpu: usize) -> std::io::Result<()> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET stays within it
+    // (cpu < CPU_SETSIZE).
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// CPU seconds (user + system) process `pid` and its descendants have used so far, from
+/// `/proc` (clock-tick resolution); `None` once it is gone.
+pub fn cpu_seconds(pid: u32) -> Option<f64> {
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the command name (in parentheses, which may hold spaces): field 3 onwards.
+    let fields: Vec<&str> = stat.get(stat.rfind(')')? + 2..)?.split(' ').collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    let mut total = ticks / hz;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
+        let children = task
+            .ok()
+            .and_then(|t| std::fs::read_to_string(t.path().join("children")).ok())
+            .unwrap_or_default();
+        for child in children.split_whitespace().filter_map(|c| c.parse().ok()) {
+            total += cpu_seconds(child).unwrap_or(0.0);
+        }
+    }
+    Some(total)
+}
+
 /// Sets this process's nice value (children inherit it); says so when it cannot.
 pub fn set_nice(n: i32) {
     // SAFETY: setpriority on our own process.
@@ -155,13 +245,26 @@ impl Gateway {
     /// `probe_path`. `TOLLGATE_BENCH_WRAPPER` (e.g. "valgrind --tool=callgrind") runs it
     /// under a profiler; everything else stays the same, only the waits are longer.
     pub fn start(config: &GatewayConfig, probe_path: &str) -> anyhow::Result<Gateway> {
-        let wrapper: Vec<String> = std::env::var("TOLLGATE_BENCH_WRAPPER")
+        Gateway::start_pinned(config, probe_path, None)
+    }
+
+    /// [`Gateway::start`], on [`Pin::SUT`] alone with `Some(Pin)`.
+    pub fn start_pinned(
+        config: &GatewayConfig,
+        probe_path: &str,
+        pin: Option<Pin>,
+    ) -> anyhow::Result<Gateway> {
+        let profiler = std::env::var("TOLLGATE_BENCH_WRAPPER")
             .unwrap_or_default()
             .split_whitespace()
             .map(str::to_string)
-            .collect();
+            .collect::<Vec<_>>();
+        let mut wrapper = pin.map(|_| Pin::sut_wrapper()).unwrap_or_default();
+        // The profiler's patience below is for the profiler alone.
+        let profiled = !profiler.is_empty();
+        wrapper.extend(profiler);
         // How many times the usual waits to allow (a profiler slows everything down).
-        let patience = if wrapper.is_empty() { 1 } else { 10 };
+        let patience = if profiled { 10 } else { 1 };
         let gw = Launcher::new(tollgate_binary()?)
             .env(
                 "RUST_LOG",
@@ -172,27 +275,87 @@ impl Gateway {
             // writes its data); then make sure.
             .stop_grace(Duration::from_secs(3 * patience))
             .spawn(config)?;
-        let addr = gw.addr;
         // The pid, for attaching a profiler (perf record -p).
-        eprintln!("  tollgate pid {} on {addr}", gw.child.id());
-        // Listening is not enough: the catalog must be mirrored and the route must reach
-        // an upstream.
+        eprintln!("  tollgate pid {} on {}", gw.child.id(), gw.addr);
+        let gateway = Gateway(gw);
+        gateway.wait_forwarding(probe_path, patience)?;
+        Ok(gateway)
+    }
+
+    /// Listening is not enough: the catalog must be mirrored and the route must reach an
+    /// upstream.
+    fn wait_forwarding(&self, probe_path: &str, patience: u64) -> anyhow::Result<()> {
+        let addr = self.0.addr;
         let deadline = Instant::now() + Duration::from_secs(20 * patience);
         loop {
             let status = block_on(http::fetch(addr, probe_path, Some(PROBE_KEY)))
                 .map(|(s, _)| s)
                 .unwrap_or(0);
             if status == 200 {
-                return Ok(Gateway(gw));
+                return Ok(());
             }
             if Instant::now() > deadline {
                 bail!(
                     "tollgate at {addr} answered {status} to a probe on {probe_path}; log in {}",
-                    gw.dir().display()
+                    self.0.dir().display()
                 );
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Stops an embedded-store gateway, adds `clients` to its catalog file in one write,
+    /// and starts it again on that file. Declared in its configuration instead, each client would
+    /// be seeded at start with a write of the whole file of its own (the embedded store
+    /// persists every catalog write): quadratic, so 10,000 clients do not start within a
+    /// minute. Those already in the catalog are left as they are.
+    pub fn add_clients_and_restart(
+        &mut self,
+        clients: &[ClientDef],
+        probe_path: &str,
+    ) -> anyhow::Result<()> {
+        use tollgate::domain::{ClientId, KeyHash, PlanName};
+        use tollgate::store::records::{ClientRecord, KeyRecord, Versioned};
+        // The file is the running gateway's alone: stopped first, started again below.
+        stop(&mut self.0.child, Duration::ZERO);
+        let store = tollgate::store::Store::embedded(&self.0.catalog)
+            .map_err(|e| anyhow::anyhow!("opening {}: {e}", self.0.catalog.display()))?;
+        block_on(async {
+            let mut dump = store.catalog_dump().await?;
+            let seen = (dump.epoch.clone(), dump.version);
+            for c in clients {
+                let id = ClientId::parse(&c.id)?;
+                if dump.clients.iter().any(|v| v.value.id == id) {
+                    continue;
+                }
+                dump.version += 1;
+                dump.clients.push(Versioned {
+                    rev: dump.version,
+                    value: ClientRecord {
+                        id,
+                        plan: PlanName::parse(&c.plan)?,
+                        mode: None,
+                        shards: None,
+                        keys: vec![KeyRecord::new(KeyHash::of(&c.key))],
+                        overrides: Vec::new(),
+                    },
+                });
+            }
+            let written = store
+                .catalog_restore((seen.0.as_deref(), seen.1), &dump)
+                .await?;
+            anyhow::ensure!(written, "the catalog file changed while clients were added");
+            anyhow::Ok(())
+        })?;
+        drop(store);
+        self.0.restart()?;
+        eprintln!(
+            "  tollgate pid {} on {} (restarted with {} more clients)",
+            self.0.child.id(),
+            self.0.addr,
+            clients.len()
+        );
+        self.wait_forwarding(probe_path, 1)
     }
 
     /// `GET /metrics`, parsed.
@@ -231,7 +394,11 @@ impl Nginx {
 
     /// `workers` worker processes, keep-alive both ways, no access log: configured as a
     /// lean proxy, so the comparison is with nginx at its best.
-    pub fn start(upstream: SocketAddr, workers: usize) -> anyhow::Result<Option<Nginx>> {
+    pub fn start(
+        upstream: SocketAddr,
+        workers: usize,
+        pin: Option<Pin>,
+    ) -> anyhow::Result<Option<Nginx>> {
         let Some(bin) = Nginx::binary() else {
             return Ok(None);
         };
@@ -269,13 +436,13 @@ http {{
         let file = dir.path().join("nginx.conf");
         std::fs::write(&file, conf)?;
         let log = dir.path().join("error.log");
-        let mut child = command(bin)
-            .arg("-p")
-            .arg(dir.path())
-            .arg("-c")
-            .arg(&file)
-            .spawn()
-            .context("starting nginx")?;
+        let mut cmd = command(bin);
+        cmd.arg("-p").arg(dir.path()).arg("-c").arg(&file);
+        if pin.is_some() {
+            // The master and its workers (forked from it) alike.
+            Pin::sut(&mut cmd);
+        }
+        let mut child = cmd.spawn().context("starting nginx")?;
         let addr = SocketAddr::from(([127, 0, 0, 1], port));
         wait_for_port(addr, &mut child, "nginx", &[&log], Duration::from_secs(60))?;
         Ok(Some(Nginx {
@@ -283,6 +450,13 @@ http {{
             addr,
             _dir: dir,
         }))
+    }
+}
+
+impl Nginx {
+    /// The master's pid (its workers are its children).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 }
 
@@ -302,22 +476,24 @@ pub struct Floor {
 }
 
 impl Floor {
-    pub fn start(upstream: &str, workers: usize) -> anyhow::Result<Floor> {
+    pub fn start(upstream: &str, workers: usize, pin: Option<Pin>) -> anyhow::Result<Floor> {
         let dir = temp_dir("floor")?;
         let port = free_port()?;
         let addr = SocketAddr::from(([127, 0, 0, 1], port));
         let log = dir.path().join("floor.err");
-        let mut child = command(std::env::current_exe()?)
-            .arg("floor")
+        let mut cmd = command(std::env::current_exe()?);
+        cmd.arg("floor")
             .arg("--listen")
             .arg(addr.to_string())
             .arg("--upstream")
             .arg(upstream)
             .arg("--workers")
             .arg(workers.to_string())
-            .stderr(std::fs::File::create(&log)?)
-            .spawn()
-            .context("starting the floor proxy")?;
+            .stderr(std::fs::File::create(&log)?);
+        if pin.is_some() {
+            Pin::sut(&mut cmd);
+        }
+        let mut child = cmd.spawn().context("starting the floor proxy")?;
         wait_for_port(
             addr,
             &mut child,
@@ -330,6 +506,12 @@ impl Floor {
             addr,
             _dir: dir,
         })
+    }
+}
+
+impl Floor {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 }
 

@@ -47,6 +47,40 @@ pub fn policy_header(plan: &PlanName, applied: &[Applied]) -> HeaderValue {
     HeaderValue::from_str(&policy).unwrap_or(HeaderValue::from_static(""))
 }
 
+/// `"name";r=remaining;t=reset`, written straight into the header's bytes: it is built on
+/// every request, and the formatting machinery (two `String`s and `fmt::write`) cost
+/// about as much as the rest of the decision.
+fn limit_value(plan: &PlanName, a: &Applied, remaining: u64, reset: u64) -> Option<HeaderValue> {
+    let (plan, limit) = (plan.as_str().as_bytes(), a.name.as_str().as_bytes());
+    let mut v = Vec::with_capacity(plan.len() + limit.len() + 2 * 20 + 8);
+    v.push(b'"');
+    v.extend_from_slice(plan);
+    if a.index != 0 {
+        v.push(b'.');
+        v.extend_from_slice(limit);
+    }
+    v.extend_from_slice(b"\";r=");
+    push_decimal(&mut v, remaining);
+    v.extend_from_slice(b";t=");
+    push_decimal(&mut v, reset);
+    HeaderValue::from_maybe_shared(bytes::Bytes::from(v)).ok()
+}
+
+/// Appends `n` in decimal.
+fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[i..]);
+}
+
 impl RateLimitHeaders {
     pub fn new(plan: &PlanName, decision: &Decision) -> RateLimitHeaders {
         RateLimitHeaders::with_policy(plan, decision, policy_header(plan, &decision.applied))
@@ -63,8 +97,7 @@ impl RateLimitHeaders {
             let (a, level) = (&decision.applied[i], r.levels[i]);
             let remaining = level.remaining(&a.kind).max(0.0).floor() as u64;
             let reset = level.reset_us(&a.kind, r.now_us).div_ceil(1_000_000);
-            let name = policy_name(plan, a);
-            HeaderValue::from_str(&format!("\"{name}\";r={remaining};t={reset}")).ok()
+            limit_value(plan, a, remaining, reset)
         });
         RateLimitHeaders { policy, limit }
     }
@@ -134,6 +167,15 @@ mod tests {
         );
         // The bucket, with 7 left, is closer to refusing than the quota.
         assert_eq!(h.limit.unwrap(), "\"gold\";r=7;t=2");
+    }
+
+    #[test]
+    fn numbers_are_written_in_decimal_whole() {
+        for n in [0, 7, 10, 99, 100, 1_000_000_007, u64::MAX] {
+            let mut v = Vec::new();
+            push_decimal(&mut v, n);
+            assert_eq!(String::from_utf8(v).unwrap(), n.to_string());
+        }
     }
 
     #[test]

@@ -206,3 +206,56 @@ async fn replicas_share_the_load() {
     }
     assert_eq!((a.hits(), b.hits()), (5, 5));
 }
+
+#[tokio::test]
+async fn at_debug_a_request_logs_inside_its_span_with_its_id_and_an_error_answer_is_logged() {
+    // Arrange: the real binary at `debug`, its one route to nothing.
+    let dead = format!("http://127.0.0.1:{}", free_port().unwrap());
+    let toml = format!(
+        "{}{}",
+        catalog_toml(("gold", 1000.0, 100.0), &["acme"]),
+        route_toml("orders", "/orders", &[dead]),
+    );
+    let gw = gateway_process(&toml, &[("RUST_LOG", "debug"), ("NO_COLOR", "1")]);
+
+    // Act
+    let r = reqwest::Client::new()
+        .get(format!("{}/orders", gw.address))
+        .header("x-api-key", key("acme"))
+        .header("x-request-id", "req-span-14")
+        .send()
+        .await
+        .unwrap();
+
+    // Assert: the forwarder's warning carries the request's span (its id), and the 502
+    // made from an error is logged as one.
+    assert_eq!(r.status(), 502);
+    assert_eq!(r.headers()["x-request-id"], "req-span-14");
+    let log_file = gw.dir().join("gateway.log");
+    let mut log = String::new();
+    eventually(
+        Duration::from_secs(10),
+        "the upstream failure in the log",
+        || {
+            log = std::fs::read_to_string(&log_file).unwrap_or_default();
+            let said = log.contains("upstream failed");
+            async move { said }
+        },
+    )
+    .await;
+    let failed = log.lines().find(|l| l.contains("upstream failed")).unwrap();
+    assert!(
+        failed.contains("request{method=GET path=/orders request_id=\"req-span-14\"}"),
+        "{failed}"
+    );
+    eventually(
+        Duration::from_secs(10),
+        "the error answer in the log",
+        || {
+            log = std::fs::read_to_string(&log_file).unwrap_or_default();
+            let said = log.contains("Error encountered while processing the incoming HTTP request");
+            async move { said }
+        },
+    )
+    .await;
+}

@@ -65,14 +65,21 @@ impl Clients {
     /// Adds the many clients to `config`, on its plan `plan` (one that never refuses).
     /// Nothing with one client: the scenario's own client is it.
     pub fn add_to(&self, config: &mut GatewayConfig, plan: &str) {
+        config.clients.extend(self.defs(plan));
+    }
+
+    /// The many clients, on plan `plan`; none with one client (the scenario's own is it).
+    pub fn defs(&self, plan: &str) -> Vec<ClientDef> {
         if !self.many() {
-            return;
+            return Vec::new();
         }
-        config.clients.extend((0..self.clients).map(|i| ClientDef {
-            id: format!("many-{i}"),
-            plan: plan.into(),
-            key: Clients::key(i),
-        }));
+        (0..self.clients)
+            .map(|i| ClientDef {
+                id: format!("many-{i}"),
+                plan: plan.into(),
+                key: Clients::key(i),
+            })
+            .collect()
     }
 
     /// The requests to send in turn: `one_key`'s alone with one client; else a fixed,

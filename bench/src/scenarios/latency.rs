@@ -9,9 +9,10 @@ use serde_json::json;
 use tollgate_testkit::RedisServer;
 
 use super::clients::Clients;
+use super::throughput::pinned;
 use super::{seconds, summary_json};
 use crate::load::{run_open, sorted_ns, Arrivals, Stream, Summary};
-use crate::procs::{one_unlimited_client, raise_fd_limit, Gateway};
+use crate::procs::{one_unlimited_client, raise_fd_limit, Floor, Gateway, Pin};
 use crate::report::{machine, ms, round, Outcome, Table};
 use crate::svg;
 use crate::upstream::{Server, Upstreams};
@@ -37,6 +38,13 @@ pub struct Args {
     /// The gateway's decision budget (`redis.timeout_ms`); past it a request fails open.
     #[arg(long, default_value_t = 5)]
     timeout_ms: u64,
+    /// Skip the floor (bare actix-web + awc, no limiter, as many workers as the gateway).
+    #[arg(long)]
+    no_floor: bool,
+    /// The gateway and the floor alone on CPU 1, everything else on CPU 0 (see
+    /// `throughput --pin`).
+    #[arg(long)]
+    pin: bool,
     #[command(flatten)]
     clients: Clients,
 }
@@ -48,6 +56,8 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     a.clients.check()?;
     raise_fd_limit();
     let machine = machine();
+    // Before anything starts: every thread and child inherits it.
+    let pin = a.pin.then(Pin::this_process).transpose()?;
     let redis = RedisServer::start()?;
     let upstream = Upstreams::start(vec![Server::Fast(Default::default())])?;
     let mut config =
@@ -55,10 +65,19 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     config.workers = a.gateway_workers;
     config.timeout_ms = Some(a.timeout_ms);
     a.clients.add_to(&mut config, "large");
-    let gateway = Gateway::start(&config, PATH)?;
+    let gateway = Gateway::start_pinned(&config, PATH, pin)?;
+    let floor = if a.no_floor {
+        None
+    } else {
+        Some(Floor::start(&upstream.urls()[0], a.gateway_workers, pin)?)
+    };
 
     let requests = a.clients.requests(PATH, KEY);
-    let direct_addr = upstream.addrs[0];
+    // The targets, in the order each slice visits them: direct, the floor, the gateway.
+    let mut targets = vec![upstream.addrs[0]];
+    targets.extend(floor.as_ref().map(|f| f.addr));
+    targets.push(gateway.addr);
+    let n = targets.len();
     let stream = |addr, from: f64, until: f64| Stream {
         addr,
         requests: requests.clone(),
@@ -67,49 +86,53 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         from: Duration::from_secs_f64(from),
         until: Duration::from_secs_f64(until),
     };
-    // Warm-up: direct, then gateway; then alternate slices.
-    let mut streams = vec![
-        stream(direct_addr, 0.0, a.warmup),
-        stream(gateway.addr, a.warmup, 2.0 * a.warmup),
-    ];
-    let mut t = 2.0 * a.warmup;
+    // Warm-up: each target in turn; then alternate slices.
+    let mut streams = Vec::new();
+    let mut t = 0.0;
+    for &addr in &targets {
+        streams.push(stream(addr, t, t + a.warmup));
+        t += a.warmup;
+    }
     let mut left = a.duration;
     while left > 1e-9 {
         let len = left.min(a.slice);
-        streams.push(stream(direct_addr, t, t + len));
-        streams.push(stream(gateway.addr, t + len, t + 2.0 * len));
-        t += 2.0 * len;
+        for &addr in &targets {
+            streams.push(stream(addr, t, t + len));
+            t += len;
+        }
         left -= len;
     }
     let evalsha_before = redis.calls("evalsha")?;
     eprintln!(
-        "latency: {} req/s, {} s per side, alternating every {} s ({machine})",
-        a.rate, a.duration, a.slice
+        "latency: {} req/s, {} s per side, alternating every {} s{} ({machine})",
+        a.rate,
+        a.duration,
+        a.slice,
+        pinned(pin)
     );
     let result = run_open(streams)?;
     let evalsha = redis.calls("evalsha")? - evalsha_before;
 
-    let mut direct = Vec::new();
-    let mut through = Vec::new();
+    // Samples by target; the first round of streams is the warm-up.
+    let mut by_target = vec![Vec::new(); n];
     let mut gateway_sent = 0usize;
     for (i, samples) in result.samples.iter().enumerate() {
-        let is_gateway = i % 2 == 1;
-        if is_gateway {
+        let target = i % n;
+        if target == n - 1 {
             gateway_sent += samples.len();
         }
-        if i < 2 {
-            continue; // warm-up
-        }
-        if is_gateway {
-            through.extend_from_slice(samples);
-        } else {
-            direct.extend_from_slice(samples);
+        if i >= n {
+            by_target[target].extend_from_slice(samples);
         }
     }
+    let through = by_target.pop().expect("the gateway is a target");
+    let direct = by_target.remove(0);
+    let via_floor = by_target.pop();
     let errors = |v: &[crate::load::Sample]| v.iter().filter(|s| s.status != 200).count();
     let (direct_errors, gateway_errors) = (errors(&direct), errors(&through));
     let d = Summary::of(&direct);
     let g = Summary::of(&through);
+    let f = via_floor.as_deref().map(|v| (Summary::of(v), errors(v)));
     let metrics = gateway.metrics()?;
     let fail_open = metrics
         .get("tollgate_fail_open_total")
@@ -119,10 +142,12 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     let mut table = Table::new(&[
         "path", "requests", "non-200", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "max ms",
     ]);
-    for (name, s, e) in [
-        ("direct to the upstream", &d, direct_errors),
-        ("through tollgate (Redis)", &g, gateway_errors),
-    ] {
+    let mut rows = vec![("direct to the upstream", &d, direct_errors)];
+    if let Some((fs, fe)) = &f {
+        rows.push(("floor: actix-web + awc, no limiter", fs, *fe));
+    }
+    rows.push(("through tollgate (Redis)", &g, gateway_errors));
+    for (name, s, e) in rows {
         table.row(vec![
             name.into(),
             s.count.to_string(),
@@ -132,6 +157,18 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
             ms(s.p99_ms),
             ms(s.p999_ms),
             ms(s.max_ms),
+        ]);
+    }
+    if let Some((fs, _)) = &f {
+        table.row(vec![
+            "added by the floor".into(),
+            String::new(),
+            String::new(),
+            ms(fs.p50_ms - d.p50_ms),
+            ms(fs.p90_ms - d.p90_ms),
+            ms(fs.p99_ms - d.p99_ms),
+            ms(fs.p999_ms - d.p999_ms),
+            String::new(),
         ]);
     }
     table.row(vec![
@@ -146,12 +183,13 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     ]);
     let calls_per_request = evalsha as f64 / gateway_sent.max(1) as f64;
     let markdown = format!(
-        "### latency: {} req/s open loop, {} s per side, {}\n\n{}\n\
+        "### latency: {} req/s open loop, {} s per side, {}{}\n\n{}\n\
          Redis calls per gateway request: {:.3} (EVALSHA). Fail-opens: {}. \
          Generator wake-up lateness p50/p99: {:.0}/{:.0} µs (included in both sides). {}.\n",
         a.rate,
         a.duration,
         a.clients.describe(),
+        pinned(pin),
         table.render(),
         calls_per_request,
         fail_open,
@@ -166,7 +204,11 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         "duration_s": a.duration,
         "gateway_workers": a.gateway_workers,
         "timeout_ms": a.timeout_ms,
+        "pinned": pin.is_some(),
         "direct": summary_json(&d),
+        "floor": f.as_ref().map(|(fs, _)| summary_json(fs)),
+        "floor_added_p50_ms": f.as_ref().map(|(fs, _)| round(fs.p50_ms - d.p50_ms, 3)),
+        "floor_added_p99_ms": f.as_ref().map(|(fs, _)| round(fs.p99_ms - d.p99_ms, 3)),
         "gateway": summary_json(&g),
         "added_p50_ms": round(g.p50_ms - d.p50_ms, 3),
         "added_p99_ms": round(g.p99_ms - d.p99_ms, 3),
@@ -213,6 +255,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
             dots: false,
         },
     ]);
+    drop(floor);
     drop(gateway);
     Ok(Outcome {
         markdown,

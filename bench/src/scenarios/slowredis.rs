@@ -149,6 +149,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
                 errors: 0,
                 window: duration,
                 latencies_ns: Vec::new(),
+                cpu_s: None,
             }
         };
         let after = gateway.metrics()?;

@@ -11,8 +11,8 @@ use tollgate_testkit::RedisServer;
 
 use super::clients::Clients;
 use super::seconds;
-use crate::load::run_closed;
-use crate::procs::{one_unlimited_client, raise_fd_limit, Floor, Gateway, Nginx};
+use crate::load::run_closed_watching;
+use crate::procs::{one_unlimited_client, raise_fd_limit, Floor, Gateway, Nginx, Pin};
 use crate::report::{machine, round, Outcome, Table};
 use crate::svg;
 use crate::upstream::{Server, Upstreams};
@@ -43,6 +43,11 @@ pub struct Args {
     /// Skip the floor rows (bare actix-web + awc, no limiter).
     #[arg(long)]
     no_floor: bool,
+    /// The system under test (nginx, the floor, tollgate) alone on CPU 1, everything else
+    /// (this tool's load generator and upstream, redis-server) on CPU 0: each proxy's rate
+    /// is then what one core of its own serves. For 2-core machines; use `--workers 1`.
+    #[arg(long)]
+    pin: bool,
     #[command(flatten)]
     clients: Clients,
 }
@@ -54,6 +59,10 @@ const KEY: &str = "bench-throughput-key-1";
 struct Row {
     name: String,
     addr: SocketAddr,
+    /// The process whose CPU time is counted (none for direct: the upstream is in this one).
+    pid: Option<u32>,
+    /// CPU µs (user + system) its process spent per request, one per round.
+    cpu_us: Vec<f64>,
     /// Requests/s, one per round.
     rates: Vec<f64>,
     /// Ratio to the direct rate of the same round, one per round.
@@ -63,10 +72,12 @@ struct Row {
 }
 
 impl Row {
-    fn new(name: String, addr: SocketAddr) -> Row {
+    fn new(name: String, addr: SocketAddr, pid: Option<u32>) -> Row {
         Row {
             name,
             addr,
+            pid,
+            cpu_us: Vec::new(),
             rates: Vec::new(),
             ratios: Vec::new(),
             non_2xx: 0,
@@ -80,6 +91,10 @@ impl Row {
 
     fn ratio(&self) -> f64 {
         median(&self.ratios)
+    }
+
+    fn cpu_us(&self) -> Option<f64> {
+        (!self.cpu_us.is_empty()).then(|| median(&self.cpu_us))
     }
 }
 
@@ -98,6 +113,8 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     a.clients.check()?;
     raise_fd_limit();
     let machine = machine();
+    // Before anything starts: every thread and child inherits it.
+    let pin = a.pin.then(Pin::this_process).transpose()?;
     let upstream = Upstreams::start(vec![Server::Fast(Default::default())])?;
     let requests = a.clients.requests(PATH, KEY);
     let (warmup, slice) = (
@@ -105,23 +122,31 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         Duration::from_secs_f64(a.duration / a.rounds as f64),
     );
     eprintln!(
-        "throughput: {} connections, {} s per target in {} rounds ({machine})",
-        a.conns, a.duration, a.rounds
+        "throughput: {} connections, {} s per target in {} rounds{} ({machine})",
+        a.conns,
+        a.duration,
+        a.rounds,
+        pinned(pin)
     );
 
     // Every target runs for the whole scenario and is measured in turn, round after round:
     // drift in the machine's speed (a shared host) then falls on all of them alike, and
     // each ratio compares a target with direct in the same round.
-    let mut rows = vec![Row::new("direct to the upstream".into(), upstream.addrs[0])];
+    let mut rows = vec![Row::new(
+        "direct to the upstream".into(),
+        upstream.addrs[0],
+        None,
+    )];
     let mut keep: Vec<Box<dyn std::any::Any>> = Vec::new();
     let mut nginx_missing = false;
     if !a.no_nginx {
         for &w in &a.workers {
-            match Nginx::start(upstream.addrs[0], w)? {
+            match Nginx::start(upstream.addrs[0], w, pin)? {
                 Some(nginx) => {
                     rows.push(Row::new(
                         format!("nginx proxy, {w} worker{}", plural(w)),
                         nginx.addr,
+                        Some(nginx.pid()),
                     ));
                     keep.push(Box::new(nginx));
                 }
@@ -134,13 +159,14 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     }
     if !a.no_floor {
         for &w in &a.workers {
-            let floor = Floor::start(&upstream.urls()[0], w)?;
+            let floor = Floor::start(&upstream.urls()[0], w, pin)?;
             rows.push(Row::new(
                 format!(
                     "floor: actix-web + awc, no limiter, {w} worker{}",
                     plural(w)
                 ),
                 floor.addr,
+                Some(floor.pid()),
             ));
             keep.push(Box::new(floor));
         }
@@ -159,11 +185,19 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
                 KEY,
             );
             config.workers = w;
-            a.clients.add_to(&mut config, "large");
-            let gateway = Gateway::start(&config, PATH)?;
+            let gateway = if embedded {
+                // Into its catalog file in one write (see `add_clients_and_restart`).
+                let mut gateway = Gateway::start_pinned(&config, PATH, pin)?;
+                gateway.add_clients_and_restart(&a.clients.defs("large"), PATH)?;
+                gateway
+            } else {
+                a.clients.add_to(&mut config, "large");
+                Gateway::start_pinned(&config, PATH, pin)?
+            };
             rows.push(Row::new(
                 format!("tollgate ({store}), {w} worker{}", plural(w)),
                 gateway.addr,
+                Some(gateway.child.id()),
             ));
             keep.push(Box::new(gateway));
         }
@@ -172,7 +206,9 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         let mut direct = 0.0;
         for (i, row) in rows.iter_mut().enumerate() {
             eprintln!("  round {}: {}", round + 1, row.name);
-            let r = run_closed(row.addr, requests.clone(), a.conns, warmup, slice)?;
+            let r =
+                run_closed_watching(row.addr, requests.clone(), a.conns, warmup, slice, row.pid)?;
+            row.cpu_us.extend(r.cpu_us_per_request());
             if i == 0 {
                 direct = r.rate();
             }
@@ -190,6 +226,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         "requests/s (median)",
         "x direct (median)",
         "rounds (requests/s)",
+        "CPU µs per request (median)",
         "non-2xx",
         "errors",
     ]);
@@ -204,6 +241,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
                 .map(|v| format!("{v:.0}"))
                 .collect::<Vec<_>>()
                 .join(", "),
+            r.cpu_us().map_or(String::new(), |c| format!("{c:.1}")),
             r.non_2xx.to_string(),
             r.errors.to_string(),
         ]);
@@ -212,6 +250,8 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
             "requests_per_s": round(r.rate(), 0),
             "ratio_to_direct": round(r.ratio(), 3),
             "rounds_requests_per_s": r.rates.iter().map(|v| round(*v, 0)).collect::<Vec<_>>(),
+            "cpu_us_per_request": r.cpu_us().map(|c| round(c, 2)),
+            "rounds_cpu_us_per_request": r.cpu_us.iter().map(|v| round(*v, 2)).collect::<Vec<_>>(),
             "non_2xx": r.non_2xx,
             "errors": r.errors,
         }));
@@ -230,11 +270,12 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     );
     let (floor_ratio, floor) = best("floor");
     let mut markdown = format!(
-        "### throughput: closed loop, {} connections, {} s per target in {} rounds, {}\n\n{}\n",
+        "### throughput: closed loop, {} connections, {} s per target in {} rounds, {}{}\n\n{}\n",
         a.conns,
         a.duration,
         a.rounds,
         a.clients.describe(),
+        pinned(pin),
         table.render()
     );
     markdown.push_str(&format!(
@@ -262,6 +303,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         "conns": a.conns,
         "duration_s": a.duration,
         "rounds": a.rounds,
+        "pinned": pin.is_some(),
         "direct_rps": round(direct, 0),
         "gateway_rps": round(gw, 0),
         "gateway_ratio": round(gw_ratio, 3),
@@ -294,6 +336,18 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         json,
         charts: vec![("throughput.svg".into(), chart)],
     })
+}
+
+/// How the run placed its processes, for the heading.
+pub fn pinned(pin: Option<Pin>) -> String {
+    match pin {
+        Some(_) => format!(
+            "; pinned: the system under test alone on CPU {}, load generator, upstream and redis-server on CPU {}",
+            Pin::SUT,
+            Pin::REST
+        ),
+        None => String::new(),
+    }
 }
 
 fn plural(n: usize) -> &'static str {
