@@ -11,6 +11,7 @@ use actix_web::dev::{Server, ServerHandle};
 use actix_web::middleware::from_fn;
 use actix_web::{web, App, HttpServer};
 use anyhow::Context;
+use tracing_actix_web::TracingLogger;
 
 use crate::admin::{self, JwtVerifier};
 use crate::catalog::{self, Catalog};
@@ -92,7 +93,8 @@ impl Application {
             let limiter = Arc::clone(&data.limiter);
             actix_web::rt::spawn(async move { limiter.keep_connected().await });
             App::new()
-                .wrap(from_fn(telemetry::request))
+                .wrap(TracingLogger::<telemetry::RequestSpan>::new())
+                .wrap(from_fn(proxy::request_id))
                 .app_data(data.clone())
                 .app_data(jwt_data.clone())
                 .app_data(web::Data::new(proxy::upstream_client()))
@@ -125,7 +127,8 @@ impl Application {
             let data = state.clone();
             let admin = HttpServer::new(move || {
                 App::new()
-                    .wrap(from_fn(telemetry::request))
+                    .wrap(TracingLogger::<telemetry::RequestSpan>::new())
+                    .wrap(from_fn(proxy::request_id))
                     .app_data(data.clone())
                     .app_data(jwt.clone())
                     .configure(ops::configure)

@@ -3,12 +3,12 @@
 
 use actix_web::body::MessageBody;
 use actix_web::dev::{ServiceRequest, ServiceResponse};
-use actix_web::middleware::Next;
 use actix_web::HttpMessage;
-use tracing::Instrument;
+use tracing::Span;
+use tracing_actix_web::RootSpanBuilder;
 use tracing_subscriber::EnvFilter;
 
-use crate::proxy::{RequestId, X_REQUEST_ID};
+use crate::proxy::RequestId;
 
 /// Installs the global subscriber once; later calls (tests) are no-ops.
 pub fn init() {
@@ -24,62 +24,36 @@ pub fn init() {
     };
 }
 
-/// Middleware, the outermost: settles the request's id before anything logs, runs the
-/// rest of the request inside its root span (named `request`, with method, path, id and
-/// status; at `debug`, so by default nothing is built for it), echoes the id in the
-/// response, and logs an answer made from an error (a warning for 4xx, an error
-/// otherwise). API keys are never recorded.
-///
-/// This replaces `tracing_actix_web::TracingLogger`, which did the same at every level:
-/// a UUID of its own, two extension inserts and a span-wrapped body per request, although
-/// at `info` nothing is recorded.
-pub async fn request(
-    req: ServiceRequest,
-    next: Next<impl MessageBody + 'static>,
-) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
-    let id = RequestId::for_request(req.headers());
-    let span = tracing::debug_span!(
-        "request",
-        method = %req.method(),
-        path = %req.path(),
-        request_id = tracing::field::Empty,
-        status = tracing::field::Empty,
-    );
-    req.extensions_mut().insert(id.clone());
-    let outcome = if span.is_disabled() {
-        next.call(req).await
-    } else {
-        span.record("request_id", id.0.to_str().unwrap_or_default());
-        let outcome = next.call(req).instrument(span.clone()).await;
-        span.record("status", status_of(&outcome));
-        outcome
-    };
-    span.in_scope(|| log_error(&outcome));
-    let mut res = outcome?;
-    res.headers_mut().insert(X_REQUEST_ID.clone(), id.0);
-    Ok(res)
-}
+/// Root spans named by method and path, with the request id that the upstream and the
+/// response carry too (API keys are never recorded).
+pub struct RequestSpan;
 
-fn status_of<B>(outcome: &Result<ServiceResponse<B>, actix_web::Error>) -> u16 {
-    match outcome {
-        Ok(r) => r.status().as_u16(),
-        Err(e) => e.as_response_error().status_code().as_u16(),
+impl RootSpanBuilder for RequestSpan {
+    fn on_request_start(request: &ServiceRequest) -> Span {
+        let span = tracing::debug_span!(
+            "request",
+            method = %request.method(),
+            path = %request.path(),
+            request_id = tracing::field::Empty,
+            status = tracing::field::Empty,
+        );
+        // Nothing to build for a span nobody records (the default, `info`).
+        if !span.is_disabled() {
+            if let Some(id) = request.extensions().get::<RequestId>() {
+                span.record("request_id", id.0.to_str().unwrap_or_default());
+            }
+        }
+        span
     }
-}
 
-/// An answer made from an error, logged as `tracing_actix_web` did.
-fn log_error<B>(outcome: &Result<ServiceResponse<B>, actix_web::Error>) {
-    let (error, status) = match outcome {
-        Ok(res) => match res.response().error() {
-            Some(e) => (e.as_response_error(), res.status()),
-            None => return,
-        },
-        Err(e) => (e.as_response_error(), e.as_response_error().status_code()),
-    };
-    let prefix = "Error encountered while processing the incoming HTTP request";
-    if status.is_client_error() {
-        tracing::warn!("{prefix}: {error:?}");
-    } else {
-        tracing::error!("{prefix}: {error:?}");
+    fn on_request_end<B: MessageBody>(
+        span: Span,
+        outcome: &Result<ServiceResponse<B>, actix_web::Error>,
+    ) {
+        let status = match outcome {
+            Ok(r) => r.status().as_u16(),
+            Err(e) => e.as_response_error().status_code().as_u16(),
+        };
+        span.record("status", status);
     }
 }

@@ -2,7 +2,11 @@
 
 use std::net::IpAddr;
 
+use actix_web::body::MessageBody;
+use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use actix_web::middleware::Next;
+use actix_web::HttpMessage;
 use ipnet::IpNet;
 
 pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -14,20 +18,6 @@ pub static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-h
 /// The request's id: the client's `x-request-id` when it is sane, else a new UUID.
 #[derive(Clone, Debug)]
 pub struct RequestId(pub HeaderValue);
-
-impl RequestId {
-    /// The id of a request with these headers: its own `x-request-id` when it is sane,
-    /// else a new one.
-    pub fn for_request(headers: &HeaderMap) -> RequestId {
-        RequestId(
-            headers
-                .get(&X_REQUEST_ID)
-                .filter(|v| acceptable_request_id(v))
-                .cloned()
-                .unwrap_or_else(new_request_id),
-        )
-    }
-}
 
 fn acceptable_request_id(v: &HeaderValue) -> bool {
     let b = v.as_bytes();
@@ -42,6 +32,23 @@ fn new_request_id() -> HeaderValue {
     let mut buf = uuid::Uuid::encode_buffer();
     let text = uuid::Uuid::new_v4().hyphenated().encode_lower(&mut buf);
     HeaderValue::from_str(text).unwrap_or(HeaderValue::from_static("unknown"))
+}
+
+/// Middleware: settles the request id before anything logs, and echoes it in the response.
+pub async fn request_id(
+    req: ServiceRequest,
+    next: Next<impl MessageBody + 'static>,
+) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+    let id = req
+        .headers()
+        .get(&X_REQUEST_ID)
+        .filter(|v| acceptable_request_id(v))
+        .cloned()
+        .unwrap_or_else(new_request_id);
+    req.extensions_mut().insert(RequestId(id.clone()));
+    let mut res = next.call(req).await?;
+    res.headers_mut().insert(X_REQUEST_ID.clone(), id);
+    Ok(res)
 }
 
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1), plus those

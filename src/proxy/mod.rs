@@ -10,6 +10,6 @@ mod routes;
 
 pub use forward::{forward, upstream_client};
 pub use guard::{guard, Admitted};
-pub use headers::{RequestId, X_REQUEST_ID};
+pub use headers::{request_id, RequestId};
 pub use path::{NormalPath, PathError, MAX_PATH_BYTES};
 pub use routes::{Route, RouteTable};
