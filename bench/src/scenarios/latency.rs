@@ -37,6 +37,10 @@ pub struct Args {
     /// The gateway's decision budget (`redis.timeout_ms`); past it a request fails open.
     #[arg(long, default_value_t = 5)]
     timeout_ms: u64,
+    /// Export spans over OTLP (`telemetry.otlp_endpoint`) to a local collector that answers
+    /// 200 at once: what tracing costs when it is on. Every request starts a sampled trace.
+    #[arg(long)]
+    otlp: bool,
     #[command(flatten)]
     clients: Clients,
 }
@@ -55,6 +59,16 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     config.workers = a.gateway_workers;
     config.timeout_ms = Some(a.timeout_ms);
     a.clients.add_to(&mut config, "large");
+    let collector = if a.otlp {
+        let c = Upstreams::start(vec![Server::Fast(Default::default())])?;
+        config.extra.push_str(&format!(
+            "\n[telemetry]\notlp_endpoint = \"{}\"\n",
+            c.urls()[0]
+        ));
+        Some(c)
+    } else {
+        None
+    };
     let gateway = Gateway::start(&config, PATH)?;
 
     let requests = a.clients.requests(PATH, KEY);
@@ -116,6 +130,16 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         .copied()
         .unwrap_or(0.0);
 
+    let spans = |name: &str| metrics.get(name).copied().unwrap_or(0.0);
+    let exported = spans("tollgate_trace_spans_exported_total");
+    let dropped = spans("tollgate_trace_spans_dropped_total{reason=\"queue_full\"}")
+        + spans("tollgate_trace_spans_dropped_total{reason=\"export_failed\"}");
+    let tracing_note = if a.otlp {
+        format!(" Spans exported over OTLP: {exported}, dropped: {dropped}.")
+    } else {
+        " Span export off.".to_string()
+    };
+
     let mut table = Table::new(&[
         "path", "requests", "non-200", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "max ms",
     ]);
@@ -147,7 +171,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     let calls_per_request = evalsha as f64 / gateway_sent.max(1) as f64;
     let markdown = format!(
         "### latency: {} req/s open loop, {} s per side, {}\n\n{}\n\
-         Redis calls per gateway request: {:.3} (EVALSHA). Fail-opens: {}. \
+         Redis calls per gateway request: {:.3} (EVALSHA). Fail-opens: {}.{} \
          Generator wake-up lateness p50/p99: {:.0}/{:.0} µs (included in both sides). {}.\n",
         a.rate,
         a.duration,
@@ -155,6 +179,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         table.render(),
         calls_per_request,
         fail_open,
+        tracing_note,
         result.dispatch_late_p50.as_secs_f64() * 1e6,
         result.dispatch_late_p99.as_secs_f64() * 1e6,
         machine
@@ -175,6 +200,9 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         "gateway_non_200": gateway_errors,
         "redis_calls_per_request": round(calls_per_request, 4),
         "fail_open": fail_open,
+        "otlp": a.otlp,
+        "spans_exported": exported,
+        "spans_dropped": dropped,
         "generator_late_p50_us": round(result.dispatch_late_p50.as_secs_f64() * 1e6, 1),
         "generator_late_p99_us": round(result.dispatch_late_p99.as_secs_f64() * 1e6, 1),
         "machine": machine,
@@ -214,6 +242,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         },
     ]);
     drop(gateway);
+    drop(collector);
     Ok(Outcome {
         markdown,
         json,
