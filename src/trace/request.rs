@@ -204,20 +204,21 @@ pub fn propagate(
     out: &mut HeaderMap,
 ) -> Option<UpstreamSpan> {
     let traced = tracer.and_then(|t| {
-        let trace = req.extensions().get::<RequestTrace>().cloned()?;
-        Some((t, trace))
+        let extensions = req.extensions();
+        let trace = extensions.get::<RequestTrace>()?;
+        Some((t, trace.span, trace.continued))
     });
     let (ctx, continued, upstream) = match traced {
-        Some((tracer, trace)) => {
-            let span = trace.span.child();
+        Some((tracer, request, continued)) => {
+            let span = request.child();
             let upstream = UpstreamSpan {
                 tracer: tracer.clone(),
                 span,
-                parent: trace.span.span_id,
+                parent: request.span_id,
                 start_ns: now_ns(),
                 method: req.method().as_str().into(),
             };
-            (span, trace.continued, Some(upstream))
+            (span, continued, Some(upstream))
         }
         None => match SpanContext::incoming(req.headers()) {
             Some(parent) => (parent.child(), true, None),
