@@ -1,7 +1,8 @@
 //! `latency`: what the gateway adds. The same open-loop load (fixed rate, latency from the
 //! intended send time) goes to the upstream directly and through the gateway in Redis
 //! mode, alternating every `--slice` seconds in one run, so drift in the machine's load
-//! (the other engineer's compiles) falls on both sides alike.
+//! (the other engineer's compiles) falls on both sides alike. With `--otlp` a third side
+//! joins the alternation: a second gateway, configured alike, exporting spans over OTLP.
 
 use std::time::Duration;
 
@@ -37,8 +38,9 @@ pub struct Args {
     /// The gateway's decision budget (`redis.timeout_ms`); past it a request fails open.
     #[arg(long, default_value_t = 5)]
     timeout_ms: u64,
-    /// Export spans over OTLP (`telemetry.otlp_endpoint`) to a local collector that answers
-    /// 200 at once: what tracing costs when it is on. Every request starts a sampled trace.
+    /// Add a third side: a second gateway, configured alike, exporting spans over OTLP
+    /// (`telemetry.otlp_endpoint`) to a local collector that answers 200 at once. Every
+    /// request to it starts a sampled trace (3 spans). The first gateway exports nothing.
     #[arg(long)]
     otlp: bool,
     #[command(flatten)]
@@ -59,17 +61,19 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     config.workers = a.gateway_workers;
     config.timeout_ms = Some(a.timeout_ms);
     a.clients.add_to(&mut config, "large");
-    let collector = if a.otlp {
-        let c = Upstreams::start(vec![Server::Fast(Default::default())])?;
+    let gateway = Gateway::start(&config, PATH)?;
+    let traced = if a.otlp {
+        let collector = Upstreams::start(vec![Server::Fast(Default::default())])?;
+        let mut config = config.clone();
         config.extra.push_str(&format!(
             "\n[telemetry]\notlp_endpoint = \"{}\"\n",
-            c.urls()[0]
+            collector.urls()[0]
         ));
-        Some(c)
+        let gateway = Gateway::start(&config, PATH)?;
+        Some((collector, gateway))
     } else {
         None
     };
-    let gateway = Gateway::start(&config, PATH)?;
 
     let requests = a.clients.requests(PATH, KEY);
     let direct_addr = upstream.addrs[0];
@@ -81,18 +85,26 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         from: Duration::from_secs_f64(from),
         until: Duration::from_secs_f64(until),
     };
-    // Warm-up: direct, then gateway; then alternate slices.
-    let mut streams = vec![
-        stream(direct_addr, 0.0, a.warmup),
-        stream(gateway.addr, a.warmup, 2.0 * a.warmup),
-    ];
-    let mut t = 2.0 * a.warmup;
+    // The sides: direct, the gateway, and with `--otlp` the gateway exporting spans.
+    let mut sides = vec![direct_addr, gateway.addr];
+    if let Some((_, traced)) = &traced {
+        sides.push(traced.addr);
+    }
+    let n = sides.len();
+    // Warm-up: each side in turn; then alternate slices.
+    let mut streams: Vec<Stream> = sides
+        .iter()
+        .enumerate()
+        .map(|(i, addr)| stream(*addr, i as f64 * a.warmup, (i + 1) as f64 * a.warmup))
+        .collect();
+    let mut t = n as f64 * a.warmup;
     let mut left = a.duration;
     while left > 1e-9 {
         let len = left.min(a.slice);
-        streams.push(stream(direct_addr, t, t + len));
-        streams.push(stream(gateway.addr, t + len, t + 2.0 * len));
-        t += 2.0 * len;
+        for addr in &sides {
+            streams.push(stream(*addr, t, t + len));
+            t += len;
+        }
         left -= len;
     }
     let evalsha_before = redis.calls("evalsha")?;
@@ -105,19 +117,20 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
 
     let mut direct = Vec::new();
     let mut through = Vec::new();
+    let mut exporting = Vec::new();
     let mut gateway_sent = 0usize;
     for (i, samples) in result.samples.iter().enumerate() {
-        let is_gateway = i % 2 == 1;
-        if is_gateway {
+        let side = i % n;
+        if side > 0 {
             gateway_sent += samples.len();
         }
-        if i < 2 {
+        if i < n {
             continue; // warm-up
         }
-        if is_gateway {
-            through.extend_from_slice(samples);
-        } else {
-            direct.extend_from_slice(samples);
+        match side {
+            0 => direct.extend_from_slice(samples),
+            1 => through.extend_from_slice(samples),
+            _ => exporting.extend_from_slice(samples),
         }
     }
     let errors = |v: &[crate::load::Sample]| v.iter().filter(|s| s.status != 200).count();
@@ -125,19 +138,31 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     let d = Summary::of(&direct);
     let g = Summary::of(&through);
     let metrics = gateway.metrics()?;
+    // The exporting gateway: its latency, and what its exporter did.
+    let exported = match &traced {
+        Some((_, gw)) => {
+            let m = gw.metrics()?;
+            let get = |name: &str| m.get(name).copied().unwrap_or(0.0);
+            Some((
+                Summary::of(&exporting),
+                errors(&exporting),
+                get("tollgate_trace_spans_exported_total"),
+                get("tollgate_trace_spans_dropped_total{reason=\"queue_full\"}")
+                    + get("tollgate_trace_spans_dropped_total{reason=\"export_failed\"}"),
+            ))
+        }
+        None => None,
+    };
     let fail_open = metrics
         .get("tollgate_fail_open_total")
         .copied()
         .unwrap_or(0.0);
 
-    let spans = |name: &str| metrics.get(name).copied().unwrap_or(0.0);
-    let exported = spans("tollgate_trace_spans_exported_total");
-    let dropped = spans("tollgate_trace_spans_dropped_total{reason=\"queue_full\"}")
-        + spans("tollgate_trace_spans_dropped_total{reason=\"export_failed\"}");
-    let tracing_note = if a.otlp {
-        format!(" Spans exported over OTLP: {exported}, dropped: {dropped}.")
-    } else {
-        " Span export off.".to_string()
+    let tracing_note = match &exported {
+        Some((_, _, exported, dropped)) => {
+            format!(" Spans exported over OTLP: {exported}, dropped: {dropped}.")
+        }
+        None => String::new(),
     };
 
     let mut table = Table::new(&[
@@ -158,6 +183,18 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
             ms(s.max_ms),
         ]);
     }
+    if let Some((t, e, _, _)) = &exported {
+        table.row(vec![
+            "through tollgate, spans exported".into(),
+            t.count.to_string(),
+            e.to_string(),
+            ms(t.p50_ms),
+            ms(t.p90_ms),
+            ms(t.p99_ms),
+            ms(t.p999_ms),
+            ms(t.max_ms),
+        ]);
+    }
     table.row(vec![
         "**added by the gateway**".into(),
         String::new(),
@@ -168,6 +205,18 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         ms(g.p999_ms - d.p999_ms),
         String::new(),
     ]);
+    if let Some((t, _, _, _)) = &exported {
+        table.row(vec![
+            "**added by exporting spans**".into(),
+            String::new(),
+            String::new(),
+            format!("**{}**", ms(t.p50_ms - g.p50_ms)),
+            ms(t.p90_ms - g.p90_ms),
+            format!("**{}**", ms(t.p99_ms - g.p99_ms)),
+            ms(t.p999_ms - g.p999_ms),
+            String::new(),
+        ]);
+    }
     let calls_per_request = evalsha as f64 / gateway_sent.max(1) as f64;
     let markdown = format!(
         "### latency: {} req/s open loop, {} s per side, {}\n\n{}\n\
@@ -200,9 +249,15 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         "gateway_non_200": gateway_errors,
         "redis_calls_per_request": round(calls_per_request, 4),
         "fail_open": fail_open,
-        "otlp": a.otlp,
-        "spans_exported": exported,
-        "spans_dropped": dropped,
+        "otlp": exported.as_ref().map(|(t, e, exported, dropped)| json!({
+            "gateway": summary_json(t),
+            "non_200": e,
+            "added_p50_ms": round(t.p50_ms - g.p50_ms, 3),
+            "added_p99_ms": round(t.p99_ms - g.p99_ms, 3),
+            "added_p999_ms": round(t.p999_ms - g.p999_ms, 3),
+            "spans_exported": exported,
+            "spans_dropped": dropped,
+        })),
         "generator_late_p50_us": round(result.dispatch_late_p50.as_secs_f64() * 1e6, 1),
         "generator_late_p99_us": round(result.dispatch_late_p99.as_secs_f64() * 1e6, 1),
         "machine": machine,
@@ -242,7 +297,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         },
     ]);
     drop(gateway);
-    drop(collector);
+    drop(traced);
     Ok(Outcome {
         markdown,
         json,
