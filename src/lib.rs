@@ -8,6 +8,8 @@
 //!   bounded by `redis.timeout_ms`, failing open past it.
 //! - Denied requests are answered `429` by the gateway; admitted ones reach
 //!   [`proxy::forward`], which streams them to one replica with awc.
+//! - [`trace`] propagates W3C Trace Context to the upstream and, when configured,
+//!   exports the request's spans over OTLP.
 //! - [`startup::Application`] wires it together from [`configuration::Settings`].
 //!
 //! The modules are floors (README, "Architecture"; checked by `.ci/layers`): [`domain`] <-
@@ -29,3 +31,4 @@ pub mod startup;
 pub mod state;
 pub mod store;
 pub mod telemetry;
+pub mod trace;

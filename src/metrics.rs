@@ -36,6 +36,13 @@ pub enum FailOpenReason {
 }
 
 const REASONS: [&str; 3] = ["timeout", "error", "breaker_open"];
+
+impl FailOpenReason {
+    /// The `reason` label of `tollgate_fail_open_reasons_total`.
+    pub fn label(self) -> &'static str {
+        REASONS[self as usize]
+    }
+}
 /// The `kind` label of `tollgate_store_errors_total`, in [`StoreErrorKind`] order.
 const ERROR_KINDS: [&str; 5] = ["timeout", "connection", "script", "reply", "pool"];
 

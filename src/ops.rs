@@ -12,6 +12,7 @@ use serde_json::json;
 
 use crate::metrics::family;
 use crate::state::AppState;
+use crate::trace::DROP_REASONS;
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route("/healthz", web::get().to(healthz))
@@ -135,6 +136,30 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
         "Times the circuit breaker opened.",
     );
     let _ = writeln!(out, "tollgate_breaker_opened_total {opened}");
+    if let Some(tracer) = &state.traces {
+        let counters = tracer.counters();
+        family(
+            &mut out,
+            "tollgate_trace_spans_exported_total",
+            "counter",
+            "Spans the OTLP collector accepted.",
+        );
+        let exported = counters.exported.load(std::sync::atomic::Ordering::Relaxed);
+        let _ = writeln!(out, "tollgate_trace_spans_exported_total {exported}");
+        family(
+            &mut out,
+            "tollgate_trace_spans_dropped_total",
+            "counter",
+            "Spans not exported: the queue was full, or the collector failed or did not answer.",
+        );
+        for (reason, n) in DROP_REASONS.iter().zip(&counters.dropped) {
+            let n = n.load(std::sync::atomic::Ordering::Relaxed);
+            let _ = writeln!(
+                out,
+                "tollgate_trace_spans_dropped_total{{reason=\"{reason}\"}} {n}"
+            );
+        }
+    }
     if let Some((conns, idle)) = state.store.pool_state() {
         family(
             &mut out,

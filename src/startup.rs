@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::dev::{Server, ServerHandle};
-use actix_web::middleware::from_fn;
+use actix_web::middleware::{from_fn, Condition};
 use actix_web::{web, App, HttpServer};
 use anyhow::Context;
 use tracing_actix_web::TracingLogger;
@@ -21,6 +21,7 @@ use crate::metrics::Metrics;
 use crate::proxy::{self, RouteTable};
 use crate::state::AppState;
 use crate::store::{Keys, Store};
+use crate::trace::{self, Tracer};
 use crate::{ops, telemetry};
 
 pub struct Application {
@@ -76,7 +77,9 @@ impl Application {
             trusted_proxies: settings.server.trusted_proxies.clone(),
             max_body_bytes: settings.server.max_body_bytes.get(),
             safety_multiplier: settings.limits.safety_multiplier,
+            traces: settings.telemetry.otlp_endpoint.as_ref().map(Tracer::start),
         });
+        let traced = state.traces.is_some();
         let jwt = web::Data::new(JwtVerifier::from_settings(&settings.admin)?);
 
         let listener = TcpListener::bind(settings.server.listen)
@@ -108,6 +111,8 @@ impl Application {
                 .service(
                     web::scope("")
                         .wrap(from_fn(proxy::guard))
+                        // The request span, only when spans are exported.
+                        .wrap(Condition::new(traced, from_fn(trace::request)))
                         .default_service(web::to(proxy::forward)),
                 )
         });

@@ -10,6 +10,7 @@ use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 use crate::proxy::RouteTable;
 use crate::store::Store;
+use crate::trace::Tracer;
 
 pub struct AppState {
     pub catalog: Arc<Catalog>,
@@ -22,4 +23,6 @@ pub struct AppState {
     pub max_body_bytes: u64,
     /// `limits.safety_multiplier`, until the admin API stores safety settings.
     pub safety_multiplier: f64,
+    /// The span exporter, when `telemetry.otlp_endpoint` is set.
+    pub traces: Option<Tracer>,
 }

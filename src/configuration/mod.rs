@@ -14,5 +14,5 @@ pub use periods::{BackOff, Periods};
 pub use raw::DEFAULT_TOML;
 pub use settings::{
     AdminSettings, CatalogSettings, ClientSettings, LimitSettings, PlanSettings, RedisSettings,
-    RouteSettings, ServerSettings, Settings,
+    RouteSettings, ServerSettings, Settings, TelemetrySettings,
 };

@@ -14,10 +14,11 @@ use secrecy::{ExposeSecret, SecretString};
 use super::periods::{BackOff, Periods};
 use super::raw::{
     RawAdmin, RawCatalog, RawLimits, RawPeriods, RawRedis, RawRoute, RawServer, RawSettings,
+    RawTelemetry,
 };
 use super::settings::{
     AdminSettings, CatalogSettings, ClientSettings, LimitSettings, PlanSettings, RedisSettings,
-    RouteSettings, ServerSettings, Settings,
+    RouteSettings, ServerSettings, Settings, TelemetrySettings,
 };
 use crate::domain::{
     ApiKey, Bucket, Capacity, ClientId, KeyHash, Limit, Limits, Mode, PlanName, Rate, Region,
@@ -127,8 +128,11 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
     let limits = limits(raw.limits, &mut p);
     let admin = admin(raw.admin, &mut p);
     let periods = periods(raw.periods, &mut p);
+    let telemetry = telemetry(raw.telemetry, &mut p);
     let routes = routes(raw.routes, &mut p);
-    match (server, redis, catalog, limits, admin, periods, routes) {
+    match (
+        server, redis, catalog, limits, admin, periods, telemetry, routes,
+    ) {
         (
             Some(server),
             Some(redis),
@@ -136,6 +140,7 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
             Some(limits),
             Some(admin),
             Some(periods),
+            Some(telemetry),
             Some(routes),
         ) if p.0.is_empty() => Ok(Settings {
             server,
@@ -144,6 +149,7 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
             limits,
             admin,
             periods,
+            telemetry,
             routes,
         }),
         _ => {
@@ -151,6 +157,18 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
             Err(p.0)
         }
     }
+}
+
+fn telemetry(raw: RawTelemetry, p: &mut Problems) -> Option<TelemetrySettings> {
+    let otlp_endpoint = if raw.otlp_endpoint.is_empty() {
+        None
+    } else {
+        Some(p.take(
+            "telemetry.otlp_endpoint",
+            Upstream::parse(&raw.otlp_endpoint),
+        )?)
+    };
+    Some(TelemetrySettings { otlp_endpoint })
 }
 
 fn server(raw: RawServer, p: &mut Problems) -> Option<ServerSettings> {
@@ -655,6 +673,27 @@ mod tests {
             problems("[periods]\nbreaker_backoff_ms = 500\nbreaker_backoff_max_ms = 100\n"),
             ["periods.breaker_backoff_max_ms"]
         );
+    }
+
+    #[test]
+    fn an_otlp_endpoint_is_an_http_base_url_and_off_by_default() {
+        assert!(load("", &[]).unwrap().telemetry.otlp_endpoint.is_none());
+        let s = load(
+            "[telemetry]\notlp_endpoint = \"http://collector:4318\"\n",
+            &[],
+        )
+        .unwrap();
+        let endpoint = s.telemetry.otlp_endpoint.unwrap();
+        assert_eq!(endpoint.base(), "http://collector:4318");
+        for bad in [
+            "collector:4318",
+            "https://collector:4318",
+            "http://collector:4318/v1/traces",
+            "http://user:pw@collector",
+        ] {
+            let toml = format!("[telemetry]\notlp_endpoint = \"{bad}\"\n");
+            assert_eq!(problems(&toml), ["telemetry.otlp_endpoint"], "{bad}");
+        }
     }
 
     #[test]

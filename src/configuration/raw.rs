@@ -19,6 +19,7 @@ pub(super) struct RawSettings {
     pub(super) limits: RawLimits,
     pub(super) admin: RawAdmin,
     pub(super) periods: RawPeriods,
+    pub(super) telemetry: RawTelemetry,
     #[serde(default)]
     pub(super) routes: Vec<RawRoute>,
 }
@@ -106,6 +107,12 @@ pub(super) struct RawPeriods {
     pub(super) breaker_backoff_ms: u64,
     pub(super) breaker_backoff_max_ms: u64,
     pub(super) breaker_stable_ms: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTelemetry {
+    pub(super) otlp_endpoint: String,
 }
 
 #[derive(Debug, Deserialize)]

@@ -23,6 +23,7 @@ pub struct Settings {
     pub admin: AdminSettings,
     /// `periods`: how often the limiter's background work runs.
     pub periods: Periods,
+    pub telemetry: TelemetrySettings,
     /// `routes`: upstream services, matched by longest path prefix.
     pub routes: Vec<RouteSettings>,
 }
@@ -123,6 +124,14 @@ pub struct LimitSettings {
     /// `limits.safety_multiplier`: coarse per-(client, service) limit as a multiple of the
     /// plan (1-1000).
     pub safety_multiplier: f64,
+}
+
+#[derive(Debug, Clone)]
+pub struct TelemetrySettings {
+    /// `telemetry.otlp_endpoint` (`""`: none): an OTLP/HTTP collector, `http://host[:port]`;
+    /// when set, spans are posted to its `/v1/traces` as JSON. W3C Trace Context is
+    /// propagated to upstreams either way.
+    pub otlp_endpoint: Option<Upstream>,
 }
 
 #[derive(Debug, Clone)]

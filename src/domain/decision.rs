@@ -53,4 +53,6 @@ pub struct Decision {
     pub sharded: bool,
     /// For `SafetyDenied`: the wait until the safety bucket has the tokens.
     pub safety_wait_us: Option<u64>,
+    /// For `FailOpen`: why (`timeout`, `error`, `breaker_open`), for the decision's span.
+    pub fail_open_reason: Option<&'static str>,
 }

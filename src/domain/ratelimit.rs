@@ -142,6 +142,7 @@ mod tests {
                 now_us: 0,
             }),
             safety_wait_us: None,
+            fail_open_reason: None,
             as_planned: false,
             cost: 1.0,
             sharded: false,

@@ -143,6 +143,7 @@ impl Limiter {
             applied: Vec::new(),
             ruling: None,
             safety_wait_us: None,
+            fail_open_reason: None,
             as_planned: !limits.has_scoped() && client.record.overrides.is_empty(),
             cost,
             sharded: false,
@@ -249,6 +250,7 @@ impl Limiter {
             Err(_) if never && client.mode == Mode::Enforce => Outcome::Denied,
             Err(reason) => {
                 self.metrics.fail_open(*reason);
+                decision.fail_open_reason = Some(reason.label());
                 Outcome::FailOpen
             }
         };

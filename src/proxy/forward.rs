@@ -17,6 +17,7 @@ use super::headers::{
 use super::Admitted;
 use crate::error::ApiError;
 use crate::state::AppState;
+use crate::trace;
 
 /// One awc client per worker: its connection pool keeps upstream connections alive.
 pub fn upstream_client() -> awc::Client {
@@ -102,6 +103,7 @@ pub async fn forward(
     if let Some(id) = req.extensions().get::<RequestId>() {
         out = out.insert_header((X_REQUEST_ID.clone(), id.0.clone()));
     }
+    let upstream_span = trace::propagate(&req, state.traces.as_ref(), out.headers_mut());
 
     let declared_len = req
         .headers()
@@ -136,6 +138,9 @@ pub async fn forward(
                 }
                 _ => ApiError::BadGateway,
             };
+            if let Some(span) = upstream_span {
+                span.finish(err_status(&err), false);
+            }
             tracing::warn!(service = %route.service, upstream = upstream.base(), error = %e, "upstream failed");
             state
                 .metrics
@@ -145,6 +150,9 @@ pub async fn forward(
     };
 
     let status = upstream_res.status();
+    if let Some(span) = upstream_span {
+        span.finish(status.as_u16(), true);
+    }
     state
         .metrics
         .record_upstream(&route.service, status.as_u16());

@@ -17,6 +17,7 @@ use crate::domain::{KeyHash, Mode};
 use crate::error::ApiError;
 use crate::metrics::CostReport;
 use crate::state::AppState;
+use crate::trace::DecisionTimer;
 
 /// What the guard hands the forwarder for an admitted request.
 #[derive(Clone)]
@@ -89,10 +90,18 @@ pub async fn guard(
         return Ok(reject(req, err, None));
     }
 
+    let timer = DecisionTimer::start(state.traces.as_ref());
     let mut decision = state
         .limiter
         .decide(&client, &route.service, route.cost)
         .await;
+    timer.finish(
+        &req,
+        &decision,
+        client.id.as_str(),
+        &route.service,
+        &route.prefix,
+    );
     let mut rl =
         RateLimitHeaders::with_policy(&client.plan.name, &decision, client.plan.policy(&decision));
     if !decision.outcome.forwards() {

@@ -447,3 +447,131 @@ pub async fn problem_fields(r: reqwest::Response) -> Vec<String> {
     fields.sort();
     fields
 }
+
+/// One span as an OTLP collector received it (OTLP/HTTP JSON).
+#[derive(Debug, Clone)]
+pub struct ExportedSpan {
+    pub trace_id: String,
+    pub span_id: String,
+    /// `""` for a root span.
+    pub parent_id: String,
+    pub name: String,
+    pub kind: u64,
+    /// Every attribute's value as text (`intValue`s are strings in OTLP JSON).
+    pub attributes: HashMap<String, String>,
+    /// OTLP status code (`2`: error; `0`: unset).
+    pub status: u64,
+}
+
+/// A small OTLP/HTTP receiver: records every `POST /v1/traces` body and answers 200.
+pub struct Collector {
+    pub port: u16,
+    bodies: Arc<Mutex<Vec<String>>>,
+}
+
+impl Collector {
+    pub async fn start() -> Collector {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let bodies = Arc::new(Mutex::new(Vec::new()));
+        let b = bodies.clone();
+        let server = HttpServer::new(move || {
+            let b = b.clone();
+            App::new().route(
+                "/v1/traces",
+                web::post().to(move |req: HttpRequest, body: web::Bytes| {
+                    let b = b.clone();
+                    async move {
+                        let json = req
+                            .headers()
+                            .get("content-type")
+                            .is_some_and(|v| v.as_bytes() == b"application/json");
+                        if !json {
+                            return HttpResponse::UnsupportedMediaType().finish();
+                        }
+                        b.lock()
+                            .unwrap()
+                            .push(String::from_utf8_lossy(&body).into_owned());
+                        HttpResponse::Ok()
+                            .content_type("application/json")
+                            .body("{}")
+                    }
+                }),
+            )
+        })
+        .workers(1)
+        .disable_signals()
+        .listen(listener)
+        .unwrap()
+        .run();
+        tokio::spawn(server);
+        Collector { port, bodies }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The raw bodies posted so far.
+    pub fn bodies(&self) -> Vec<String> {
+        self.bodies.lock().unwrap().clone()
+    }
+
+    /// Every span received so far.
+    pub fn spans(&self) -> Vec<ExportedSpan> {
+        let mut out = Vec::new();
+        for body in self.bodies() {
+            let v: serde_json::Value = serde_json::from_str(&body).expect("OTLP JSON");
+            let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_string();
+            for rs in v["resourceSpans"].as_array().into_iter().flatten() {
+                for ss in rs["scopeSpans"].as_array().into_iter().flatten() {
+                    for s in ss["spans"].as_array().into_iter().flatten() {
+                        let attributes = s["attributes"]
+                            .as_array()
+                            .into_iter()
+                            .flatten()
+                            .map(|a| {
+                                let value = &a["value"];
+                                let value = value["stringValue"]
+                                    .as_str()
+                                    .or(value["intValue"].as_str())
+                                    .unwrap_or_default();
+                                (text(&a["key"]), value.to_string())
+                            })
+                            .collect();
+                        out.push(ExportedSpan {
+                            trace_id: text(&s["traceId"]),
+                            span_id: text(&s["spanId"]),
+                            parent_id: text(&s["parentSpanId"]),
+                            name: text(&s["name"]),
+                            kind: s["kind"].as_u64().unwrap_or_default(),
+                            attributes,
+                            status: s["status"]["code"].as_u64().unwrap_or_default(),
+                        });
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The spans of `trace_id`, once `n` of them have arrived (fails the test after 5 s).
+    pub async fn trace(&self, trace_id: &str, n: usize) -> Vec<ExportedSpan> {
+        eventually(
+            Duration::from_secs(5),
+            &format!("{n} spans of trace {trace_id} exported"),
+            || async {
+                self.spans()
+                    .iter()
+                    .filter(|s| s.trace_id == trace_id)
+                    .count()
+                    >= n
+            },
+        )
+        .await;
+        self.spans()
+            .into_iter()
+            .filter(|s| s.trace_id == trace_id)
+            .collect()
+    }
+}

@@ -25,3 +25,4 @@ mod shadow;
 mod slow_redis;
 mod stores;
 mod swagger_ui;
+mod traces;

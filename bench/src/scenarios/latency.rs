@@ -1,7 +1,8 @@
 //! `latency`: what the gateway adds. The same open-loop load (fixed rate, latency from the
 //! intended send time) goes to the upstream directly and through the gateway in Redis
 //! mode, alternating every `--slice` seconds in one run, so drift in the machine's load
-//! (the other engineer's compiles) falls on both sides alike.
+//! (the other engineer's compiles) falls on both sides alike. With `--otlp` a third side
+//! joins the alternation: a second gateway, configured alike, exporting spans over OTLP.
 
 use std::time::Duration;
 
@@ -45,6 +46,11 @@ pub struct Args {
     /// `throughput --pin`).
     #[arg(long)]
     pin: bool,
+    /// Add a side: a second gateway, configured alike, exporting spans over OTLP
+    /// (`telemetry.otlp_endpoint`) to a local collector that answers 200 at once. Every
+    /// request to it starts a sampled trace (3 spans). The first gateway exports nothing.
+    #[arg(long)]
+    otlp: bool,
     #[command(flatten)]
     clients: Clients,
 }
@@ -71,12 +77,27 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     } else {
         Some(Floor::start(&upstream.urls()[0], a.gateway_workers, pin)?)
     };
+    let traced = if a.otlp {
+        let collector = Upstreams::start(vec![Server::Fast(Default::default())])?;
+        let mut config = config.clone();
+        config.extra.push_str(&format!(
+            "\n[telemetry]\notlp_endpoint = \"{}\"\n",
+            collector.urls()[0]
+        ));
+        let gateway = Gateway::start_pinned(&config, PATH, pin)?;
+        Some((collector, gateway))
+    } else {
+        None
+    };
 
     let requests = a.clients.requests(PATH, KEY);
-    // The targets, in the order each slice visits them: direct, the floor, the gateway.
+    // The targets, in the order each slice visits them: direct, the floor, the gateway,
+    // the gateway exporting spans.
     let mut targets = vec![upstream.addrs[0]];
     targets.extend(floor.as_ref().map(|f| f.addr));
+    let at_gateway = targets.len();
     targets.push(gateway.addr);
+    targets.extend(traced.as_ref().map(|(_, t)| t.addr));
     let n = targets.len();
     let stream = |addr, from: f64, until: f64| Stream {
         addr,
@@ -118,13 +139,18 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     let mut gateway_sent = 0usize;
     for (i, samples) in result.samples.iter().enumerate() {
         let target = i % n;
-        if target == n - 1 {
+        if target >= at_gateway {
             gateway_sent += samples.len();
         }
         if i >= n {
             by_target[target].extend_from_slice(samples);
         }
     }
+    let exporting = if traced.is_some() {
+        by_target.pop().expect("the exporting gateway is a target")
+    } else {
+        Vec::new()
+    };
     let through = by_target.pop().expect("the gateway is a target");
     let direct = by_target.remove(0);
     let via_floor = by_target.pop();
@@ -134,10 +160,32 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     let g = Summary::of(&through);
     let f = via_floor.as_deref().map(|v| (Summary::of(v), errors(v)));
     let metrics = gateway.metrics()?;
+    // The exporting gateway: its latency, and what its exporter did.
+    let exported = match &traced {
+        Some((_, gw)) => {
+            let m = gw.metrics()?;
+            let get = |name: &str| m.get(name).copied().unwrap_or(0.0);
+            Some((
+                Summary::of(&exporting),
+                errors(&exporting),
+                get("tollgate_trace_spans_exported_total"),
+                get("tollgate_trace_spans_dropped_total{reason=\"queue_full\"}")
+                    + get("tollgate_trace_spans_dropped_total{reason=\"export_failed\"}"),
+            ))
+        }
+        None => None,
+    };
     let fail_open = metrics
         .get("tollgate_fail_open_total")
         .copied()
         .unwrap_or(0.0);
+
+    let tracing_note = match &exported {
+        Some((_, _, exported, dropped)) => {
+            format!(" Spans exported over OTLP: {exported}, dropped: {dropped}.")
+        }
+        None => String::new(),
+    };
 
     let mut table = Table::new(&[
         "path", "requests", "non-200", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "max ms",
@@ -171,6 +219,18 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
             String::new(),
         ]);
     }
+    if let Some((t, e, _, _)) = &exported {
+        table.row(vec![
+            "through tollgate, spans exported".into(),
+            t.count.to_string(),
+            e.to_string(),
+            ms(t.p50_ms),
+            ms(t.p90_ms),
+            ms(t.p99_ms),
+            ms(t.p999_ms),
+            ms(t.max_ms),
+        ]);
+    }
     table.row(vec![
         "**added by the gateway**".into(),
         String::new(),
@@ -181,10 +241,22 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         ms(g.p999_ms - d.p999_ms),
         String::new(),
     ]);
+    if let Some((t, _, _, _)) = &exported {
+        table.row(vec![
+            "**added by exporting spans**".into(),
+            String::new(),
+            String::new(),
+            format!("**{}**", ms(t.p50_ms - g.p50_ms)),
+            ms(t.p90_ms - g.p90_ms),
+            format!("**{}**", ms(t.p99_ms - g.p99_ms)),
+            ms(t.p999_ms - g.p999_ms),
+            String::new(),
+        ]);
+    }
     let calls_per_request = evalsha as f64 / gateway_sent.max(1) as f64;
     let markdown = format!(
         "### latency: {} req/s open loop, {} s per side, {}{}\n\n{}\n\
-         Redis calls per gateway request: {:.3} (EVALSHA). Fail-opens: {}. \
+         Redis calls per gateway request: {:.3} (EVALSHA). Fail-opens: {}.{} \
          Generator wake-up lateness p50/p99: {:.0}/{:.0} µs (included in both sides). {}.\n",
         a.rate,
         a.duration,
@@ -193,6 +265,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         table.render(),
         calls_per_request,
         fail_open,
+        tracing_note,
         result.dispatch_late_p50.as_secs_f64() * 1e6,
         result.dispatch_late_p99.as_secs_f64() * 1e6,
         machine
@@ -217,6 +290,15 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         "gateway_non_200": gateway_errors,
         "redis_calls_per_request": round(calls_per_request, 4),
         "fail_open": fail_open,
+        "otlp": exported.as_ref().map(|(t, e, exported, dropped)| json!({
+            "gateway": summary_json(t),
+            "non_200": e,
+            "added_p50_ms": round(t.p50_ms - g.p50_ms, 3),
+            "added_p99_ms": round(t.p99_ms - g.p99_ms, 3),
+            "added_p999_ms": round(t.p999_ms - g.p999_ms, 3),
+            "spans_exported": exported,
+            "spans_dropped": dropped,
+        })),
         "generator_late_p50_us": round(result.dispatch_late_p50.as_secs_f64() * 1e6, 1),
         "generator_late_p99_us": round(result.dispatch_late_p99.as_secs_f64() * 1e6, 1),
         "machine": machine,
@@ -257,6 +339,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     ]);
     drop(floor);
     drop(gateway);
+    drop(traced);
     Ok(Outcome {
         markdown,
         json,
