@@ -34,7 +34,17 @@ async fn healthz() -> HttpResponse {
 /// `/readyz` is served on the public listener, so it names no Redis host, user or error
 /// text: the store's error goes to the log (a `WARN` per failed probe), for operators.
 async fn readyz(state: web::Data<AppState>) -> HttpResponse {
-    let reason = store_answers(&state).await.err();
+    let reason = match tokio::time::timeout(Duration::from_secs(1), state.store.ping()).await {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, store = %state.store.describe(), "not ready: the store failed");
+            Some("the store failed; the gateway's log has the error")
+        }
+        Err(_) => {
+            tracing::warn!(store = %state.store.describe(), "not ready: the store did not answer within 1 s");
+            Some("the store did not answer within 1 s")
+        }
+    };
     let source = state.catalog.source();
     let mut body = match reason {
         None => json!({"status": "ready"}),
@@ -48,22 +58,6 @@ async fn readyz(state: web::Data<AppState>) -> HttpResponse {
     match reason {
         None => HttpResponse::Ok().json(body),
         Some(_) => HttpResponse::ServiceUnavailable().json(body),
-    }
-}
-
-/// Whether the store answers a ping within a second: what `/readyz` and `tollgate_ready`
-/// say. Why not, in words fit for the public listener; the error itself goes to the log.
-async fn store_answers(state: &AppState) -> Result<(), &'static str> {
-    match tokio::time::timeout(Duration::from_secs(1), state.store.ping()).await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, store = %state.store.describe(), "not ready: the store failed");
-            Err("the store failed; the gateway's log has the error")
-        }
-        Err(_) => {
-            tracing::warn!(store = %state.store.describe(), "not ready: the store did not answer within 1 s");
-            Err("the store did not answer within 1 s")
-        }
     }
 }
 
@@ -112,15 +106,7 @@ pub fn probe(listen: SocketAddr, path: &str, timeout: Duration) -> anyhow::Resul
 
 async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     use std::fmt::Write;
-    let ready = store_answers(&state).await.is_ok();
     let mut out = state.metrics.render();
-    family(
-        &mut out,
-        "tollgate_ready",
-        "gauge",
-        "Whether the gateway is ready (1) or not (0): its store answered a ping within 1 s at this scrape, as /readyz asks.",
-    );
-    let _ = writeln!(out, "tollgate_ready {}", u8::from(ready));
     let (open, opened) = state.limiter.breakers().summary();
     family(
         &mut out,
