@@ -381,8 +381,7 @@ impl Limits {
 
     /// The limits a request to `service` takes from (`None`: those for every service).
     pub fn applied(&self, service: Option<&str>) -> Vec<Applied> {
-        let mut applied: Vec<Applied> = self
-            .items
+        self.items
             .iter()
             .enumerate()
             .filter(|(_, l)| match service {
@@ -390,12 +389,7 @@ impl Limits {
                 None => l.service.is_none(),
             })
             .map(|(i, l)| Applied::of(i, l))
-            .collect();
-        let others = applied.len() < self.items.len();
-        for a in &mut applied {
-            a.others = others;
-        }
-        applied
+            .collect()
     }
 
     /// Every limit, as one request would see them all (to read every limit's state).
@@ -502,10 +496,6 @@ pub struct Applied {
     pub name: LimitName,
     pub field: Arc<str>,
     pub kind: AppliedKind,
-    /// Whether the client's state holds limits besides the ones applied with it (the
-    /// plan has limits of other services): the state is then kept as long as the longest
-    /// of them needs, not only these.
-    pub others: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -527,7 +517,6 @@ impl Applied {
             index,
             name: limit.name.clone(),
             field: Arc::clone(&limit.field),
-            others: false,
             kind: match &limit.kind {
                 LimitKind::Bucket(b) => AppliedKind::Bucket {
                     bucket: *b,

@@ -175,10 +175,7 @@ impl Limiter {
             .and_then(|k| Some((k, self.shares.observe(&client.id)?)));
         let (store, breakers, key) = match shard {
             Some((key, now)) => {
-                let quotas_apart = limits.has_quotas();
                 for a in &mut applied {
-                    // The regional shard holds the buckets alone, the global state the quotas.
-                    a.others |= quotas_apart;
                     if let AppliedKind::Bucket { bucket, initial } = &mut a.kind {
                         let portion = bucket.portion(now.share, cost.max(1.0));
                         *initial = now.seed.map(|s| s * portion.capacity());
