@@ -52,15 +52,13 @@ async fn a_callers_trace_continues_through_the_gateway_into_the_service() {
     let up = Upstream::start(Behaviour::Echo).await;
     let gw = gateway(&up, 100.0, &exporting_to(&collector.url())).await;
 
-    let r = gw
-        .http
-        .get(format!("{}/orders/7", gw.address))
-        .header("x-api-key", key("acme"))
-        .header("traceparent", traceparent())
-        .header("tracestate", "vendor=abc,other=1")
-        .send()
-        .await
-        .unwrap();
+    let r = traced(
+        &gw,
+        "/orders/7",
+        Some(&traceparent()),
+        Some("vendor=abc,other=1"),
+    )
+    .await;
     assert_eq!(r.status(), 200);
 
     let seen = &up.seen()[0].headers;
@@ -142,15 +140,7 @@ async fn a_malformed_traceparent_is_never_forwarded_and_a_new_trace_starts() {
     ];
 
     for bad in &malformed {
-        let r = gw
-            .http
-            .get(format!("{}/orders/1", gw.address))
-            .header("x-api-key", key("acme"))
-            .header("traceparent", bad)
-            .header("tracestate", "vendor=abc")
-            .send()
-            .await
-            .unwrap();
+        let r = traced(&gw, "/orders/1", Some(bad), Some("vendor=abc")).await;
         assert_eq!(r.status(), 200);
         let seen = up.seen().pop().unwrap().headers;
         let (trace, parent, _) = parts(&seen["traceparent"]);
@@ -173,15 +163,7 @@ async fn with_export_off_nothing_is_exported_and_the_trace_still_reaches_the_ser
     let up = Upstream::start(Behaviour::Echo).await;
     let gw = gateway(&up, 100.0, "").await;
 
-    let r = gw
-        .http
-        .get(format!("{}/orders/7", gw.address))
-        .header("x-api-key", key("acme"))
-        .header("traceparent", traceparent())
-        .header("tracestate", "vendor=abc")
-        .send()
-        .await
-        .unwrap();
+    let r = traced(&gw, "/orders/7", Some(&traceparent()), Some("vendor=abc")).await;
     assert_eq!(r.status(), 200);
 
     let seen = &up.seen()[0].headers;
@@ -238,14 +220,7 @@ async fn a_refused_request_exports_its_spans_and_reaches_no_service() {
     let gw = gateway(&up, 1.0, &exporting_to(&collector.url())).await;
     assert_eq!(gw.get("/orders/1", Some(&key("acme"))).await.status(), 200);
 
-    let r = gw
-        .http
-        .get(format!("{}/orders/2", gw.address))
-        .header("x-api-key", key("acme"))
-        .header("traceparent", traceparent())
-        .send()
-        .await
-        .unwrap();
+    let r = traced(&gw, "/orders/2", Some(&traceparent()), None).await;
     assert_eq!(r.status(), 429);
     assert_eq!(
         up.hits(),
@@ -278,14 +253,7 @@ async fn a_decision_that_failed_open_says_why() {
     );
     let gw = gateway(&up, 100.0, &dead_redis).await;
 
-    let r = gw
-        .http
-        .get(format!("{}/orders/1", gw.address))
-        .header("x-api-key", key("acme"))
-        .header("traceparent", traceparent())
-        .send()
-        .await
-        .unwrap();
+    let r = traced(&gw, "/orders/1", Some(&traceparent()), None).await;
     assert_eq!(r.status(), 200, "the gateway fails open");
 
     let spans = collector.trace(TRACE, 3).await;
@@ -304,14 +272,13 @@ async fn an_unsampled_trace_is_passed_on_unsampled_and_not_exported() {
     let up = Upstream::start(Behaviour::Echo).await;
     let gw = gateway(&up, 100.0, &exporting_to(&collector.url())).await;
 
-    let r = gw
-        .http
-        .get(format!("{}/orders/1", gw.address))
-        .header("x-api-key", key("acme"))
-        .header("traceparent", format!("00-{TRACE}-{PARENT}-00"))
-        .send()
-        .await
-        .unwrap();
+    let r = traced(
+        &gw,
+        "/orders/1",
+        Some(&format!("00-{TRACE}-{PARENT}-00")),
+        None,
+    )
+    .await;
     assert_eq!(r.status(), 200);
     let (trace, _, flags) = parts(&up.seen()[0].headers["traceparent"]);
     assert_eq!((trace.as_str(), flags.as_str()), (TRACE, "00"));
@@ -362,14 +329,7 @@ async fn an_unreachable_service_marks_the_request_and_upstream_spans_failed() {
     );
     let gw = TestGateway::spawn(settings(&toml)).await;
 
-    let r = gw
-        .http
-        .get(format!("{}/orders/1", gw.address))
-        .header("x-api-key", key("acme"))
-        .header("traceparent", traceparent())
-        .send()
-        .await
-        .unwrap();
+    let r = traced(&gw, "/orders/1", Some(&traceparent()), None).await;
     assert_eq!(r.status(), 502);
 
     let spans = collector.trace(TRACE, 3).await;
@@ -380,4 +340,24 @@ async fn an_unreachable_service_marks_the_request_and_upstream_spans_failed() {
     assert_eq!(upstream.attributes["error.type"], "unreachable");
     assert_eq!(upstream.status, 2);
     assert_eq!(span(&spans, "decision").status, 0);
+}
+
+/// A GET of `path` as acme, with these trace headers.
+async fn traced(
+    gw: &TestGateway,
+    path: &str,
+    traceparent: Option<&str>,
+    tracestate: Option<&str>,
+) -> reqwest::Response {
+    let mut req = gw
+        .http
+        .get(format!("{}{path}", gw.address))
+        .header("x-api-key", key("acme"));
+    if let Some(t) = traceparent {
+        req = req.header("traceparent", t);
+    }
+    if let Some(t) = tracestate {
+        req = req.header("tracestate", t);
+    }
+    req.send().await.unwrap()
 }
