@@ -701,6 +701,9 @@ pub struct Ruling {
     pub refused_by: Option<usize>,
     /// The store's clock when it decided, in unix microseconds.
     pub now_us: u64,
+    /// Requests decided by the same store call as this one (itself included); 0 when no
+    /// call was made (the embedded store, a refusal decided in the gateway).
+    pub batch: u32,
 }
 
 impl Ruling {
@@ -758,6 +761,7 @@ pub fn take_many(
                 wait_us,
                 refused_by,
                 now_us,
+                batch: 0,
             }
         })
         .collect()

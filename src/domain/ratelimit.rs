@@ -140,6 +140,7 @@ mod tests {
                 wait_us: Some(0),
                 refused_by,
                 now_us: 0,
+                batch: 0,
             }),
             safety_wait_us: None,
             fail_open_reason: None,

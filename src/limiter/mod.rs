@@ -304,6 +304,7 @@ impl Limiter {
             wait_us: (until > now_us).then(|| until - now_us),
             refused_by: Some(0),
             now_us,
+            batch: 0,
         })
     }
 

@@ -202,6 +202,7 @@ impl LocalLimits {
                     wait_us: Some(0),
                     refused_by: None,
                     now_us,
+                    batch: 0,
                 }
             }
             LocalOp::Peek => {
@@ -211,6 +212,7 @@ impl LocalLimits {
                     wait_us: Some(0),
                     refused_by: None,
                     now_us,
+                    batch: 0,
                 }
             }
         };

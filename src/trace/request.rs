@@ -135,6 +135,9 @@ impl<'a> DecisionTimer<'a> {
             ("tollgate.service", Attr::Str((**service).into())),
             ("tollgate.client_id", Attr::Str(client_id.into())),
         ];
+        if let Some(batch) = decision.ruling.as_ref().map(|r| r.batch).filter(|b| *b > 0) {
+            attributes.push(("tollgate.batch_size", Attr::Int(i64::from(batch))));
+        }
         if decision.outcome == Outcome::FailOpen {
             if let Some(reason) = decision.fail_open_reason {
                 attributes.push(("tollgate.fail_open_reason", Attr::Str(reason.into())));

@@ -94,6 +94,10 @@ async fn a_callers_trace_continues_through_the_gateway_into_the_service() {
     assert!(!decision
         .attributes
         .contains_key("tollgate.fail_open_reason"));
+    assert!(
+        !decision.attributes.contains_key("tollgate.batch_size"),
+        "the embedded store makes no call"
+    );
     assert_eq!(upstream.attributes["http.response.status_code"], "200");
     assert!(
         collector.bodies().iter().all(|b| !b.contains(&key("acme"))),
@@ -340,6 +344,30 @@ async fn an_unreachable_service_marks_the_request_and_upstream_spans_failed() {
     assert_eq!(upstream.attributes["error.type"], "unreachable");
     assert_eq!(upstream.status, 2);
     assert_eq!(span(&spans, "decision").status, 0);
+}
+
+#[tokio::test]
+async fn on_redis_the_decision_span_says_how_many_requests_its_store_call_decided() {
+    let redis = RedisServer::start().unwrap();
+    let collector = Collector::start().await;
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway(
+        &up,
+        100.0,
+        &format!("{}{}", redis_toml(&redis), exporting_to(&collector.url())),
+    )
+    .await;
+
+    let r = traced(&gw, "/orders/3", Some(&traceparent()), None).await;
+    assert_eq!(r.status(), 200);
+
+    let spans = collector.trace(TRACE, 3).await;
+    let decision = span(&spans, "decision");
+    assert_eq!(decision.attributes["tollgate.outcome"], "allowed");
+    assert_eq!(
+        decision.attributes["tollgate.batch_size"], "1",
+        "a request alone in its call"
+    );
 }
 
 /// A GET of `path` as acme, with these trace headers.

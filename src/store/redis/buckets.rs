@@ -44,10 +44,13 @@ impl RedisStore {
     /// key: they go out on this worker's one connection, which Redis serves in order, and
     /// each reply carries the levels at its own start.
     async fn take_batch(&self, key: &str, batch: Batch<'_>) -> Result<Vec<Ruling>, StoreError> {
-        let (admitted, levels, now_us) = self
+        let (admitted, levels, now_us, takes) = self
             .call(key, Op::Take, batch.applied, batch.cost, batch.n)
             .await?;
-        let rulings = take_many(batch.applied, levels, batch.cost, batch.n, now_us);
+        let mut rulings = take_many(batch.applied, levels, batch.cost, batch.n, now_us);
+        for r in &mut rulings {
+            r.batch = u32::try_from(takes).unwrap_or(u32::MAX);
+        }
         // The script did the same arithmetic; a different count means it is not the
         // script this gateway was built with.
         if rulings.iter().filter(|r| r.allowed).count() != admitted {
@@ -67,7 +70,7 @@ impl RedisStore {
         applied: &[Applied],
         delta: f64,
     ) -> Result<Ruling, StoreError> {
-        let (_, mut levels, now_us) = self.call(key, Op::Adjust, applied, delta, 0).await?;
+        let (_, mut levels, now_us, _) = self.call(key, Op::Adjust, applied, delta, 0).await?;
         for (l, a) in levels.iter_mut().zip(applied) {
             l.adjust(&a.kind, delta);
         }
@@ -77,23 +80,25 @@ impl RedisStore {
             wait_us: Some(0),
             refused_by: None,
             now_us,
+            batch: 0,
         })
     }
 
     /// Every limit's level now, on Redis' clock; writes nothing.
     pub async fn peek(&self, key: &str, applied: &[Applied]) -> Result<Ruling, StoreError> {
-        let (_, levels, now_us) = self.call(key, Op::Peek, applied, 0.0, 0).await?;
+        let (_, levels, now_us, _) = self.call(key, Op::Peek, applied, 0.0, 0).await?;
         Ok(Ruling {
             allowed: true,
             levels,
             wait_us: Some(0),
             refused_by: None,
             now_us,
+            batch: 0,
         })
     }
 
     /// One entry of a script call: (admitted, each limit's level before the op, Redis'
-    /// clock). Takes are gathered with the other takes this worker makes in the same turn
+    /// clock, the requests the whole call decided). Takes are gathered with the other takes this worker makes in the same turn
     /// (`gather`); adjustments and peeks with each other, so the take calls stay countable.
     async fn call(
         &self,
@@ -102,7 +107,7 @@ impl RedisStore {
         applied: &[Applied],
         cost: f64,
         n: usize,
-    ) -> Result<(usize, Vec<Level>, u64), StoreError> {
+    ) -> Result<(usize, Vec<Level>, u64, u64), StoreError> {
         let entry = Entry {
             key,
             op,
@@ -140,7 +145,7 @@ impl RedisStore {
             .bytes()
             .map_err(|e| StoreError::Protocol(format!("limits script: {e}")))?;
         let (admitted, levels) = parse_reply(bytes, applied)?;
-        Ok((admitted, levels, answer.now_us))
+        Ok((admitted, levels, answer.now_us, answer.takes))
     }
 
     /// Deletes the state of the buckets under `buckets` (field prefixes) at `key`.

@@ -103,6 +103,8 @@ type Replies = Arc<Vec<Vec<u8>>>;
 #[derive(Debug)]
 pub struct Answer {
     pub now_us: u64,
+    /// The requests the whole call decided (the takes of all its entries).
+    pub takes: u64,
     replies: Replies,
     at: usize,
 }
@@ -356,6 +358,7 @@ async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
             for (at, tx) in waiters.into_iter().enumerate() {
                 let _ = tx.send(Ok(Answer {
                     now_us,
+                    takes,
                     replies: Arc::clone(&replies),
                     at: at + 2,
                 }));
