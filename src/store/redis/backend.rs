@@ -199,6 +199,8 @@ pub struct RedisStore {
     pub(super) catalog_restore: Script,
     pub(super) reconcile: Script,
     url: String,
+    /// Bounds every call off the request path (`redis.control_timeout_ms`).
+    pub(super) control_timeout: Duration,
     pub(super) coalescer: Coalescer,
     /// Take entries, gathered per worker turn into script calls.
     pub(super) takes: Gatherer,
@@ -207,7 +209,7 @@ pub struct RedisStore {
 }
 
 impl RedisStore {
-    fn new(backend: Backend, keys: Keys, url: String) -> RedisStore {
+    fn new(backend: Backend, keys: Keys, url: String, control_timeout: Duration) -> RedisStore {
         RedisStore {
             backend,
             keys,
@@ -216,6 +218,7 @@ impl RedisStore {
             catalog_restore: Script::new(include_str!("../../../lua/catalog_restore.lua")),
             reconcile: Script::new(include_str!("../../../lua/reconcile.lua")),
             url,
+            control_timeout,
             coalescer: Coalescer::default(),
             takes: Gatherer::new(BUCKET_LUA),
             others: Gatherer::new(BUCKET_LUA),
@@ -250,6 +253,7 @@ impl RedisStore {
             },
             keys,
             redact_url(url.expose_secret()),
+            control_timeout,
         ))
     }
 
@@ -287,7 +291,7 @@ impl RedisStore {
             masters: Arc::new(ArcSwap::from_pointee(None)),
             masters_at: Arc::new(AtomicU64::new(0)),
         }));
-        Ok(RedisStore::new(backend, keys, url))
+        Ok(RedisStore::new(backend, keys, url, control_timeout))
     }
 
     pub fn describe(&self) -> String {

@@ -84,9 +84,15 @@ impl RedisStore {
         })
     }
 
-    /// Every limit's level now, on Redis' clock; writes nothing.
+    /// Every limit's level now, on Redis' clock; writes nothing. Within the control
+    /// timeout: past it, [`StoreError::Deadline`].
     pub async fn peek(&self, key: &str, applied: &[Applied]) -> Result<Ruling, StoreError> {
-        let (_, levels, now_us, _) = self.call(key, Op::Peek, applied, 0.0, 0).await?;
+        let (_, levels, now_us, _) = tokio::time::timeout(
+            self.control_timeout,
+            self.call(key, Op::Peek, applied, 0.0, 0),
+        )
+        .await
+        .map_err(|_| StoreError::Deadline { sent: true })??;
         Ok(Ruling {
             allowed: true,
             levels,

@@ -432,6 +432,38 @@ mod tests {
     use crate::store::Keys;
 
     #[tokio::test]
+    async fn a_peek_at_a_redis_that_stopped_answering_gives_up_at_the_control_timeout() {
+        let redis = RedisServer::start().unwrap();
+        let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
+        let store = RedisStore::connect(
+            &SecretString::from(proxy.redis_url()),
+            2,
+            Duration::from_millis(200),
+            Keys::new("tollgate:"),
+        )
+        .unwrap();
+        let plan =
+            Limits::new(vec![Limit::default_bucket(Bucket::new(5.0, 1.0).unwrap())]).unwrap();
+        let applied = plan.every();
+        store.peek("tollgate:b:{a}", &applied).await.unwrap();
+
+        proxy.blackhole();
+        let answer = tokio::time::timeout(
+            Duration::from_secs(5),
+            store.peek("tollgate:b:{a}", &applied),
+        )
+        .await
+        .expect("an answer, not a wait without end");
+        assert!(
+            matches!(
+                answer,
+                Err(crate::store::StoreError::Deadline { sent: true })
+            ),
+            "{answer:?}"
+        );
+    }
+
+    #[tokio::test]
     async fn takes_whose_requests_give_up_never_take_the_others_call_with_them() {
         // Arrange: Redis 30 ms away, so a call is in flight long enough to give up on.
         let redis = RedisServer::start().unwrap();
