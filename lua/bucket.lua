@@ -1,20 +1,30 @@
 -- tollgate limits: every limit that applies to a request, decided at once, atomically, for
 -- the requests of many clients in one call.
 --
--- A plan is a set of limits (token buckets and quotas); a client's state for all of them
--- lives in one hash, so one entry decides them all: a request any limit refuses spends
--- from none. A call carries one entry per KEY: a worker sends the entries that queued up
--- during one turn of its event loop together, so Redis pays its per-call cost once for
--- them all (on a cluster, only entries whose keys share a slot travel together). Entries
--- are decided in order: a key may appear twice, and the second entry sees the first's.
+-- A plan is a set of limits (token buckets and quotas); one entry decides them all for
+-- one client: a request any limit refuses spends from none. A worker sends the entries
+-- that queued up during one turn of its event loop together, so Redis pays its per-call
+-- cost once for them all. The entries of a call are of distinct clients (the gateway
+-- sends a second entry of a client in a call of its own), so their order does not matter.
 --
--- KEYS[k] = a client's state, e.g. tollgate:b:{acme} (the hash tag keeps it in one slot).
--- ARGV[1] = m, then m more keys: on a cluster a call declares only its first key (which
--- routes it to its master) and passes the other keys of that master here; a key that is
--- not the node's (its slot moved) fails its own entry only. The entries' keys are KEYS,
--- then these.
--- Then the number of limit sets; then each set: its number of limits, and six
--- arguments per limit: its field prefix ('' or 'name:'), its kind, and four values:
+-- State lives in a few "group" hashes, not one key per client: a call reads every state
+-- it needs with one HMGET per group and writes them back with one HSET per group, so a
+-- decision costs a few hash lookups, not two commands. A client's state for a limit is
+-- the field '<tag>' (the plan's first limit) or '<tag>/<name>:' (any other), where <tag>
+-- is its bucket's hash tag ('acme', or 'acme:eu' for a regional shard); ids never hold
+-- '/', so fields never collide. A value is struct '<ddd': a bucket's tokens and the time
+-- (unix µs) they were counted at, or a quota's count and its window's end; then the time
+-- (unix µs) after which the field says nothing a missing one would not (a bucket full
+-- again, a window over, +1 s). Groups have no expiry: a call may also sweep its first
+-- group, deleting such fields a slice at a time (HSCAN from the cursor kept in field '~').
+--
+-- KEYS = the call's group hashes. ARGV[1] = m, then m more groups: on a cluster a call
+-- declares only its first group (which routes it to its master) and passes the other
+-- groups of that master here; a group whose slot moved fails its own entries only.
+-- The groups are KEYS, then these.
+-- Then how many fields of the first group to sweep (0: none);
+-- then the number of limit sets; then each set: its number of limits, and six
+-- arguments per limit: its field suffix ('' or '/name:'), its kind, and four values:
 --   'b' bucket:  capacity, rate (tokens/s), the tokens a bucket that does not exist yet
 --                starts with ('' = full: used when a client moves between its global
 --                bucket and regional shards), unused;
@@ -22,219 +32,297 @@
 --                previous, current and next windows around the gateway's clock: Redis'
 --                own clock picks among them, so gateway clocks never matter;
 --   'r' rolling quota: amount, the window's length (µs) if one started now, unused x2.
--- Then four arguments per entry (per KEY), in order:
---   op: 't': take `cost` for each of `n` requests that arrived together, in order;
---       'a': adjust every limit by `cost` (a debit, or a refund when negative) whatever
---            the balance: a cost reported after the response;
---       'p': peek (refill and reset, return the levels, write nothing);
---   cost (tokens); n (requests; 't' only); the entry's limit set (1-based).
--- A batch of clients on the same plan shares one set: an entry is four short arguments.
+-- Then the entries, in runs of entries alike: one binary argument, struct '<HBdIHH' per
+-- run: its length, then its entries' op, cost (tokens), n (requests; 't' only), limit
+-- set (1-based) and group (1-based); a group's runs are consecutive. Then one argument
+-- per entry, in run order: its tag.
+--   op: 116 't': take `cost` for each of `n` requests that arrived together, in order;
+--        97 'a': adjust every limit by `cost` (a debit, or a refund when negative)
+--                whatever the balance: a cost reported after the response;
+--       112 'p': peek (refill and reset, return the levels, write nothing).
 --
 -- The time comes from Redis itself (TIME), once per call. The arithmetic is
 -- src/domain/limits.rs's (`Level::at`, then `take_many` / `Level::adjust`), operation for
 -- operation, so the embedded store decides identically and the gateway replays the takes
 -- to give each request its own answer.
 --
--- Returns { now (µs, decimal), a status per entry ('1' decided, '0' failed: its string
--- is then the error), then one binary string per entry: struct '<I' requests
--- admitted, then per limit two little-endian doubles, before any take: a bucket's tokens
--- after refilling and 0; a quota's count and its window's end (µs) }. Binary keeps every
--- bit of a double without formatting it; formatting doubles was a third of the script's
--- cost.
+-- Returns { now (µs, decimal), a status per entry ('1' decided, '0' failed), the decided
+-- entries' levels, then the failed entries' errors in order }. The levels are
+-- little-endian doubles, before any take: one per entry of a set of one bucket (its
+-- tokens after refilling); two per limit for any other set (a bucket's tokens and 0, a
+-- quota's count and its window's end).
 --
--- State is written in decimal (whole numbers as integers, others with 17 digits: every
--- bit of the double). The hash lives until the last of its limits is whole again (a
--- bucket full, a quota's window over, +1 s of slack); its expiry is set to twice that and
--- noted in field 'x' (unix ms), and set again only when a write needs more than 'x' has:
--- most writes need no PEXPIRE, and an expiry is never shortened (limits of other services
--- in the same hash keep theirs).
+-- The hot path (a set of one bucket) is written for Lua 5.1's interpreter, where each
+-- operation costs: no function calls, comparisons instead of math.min, tables built in
+-- one piece where possible.
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local nowstr = t[1] .. string.format('%06d', tonumber(t[2]))
-local nowms = math.floor(now / 1000)
-local floor, min, max, format = math.floor, math.min, math.max, string.format
+local min, max, rep, concat = math.min, math.max, string.rep, table.concat
+local pack, unpack_s, call = struct.pack, struct.unpack, redis.call
+local argv = ARGV
 
--- Exact decimal: whole numbers as integers (cheap), others with every bit.
-local function dec(v)
-  if v == floor(v) and v > -1e15 and v < 1e15 then return format('%d', v) end
-  return format('%.17g', v)
-end
-
-local keys, m = KEYS, tonumber(ARGV[1])
+local keys, m = KEYS, tonumber(argv[1])
 if m > 0 then
   keys = {}
   for k = 1, #KEYS do keys[k] = KEYS[k] end
-  for k = 1, m do keys[#KEYS + k] = ARGV[1 + k] end
+  for k = 1, m do keys[#KEYS + k] = argv[1 + k] end
 end
+local sweep = tonumber(argv[2 + m])
 
 -- The limit sets.
 local sets = {}
-local at = 2 + m
-for s = 1, tonumber(ARGV[at]) do
-  local count = tonumber(ARGV[at + 1])
-  if count == 1 and ARGV[at + 3] == 'b' then
-    -- One bucket, the commonest plan: decided by `one` below.
-    local f = ARGV[at + 2]
-    sets[s] = { one = true, tk = f .. 'tk', ts = f .. 'ts', cap = tonumber(ARGV[at + 4]),
-      rate = tonumber(ARGV[at + 5]), init = tonumber(ARGV[at + 6]) }
+local at = 3 + m
+for s = 1, tonumber(argv[at]) do
+  local count = tonumber(argv[at + 1])
+  if count == 1 and argv[at + 2] == '' and argv[at + 3] == 'b' then
+    -- One bucket, the commonest plan.
+    sets[s] = { one = true, count = 1, cap = tonumber(argv[at + 4]),
+      rate = tonumber(argv[at + 5]), init = tonumber(argv[at + 6]) }
   else
-    local set = { count = count, kind = {}, a = {}, v1 = {}, v2 = {}, v3 = {}, read = {},
-      field = {}, fmt = '<I' .. string.rep('d', 2 * count) }
+    local set = { count = count, suffix = {}, kind = {}, a = {}, v1 = {}, v2 = {}, v3 = {} }
     for i = 1, count do
       local base = at + 1 + (i - 1) * 6
-      local f, k = ARGV[base + 1], ARGV[base + 2]
-      set.kind[i], set.a[i] = k, tonumber(ARGV[base + 3])
+      set.suffix[i], set.kind[i], set.a[i] = argv[base + 1], argv[base + 2], tonumber(argv[base + 3])
       set.v1[i], set.v2[i], set.v3[i] =
-        tonumber(ARGV[base + 4]), tonumber(ARGV[base + 5]), tonumber(ARGV[base + 6])
-      if k == 'b' then
-        set.field[2 * i - 1], set.field[2 * i] = f .. 'tk', f .. 'ts'
-      else
-        set.field[2 * i - 1], set.field[2 * i] = f .. 'n', f .. 'e'
-      end
-      set.read[2 * i - 1], set.read[2 * i] = set.field[2 * i - 1], set.field[2 * i]
+        tonumber(argv[base + 4]), tonumber(argv[base + 5]), tonumber(argv[base + 6])
     end
-    set.read[2 * count + 1] = 'x'
     sets[s] = set
   end
   at = at + 1 + 6 * count
 end
 
-local reply, status = { nowstr, '' }, {}
+-- The runs.
+local runs = argv[at + 1]
+local nruns = #runs / 19
+local rv = { unpack_s('<' .. rep('HBdIHH', nruns), runs) }
+local first_tag = at + 2
 
--- The entry of a set of one bucket: the general case below, with its loops unrolled.
-local function one(key, set, op, cost, n)
-  local cap, rate = set.cap, set.rate
-  local s = redis.call('HMGET', key, set.tk, set.ts, 'x')
-  local lv = tonumber(s[1]) or min(cap, set.init or cap)
-  local elapsed = now - (tonumber(s[2]) or now)
-  if elapsed < 0 then elapsed = 0 end
-  lv = min(cap, lv + elapsed * rate / 1000000)
-  local before, admitted = lv, 0
-  if op == 't' then
-    while admitted < n and lv >= cost do
-      lv = lv - cost
-      admitted = admitted + 1
-    end
-  elseif op == 'a' then
-    lv = max(-1e9, min(cap, lv - cost))
+-- Per group: its first run and its last, and where its tags start and end.
+local gfirst, glast, gtag0, gtag1 = {}, {}, {}, {}
+do
+  local tag = first_tag
+  for r = 1, nruns do
+    local b = 6 * r - 6
+    local g = rv[b + 6]
+    if not gfirst[g] then gfirst[g], gtag0[g] = r, tag end
+    glast[g] = r
+    tag = tag + rv[b + 1]
+    gtag1[g] = tag - 1
   end
-  local r = struct.pack('<Idd', admitted, before, 0)
-  if op == 'p' then return r end
-  local keep = math.ceil((cap - lv) / rate * 1000) + 1000
-  local x = tonumber(s[3])
-  if x and x >= nowms + keep then
-    redis.call('HSET', key, set.tk, dec(lv), set.ts, nowstr)
-  else
-    redis.call('HSET', key, set.tk, dec(lv), set.ts, nowstr, 'x', format('%d', nowms + 2 * keep))
-    redis.call('PEXPIRE', key, 2 * keep)
-  end
-  return r
 end
 
--- Reused by every entry.
-local lv, en, packed, out = {}, {}, {}, {}
+local status, levels, errors = {}, {}, {}
+local nstatus, nlevels = 0, 0
+local MISSING = pack('<ddd', -1 / 0, 0, 0)
 
--- The entry of any other set.
-local function many(key, set, op, cost, n)
-  local count, kind, a = set.count, set.kind, set.a
-  local s = redis.call('HMGET', key, unpack(set.read))
-
-  -- Levels now: buckets refilled, quotas reset when their window is over.
-  for i = 1, count do
-    local s1, s2 = tonumber(s[2 * i - 1]), tonumber(s[2 * i])
-    en[i] = 0
-    if kind[i] == 'b' then
-      local tokens = s1 or min(a[i], set.v2[i] or a[i])
-      local elapsed = now - (s2 or now)
-      if elapsed < 0 then elapsed = 0 end
-      lv[i] = min(a[i], tokens + elapsed * set.v1[i] / 1000000)
-    elseif s1 and s2 and now < s2 then
-      lv[i], en[i] = s1, s2
-    else
-      lv[i] = 0
-      if kind[i] == 'r' then
-        en[i] = now + set.v1[i]
-      elseif now < set.v1[i] then en[i] = set.v1[i]
-      elseif now < set.v2[i] then en[i] = set.v2[i]
-      else en[i] = set.v3[i] end
+-- A group whose slot moved (a cluster) fails its entries only: their status '0' and
+-- its error.
+local function fail(g, err)
+  for r = gfirst[g], glast[g] do
+    for _ = 1, rv[6 * r - 5] do
+      nstatus = nstatus + 1
+      status[nstatus] = '0'
+      errors[#errors + 1] = err
     end
-    packed[2 * i], packed[2 * i + 1] = lv[i], en[i]
   end
+end
 
-  local admitted = 0
-  if op == 't' then
-    -- Once one request is refused the rest are too: they all cost the same.
-    local fits = true
-    while fits and admitted < n do
-      for i = 1, count do
-        if kind[i] == 'b' then
-          if lv[i] < cost then fits = false end
-        elseif lv[i] + cost > a[i] then
-          fits = false
+local function message(e)
+  return type(e) == 'table' and tostring(e.err) or tostring(e)
+end
+
+for g = 1, #keys do
+  if gfirst[g] then
+    local key, r0, r1 = keys[g], gfirst[g], glast[g]
+    -- The fields to read: the tags themselves when every run of the group is of a set
+    -- of one bucket, else built.
+    local plain = true
+    for r = r0, r1 do
+      if not sets[rv[6 * r - 1]].one then plain = false end
+    end
+    local fields
+    if not plain then
+      fields = {}
+      local tag = gtag0[g]
+      for r = r0, r1 do
+        local b = 6 * r - 6
+        local set = sets[rv[b + 5]]
+        for _ = 1, rv[b + 1] do
+          if set.one then
+            fields[#fields + 1] = argv[tag]
+          else
+            for l = 1, set.count do fields[#fields + 1] = argv[tag] .. set.suffix[l] end
+          end
+          tag = tag + 1
         end
       end
-      if fits then
-        for i = 1, count do
-          if kind[i] == 'b' then lv[i] = lv[i] - cost else lv[i] = lv[i] + cost end
-        end
-        admitted = admitted + 1
-      end
     end
-  elseif op == 'a' then
-    -- A bucket may go below zero (down to -1e9) and wait it off; a quota's count never
-    -- goes below zero.
-    for i = 1, count do
-      if kind[i] == 'b' then
-        lv[i] = max(-1e9, min(a[i], lv[i] - cost))
-      else
-        lv[i] = max(0, min(2 * a[i], lv[i] + cost))
-      end
-    end
-  end
-  packed[1] = admitted
-  local r = struct.pack(set.fmt, unpack(packed, 1, 1 + 2 * count))
-
-  if op ~= 'p' then
-    local m, keep = 0, 0
-    for i = 1, count do
-      local want
-      out[m + 1], out[m + 2], out[m + 3] = set.field[2 * i - 1], dec(lv[i]), set.field[2 * i]
-      if kind[i] == 'b' then
-        out[m + 4] = nowstr
-        want = math.ceil((a[i] - lv[i]) / set.v1[i] * 1000) + 1000
-      else
-        out[m + 4] = dec(en[i])
-        want = math.ceil((en[i] - now) / 1000) + 1000
-      end
-      m = m + 4
-      if want > keep then keep = want end
-    end
-    local x = tonumber(s[2 * count + 1])
-    if not x or x < nowms + keep then
-      out[m + 1], out[m + 2] = 'x', format('%d', nowms + 2 * keep)
-      m = m + 2
-      redis.call('HSET', key, unpack(out, 1, m))
-      redis.call('PEXPIRE', key, 2 * keep)
+    local ok, st
+    if plain then
+      ok, st = pcall(call, 'HMGET', key, unpack(argv, gtag0[g], gtag1[g]))
     else
-      redis.call('HSET', key, unpack(out, 1, m))
+      ok, st = pcall(call, 'HMGET', key, unpack(fields))
+    end
+    if not ok then
+      fail(g, message(st))
+    else
+      local nf = #st
+      for i = 1, nf do
+        local v = st[i]
+        if not v or #v ~= 24 then st[i] = MISSING end
+      end
+      -- Three numbers per field: level, time or window end, sweepable after.
+      local num = { unpack_s('<' .. rep('ddd', nf), concat(st)) }
+      local writes, nw = {}, 0
+      local saved_status, saved_levels = nstatus, nlevels
+      local tag, j = gtag0[g], 1
+      for r = r0, r1 do
+        local b = 6 * r - 6
+        local len, op, cost, n, set = rv[b + 1], rv[b + 2], rv[b + 3], rv[b + 4], sets[rv[b + 5]]
+        if set.one then
+          local cap, rate, init = set.cap, set.rate, set.init or set.cap
+          local take, write = op == 116, op ~= 112
+          for _ = 1, len do
+            local lv = num[j]
+            if lv == -1 / 0 then
+              lv = init
+            else
+              local elapsed = now - num[j + 1]
+              if elapsed > 0 then lv = lv + elapsed * rate / 1000000 end
+            end
+            if lv > cap then lv = cap end
+            nlevels = nlevels + 1
+            levels[nlevels] = lv
+            if take then
+              local a = 0
+              while a < n and lv >= cost do
+                lv = lv - cost
+                a = a + 1
+              end
+            elseif op == 97 then
+              lv = max(-1e9, min(cap, lv - cost))
+            end
+            if write then
+              -- Sweepable once full again (µs from now, rounded up), +1 s.
+              local q = (cap - lv) / rate * 1000000
+              local c = q - q % 1
+              if c < q then c = c + 1 end
+              writes[nw + 1], writes[nw + 2] = argv[tag], pack('<ddd', lv, now, now + c + 1000000)
+              nw = nw + 2
+            end
+            nstatus = nstatus + 1
+            status[nstatus] = '1'
+            tag, j = tag + 1, j + 3
+          end
+        else
+          local count, kind, a = set.count, set.kind, set.a
+          local lv, en = {}, {}
+          for _ = 1, len do
+            -- Levels now: buckets refilled, quotas reset when their window is over.
+            for i = 1, count do
+              local x = j + 3 * (i - 1)
+              local s1, s2 = num[x], num[x + 1]
+              if s1 == -1 / 0 then s1, s2 = nil, nil end
+              en[i] = 0
+              if kind[i] == 'b' then
+                local tokens = s1 or min(a[i], set.v2[i] or a[i])
+                local elapsed = now - (s2 or now)
+                if elapsed < 0 then elapsed = 0 end
+                lv[i] = min(a[i], tokens + elapsed * set.v1[i] / 1000000)
+              elseif s1 and now < s2 then
+                lv[i], en[i] = s1, s2
+              else
+                lv[i] = 0
+                if kind[i] == 'r' then
+                  en[i] = now + set.v1[i]
+                elseif now < set.v1[i] then en[i] = set.v1[i]
+                elseif now < set.v2[i] then en[i] = set.v2[i]
+                else en[i] = set.v3[i] end
+              end
+              levels[nlevels + 1], levels[nlevels + 2] = lv[i], en[i]
+              nlevels = nlevels + 2
+            end
+            if op == 116 then
+              -- Once one request is refused the rest are too: they all cost the same.
+              local fits, admitted = true, 0
+              while fits and admitted < n do
+                for i = 1, count do
+                  if kind[i] == 'b' then
+                    if lv[i] < cost then fits = false end
+                  elseif lv[i] + cost > a[i] then
+                    fits = false
+                  end
+                end
+                if fits then
+                  for i = 1, count do
+                    if kind[i] == 'b' then lv[i] = lv[i] - cost else lv[i] = lv[i] + cost end
+                  end
+                  admitted = admitted + 1
+                end
+              end
+            elseif op == 97 then
+              -- A bucket may go below zero (down to -1e9) and wait it off; a quota's
+              -- count never goes below zero.
+              for i = 1, count do
+                if kind[i] == 'b' then
+                  lv[i] = max(-1e9, min(a[i], lv[i] - cost))
+                else
+                  lv[i] = max(0, min(2 * a[i], lv[i] + cost))
+                end
+              end
+            end
+            if op ~= 112 then
+              for i = 1, count do
+                local over
+                if kind[i] == 'b' then
+                  over = now + math.ceil((a[i] - lv[i]) / set.v1[i] * 1000000) + 1000000
+                  writes[nw + 2] = pack('<ddd', lv[i], now, over)
+                else
+                  writes[nw + 2] = pack('<ddd', lv[i], en[i], en[i] + 1000000)
+                end
+                writes[nw + 1] = argv[tag] .. set.suffix[i]
+                nw = nw + 2
+              end
+            end
+            nstatus = nstatus + 1
+            status[nstatus] = '1'
+            tag, j = tag + 1, j + 3 * count
+          end
+        end
+      end
+      -- One HSET per group. One that fails fails the group's entries: nothing they
+      -- decided was kept.
+      if nw > 0 then
+        local wok, e = pcall(call, 'HSET', key, unpack(writes, 1, nw))
+        if not wok then
+          nstatus, nlevels = saved_status, saved_levels
+          fail(g, message(e))
+        end
+      end
     end
   end
-  return r
 end
 
-for k = 1, #keys do
-  local op, cost, n = ARGV[at + 1], tonumber(ARGV[at + 2]), tonumber(ARGV[at + 3]) or 1
-  local set = sets[tonumber(ARGV[at + 4])]
-  at = at + 4
-  local ok, r = pcall(set.one and one or many, keys[k], set, op, cost, n)
-  status[k] = ok and '1' or '0'
-  if ok then
-    reply[k + 2] = r
-  else
-    -- redis.call raises a table { err = message }.
-    reply[k + 2] = type(r) == 'table' and tostring(r.err) or tostring(r)
+-- A slice of the first group's fields whose time is over (written before this call: a
+-- field this call wrote is never over).
+if sweep > 0 and status[1] == '1' then
+  local cursor = call('HGET', keys[1], '~') or '0'
+  local r = call('HSCAN', keys[1], cursor, 'COUNT', sweep)
+  local items, gone = r[2], {}
+  for i = 1, #items, 2 do
+    local v = items[i + 1]
+    if #v == 24 then
+      local _, _, over = unpack_s('<ddd', v)
+      if over < now then gone[#gone + 1] = items[i] end
+    end
   end
+  if #gone > 0 then call('HDEL', keys[1], unpack(gone)) end
+  call('HSET', keys[1], '~', r[1])
 end
-reply[2] = table.concat(status)
+
+local reply = { nowstr, concat(status, '', 1, nstatus),
+  nlevels > 0 and pack('<' .. rep('d', nlevels), unpack(levels, 1, nlevels)) or '' }
+for e = 1, #errors do reply[3 + e] = errors[e] end
 return reply

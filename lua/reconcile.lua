@@ -8,25 +8,25 @@
 --           (the region's last reported demand, requests/s), t:<region> (when it was
 --           reported), f:<region> (last reported bucket fill)
 -- KEYS[2] = history (list of JSON snapshots, newest first), e.g. tollgate:shardlog:{acme}
--- KEYS[3] = the client's global bucket, e.g. tollgate:b:{acme}
--- All three share the client's hash tag: one Redis Cluster slot.
+-- Both share the client's hash tag: one Redis Cluster slot.
 --
 -- ARGV[1] period (ms)      ARGV[2] this region       ARGV[3] its demand (requests/s,
 -- measured over its own last interval, so reports need not line up with periods)
 -- ARGV[4] its bucket fill (0..1, or '' if unknown)    ARGV[5] floor (share kept by idle
--- regions, summed over all regions)                   ARGV[6] capacity   ARGV[7] rate
--- ARGV[8] the field prefix of the shared bucket's state in KEYS[3] ('' or 'name:')
--- ARGV[9..] the client's regions
+-- regions, summed over all regions)
+-- ARGV[6] the global bucket's fill now (0..1): the regional buckets start as full when
+-- sharding begins (the caller reads it: the bucket's state lives in a group hash, in
+-- another slot)
+-- ARGV[7..] the client's regions
 --
 -- Returns { ts, since, seed, region1, share1, fill1, region2, ... } (numbers as strings).
 
-local state, history, global = KEYS[1], KEYS[2], KEYS[3]
+local state, history = KEYS[1], KEYS[2]
 local period = tonumber(ARGV[1])
 local me, demand, fill = ARGV[2], tonumber(ARGV[3]), ARGV[4]
-local floor, cap, rate = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local floor, seed = tonumber(ARGV[5]), tonumber(ARGV[6])
 local regions = {}
-local field = ARGV[8]
-for i = 9, #ARGV do regions[#regions + 1] = ARGV[i] end
+for i = 7, #ARGV do regions[#regions + 1] = ARGV[i] end
 local n = #regions
 
 local t = redis.call('TIME')
@@ -39,12 +39,6 @@ local ts = tonumber(redis.call('HGET', state, 'ts') or '')
 if not ts then
   -- Sharding begins: equal shares, and the regional buckets start as full as the global
   -- bucket is now, so the switch hands out no extra burst.
-  local b = redis.call('HMGET', global, field .. 'tk', field .. 'ts')
-  local seed = 1
-  if b[1] then
-    local elapsed = math.max(0, now * 1000 - tonumber(b[2]))
-    seed = math.min(cap, tonumber(b[1]) + elapsed * rate / 1000000) / cap
-  end
   redis.call('HSET', state, 'ts', now, 'since', now, 'seed', string.format('%.17g', seed))
   for _, r in ipairs(regions) do redis.call('HSET', state, 's:' .. r, string.format('%.17g', 1 / n)) end
 elseif now - ts >= period then

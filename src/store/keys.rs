@@ -16,7 +16,12 @@ impl Keys {
         }
     }
 
-    /// A client's bucket: `tollgate:b:{acme}`.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// A client's bucket: `tollgate:b:{acme}`. Its state lives in a group hash
+    /// ([`StateGroups`]) on Redis, under this key in the embedded store.
     pub fn bucket(&self, client: &ClientId) -> String {
         format!("{}b:{{{}}}", self.prefix, client)
     }
@@ -47,16 +52,91 @@ impl Keys {
     }
 }
 
+/// State groups on Redis Cluster: a master holds the groups of its slots, so up to this
+/// many masters share the state evenly. One server holds a single group.
+pub const CLUSTER_STATE_GROUPS: usize = 256;
+
+/// Most state groups: each is found a tag in its own slice of the slots.
+pub const MAX_STATE_GROUPS: usize = 1024;
+
+/// Where client state lives in Redis: `n` group hashes (see `lua/bucket.lua`), not a key
+/// per client. A bucket key's state (`tollgate:b:{acme}`) is the field `acme` of the group
+/// whose slice of the 16384 slots holds the key's slot; group `i`'s own key carries a tag
+/// chosen to sit in slice `i`, so on Redis Cluster a group lives on the master that serves
+/// its clients' slots, and groups spread over masters as slots do.
+#[derive(Debug, Clone)]
+pub struct StateGroups {
+    keys: Vec<String>,
+}
+
+impl StateGroups {
+    /// `n` groups (1 to [`MAX_STATE_GROUPS`]) under `prefix`.
+    pub fn new(prefix: &str, n: usize) -> StateGroups {
+        let n = n.clamp(1, MAX_STATE_GROUPS);
+        let mut tags: Vec<Option<u32>> = vec![None; n];
+        let mut left = n;
+        // The first number whose slot falls in each slice: the same on every gateway.
+        for t in 0u32.. {
+            let g = usize::from(key_slot(&t.to_string())) * n / 16384;
+            if tags[g].is_none() {
+                tags[g] = Some(t);
+                left -= 1;
+                if left == 0 {
+                    break;
+                }
+            }
+        }
+        StateGroups {
+            keys: tags
+                .into_iter()
+                .map(|t| format!("{prefix}s:{{{}}}", t.expect("every slice is reached")))
+                .collect(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Never: there is at least one group.
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// A bucket key's group (its index) and its field: the key's hash tag.
+    pub fn locate<'a>(&self, bucket_key: &'a str) -> (usize, &'a str) {
+        let g = usize::from(key_slot(bucket_key)) * self.keys.len() / 16384;
+        (g, hash_tag(bucket_key).unwrap_or(bucket_key))
+    }
+
+    /// Group `g`'s hash.
+    pub fn key(&self, g: usize) -> &str {
+        &self.keys[g]
+    }
+}
+
+/// The field of a limit's state in a group: the tag for the plan's first limit (field
+/// prefix `""`), `<tag>/<prefix>` for the others.
+pub fn state_field(tag: &str, prefix: &str) -> String {
+    if prefix.is_empty() {
+        tag.to_string()
+    } else {
+        format!("{tag}/{prefix}")
+    }
+}
+
+/// The part of a key between the first `{` and the next `}`, if non-empty.
+fn hash_tag(key: &str) -> Option<&str> {
+    let open = key.find('{')?;
+    let rest = &key[open + 1..];
+    let close = rest.find('}')?;
+    (close > 0).then(|| &rest[..close])
+}
+
 /// The Redis Cluster slot of a key: CRC16 (XMODEM) of its hash tag (the part between
 /// the first `{` and the next `}`, if non-empty), else of the whole key, modulo 16384.
 pub fn key_slot(key: &str) -> u16 {
-    let b = key.as_bytes();
-    let tagged = b.iter().position(|&c| c == b'{').and_then(|open| {
-        let rest = &b[open + 1..];
-        let close = rest.iter().position(|&c| c == b'}')?;
-        (close > 0).then(|| &rest[..close])
-    });
-    crc16(tagged.unwrap_or(b)) % 16384
+    crc16(hash_tag(key).unwrap_or(key).as_bytes()) % 16384
 }
 
 fn crc16(data: &[u8]) -> u16 {
@@ -127,5 +207,24 @@ mod tests {
         let eu = Region::parse("eu").unwrap();
         assert_eq!(k.regional_bucket(&acme, &eu), "tollgate:b:{acme:eu}");
         assert_eq!(k.catalog("plans"), "tollgate:{catalog}:plans");
+    }
+
+    #[test]
+    fn each_state_group_sits_in_its_own_slice_of_the_slots_and_holds_the_keys_of_that_slice() {
+        for n in [1, 3, 16, 256, MAX_STATE_GROUPS] {
+            let groups = StateGroups::new("tollgate:", n);
+            assert_eq!(groups.len(), n);
+            for g in 0..n {
+                let slot = usize::from(key_slot(groups.key(g)));
+                assert_eq!(slot * n / 16384, g, "group {g} of {n}: slot {slot}");
+            }
+        }
+        let groups = StateGroups::new("tollgate:", 16);
+        // tollgate:b:{acme} is slot 11304: slice 11 of 16.
+        assert_eq!(groups.locate("tollgate:b:{acme}"), (11, "acme"));
+        assert_eq!(groups.locate("tollgate:b:{acme:eu}").1, "acme:eu");
+        assert_eq!(StateGroups::new("tollgate:", 1).key(0), "tollgate:s:{0}");
+        assert_eq!(state_field("acme", ""), "acme");
+        assert_eq!(state_field("acme:eu", "day:"), "acme:eu/day:");
     }
 }

@@ -19,7 +19,7 @@ mod shards;
 
 pub use self::dispatch::Store;
 pub use self::error::StoreError;
-pub use self::keys::{key_in_slot, key_slot, Keys};
+pub use self::keys::{key_in_slot, key_slot, state_field, Keys, StateGroups, CLUSTER_STATE_GROUPS};
 pub use self::local::{LocalBuckets, LocalLimits, LocalOp};
 pub use self::records::ClientsPage;
 pub use self::redis::Persistence;

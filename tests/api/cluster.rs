@@ -1,7 +1,17 @@
 //! Redis Cluster: slot-safe keys, exact limits across nodes, and a node that is down
 //! failing open only for the keys it owns.
 
+use tollgate::store::{StateGroups, CLUSTER_STATE_GROUPS};
+
 use crate::helpers::*;
+
+/// The group hash holding `client`'s state on a cluster (`lua/bucket.lua`).
+fn group_of(client: &str) -> String {
+    let groups = StateGroups::new("tollgate:", CLUSTER_STATE_GROUPS);
+    groups
+        .key(groups.locate(&format!("tollgate:b:{{{client}}}")).0)
+        .to_string()
+}
 
 #[tokio::test]
 async fn a_three_master_cluster_limits_every_client_exactly_and_a_stopped_node_fails_open_only_for_its_keys(
@@ -48,22 +58,26 @@ async fn a_three_master_cluster_limits_every_client_exactly_and_a_stopped_node_f
     }
     let mut per_node = [0; 3];
     for c in before {
-        per_node[cluster.owner(&format!("tollgate:b:{{{c}}}")).unwrap()] += 1;
+        let node = cluster.owner(&group_of(c)).unwrap();
+        per_node[node] += 1;
+        // The node that serves the client's group holds its state.
+        let held: bool = redis::cmd("HEXISTS")
+            .arg(group_of(c))
+            .arg(c)
+            .query(&mut cluster.nodes[node].conn().unwrap())
+            .unwrap();
+        assert!(held, "node {node} holds {c}'s state");
     }
     assert!(
         per_node.iter().all(|n| *n > 0),
-        "buckets spread over the nodes: {per_node:?}"
+        "state spread over the nodes: {per_node:?}"
     );
-    let warmup_node = cluster.owner("tollgate:b:{warmup}").unwrap();
-    for (i, node) in cluster.nodes.iter().enumerate() {
-        let here = node.keys("tollgate:b:*").unwrap().len() - usize::from(i == warmup_node);
-        assert_eq!(here, per_node[i], "node {i} holds its clients' buckets");
-    }
 
-    // Act 2: a client's slot moves to another node (resharding): the gateways follow the
-    // MOVED redirection and the bucket, moved with its slot, keeps the client limited.
+    // Act 2: a client's state group's slot moves to another node (resharding): the
+    // gateways follow the MOVED redirection and the state, moved with its slot, keeps the
+    // client limited.
     let moved = &before[0];
-    let bucket = format!("tollgate:b:{{{moved}}}");
+    let bucket = group_of(moved);
     let old_owner = cluster.owner(&bucket).unwrap();
     cluster.move_slot_of(&bucket, (old_owner + 1) % 3).unwrap();
     assert_ne!(cluster.owner(&bucket).unwrap(), old_owner);
@@ -90,7 +104,7 @@ async fn a_three_master_cluster_limits_every_client_exactly_and_a_stopped_node_f
         }
         // Assert: the stopped node's clients are admitted (failing open, within the safety
         // limit); everyone else's limit still holds exactly.
-        if cluster.owner(&format!("tollgate:b:{{{c}}}")).unwrap() == stopped {
+        if cluster.owner(&group_of(c)).unwrap() == stopped {
             assert_eq!(admitted, 8, "client {c} on the stopped node fails open");
             failed_open += 1;
         } else {
@@ -191,10 +205,10 @@ async fn on_a_cluster_takes_of_one_masters_clients_share_calls_and_a_moved_slot_
         "{calls} calls for 240 takes of 60 clients on 3 masters"
     );
 
-    // Act 2: b0's slot moves to another master; at once, before the gateway reads the slot
-    // map again, 3 requests of every b client, b0's last in each round: b0's take goes out
-    // with its old master's others.
-    let moved = format!("tollgate:b:{{{}}}", second[0]);
+    // Act 2: the slot of b0's state group moves to another master; at once, before the
+    // gateway reads the slot map again, 3 requests of every b client, b0's last in each
+    // round: b0's take goes out with its old master's others.
+    let moved = group_of(&second[0]);
     let old = cluster.owner(&moved).unwrap();
     cluster.move_slot_of(&moved, (old + 1) % 3).unwrap();
     let answers: Vec<(usize, reqwest::Response)> =

@@ -16,7 +16,7 @@ use secrecy::SecretString;
 use tollgate::configuration::Settings;
 use tollgate::domain::Limits;
 use tollgate::startup::Application;
-use tollgate::store::{Keys, Store};
+use tollgate::store::{state_field, Keys, StateGroups, Store};
 pub use tollgate_testkit::{
     admin_toml, catalog_toml, free_port, key, limits_catalog_toml, route_toml, FakeClock,
     GatewayProcess, RedisCluster, RedisServer, ADMIN_SECRET,
@@ -164,8 +164,26 @@ pub fn plan_limits(toml: &str, plan: &str) -> Limits {
         .limits
 }
 
+/// A client's stored state for one limit, as `lua/bucket.lua` keeps it on one Redis
+/// server (group hash `tollgate:s:{0}`, field `<tag>` for a plan's first limit or
+/// `<tag>/<prefix>` for another; `tag` is the client, or `client:region` for a shard):
+/// (a bucket's tokens or a quota's count; when they were counted or the window's end,
+/// unix µs; when the field may be swept, unix µs).
+pub fn stored(redis: &RedisServer, tag: &str, prefix: &str) -> Option<[f64; 3]> {
+    let group = StateGroups::new("tollgate:", 1);
+    let v: Option<Vec<u8>> = redis::cmd("HGET")
+        .arg(group.key(0))
+        .arg(state_field(tag, prefix))
+        .query(&mut redis.conn().unwrap())
+        .unwrap();
+    let v = v?;
+    assert_eq!(v.len(), 24, "state of {tag}/{prefix}: {v:?}");
+    let word = |i: usize| f64::from_le_bytes(v[8 * i..8 * i + 8].try_into().unwrap());
+    Some([word(0), word(1), word(2)])
+}
+
 /// A store on `redis` with the gateway's default key prefix, to read what the gateway
-/// wrote: a client's state is at `tollgate:b:{<client>}`.
+/// wrote: a client's bucket key is `tollgate:b:{<client>}` (its state: [`stored`]).
 pub fn redis_store(redis: &RedisServer) -> Store {
     Store::redis(
         &SecretString::from(redis.url()),

@@ -112,22 +112,32 @@ async fn each_decision_is_one_script_call_and_nothing_else() {
         gw.get("/orders", Some(&key("acme"))).await;
     }
 
-    // INFO commandstats also counts the commands the script runs inside Redis.
+    // INFO commandstats also counts the commands the script runs inside Redis: one read
+    // and one write of the client's state group, and no expiry (groups have none).
     let calls = redis.command_calls().unwrap();
     assert_eq!(calls.get("evalsha"), Some(&12), "{calls:?}");
-    for inside_the_script in ["time", "hmget", "hset"] {
+    for inside_the_script in ["time", "hmget"] {
         assert_eq!(calls.get(inside_the_script), Some(&12), "{calls:?}");
     }
-    // The expiry is set when the state is created and again only when a take needs it
-    // longer than the last one set (twice what was needed then): not on every take.
-    let pexpire = calls.get("pexpire").copied().unwrap_or(0);
-    assert!((1..12).contains(&pexpire), "{calls:?}");
+    // A call sweeps a slice of its group at most every 100 ms (HGET of the cursor, HSCAN,
+    // HSET of the cursor): the first call, and some of the others.
+    let sweeps = calls.get("hscan").copied().unwrap_or(0);
+    assert!((1..12).contains(&sweeps), "{calls:?}");
+    assert_eq!(calls.get("hget"), Some(&sweeps), "{calls:?}");
+    assert_eq!(calls.get("hset"), Some(&(12 + sweeps)), "{calls:?}");
     let others: Vec<_> = calls
         .keys()
         .filter(|c| {
             !matches!(
                 c.as_str(),
-                "evalsha" | "time" | "hmget" | "hset" | "pexpire" | "info" | "config|resetstat"
+                "evalsha"
+                    | "time"
+                    | "hmget"
+                    | "hset"
+                    | "hget"
+                    | "hscan"
+                    | "info"
+                    | "config|resetstat"
             )
         })
         .collect();
@@ -412,7 +422,7 @@ async fn an_unknown_or_missing_key_gets_401_and_touches_nothing() {
     }
 
     assert_eq!(up.hits(), 0);
-    assert!(redis.keys("tollgate:b:*").unwrap().is_empty());
+    assert!(redis.keys("tollgate:s:*").unwrap().is_empty());
     assert_eq!(redis.command_calls().unwrap().get("evalsha"), None);
 }
 
@@ -463,27 +473,47 @@ async fn script_flush_mid_traffic_keeps_decisions_correct() {
 }
 
 #[tokio::test]
-async fn idle_buckets_carry_an_expiry_of_the_time_to_refill() {
+async fn idle_state_is_swept_once_its_bucket_is_full_again_and_not_before() {
+    // Arrange: acme spends 4 of 10 tokens at 2 tokens/s: full again in 2 s.
     let redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let toml = format!(
         "{}{}{}",
         redis_toml(&redis),
-        catalog_toml(("gold", 10.0, 2.0), &["acme"]),
+        catalog_toml(("gold", 10.0, 2.0), &["acme", "other"]),
         route_toml("orders", "/orders", &[up.url()]),
     );
     let gw = TestGateway::spawn(settings(&toml)).await;
     for _ in 0..4 {
         gw.get("/orders", Some(&key("acme"))).await;
     }
-    let pttl: i64 = redis::cmd("PTTL")
-        .arg("tollgate:b:{acme}")
-        .query(&mut redis.conn().unwrap())
-        .unwrap();
-    // 4 of 10 tokens spent at 2/s: full again in 2 s, plus 1 s of slack. The expiry is
-    // set to twice what a take needs, and again only when a take needs more than is
-    // left: it is never below that need, and at most twice it.
-    assert!((2_500..=6_000).contains(&pttl), "pttl {pttl}");
+    let [tokens, at, over] = stored(&redis, "acme", "").expect("acme's state");
+    assert!((tokens - 6.0).abs() < 0.2, "{tokens}");
+    // Sweepable once full (about 2 s after the last take) plus 1 s of slack.
+    let full_in = (10.0 - tokens) / 2.0;
+    assert!(
+        ((over - at) / 1e6 - full_in - 1.0).abs() < 0.001,
+        "{at} {over}"
+    );
+
+    // Act: other traffic (which carries the sweeps) for a second: acme is not full yet.
+    let other = || async {
+        for _ in 0..8 {
+            gw.get("/orders", Some(&key("other"))).await;
+            tokio::time::sleep(Duration::from_millis(130)).await;
+        }
+    };
+    other().await;
+    assert!(stored(&redis, "acme", "").is_some(), "swept too early");
+
+    // Act: past the time acme's state says nothing a missing one would not.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    other().await;
+
+    // Assert: swept; acme starts full, as its bucket would be.
+    assert!(stored(&redis, "acme", "").is_none(), "never swept");
+    let r = gw.get("/orders", Some(&key("acme"))).await;
+    assert_eq!(RateLimit::of(&r).remaining, 9);
 }
 
 #[tokio::test]

@@ -104,12 +104,9 @@ async fn a_monthly_quota_used_up_on_new_years_eve_admits_again_once_the_month_is
     }
     assert_eq!(up.hits(), 8);
     // Redis kept the new window's count, ending with January.
-    let state: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
-        .arg("tollgate:b:{acme}")
-        .query(&mut redis.conn().unwrap())
-        .unwrap();
-    assert_eq!(state["monthly:n"], "1", "{state:?}");
-    let end_s = state["monthly:e"].parse::<u64>().unwrap() / 1_000_000;
+    let state = stored(&redis, "acme", "monthly:").expect("acme's monthly state");
+    assert_eq!(state[0], 1.0, "{state:?}");
+    let end_s = state[1] as u64 / 1_000_000;
     assert_eq!(end_s, NEW_YEAR_UTC as u64 + JANUARY_S, "{state:?}");
 }
 

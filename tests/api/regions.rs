@@ -141,15 +141,10 @@ fn quota(r: &reqwest::Response) -> u64 {
         .unwrap_or_else(|| panic!("no quota in {policy:?}"))
 }
 
-/// The tokens a bucket in `redis` held at its last take (its `tk` field, which must be
-/// there).
-fn tokens_in(redis: &RedisServer, bucket: &str) -> f64 {
-    let tk: String = redis::cmd("HGET")
-        .arg(bucket)
-        .arg("tk")
-        .query(&mut redis.conn().unwrap())
-        .unwrap_or_else(|e| panic!("no tokens in {bucket}: {e}"));
-    tk.parse().unwrap()
+/// The tokens a bucket (`tag`: `hot`, or `hot:eu` for a shard) in `redis` held at its
+/// last take (its state must be there).
+fn tokens_in(redis: &RedisServer, tag: &str) -> f64 {
+    stored(redis, tag, "").unwrap_or_else(|| panic!("no state for {tag}"))[0]
 }
 
 /// A gateway in `region` on `global` (and `regional` for its shards, when given): plan
@@ -339,13 +334,7 @@ async fn three_regions_share_one_limit_and_shares_follow_demand() {
             "{region}: {calls} script calls for {} requests",
             results[i].0
         );
-        assert_eq!(
-            regional[i]
-                .keys(&format!("tollgate:b:{{hot:{region}}}"))
-                .unwrap()
-                .len(),
-            1
-        );
+        assert!(stored(&regional[i], &format!("hot:{region}"), "").is_some());
     }
     // Each gateway reconciles twice a share period: that, and nothing per request.
     let global_calls = global.calls("evalsha").unwrap();
@@ -473,11 +462,12 @@ async fn sharding_and_unsharding_keep_the_clients_limit() {
                 && fill(v, "us") == Some(1.0)
         })
         .await;
-        // The global bucket expires while the client is sharded: Redis drops an idle bucket
-        // once it would be full again (lua/bucket.lua), here after 6000 s, by which time
-        // any shard left idle (us) is full too. The test drops it at once.
-        let dropped: u32 = redis::cmd("DEL")
-            .arg("tollgate:b:{hot}")
+        // The global bucket's state is swept while the client is sharded: a sweep drops an
+        // idle bucket's field once it would be full again (lua/bucket.lua), here after
+        // 6000 s, by which time any shard left idle (us) is full too. The test drops it at once.
+        let dropped: u32 = redis::cmd("HDEL")
+            .arg("tollgate:s:{0}")
+            .arg("hot")
             .query(&mut redis.conn().unwrap())
             .unwrap();
         assert_eq!(dropped, 1, "the global bucket was still there");
@@ -522,7 +512,7 @@ async fn sharding_and_unsharding_keep_the_clients_limit() {
             + share(&view, "us") * fill(&view, "us").unwrap())
         / (share(&view, "eu") + share(&view, "us"));
     assert_eq!(count(on_global), weighted.floor() as usize, "{on_global:?}");
-    let tokens = tokens_in(&redis, "tollgate:b:{hot}");
+    let tokens = tokens_in(&redis, "hot");
     let expected = weighted - count(on_global) as f64;
     assert!(
         (tokens - expected).abs() < 0.01,
@@ -531,8 +521,8 @@ async fn sharding_and_unsharding_keep_the_clients_limit() {
     // The client's limit held across both switches: 6 + 2 + 0 of 10.
     assert!(6 + count(on_shard) + count(on_global) <= 10);
     // eu's shard was really used; us's never was.
-    assert_eq!(redis.keys("tollgate:b:{hot:eu}").unwrap().len(), 1);
-    assert!(redis.keys("tollgate:b:{hot:us}").unwrap().is_empty());
+    assert!(stored(&redis, "hot:eu", "").is_some());
+    assert!(stored(&redis, "hot:us", "").is_none());
 }
 
 #[tokio::test]
@@ -593,11 +583,11 @@ async fn a_gateway_in_a_region_outside_the_shard_list_takes_from_the_global_buck
         5,
         "{answers:?}"
     );
-    let tokens = tokens_in(&global, "tollgate:b:{hot}");
+    let tokens = tokens_in(&global, "hot");
     assert!(tokens < 0.01, "the global bucket holds {tokens}");
     // No shard for ap anywhere, and nothing in ap's regional Redis.
     for r in [&global, &eu_redis, &ap_redis] {
-        assert!(r.keys("tollgate:b:{hot:ap}").unwrap().is_empty());
+        assert!(stored(r, "hot:ap", "").is_none());
     }
     assert!(
         ap_redis.keys("*").unwrap().is_empty(),
@@ -733,12 +723,8 @@ async fn a_sharded_clients_quota_holds_across_regions_within_a_debit_period_of_t
         Duration::from_secs(2),
         "the global quota counts every admitted request",
         || async {
-            let used: Option<String> = redis::cmd("HGET")
-                .arg("tollgate:b:{hot}")
-                .arg("daily:n")
-                .query(&mut global.conn().unwrap())
-                .unwrap();
-            used == Some(admitted.to_string())
+            let used = stored(&global, "hot", "daily:").map(|s| s[0]);
+            used == Some(admitted as f64)
         },
     )
     .await;

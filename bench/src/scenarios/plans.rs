@@ -354,8 +354,8 @@ fn cost(a: &Args) -> anyhow::Result<CostResult> {
     );
     let started = Instant::now();
     let run = OpenRun::start(streams.clone());
-    // The plans measured are the plans meant: a bucket keeps two fields in the client's
-    // hash (tokens, time), a quota two (count, window end). Looked at halfway through
+    // The plans measured are the plans meant: a client keeps one field per limit in the
+    // state group (`tollgate:s:{0}` on one server). Looked at halfway through
     // each gateway's last slice, while its client's state exists (a bucket that is full
     // again expires a second later).
     for (i, redis, client, limits) in [
@@ -365,13 +365,16 @@ fn cost(a: &Args) -> anyhow::Result<CostResult> {
         // Streams come n at a time, one per target in order.
         let last = &streams[streams.len() - n + i];
         run.sleep_until((last.from + last.until) / 2);
-        let fields: usize = redis::cmd("HLEN")
-            .arg(format!("tollgate:b:{{{client}}}"))
+        let names: Vec<String> = redis::cmd("HKEYS")
+            .arg("tollgate:s:{0}")
             .query(&mut redis.conn()?)?;
+        let fields = names
+            .iter()
+            .filter(|f| *f == client || f.starts_with(&format!("{client}/")))
+            .count();
         anyhow::ensure!(
-            fields == 2 * limits,
-            "{client}'s state in Redis has {fields} fields, not the {} of {limits} limits",
-            2 * limits
+            fields == limits,
+            "{client}'s state in Redis has {fields} fields, not the {limits} of {limits} limits"
         );
     }
     let result = run.join()?;
@@ -856,14 +859,14 @@ fn accuracy(a: &Args) -> anyhow::Result<(String, Value)> {
         let allowance = case.allowance.of(o.span);
         let fail_open = o.outcomes.get("fail_open").copied().unwrap_or(0.0);
         let error_pct = o.error_pct(allowance);
-        // What the quota counted, from the client's hash in Redis: every admitted
+        // What the quota counted, from the client's field in Redis' state group: every admitted
         // request, and no refused one.
         let counted: Option<u64> = match &case.limits {
             Some(limits) if limits.iter().any(|l| l.name == "monthly") => redis::cmd("HGET")
-                .arg(format!("tollgate:b:{{{}}}", case.client))
-                .arg("monthly:n")
-                .query::<Option<f64>>(&mut redis.conn()?)?
-                .map(|v| v as u64),
+                .arg("tollgate:s:{0}")
+                .arg(format!("{}/monthly:", case.client))
+                .query::<Option<Vec<u8>>>(&mut redis.conn()?)?
+                .and_then(|v| Some(f64::from_le_bytes(v.get(..8)?.try_into().ok()?) as u64)),
             _ => None,
         };
         let plan = match &case.limits {

@@ -147,10 +147,18 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
             row.failed += failed;
         }
     }
-    let mut dbsize: u64 = 0;
+    // Client state: fields of the state groups (`tollgate:s:{..}`), not counting each
+    // group's sweep cursor (`~`).
+    let (mut fields, mut groups) = (0u64, 0u64);
     for s in servers {
-        let n: u64 = redis::cmd("DBSIZE").query(&mut s.conn()?)?;
-        dbsize += n;
+        let mut c = s.conn()?;
+        let keys: Vec<String> = redis::cmd("KEYS").arg("tollgate:s:*").query(&mut c)?;
+        for k in keys {
+            let n: u64 = redis::cmd("HLEN").arg(&k).query(&mut c)?;
+            let cursor: bool = redis::cmd("HEXISTS").arg(&k).arg("~").query(&mut c)?;
+            fields += n - u64::from(cursor);
+            groups += 1;
+        }
     }
 
     let mut table = Table::new(&[
@@ -213,8 +221,8 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
          `INFO commandstats`; Redis CPU s/s: how busy Redis was (1.00: one full core, what \
          one Redis core decides at most is then decisions/s). Takes per EVALSHA above 1: \
          takes shared a script call (of one client: the coalescer; of several: the \
-         gathering of a worker's turn, on a cluster within one master). {} client hashes \
-         in Redis at the end. The caller shares the machine's two cores with Redis. \
+         gathering of a worker's turn, on a cluster within one master). {} clients' states \
+         in {} state groups in Redis at the end. The caller shares the machine's two cores with Redis. \
          {machine}.\n",
         if a.cluster {
             " on a Redis Cluster of three masters (their CPU summed)"
@@ -226,7 +234,8 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         a.rounds,
         table.render(),
         idle_cpu_per_s * 1e3,
-        dbsize,
+        fields,
+        groups,
     );
     let json = json!({
         "scenario": "redis",
@@ -235,7 +244,8 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         "seconds_per_round": a.seconds,
         "rounds": a.rounds,
         "idle_redis_cpu_ms_per_s": round(idle_cpu_per_s * 1e3, 3),
-        "client_hashes": dbsize,
+        "client_states": fields,
+        "state_groups": groups,
         "rows": json_rows,
         "machine": machine,
     });

@@ -16,6 +16,7 @@ use super::coalesce::Coalescer;
 use super::gather::Gatherer;
 use super::pool::{tcp_settings, Dialer, PerThread, RedisManager};
 use crate::configuration::redact_url;
+use crate::store::keys::{StateGroups, CLUSTER_STATE_GROUPS};
 use crate::store::{Keys, StoreError};
 
 /// One stream entry (the change feed, the audit log): its id and fields.
@@ -194,6 +195,8 @@ const BUCKET_LUA: &str = include_str!("../../../lua/bucket.lua");
 pub struct RedisStore {
     pub(super) backend: Backend,
     pub(super) keys: Keys,
+    /// Where client state lives (`lua/bucket.lua`).
+    pub(super) groups: StateGroups,
     pub(super) bucket: Script,
     pub(super) catalog_write: Script,
     pub(super) catalog_restore: Script,
@@ -210,9 +213,18 @@ pub struct RedisStore {
 
 impl RedisStore {
     fn new(backend: Backend, keys: Keys, url: String, control_timeout: Duration) -> RedisStore {
+        let groups = StateGroups::new(
+            keys.prefix(),
+            match backend {
+                Backend::Single { .. } => 1,
+                Backend::Cluster(_) => CLUSTER_STATE_GROUPS,
+            },
+        );
         RedisStore {
             backend,
             keys,
+            groups,
+
             bucket: Script::new(BUCKET_LUA),
             catalog_write: Script::new(include_str!("../../../lua/catalog_write.lua")),
             catalog_restore: Script::new(include_str!("../../../lua/catalog_restore.lua")),

@@ -6,10 +6,10 @@ use redis::AsyncCommands;
 
 use super::backend::{retrying, Backend, RedisStore};
 use super::coalesce::{Batch, Take};
-use super::gather::{Conn, Entry, Group, Op};
+use super::gather::{one_bucket, Conn, Entry, Group, Op};
 use crate::domain::limits::{take_many, Level};
 use crate::domain::{bucket, Applied, AppliedKind, Bucket, BucketState, Ruling};
-use crate::store::keys::key_slot;
+use crate::store::keys::{key_slot, state_field};
 use crate::store::StoreError;
 
 impl RedisStore {
@@ -44,20 +44,13 @@ impl RedisStore {
     /// key: they go out on this worker's one connection, which Redis serves in order, and
     /// each reply carries the levels at its own start.
     async fn take_batch(&self, key: &str, batch: Batch<'_>) -> Result<Vec<Ruling>, StoreError> {
-        let (admitted, levels, now_us, takes) = self
+        let (levels, now_us, takes) = self
             .call(key, Op::Take, batch.applied, batch.cost, batch.n)
             .await?;
+        // The script did the same arithmetic from the same levels.
         let mut rulings = take_many(batch.applied, levels, batch.cost, batch.n, now_us);
         for r in &mut rulings {
             r.batch = u32::try_from(takes).unwrap_or(u32::MAX);
-        }
-        // The script did the same arithmetic; a different count means it is not the
-        // script this gateway was built with.
-        if rulings.iter().filter(|r| r.allowed).count() != admitted {
-            return Err(StoreError::Protocol(format!(
-                "the limits script admitted {admitted} of {}, expected otherwise",
-                batch.n
-            )));
         }
         Ok(rulings)
     }
@@ -70,7 +63,7 @@ impl RedisStore {
         applied: &[Applied],
         delta: f64,
     ) -> Result<Ruling, StoreError> {
-        let (_, mut levels, now_us, _) = self.call(key, Op::Adjust, applied, delta, 0).await?;
+        let (mut levels, now_us, _) = self.call(key, Op::Adjust, applied, delta, 0).await?;
         for (l, a) in levels.iter_mut().zip(applied) {
             l.adjust(&a.kind, delta);
         }
@@ -87,7 +80,7 @@ impl RedisStore {
     /// Every limit's level now, on Redis' clock; writes nothing. Within the control
     /// timeout: past it, [`StoreError::Deadline`].
     pub async fn peek(&self, key: &str, applied: &[Applied]) -> Result<Ruling, StoreError> {
-        let (_, levels, now_us, _) = tokio::time::timeout(
+        let (levels, now_us, _) = tokio::time::timeout(
             self.control_timeout,
             self.call(key, Op::Peek, applied, 0.0, 0),
         )
@@ -103,8 +96,8 @@ impl RedisStore {
         })
     }
 
-    /// One entry of a script call: (admitted, each limit's level before the op, Redis'
-    /// clock, the requests the whole call decided). Takes are gathered with the other takes this worker makes in the same turn
+    /// One entry of a script call: (each limit's level before the op, Redis' clock, the
+    /// requests the whole call decided). Takes are gathered with the other takes this worker makes in the same turn
     /// (`gather`); adjustments and peeks with each other, so the take calls stay countable.
     async fn call(
         &self,
@@ -113,9 +106,12 @@ impl RedisStore {
         applied: &[Applied],
         cost: f64,
         n: usize,
-    ) -> Result<(usize, Vec<Level>, u64, u64), StoreError> {
+    ) -> Result<(Vec<Level>, u64, u64), StoreError> {
+        let (g, tag) = self.groups.locate(key);
+        let group = self.groups.key(g);
         let entry = Entry {
-            key,
+            group,
+            tag,
             op,
             cost,
             n,
@@ -131,27 +127,27 @@ impl RedisStore {
                 Backend::Cluster(c) => Conn::Cluster(c.conn()),
             })
         };
-        let group = match &self.backend {
+        let batch = match &self.backend {
             Backend::Single { .. } => Group::All,
             Backend::Cluster(c) => {
-                let slot = key_slot(key);
+                let slot = key_slot(group);
                 c.master_of(slot).map_or(Group::Slot(slot), Group::Master)
             }
         };
-        let mut answer = gatherer.decide(group, entry, conn).await?;
-        if let (Group::Master(_), Err(e)) = (group, answer.bytes()) {
-            // Its slot moved since the map was read: on its own, the cluster client
-            // follows the redirection.
+        let mut answer = gatherer.decide(batch, entry, conn).await?;
+        if let (Group::Master(_), Err(e)) = (batch, answer.bytes()) {
+            // Its group's slot moved since the map was read: on its own, the cluster
+            // client follows the redirection.
             tracing::debug!(error = %e, "a take sent with its master's failed; once more alone");
             answer = gatherer
-                .decide(Group::Slot(key_slot(key)), entry, conn)
+                .decide(Group::Slot(key_slot(group)), entry, conn)
                 .await?;
         }
         let bytes = answer
             .bytes()
             .map_err(|e| StoreError::Protocol(format!("limits script: {e}")))?;
-        let (admitted, levels) = parse_reply(bytes, applied)?;
-        Ok((admitted, levels, answer.now_us, answer.takes))
+        let levels = parse_reply(bytes, applied)?;
+        Ok((levels, answer.now_us, answer.takes))
     }
 
     /// Deletes the state of the buckets under `buckets` (field prefixes) at `key`.
@@ -163,12 +159,10 @@ impl RedisStore {
         if buckets.is_empty() {
             return Ok(());
         }
-        let fields: Vec<String> = buckets
-            .iter()
-            .flat_map(|f| [format!("{f}tk"), format!("{f}ts")])
-            .collect();
+        let (g, tag) = self.groups.locate(key);
+        let fields: Vec<String> = buckets.iter().map(|f| state_field(tag, f)).collect();
         retrying!(self, |c| async {
-            let _: i64 = c.hdel(key, &fields).await?;
+            let _: i64 = c.hdel(self.groups.key(g), &fields).await?;
             Ok(())
         }
         .await)
@@ -182,22 +176,16 @@ impl RedisStore {
         field: &str,
         plan: Bucket,
     ) -> Result<Option<f64>, StoreError> {
+        let (g, tag) = self.groups.locate(key);
+        let field = state_field(tag, field);
         retrying!(self, |c| async {
-            let ((tk, ts), (secs, micros)): ((Option<String>, Option<String>), (u64, u64)) =
-                redis::pipe()
-                    .cmd("HMGET")
-                    .arg(key)
-                    .arg(format!("{field}tk"))
-                    .arg(format!("{field}ts"))
-                    .cmd("TIME")
-                    .query_async(c)
-                    .await?;
-            let (Some(tk), Some(ts)) = (tk, ts) else {
+            let (value, (secs, micros)): (Option<Vec<u8>>, (u64, u64)) = redis::pipe()
+                .hget(self.groups.key(g), &field)
+                .cmd("TIME")
+                .query_async(c)
+                .await?;
+            let Some(state) = value.as_deref().and_then(decode_state) else {
                 return Ok(None);
-            };
-            let state = BucketState {
-                tokens: tk.parse().unwrap_or(0.0),
-                ts_us: ts.parse().unwrap_or(0),
             };
             let (_, v) = bucket::take(Some(state), secs * 1_000_000 + micros, plan, 0.0);
             Ok(Some(v.tokens))
@@ -206,30 +194,40 @@ impl RedisStore {
     }
 }
 
-/// An entry's binary reply: `u32` admitted, then two `f64` per limit (little-endian).
-fn parse_reply(reply: &[u8], applied: &[Applied]) -> Result<(usize, Vec<Level>), StoreError> {
-    if reply.len() != 4 + 16 * applied.len() {
+/// A bucket's stored state: struct `<ddd` (tokens, when, and when it may be swept).
+pub(super) fn decode_state(v: &[u8]) -> Option<BucketState> {
+    let word = |at: usize| -> Option<f64> {
+        Some(f64::from_le_bytes(v.get(at..at + 8)?.try_into().ok()?))
+    };
+    (v.len() == 24).then_some(())?;
+    Some(BucketState {
+        tokens: word(0)?,
+        ts_us: word(8)? as u64,
+    })
+}
+
+/// An entry's levels in the reply (little-endian doubles, see `lua/bucket.lua`): one for
+/// a set of one bucket, else two per limit.
+fn parse_reply(reply: &[u8], applied: &[Applied]) -> Result<Vec<Level>, StoreError> {
+    let word =
+        |at: usize| -> f64 { f64::from_le_bytes(reply[at..at + 8].try_into().expect("8 bytes")) };
+    let width = if one_bucket(applied) { 8 } else { 16 };
+    if reply.len() != width * applied.len() {
         return Err(StoreError::Protocol(format!(
             "limits script reply of {} bytes for {} limits",
             reply.len(),
             applied.len()
         )));
     }
-    let word = |at: usize| -> [u8; 8] { reply[at..at + 8].try_into().expect("8 bytes") };
-    let admitted = u32::from_le_bytes(reply[..4].try_into().expect("4 bytes")) as usize;
-    let levels = applied
+    Ok(applied
         .iter()
         .enumerate()
-        .map(|(i, a)| {
-            let first = f64::from_le_bytes(word(4 + 16 * i));
-            match a.kind {
-                AppliedKind::Bucket { .. } => Level::Tokens(first),
-                AppliedKind::Quota { .. } => Level::Used {
-                    used: first,
-                    end_us: f64::from_le_bytes(word(12 + 16 * i)) as u64,
-                },
-            }
+        .map(|(i, a)| match a.kind {
+            AppliedKind::Bucket { .. } => Level::Tokens(word(width * i)),
+            AppliedKind::Quota { .. } => Level::Used {
+                used: word(16 * i),
+                end_us: word(16 * i + 8) as u64,
+            },
         })
-        .collect();
-    Ok((admitted, levels))
+        .collect())
 }

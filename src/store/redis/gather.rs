@@ -55,6 +55,13 @@ pub struct Argv {
 }
 
 impl Argv {
+    /// Appends one argument, these bytes.
+    pub fn push_bytes(&mut self, v: &[u8]) -> &mut Self {
+        self.buf.extend_from_slice(v);
+        self.ends.push(self.buf.len());
+        self
+    }
+
     /// Appends one argument, as `v` displays.
     pub fn push(&mut self, v: impl std::fmt::Display) -> &mut Self {
         // Writing into a Vec cannot fail.
@@ -95,28 +102,33 @@ pub enum Group {
     Master(u16),
 }
 
-/// An entry's part of a call's reply: Redis' clock (unix µs) and the entry's binary
-/// string (see `lua/bucket.lua`), or why it failed.
-/// A call's per-entry strings (the first is Redis' clock).
-type Replies = Arc<Vec<Vec<u8>>>;
+/// A call's reply: Redis' clock, a status per entry, the decided entries' results
+/// concatenated, then the failed entries' errors (see `lua/bucket.lua`); and where each
+/// entry's part is.
+#[derive(Debug)]
+struct Reply {
+    strings: Vec<Vec<u8>>,
+    /// Per entry: its result's range in the results string, or its error's index.
+    parts: Vec<Result<std::ops::Range<usize>, usize>>,
+}
 
+/// An entry's part of a call's reply.
 #[derive(Debug)]
 pub struct Answer {
+    /// Redis' clock (unix µs) when the call ran.
     pub now_us: u64,
     /// The requests the whole call decided (the takes of all its entries).
     pub takes: u64,
-    replies: Replies,
+    reply: Arc<Reply>,
     at: usize,
 }
 
 impl Answer {
-    /// The entry's reply, or the error it met (e.g. a key whose slot moved).
+    /// The entry's result, or the error it met (e.g. a group whose slot moved).
     pub fn bytes(&self) -> Result<&[u8], String> {
-        let reply = &self.replies[self.at];
-        if self.replies[1].get(self.at - 2) == Some(&b'1') {
-            Ok(reply)
-        } else {
-            Err(String::from_utf8_lossy(reply).into_owned())
+        match &self.reply.parts[self.at] {
+            Ok(range) => Ok(&self.reply.strings[2][range.clone()]),
+            Err(i) => Err(String::from_utf8_lossy(&self.reply.strings[*i]).into_owned()),
         }
     }
 }
@@ -129,11 +141,12 @@ pub enum Op {
     Peek,
 }
 
-/// One entry to decide: `n` requests at `key`, each costing `cost` of every limit in
-/// `applied`.
+/// One entry to decide: `n` requests of the client whose state is under `tag` in the
+/// group hash `group`, each costing `cost` of every limit in `applied`.
 #[derive(Clone, Copy)]
 pub struct Entry<'a> {
-    pub key: &'a str,
+    pub group: &'a str,
+    pub tag: &'a str,
     pub op: Op,
     pub cost: f64,
     pub n: usize,
@@ -143,17 +156,42 @@ pub struct Entry<'a> {
 /// The batch a worker is filling.
 struct Pending {
     conn: Conn,
-    /// Whether the call declares every key (else only the first).
+    /// Whether the call declares every group (else only the first).
     declare_all: bool,
-    keys: Vec<String>,
+    /// The distinct groups of the entries.
+    groups: Vec<String>,
     /// The distinct limit sets of the entries, and their arguments.
     sets: Vec<Vec<Applied>>,
     set_args: Argv,
-    entry_args: Argv,
+    /// The entries, in arrival order, and their tags (concatenated).
+    entries: Vec<Queued>,
+    tags: Vec<u8>,
+    /// Each entry's (group, tag), hashed: a client appears in a call once.
+    seen: std::collections::HashSet<u64>,
     waiters: Vec<oneshot::Sender<Result<Answer, StoreError>>>,
     takes: u64,
     /// Still taking entries: its task has not run yet.
     open: bool,
+}
+
+/// An entry as the script takes it (see `lua/bucket.lua`).
+struct Queued {
+    /// Its group and limit set (0-based indices).
+    group: u16,
+    set: u16,
+    op: u8,
+    cost: f64,
+    n: u32,
+    tag: std::ops::Range<usize>,
+    /// Its levels' length in the reply: 8 bytes for a set of one bucket, else 16 per limit.
+    size: usize,
+}
+
+impl Queued {
+    /// Entries with the same key go in one run (and groups' runs are consecutive).
+    fn run_key(&self) -> (u16, u16, u8, u64, u32) {
+        (self.group, self.set, self.op, self.cost.to_bits(), self.n)
+    }
 }
 
 type Shared = Arc<Mutex<Pending>>;
@@ -180,6 +218,30 @@ struct Lua {
 struct Counts {
     calls: AtomicU64,
     takes: AtomicU64,
+    /// When (ms since `SWEEP_EPOCH`) this gatherer's last call swept its first group.
+    swept_ms: AtomicU64,
+}
+
+/// Fields one sweep examines (see `lua/bucket.lua`).
+pub const SWEEP_FIELDS: u64 = 256;
+/// A gatherer's calls carry a sweep at most this often: a gateway examines about
+/// 2,560 fields a second while it has traffic, whatever its load.
+pub const SWEEP_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
+
+static SWEEP_EPOCH: std::sync::LazyLock<std::time::Instant> =
+    std::sync::LazyLock::new(std::time::Instant::now);
+
+impl Counts {
+    /// Whether a call sent now should sweep: at most once per [`SWEEP_EVERY`].
+    fn sweep_due(&self) -> bool {
+        let now = SWEEP_EPOCH.elapsed().as_millis() as u64 + SWEEP_EVERY.as_millis() as u64;
+        let last = self.swept_ms.load(Ordering::Relaxed);
+        now >= last + SWEEP_EVERY.as_millis() as u64
+            && self
+                .swept_ms
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+    }
 }
 
 impl Gatherer {
@@ -219,7 +281,7 @@ impl Gatherer {
         let open = OPEN.with(|m| m.borrow().get(&(self.id, group)).cloned());
         if let Some(batch) = open {
             let mut b = batch.lock().unwrap_or_else(|p| p.into_inner());
-            if b.open && b.waiters.len() < MAX_ENTRIES {
+            if b.open && b.waiters.len() < MAX_ENTRIES && !b.has(&entry) {
                 b.add(&entry, tx.take().expect("not used yet"));
             }
         }
@@ -227,10 +289,12 @@ impl Gatherer {
             let mut pending = Pending {
                 conn: conn().await?,
                 declare_all: !matches!(group, Group::Master(_)),
-                keys: Vec::new(),
+                groups: Vec::new(),
                 sets: Vec::new(),
                 set_args: Argv::default(),
-                entry_args: Argv::default(),
+                entries: Vec::new(),
+                tags: Vec::new(),
+                seen: Default::default(),
                 waiters: Vec::new(),
                 takes: 0,
                 open: true,
@@ -249,6 +313,12 @@ impl Gatherer {
 }
 
 impl Pending {
+    /// Whether the batch holds an entry of `e`'s client already (it then goes in a call
+    /// of its own).
+    fn has(&self, e: &Entry<'_>) -> bool {
+        self.seen.contains(&seen_hash(e))
+    }
+
     fn add(&mut self, e: &Entry<'_>, tx: oneshot::Sender<Result<Answer, StoreError>>) {
         let set = match self.sets.iter().position(|s| same_limits(s, e.applied)) {
             Some(i) => i,
@@ -258,21 +328,49 @@ impl Pending {
                 self.sets.len() - 1
             }
         };
-        self.keys.push(e.key.to_owned());
-        self.entry_args
-            .push(match e.op {
-                Op::Take => "t",
-                Op::Adjust => "a",
-                Op::Peek => "p",
-            })
-            .push(e.cost)
-            .push(e.n)
-            .push(set + 1);
+        let group = match self.groups.iter().position(|g| g == e.group) {
+            Some(i) => i,
+            None => {
+                self.groups.push(e.group.to_owned());
+                self.groups.len() - 1
+            }
+        };
+        self.seen.insert(seen_hash(e));
+        let start = self.tags.len();
+        self.tags.extend_from_slice(e.tag.as_bytes());
+        self.entries.push(Queued {
+            group: group as u16,
+            set: set as u16,
+            op: match e.op {
+                Op::Take => b't',
+                Op::Adjust => b'a',
+                Op::Peek => b'p',
+            },
+            cost: e.cost,
+            n: u32::try_from(e.n).unwrap_or(u32::MAX),
+            tag: start..self.tags.len(),
+            size: if one_bucket(e.applied) {
+                8
+            } else {
+                16 * e.applied.len()
+            },
+        });
         self.waiters.push(tx);
         if matches!(e.op, Op::Take) {
             self.takes += e.n as u64;
         }
     }
+}
+
+/// Whether the script decides `applied` on its one-bucket path (and answers one level).
+pub fn one_bucket(applied: &[Applied]) -> bool {
+    matches!(applied, [a] if a.field.is_empty() && matches!(a.kind, AppliedKind::Bucket { .. }))
+}
+
+fn seen_hash(e: &Entry<'_>) -> u64 {
+    use std::hash::{BuildHasher, BuildHasherDefault};
+    BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default()
+        .hash_one((e.group, e.tag))
 }
 
 /// Whether two entries decide against the same limits, as the script sees them.
@@ -288,7 +386,11 @@ fn encode_set(argv: &mut Argv, applied: &[Applied]) {
     argv.push(applied.len());
     let now_us = wall_clock_us();
     for a in applied {
-        argv.push(&*a.field);
+        // Its state's field suffix: none for the first limit, `/name:` for the others.
+        match &*a.field {
+            "" => argv.push(""),
+            f => argv.push(format_args!("/{f}")),
+        };
         match &a.kind {
             AppliedKind::Bucket { bucket, initial } => {
                 argv.push("b").push(bucket.capacity()).push(bucket.rate());
@@ -320,7 +422,7 @@ fn wall_clock_us() -> u64 {
 
 /// Closes the batch and sends it as one call; answers every entry.
 async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
-    let (mut conn, declare_all, keys, sets, set_args, entry_args, waiters, takes) = {
+    let (mut conn, declare_all, groups, sets, set_args, mut entries, tags, waiters, takes) = {
         let mut b = batch.lock().unwrap_or_else(|p| p.into_inner());
         b.open = false;
         let conn = match &b.conn {
@@ -330,10 +432,11 @@ async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
         (
             conn,
             b.declare_all,
-            std::mem::take(&mut b.keys),
+            std::mem::take(&mut b.groups),
             b.sets.len(),
             std::mem::take(&mut b.set_args),
-            std::mem::take(&mut b.entry_args),
+            std::mem::take(&mut b.entries),
+            std::mem::take(&mut b.tags),
             std::mem::take(&mut b.waiters),
             b.takes,
         )
@@ -341,26 +444,65 @@ async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
     drop(batch);
     counts.calls.fetch_add(1, Ordering::Relaxed);
     counts.takes.fetch_add(takes, Ordering::Relaxed);
+
+    // The entries in runs (their clients are distinct, so their order is free); `at[i]`:
+    // where waiter i's entry went.
+    let mut order: Vec<usize> = (0..entries.len()).collect();
+    order.sort_by_key(|&i| entries[i].run_key());
+    let mut at = vec![0; entries.len()];
+    let mut runs = Vec::with_capacity(19 * entries.len());
+    let mut tag_args = Argv::default();
+    let mut sizes = Vec::with_capacity(entries.len());
+    let mut run_start = 0;
+    for (pos, &i) in order.iter().enumerate() {
+        at[i] = pos;
+        let e = &entries[i];
+        tag_args.push_bytes(&tags[e.tag.clone()]);
+        sizes.push(e.size);
+        let last = order
+            .get(pos + 1)
+            .is_none_or(|&next| entries[next].run_key() != e.run_key());
+        if last {
+            // struct '<HBdIHH': length, op, cost, n, set, group (both 1-based).
+            runs.extend_from_slice(&((pos + 1 - run_start) as u16).to_le_bytes());
+            runs.push(e.op);
+            runs.extend_from_slice(&e.cost.to_le_bytes());
+            runs.extend_from_slice(&e.n.to_le_bytes());
+            runs.extend_from_slice(&(e.set + 1).to_le_bytes());
+            runs.extend_from_slice(&(e.group + 1).to_le_bytes());
+            run_start = pos + 1;
+        }
+    }
+    entries.clear();
+
     let mut cmd = redis::cmd("EVALSHA");
     cmd.arg(&script.hash);
     if declare_all {
-        cmd.arg(keys.len()).arg(&keys).arg(0);
+        cmd.arg(groups.len()).arg(&groups).arg(0);
     } else {
-        cmd.arg(1).arg(&keys[0]).arg(keys.len() - 1).arg(&keys[1..]);
+        cmd.arg(1)
+            .arg(&groups[0])
+            .arg(groups.len() - 1)
+            .arg(&groups[1..]);
     }
-    cmd.arg(sets).arg(&set_args).arg(&entry_args);
+    let sweep = if counts.sweep_due() { SWEEP_FIELDS } else { 0 };
+    cmd.arg(sweep)
+        .arg(sets)
+        .arg(&set_args)
+        .arg(&runs)
+        .arg(&tag_args);
     let answer = match call(&mut conn, &cmd, &script).await {
-        Ok(r) => split(r, waiters.len()),
+        Ok(r) => split(r, &sizes),
         Err(e) => Err(StoreError::Redis(e)),
     };
     match answer {
-        Ok((now_us, replies)) => {
-            for (at, tx) in waiters.into_iter().enumerate() {
+        Ok((now_us, reply)) => {
+            for (i, tx) in waiters.into_iter().enumerate() {
                 let _ = tx.send(Ok(Answer {
                     now_us,
                     takes,
-                    replies: Arc::clone(&replies),
-                    at: at + 2,
+                    reply: Arc::clone(&reply),
+                    at: at[i],
                 }));
             }
         }
@@ -372,21 +514,43 @@ async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
     }
 }
 
-/// `{ now, one status byte per entry ('1': done), one string per entry }`.
-fn split(reply: Vec<Vec<u8>>, entries: usize) -> Result<(u64, Replies), StoreError> {
-    let now_us = reply
+/// `{ now, one status byte per entry ('1': decided), the decided entries' results, the
+/// failed entries' errors }`, checked against the entries' result `sizes`.
+fn split(strings: Vec<Vec<u8>>, sizes: &[usize]) -> Result<(u64, Arc<Reply>), StoreError> {
+    let bad = || {
+        StoreError::Protocol(format!(
+            "limits script reply of {} strings for {} entries",
+            strings.len(),
+            sizes.len()
+        ))
+    };
+    let now_us = strings
         .first()
         .and_then(|n| std::str::from_utf8(n).ok())
-        .and_then(|n| n.parse::<u64>().ok());
-    match now_us {
-        Some(now_us) if reply.len() == 2 + entries && reply[1].len() == entries => {
-            Ok((now_us, Arc::new(reply)))
-        }
-        _ => Err(StoreError::Protocol(format!(
-            "limits script reply of {} strings for {entries} entries",
-            reply.len()
-        ))),
+        .and_then(|n| n.parse::<u64>().ok())
+        .ok_or_else(bad)?;
+    let status = strings
+        .get(1)
+        .filter(|s| s.len() == sizes.len())
+        .ok_or_else(bad)?;
+    let (mut offset, mut error) = (0, 3);
+    let parts = status
+        .iter()
+        .zip(sizes)
+        .map(|(&s, &size)| {
+            if s == b'1' {
+                offset += size;
+                Ok(offset - size..offset)
+            } else {
+                error += 1;
+                Err(error - 1)
+            }
+        })
+        .collect();
+    if strings.get(2).map(Vec::len) != Some(offset) || strings.len() != error {
+        return Err(bad());
     }
+    Ok((now_us, Arc::new(Reply { strings, parts })))
 }
 
 /// `cmd` (an `EVALSHA` of `script`) on `conn`; on `NOSCRIPT` (a restarted or flushed
@@ -426,7 +590,7 @@ mod tests {
     use secrecy::SecretString;
     use tollgate_testkit::{FaultProxy, RedisServer};
 
-    use crate::domain::limits::{Limit, Limits};
+    use crate::domain::limits::{Level, Limit, Limits};
     use crate::domain::Bucket;
     use crate::store::redis::RedisStore;
     use crate::store::Keys;
@@ -461,6 +625,57 @@ mod tests {
             ),
             "{answer:?}"
         );
+    }
+
+    #[tokio::test]
+    async fn two_takes_of_one_client_in_one_turn_go_in_two_calls_and_both_count() {
+        // Arrange: one client, a bucket of 5 with next to no refill.
+        let redis = RedisServer::start().unwrap();
+        let store = Rc::new(
+            RedisStore::connect(
+                &SecretString::from(redis.url()),
+                2,
+                Duration::from_secs(1),
+                Keys::new("tollgate:"),
+            )
+            .unwrap(),
+        );
+        let plan = Limits::new(vec![Limit::default_bucket(
+            Bucket::new(5.0, 0.001).unwrap(),
+        )])
+        .unwrap();
+        let applied = Rc::new(plan.every());
+        let local = tokio::task::LocalSet::new();
+        local
+            .run_until(async {
+                store.peek("tollgate:b:{w}", &applied).await.unwrap();
+                let calls_before = store.bucket_calls().0;
+
+                // Act: in one turn, a take of 1 and a take of 2 (apart in the coalescer,
+                // which keeps takes of different costs apart).
+                let takes: Vec<_> = [1.0, 2.0]
+                    .into_iter()
+                    .map(|cost| {
+                        let (store, applied) = (Rc::clone(&store), Rc::clone(&applied));
+                        tokio::task::spawn_local(async move {
+                            store.take("tollgate:b:{c}", &applied, cost, None).await
+                        })
+                    })
+                    .collect();
+                for t in takes {
+                    assert!(t.await.unwrap().unwrap().allowed);
+                }
+
+                // Assert: two calls, and the bucket holds 5 - 1 - 2: the second saw the
+                // first's write (in one call, both would have read 5).
+                assert_eq!(store.bucket_calls().0 - calls_before, 2);
+                let now = store.peek("tollgate:b:{c}", &applied).await.unwrap();
+                let Level::Tokens(tokens) = now.levels[0] else {
+                    panic!("{now:?}")
+                };
+                assert!((tokens - 2.0).abs() < 0.01, "{tokens}");
+            })
+            .await;
     }
 
     #[tokio::test]

@@ -7,18 +7,20 @@ use crate::store::{Reconcile, RegionShare, ShardState, StoreError};
 
 impl RedisStore {
     pub async fn reconcile(&self, r: &Reconcile<'_>) -> Result<ShardState, StoreError> {
+        // Used only when sharding begins: the regional buckets start as full as this.
+        let seed = self
+            .tokens_now(r.global_key, r.field, r.plan)
+            .await?
+            .map_or(1.0, |t| t / r.plan.capacity());
         let mut inv = self.reconcile.prepare_invoke();
         inv.key(self.keys.shard_state(r.client))
             .key(self.keys.shard_history(r.client))
-            .key(self.keys.bucket(r.client))
             .arg(r.period_ms)
             .arg(r.region.as_str())
             .arg(r.demand)
             .arg(r.fill.map(|f| f.to_string()).unwrap_or_default())
             .arg(r.floor)
-            .arg(r.plan.capacity())
-            .arg(r.plan.rate())
-            .arg(r.field);
+            .arg(seed);
         for region in r.regions {
             inv.arg(region.as_str());
         }
