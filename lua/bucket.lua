@@ -22,7 +22,8 @@
 -- declares only its first group (which routes it to its master) and passes the other
 -- groups of that master here; a group whose slot moved fails its own entries only.
 -- The groups are KEYS, then these.
--- Then how many fields of the first group to sweep (0: none);
+-- Then the least number of fields of the first group to sweep if a sweep is due (0: no
+-- sweep);
 -- then the number of limit sets; then each set: its number of limits, and six
 -- arguments per limit: its field suffix ('' or '/name:'), its kind, and four values:
 --   'b' bucket:  capacity, rate (tokens/s), the tokens a bucket that does not exist yet
@@ -306,20 +307,30 @@ for g = 1, #keys do
 end
 
 -- A slice of the first group's fields whose time is over (written before this call: a
--- field this call wrote is never over).
+-- field this call wrote is never over). At most once a second per group, whatever the
+-- number of gateways asking (field '~' holds the HSCAN cursor and when the next slice is
+-- due, unix µs); a slice is a sixtieth of the group, so a group is swept through about
+-- once a minute.
 if sweep > 0 and status[1] == '1' then
-  local cursor = call('HGET', keys[1], '~') or '0'
-  local r = call('HSCAN', keys[1], cursor, 'COUNT', sweep)
-  local items, gone = r[2], {}
-  for i = 1, #items, 2 do
-    local v = items[i + 1]
-    if #v == 24 then
-      local _, _, over = unpack_s('<ddd', v)
-      if over < now then gone[#gone + 1] = items[i] end
-    end
+  local mark = call('HGET', keys[1], '~')
+  local cursor, due = '0', 0
+  if mark then
+    local c, d = string.match(mark, '^(%d+) (%d+)$')
+    if c then cursor, due = c, tonumber(d) end
   end
-  if #gone > 0 then call('HDEL', keys[1], unpack(gone)) end
-  call('HSET', keys[1], '~', r[1])
+  if now >= due then
+    local r = call('HSCAN', keys[1], cursor, 'COUNT', max(sweep, math.ceil(call('HLEN', keys[1]) / 60)))
+    local items, gone = r[2], {}
+    for i = 1, #items, 2 do
+      local v = items[i + 1]
+      if #v == 24 then
+        local _, _, over = unpack_s('<ddd', v)
+        if over < now then gone[#gone + 1] = items[i] end
+      end
+    end
+    if #gone > 0 then call('HDEL', keys[1], unpack(gone)) end
+    call('HSET', keys[1], '~', r[1] .. ' ' .. string.format('%d', now + 1000000))
+  end
 end
 
 local reply = { nowstr, concat(status, '', 1, nstatus),

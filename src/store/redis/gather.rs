@@ -222,10 +222,11 @@ struct Counts {
     swept_ms: AtomicU64,
 }
 
-/// Fields one sweep examines (see `lua/bucket.lua`).
-pub const SWEEP_FIELDS: u64 = 256;
-/// A gatherer's calls carry a sweep at most this often: a gateway examines about
-/// 2,560 fields a second while it has traffic, whatever its load.
+/// The least number of fields a sweep examines (see `lua/bucket.lua`: a sixtieth of the
+/// group if more).
+pub const SWEEP_FIELDS: u64 = 64;
+/// A gatherer's calls ask for a sweep at most this often; the script sweeps a group at
+/// most once a second, whatever the number of gateways asking.
 pub const SWEEP_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
 
 static SWEEP_EPOCH: std::sync::LazyLock<std::time::Instant> =
