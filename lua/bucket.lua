@@ -16,7 +16,8 @@
 -- (unix µs) they were counted at, or a quota's count and its window's end; then the time
 -- (unix µs) after which the field says nothing a missing one would not (a bucket full
 -- again, a window over, +1 s). Groups have no expiry: a call may also sweep its first
--- group, deleting such fields a slice at a time (HSCAN from the cursor kept in field '~').
+-- group, deleting such fields a slice at a time (HSCAN from the cursor kept in the
+-- group's mark, field '~', which every call reads with its fields).
 --
 -- KEYS = the call's group hashes. ARGV[1] = m, then m more groups: on a cluster a call
 -- declares only its first group (which routes it to its master) and passes the other
@@ -114,6 +115,11 @@ do
   end
 end
 
+-- A group's mark (field '~'): the sweep's HSCAN cursor and when its next slice is due
+-- (unix µs), padded past `hash-max-listpack-value` (64 bytes by default).
+local PAD = rep(' ', 72)
+local MARK0 = '0 0' .. PAD
+local mark1
 local status, levels, errors = {}, {}, {}
 local nstatus, nlevels = 0, 0
 local MISSING = pack('<ddd', -1 / 0, 0, 0)
@@ -160,23 +166,31 @@ for g = 1, #keys do
         end
       end
     end
+    -- The group's mark ('~') first.
     local ok, st
     if plain then
-      ok, st = pcall(call, 'HMGET', key, unpack(argv, gtag0[g], gtag1[g]))
+      ok, st = pcall(call, 'HMGET', key, '~', unpack(argv, gtag0[g], gtag1[g]))
     else
-      ok, st = pcall(call, 'HMGET', key, unpack(fields))
+      ok, st = pcall(call, 'HMGET', key, '~', unpack(fields))
     end
     if not ok then
       fail(g, message(st))
     else
       local nf = #st
-      for i = 1, nf do
+      for i = 2, nf do
         local v = st[i]
         if not v or #v ~= 24 then st[i] = MISSING end
       end
       -- Three numbers per field: level, time or window end, sweepable after.
-      local num = { unpack_s('<' .. rep('ddd', nf), concat(st)) }
+      local num = { unpack_s('<' .. rep('ddd', nf - 1), concat(st, '', 2, nf)) }
       local writes, nw = {}, 0
+      if g == 1 then mark1 = st[1] end
+      if not st[1] then
+        -- A new group: its mark, longer than a listpack value may be, so Redis keeps
+        -- the group as a hash table from the start (a listpack finds a field by
+        -- walking every entry: up to 512 of them with Redis' defaults).
+        writes[1], writes[2], nw = '~', MARK0, 2
+      end
       local saved_status, saved_levels = nstatus, nlevels
       local tag, j = gtag0[g], 1
       for r = r0, r1 do
@@ -312,10 +326,9 @@ end
 -- due, unix µs); a slice is a sixtieth of the group, so a group is swept through about
 -- once a minute.
 if sweep > 0 and status[1] == '1' then
-  local mark = call('HGET', keys[1], '~')
   local cursor, due = '0', 0
-  if mark then
-    local c, d = string.match(mark, '^(%d+) (%d+)$')
+  if mark1 then
+    local c, d = string.match(mark1, '^(%d+) (%d+)')
     if c then cursor, due = c, tonumber(d) end
   end
   if now >= due then
@@ -329,7 +342,7 @@ if sweep > 0 and status[1] == '1' then
       end
     end
     if #gone > 0 then call('HDEL', keys[1], unpack(gone)) end
-    call('HSET', keys[1], '~', r[1] .. ' ' .. string.format('%d', now + 1000000))
+    call('HSET', keys[1], '~', r[1] .. ' ' .. string.format('%d', now + 1000000) .. PAD)
   end
 end
 
