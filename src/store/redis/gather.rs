@@ -167,7 +167,7 @@ struct Pending {
     entries: Vec<Queued>,
     tags: Vec<u8>,
     /// Each entry's (group, tag), hashed: a client appears in a call once.
-    seen: std::collections::HashSet<u64>,
+    seen: std::collections::HashSet<u64, foldhash::fast::FixedState>,
     waiters: Vec<oneshot::Sender<Result<Answer, StoreError>>>,
     takes: u64,
     /// Still taking entries: its task has not run yet.
@@ -368,10 +368,10 @@ pub fn one_bucket(applied: &[Applied]) -> bool {
     matches!(applied, [a] if a.field.is_empty() && matches!(a.kind, AppliedKind::Bucket { .. }))
 }
 
+/// An entry's client, hashed (a collision only sends an entry in a call of its own).
 fn seen_hash(e: &Entry<'_>) -> u64 {
-    use std::hash::{BuildHasher, BuildHasherDefault};
-    BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default()
-        .hash_one((e.group, e.tag))
+    use std::hash::BuildHasher;
+    foldhash::fast::FixedState::with_seed(0).hash_one((e.group, e.tag))
 }
 
 /// Whether two entries decide against the same limits, as the script sees them.
