@@ -511,3 +511,44 @@ impl bb8::ManageConnection for RedisManager {
         !conn.health.usable(&self.dialer)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use tollgate_testkit::RedisServer;
+
+    use super::Dialer;
+
+    #[tokio::test]
+    async fn the_request_path_connection_logs_in_and_selects_the_database_of_its_url() {
+        // Arrange: a user of its own (the default user stays open for the test kit).
+        let redis =
+            RedisServer::start_with(&["--user", "gate", "on", ">s3cret", "~*", "&*", "+@all"])
+                .unwrap();
+        let url = format!("redis://gate:s3cret@127.0.0.1:{}/3", redis.port);
+        let dialer = Arc::new(Dialer::new(&url, Duration::from_secs(2)).unwrap());
+
+        // Act
+        let link = dialer.dial_link().await.unwrap();
+        let me: String = link.query(redis::cmd("ACL").arg("WHOAMI")).await.unwrap();
+        link.query::<()>(redis::cmd("SET").arg("tollgate:where").arg("here"))
+            .await
+            .unwrap();
+
+        // Assert
+        assert_eq!(me, "gate");
+        let mut c = redis.conn().unwrap();
+        let in_3: Option<String> = redis::pipe()
+            .cmd("SELECT")
+            .arg(3)
+            .ignore()
+            .cmd("GET")
+            .arg("tollgate:where")
+            .query(&mut c)
+            .map(|(v,): (Option<String>,)| v)
+            .unwrap();
+        assert_eq!(in_3.as_deref(), Some("here"));
+    }
+}
