@@ -574,11 +574,7 @@ async fn query<T: redis::FromRedisValue>(
     cmd: &redis::Cmd,
 ) -> Result<T, RedisError> {
     match conn {
-        Conn::Single(link) => {
-            let r = cmd.query_async(&mut link.connection()).await;
-            link.check(&r);
-            r
-        }
+        Conn::Single(link) => link.query(cmd).await,
         Conn::Cluster(c) => cmd.query_async(c).await,
     }
 }

@@ -2,7 +2,7 @@
 //! a change feed that gateways poll instead of reloading the catalog.
 //!
 //! `backend.rs` holds [`RedisStore`] and how it reaches Redis (`pool.rs`: connections to
-//! one server); each concern adds its own `impl RedisStore` block: `buckets.rs` (takes,
+//! one server, `pipe.rs`: the request path's); each concern adds its own `impl RedisStore` block: `buckets.rs` (takes,
 //! through `coalesce.rs`), `catalog.rs`, `audit.rs`, `shadow.rs`, `shards.rs` and
 //! `persistence.rs` (what Redis keeps across its restart).
 
@@ -13,6 +13,7 @@ mod catalog;
 mod coalesce;
 mod gather;
 mod persistence;
+mod pipe;
 mod pool;
 mod shadow;
 mod shards;

@@ -14,7 +14,8 @@
 //!   catch what is left (a peer that stops acknowledging).
 //! - **Broken** (an I/O error on a command): the link is marked and replaced.
 //!
-//! The request path uses one multiplexed connection per worker thread ([`PerThread`]),
+//! The request path uses one pipelined connection per worker thread ([`PerThread`], a
+//! [`Link`] over `pipe`'s connection, the socket's end noticed by its reader task),
 //! kept open by a keeper task on that worker, which re-dials as soon as its link is
 //! closed or retired, so a request after a Redis restart finds a live connection. Every
 //! other caller checks out a pooled connection (bb8 with [`RedisManager`]; bb8-redis's own
@@ -34,10 +35,12 @@ use futures_util::future::{FutureExt, Shared};
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::io::tcp::{socket2, TcpSettings};
 use redis::{
-    AsyncConnectionConfig, Cmd, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, Pipeline,
-    RedisError, RedisFuture, Value,
+    AsyncConnectionConfig, Cmd, ConnectionAddr, ConnectionInfo, FromRedisValue, IntoConnectionInfo,
+    Pipeline, RedisError, RedisFuture, Value,
 };
 use tokio::sync::{watch, Notify};
+
+use super::pipe::{Pipe, Stream};
 
 /// Keepalive probes on an idle socket: a dead peer is noticed within ~11 s.
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(5);
@@ -110,9 +113,12 @@ impl Dialer {
         rx
     }
 
-    /// A new connection. `response_timeout` bounds each of its commands (`None`: the
-    /// caller bounds them, as the request path does with its decision budget).
-    pub async fn dial(&self, response_timeout: Option<Duration>) -> Result<Link, RedisError> {
+    /// A new multiplexed connection (the pool's, the breaker's probe).
+    /// `response_timeout` bounds each of its commands.
+    async fn dial(
+        &self,
+        response_timeout: Option<Duration>,
+    ) -> Result<(MultiplexedConnection, Arc<Health>), RedisError> {
         let r = self.try_dial(response_timeout).await;
         if let Err(e) = &r {
             self.failed.send_replace(Some(e.clone()));
@@ -120,30 +126,91 @@ impl Dialer {
         r
     }
 
-    async fn try_dial(&self, response_timeout: Option<Duration>) -> Result<Link, RedisError> {
+    /// A new request-path connection ([`Pipe`]): its commands have no deadline of their
+    /// own, the request path bounds them with its decision budget.
+    pub async fn dial_link(&self) -> Result<Link, RedisError> {
+        let r = tokio::time::timeout(self.control_timeout, self.try_dial_link())
+            .await
+            .unwrap_or_else(|_| Err(dial_timed_out()));
+        if let Err(e) = &r {
+            self.failed.send_replace(Some(e.clone()));
+        }
+        r
+    }
+
+    async fn try_dial_link(&self) -> Result<Link, RedisError> {
+        let health = Health::new(self.generation());
+        let stream = match self.info.addr() {
+            ConnectionAddr::Tcp(host, port) => Stream::Tcp(self.connect_tcp(host, *port).await?),
+            ConnectionAddr::Unix(path) => {
+                Stream::Unix(tokio::net::UnixStream::connect(path).await?)
+            }
+            other => {
+                return Err(RedisError::from((
+                    redis::ErrorKind::InvalidClientConfig,
+                    "unsupported redis address",
+                    other.to_string(),
+                )))
+            }
+        };
+        let (pipe, driver) = Pipe::start(stream);
+        let h = Arc::clone(&health);
+        tokio::spawn(async move {
+            let e = driver.await;
+            tracing::debug!(error = %e, "request-path connection ended");
+            h.closed.store(true, Ordering::Release);
+            h.ended.notify_waiters();
+        });
+        let link = Link { pipe, health };
+        // What redis-rs's own handshake does for these settings.
+        let settings = self.info.redis_settings();
+        if let Some(password) = settings.password() {
+            let mut auth = redis::cmd("AUTH");
+            if let Some(user) = settings.username() {
+                auth.arg(user);
+            }
+            auth.arg(password);
+            link.query::<()>(&auth).await?;
+        }
+        if settings.db() != 0 {
+            link.query::<()>(redis::cmd("SELECT").arg(settings.db()))
+                .await?;
+        }
+        Ok(link)
+    }
+
+    /// A TCP connection with the options every Redis socket gets.
+    async fn connect_tcp(
+        &self,
+        host: &str,
+        port: u16,
+    ) -> Result<tokio::net::TcpStream, RedisError> {
+        let stream = tokio::net::TcpStream::connect((host, port)).await?;
+        let settings = self.info.tcp_settings();
+        let sock = socket2::SockRef::from(&stream);
+        sock.set_tcp_nodelay(settings.nodelay())?;
+        if let Some(k) = settings.keepalive() {
+            sock.set_tcp_keepalive(k)?;
+        }
+        if let Some(t) = settings.user_timeout() {
+            sock.set_tcp_user_timeout(Some(t))?;
+        }
+        Ok(stream)
+    }
+
+    async fn try_dial(
+        &self,
+        response_timeout: Option<Duration>,
+    ) -> Result<(MultiplexedConnection, Arc<Health>), RedisError> {
         let generation = self.generation();
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(self.control_timeout))
             .set_response_timeout(response_timeout);
-        let health = Arc::new(Health {
-            generation,
-            closed: AtomicBool::new(false),
-            broken: AtomicBool::new(false),
-            ended: Notify::new(),
-        });
+        let health = Health::new(generation);
         let conn = match self.info.addr() {
             ConnectionAddr::Tcp(host, port) => {
                 let connect = async {
-                    let stream = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
-                    let settings = self.info.tcp_settings();
-                    let sock = socket2::SockRef::from(&stream);
-                    sock.set_tcp_nodelay(settings.nodelay())?;
-                    if let Some(k) = settings.keepalive() {
-                        sock.set_tcp_keepalive(k)?;
-                    }
-                    if let Some(t) = settings.user_timeout() {
-                        sock.set_tcp_user_timeout(Some(t))?;
-                    }
+                    let stream = self.connect_tcp(host, *port).await?;
                     let (conn, driver) = MultiplexedConnection::new_with_config(
                         self.info.redis_settings(),
                         stream,
@@ -161,12 +228,7 @@ impl Dialer {
                 };
                 tokio::time::timeout(self.control_timeout, connect)
                     .await
-                    .map_err(|_| {
-                        RedisError::from(std::io::Error::new(
-                            std::io::ErrorKind::TimedOut,
-                            "connecting to redis timed out",
-                        ))
-                    })??
+                    .map_err(|_| dial_timed_out())??
             }
             // Unix sockets and the like: the client's own connection (its end is noticed
             // by the first command that fails on it instead).
@@ -176,18 +238,24 @@ impl Dialer {
                     .await?
             }
         };
-        Ok(Link { conn, health })
+        Ok((conn, health))
     }
 
     /// Whether the server answers a fresh connection within `budget` (after dialing it,
     /// which has the control timeout): tells a Redis that is down from connections that
     /// are dead.
     pub async fn answers_fresh(&self, budget: Duration) -> Result<(), RedisError> {
-        let link = self.dial(Some(budget)).await?;
-        let mut conn = link.conn.clone();
+        let (mut conn, _) = self.dial(Some(budget)).await?;
         redis::cmd("PING").query_async::<String>(&mut conn).await?;
         Ok(())
     }
+}
+
+fn dial_timed_out() -> RedisError {
+    RedisError::from(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        "connecting to redis timed out",
+    ))
 }
 
 /// What is known about one connection.
@@ -200,30 +268,54 @@ struct Health {
     ended: Notify,
 }
 
-/// One multiplexed connection and what is known about it.
+impl Health {
+    fn new(generation: u64) -> Arc<Health> {
+        Arc::new(Health {
+            generation,
+            closed: AtomicBool::new(false),
+            broken: AtomicBool::new(false),
+            ended: Notify::new(),
+        })
+    }
+
+    /// Whether it can still be used: open, not broken, not retired.
+    fn usable(&self, dialer: &Dialer) -> bool {
+        !self.closed.load(Ordering::Acquire)
+            && !self.broken.load(Ordering::Relaxed)
+            && self.generation == dialer.generation()
+    }
+
+    /// Marks it broken when `r` failed at the transport level.
+    fn check<T>(&self, r: &Result<T, RedisError>) {
+        if r.as_ref().is_err_and(is_transport_error) {
+            self.broken.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A worker's request-path connection ([`Pipe`]) and what is known about it.
 #[derive(Clone)]
 pub struct Link {
-    conn: MultiplexedConnection,
+    pipe: Pipe,
     health: Arc<Health>,
 }
 
 impl Link {
     /// Whether it can still be used: open, not broken, not retired.
     pub fn usable(&self, dialer: &Dialer) -> bool {
-        !self.health.closed.load(Ordering::Acquire)
-            && !self.health.broken.load(Ordering::Relaxed)
-            && self.health.generation == dialer.generation()
+        self.health.usable(dialer)
     }
 
-    pub fn connection(&self) -> MultiplexedConnection {
-        self.conn.clone()
-    }
-
-    /// Marks it broken when `r` failed at the transport level.
-    pub fn check<T>(&self, r: &Result<T, RedisError>) {
-        if r.as_ref().is_err_and(is_transport_error) {
-            self.health.broken.store(true, Ordering::Relaxed);
-        }
+    /// `cmd`'s reply as a `T`; a transport error marks the link broken.
+    pub async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, RedisError> {
+        let r = match self.pipe.send(cmd).await {
+            Ok(v) => v
+                .extract_error()
+                .and_then(|v| T::from_redis_value(v).map_err(RedisError::from)),
+            Err(e) => Err(e),
+        };
+        self.health.check(&r);
+        r
     }
 }
 
@@ -245,7 +337,7 @@ impl Slot {
         }
         let (slot, dialer) = (Rc::downgrade(self), Arc::clone(dialer));
         let dial: Pin<Box<dyn Future<Output = _>>> = Box::pin(async move {
-            let r = dialer.dial(None).await;
+            let r = dialer.dial_link().await;
             if let Some(slot) = Weak::upgrade(&slot) {
                 slot.dialing.borrow_mut().take();
                 if let Ok(link) = &r {
@@ -266,7 +358,7 @@ thread_local! {
     static SLOTS: RefCell<HashMap<u64, Rc<Slot>>> = RefCell::new(HashMap::new());
 }
 
-/// One multiplexed connection per thread, for the request path.
+/// One pipelined connection ([`Link`]) per thread, for the request path.
 ///
 /// Each actix worker runs its own single-threaded runtime. A connection made there has its
 /// reader and writer on that worker's thread, so a decision is one hop to Redis and back;
@@ -337,15 +429,16 @@ impl PerThread {
 /// A pooled connection: a [`Link`] whose commands have the control timeout. A command that
 /// fails at the transport level breaks it; one that times out retires every connection.
 pub struct RedisConn {
-    link: Link,
+    conn: MultiplexedConnection,
+    health: Arc<Health>,
     dialer: Arc<Dialer>,
 }
 
 impl RedisConn {
     fn check<T>(&self, r: Result<T, RedisError>) -> Result<T, RedisError> {
-        self.link.check(&r);
+        self.health.check(&r);
         if r.as_ref().is_err_and(|e| e.is_timeout()) {
-            self.link.health.broken.store(true, Ordering::Relaxed);
+            self.health.broken.store(true, Ordering::Relaxed);
             tracing::warn!("redis command timed out: replacing every connection to it");
             self.dialer.retire_all();
         }
@@ -356,7 +449,7 @@ impl RedisConn {
 impl ConnectionLike for RedisConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         Box::pin(async move {
-            let r = self.link.conn.req_packed_command(cmd).await;
+            let r = self.conn.req_packed_command(cmd).await;
             self.check(r)
         })
     }
@@ -368,13 +461,13 @@ impl ConnectionLike for RedisConn {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         Box::pin(async move {
-            let r = self.link.conn.req_packed_commands(cmd, offset, count).await;
+            let r = self.conn.req_packed_commands(cmd, offset, count).await;
             self.check(r)
         })
     }
 
     fn get_db(&self) -> i64 {
-        self.link.conn.get_db()
+        self.conn.get_db()
     }
 }
 
@@ -394,9 +487,10 @@ impl bb8::ManageConnection for RedisManager {
     type Error = RedisError;
 
     async fn connect(&self) -> Result<RedisConn, RedisError> {
-        let link = self.dialer.dial(Some(self.dialer.control_timeout)).await?;
+        let (conn, health) = self.dialer.dial(Some(self.dialer.control_timeout)).await?;
         Ok(RedisConn {
-            link,
+            conn,
+            health,
             dialer: Arc::clone(&self.dialer),
         })
     }
@@ -404,7 +498,7 @@ impl bb8::ManageConnection for RedisManager {
     /// At checkout, without a round trip: a closed, broken or retired link is dropped
     /// and another (or a new one) is handed out instead.
     async fn is_valid(&self, conn: &mut RedisConn) -> Result<(), RedisError> {
-        if conn.link.usable(&self.dialer) {
+        if conn.health.usable(&self.dialer) {
             Ok(())
         } else {
             Err(RedisError::from(std::io::Error::from(
@@ -414,6 +508,47 @@ impl bb8::ManageConnection for RedisManager {
     }
 
     fn has_broken(&self, conn: &mut RedisConn) -> bool {
-        !conn.link.usable(&self.dialer)
+        !conn.health.usable(&self.dialer)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use tollgate_testkit::RedisServer;
+
+    use super::Dialer;
+
+    #[tokio::test]
+    async fn the_request_path_connection_logs_in_and_selects_the_database_of_its_url() {
+        // Arrange: a user of its own (the default user stays open for the test kit).
+        let redis =
+            RedisServer::start_with(&["--user", "gate", "on", ">s3cret", "~*", "&*", "+@all"])
+                .unwrap();
+        let url = format!("redis://gate:s3cret@127.0.0.1:{}/3", redis.port);
+        let dialer = Arc::new(Dialer::new(&url, Duration::from_secs(2)).unwrap());
+
+        // Act
+        let link = dialer.dial_link().await.unwrap();
+        let me: String = link.query(redis::cmd("ACL").arg("WHOAMI")).await.unwrap();
+        link.query::<()>(redis::cmd("SET").arg("tollgate:where").arg("here"))
+            .await
+            .unwrap();
+
+        // Assert
+        assert_eq!(me, "gate");
+        let mut c = redis.conn().unwrap();
+        let in_3: Option<String> = redis::pipe()
+            .cmd("SELECT")
+            .arg(3)
+            .ignore()
+            .cmd("GET")
+            .arg("tollgate:where")
+            .query(&mut c)
+            .map(|(v,): (Option<String>,)| v)
+            .unwrap();
+        assert_eq!(in_3.as_deref(), Some("here"));
     }
 }
