@@ -592,6 +592,28 @@ mod tests {
     use crate::store::redis::RedisStore;
     use crate::store::Keys;
 
+    /// A store on the Redis at `url`, with a control timeout of 1 s.
+    fn store_at(url: String) -> Rc<RedisStore> {
+        Rc::new(
+            RedisStore::connect(
+                &SecretString::from(url),
+                2,
+                Duration::from_secs(1),
+                Keys::new("tollgate:"),
+            )
+            .unwrap(),
+        )
+    }
+
+    /// A plan of one bucket of 5, with next to no refill.
+    fn bucket_of_five() -> Rc<Vec<crate::domain::Applied>> {
+        let plan = Limits::new(vec![Limit::default_bucket(
+            Bucket::new(5.0, 0.001).unwrap(),
+        )])
+        .unwrap();
+        Rc::new(plan.every())
+    }
+
     #[tokio::test]
     async fn a_peek_at_a_redis_that_stopped_answering_gives_up_at_the_control_timeout() {
         let redis = RedisServer::start().unwrap();
@@ -628,20 +650,7 @@ mod tests {
     async fn two_takes_of_one_client_in_one_turn_go_in_two_calls_and_both_count() {
         // Arrange: one client, a bucket of 5 with next to no refill.
         let redis = RedisServer::start().unwrap();
-        let store = Rc::new(
-            RedisStore::connect(
-                &SecretString::from(redis.url()),
-                2,
-                Duration::from_secs(1),
-                Keys::new("tollgate:"),
-            )
-            .unwrap(),
-        );
-        let plan = Limits::new(vec![Limit::default_bucket(
-            Bucket::new(5.0, 0.001).unwrap(),
-        )])
-        .unwrap();
-        let applied = Rc::new(plan.every());
+        let (store, applied) = (store_at(redis.url()), bucket_of_five());
         let local = tokio::task::LocalSet::new();
         local
             .run_until(async {
@@ -680,20 +689,7 @@ mod tests {
         // Arrange: Redis 30 ms away, so a call is in flight long enough to give up on.
         let redis = RedisServer::start().unwrap();
         let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
-        let store = Rc::new(
-            RedisStore::connect(
-                &SecretString::from(proxy.redis_url()),
-                2,
-                Duration::from_secs(1),
-                Keys::new("tollgate:"),
-            )
-            .unwrap(),
-        );
-        let plan = Limits::new(vec![Limit::default_bucket(
-            Bucket::new(5.0, 0.001).unwrap(),
-        )])
-        .unwrap();
-        let applied = Rc::new(plan.every());
+        let (store, applied) = (store_at(proxy.redis_url()), bucket_of_five());
         let local = tokio::task::LocalSet::new();
         local
             .run_until(async {
