@@ -119,7 +119,7 @@ end
 -- (unix µs), padded past `hash-max-listpack-value` (64 bytes by default).
 local PAD = rep(' ', 72)
 local MARK0 = '0 0' .. PAD
-local mark1
+local mark1, wrote1
 local status, levels, errors = {}, {}, {}
 local nstatus, nlevels = 0, 0
 local MISSING = pack('<ddd', -1 / 0, 0, 0)
@@ -185,12 +185,6 @@ for g = 1, #keys do
       local num = { unpack_s('<' .. rep('ddd', nf - 1), concat(st, '', 2, nf)) }
       local writes, nw = {}, 0
       if g == 1 then mark1 = st[1] end
-      if not st[1] then
-        -- A new group: its mark, longer than a listpack value may be, so Redis keeps
-        -- the group as a hash table from the start (a listpack finds a field by
-        -- walking every entry: up to 512 of them with Redis' defaults).
-        writes[1], writes[2], nw = '~', MARK0, 2
-      end
       local saved_status, saved_levels = nstatus, nlevels
       local tag, j = gtag0[g], 1
       for r = r0, r1 do
@@ -310,7 +304,16 @@ for g = 1, #keys do
       -- One HSET per group. One that fails fails the group's entries: nothing they
       -- decided was kept.
       if nw > 0 then
+        if not st[1] then
+          -- A new group: its mark, longer than a listpack value may be, so Redis keeps
+          -- the group as a hash table from the start (a listpack finds a field by
+          -- walking every entry: up to 512 of them with Redis' defaults). Peeks alone
+          -- write nothing, not even this.
+          writes[nw + 1], writes[nw + 2] = '~', MARK0
+          nw = nw + 2
+        end
         local wok, e = pcall(call, 'HSET', key, unpack(writes, 1, nw))
+        if wok and g == 1 then wrote1 = true end
         if not wok then
           nstatus, nlevels = saved_status, saved_levels
           fail(g, message(e))
@@ -324,8 +327,8 @@ end
 -- field this call wrote is never over). At most once a second per group, whatever the
 -- number of gateways asking (field '~' holds the HSCAN cursor and when the next slice is
 -- due, unix µs); a slice is a sixtieth of the group, so a group is swept through about
--- once a minute.
-if sweep > 0 and status[1] == '1' then
+-- once a minute. Not in a group that does not exist (a call of peeks writes nothing).
+if sweep > 0 and status[1] == '1' and (mark1 or wrote1) then
   local cursor, due = '0', 0
   if mark1 then
     local c, d = string.match(mark1, '^(%d+) (%d+)')

@@ -629,6 +629,12 @@ mod tests {
             Limits::new(vec![Limit::default_bucket(Bucket::new(5.0, 1.0).unwrap())]).unwrap();
         let applied = plan.every();
         store.peek("tollgate:b:{a}", &applied).await.unwrap();
+        // A peek writes nothing, not even a new group's mark.
+        let exists: bool = redis::cmd("EXISTS")
+            .arg("tollgate:s:{0}")
+            .query(&mut redis.conn().unwrap())
+            .unwrap();
+        assert!(!exists, "a peek created the state group");
 
         proxy.blackhole();
         let answer = tokio::time::timeout(
