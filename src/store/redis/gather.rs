@@ -168,7 +168,7 @@ struct Pending {
     tags: Vec<u8>,
     /// Each entry's (group, tag), hashed: a client appears in a call once.
     seen: std::collections::HashSet<u64, foldhash::fast::FixedState>,
-    waiters: Vec<oneshot::Sender<Result<Answer, StoreError>>>,
+    waiters: Vec<Waiter>,
     takes: u64,
     /// Still taking entries: its task has not run yet.
     open: bool,
@@ -195,6 +195,9 @@ impl Queued {
 }
 
 type Shared = Arc<Mutex<Pending>>;
+
+/// Where an entry's answer goes.
+type Waiter = oneshot::Sender<Result<Answer, StoreError>>;
 
 thread_local! {
     /// The open batch per (gatherer, group) on this thread.
@@ -282,8 +285,9 @@ impl Gatherer {
         let open = OPEN.with(|m| m.borrow().get(&(self.id, group)).cloned());
         if let Some(batch) = open {
             let mut b = batch.lock().unwrap_or_else(|p| p.into_inner());
-            if b.open && b.waiters.len() < MAX_ENTRIES && !b.has(&entry) {
-                b.add(&entry, tx.take().expect("not used yet"));
+            if b.open && b.waiters.len() < MAX_ENTRIES {
+                // Given back when the batch holds this client already.
+                tx = b.add(&entry, tx.take().expect("not used yet")).err();
             }
         }
         if let Some(tx) = tx {
@@ -300,7 +304,7 @@ impl Gatherer {
                 takes: 0,
                 open: true,
             };
-            pending.add(&entry, tx);
+            let _ = pending.add(&entry, tx);
             let batch = Arc::new(Mutex::new(pending));
             OPEN.with(|m| m.borrow_mut().insert((self.id, group), Arc::clone(&batch)));
             tokio::spawn(send(
@@ -314,13 +318,12 @@ impl Gatherer {
 }
 
 impl Pending {
-    /// Whether the batch holds an entry of `e`'s client already (it then goes in a call
-    /// of its own).
-    fn has(&self, e: &Entry<'_>) -> bool {
-        self.seen.contains(&seen_hash(e))
-    }
-
-    fn add(&mut self, e: &Entry<'_>, tx: oneshot::Sender<Result<Answer, StoreError>>) {
+    /// Adds `e`, or gives `tx` back if the batch holds an entry of its client already
+    /// (that entry then goes in a call of its own, so it reads what this one wrote).
+    fn add(&mut self, e: &Entry<'_>, tx: Waiter) -> Result<(), Waiter> {
+        if !self.seen.insert(seen_hash(e)) {
+            return Err(tx);
+        }
         let set = match self.sets.iter().position(|s| same_limits(s, e.applied)) {
             Some(i) => i,
             None => {
@@ -336,7 +339,6 @@ impl Pending {
                 self.groups.len() - 1
             }
         };
-        self.seen.insert(seen_hash(e));
         let start = self.tags.len();
         self.tags.extend_from_slice(e.tag.as_bytes());
         self.entries.push(Queued {
@@ -360,6 +362,7 @@ impl Pending {
         if matches!(e.op, Op::Take) {
             self.takes += e.n as u64;
         }
+        Ok(())
     }
 }
 
@@ -423,7 +426,7 @@ fn wall_clock_us() -> u64 {
 
 /// Closes the batch and sends it as one call; answers every entry.
 async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
-    let (mut conn, declare_all, groups, sets, set_args, mut entries, tags, waiters, takes) = {
+    let (mut conn, declare_all, groups, sets, set_args, entries, tags, waiters, takes) = {
         let mut b = batch.lock().unwrap_or_else(|p| p.into_inner());
         b.open = false;
         let conn = match &b.conn {
@@ -474,7 +477,6 @@ async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
             run_start = pos + 1;
         }
     }
-    entries.clear();
 
     let mut cmd = redis::cmd("EVALSHA");
     cmd.arg(&script.hash);
