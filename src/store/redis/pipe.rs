@@ -16,10 +16,12 @@
 use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::io;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
 use redis::{Cmd, RedisError, Value};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::oneshot;
 
 /// The socket: TCP, or a Unix socket (`redis+unix://`).
@@ -29,31 +31,56 @@ pub enum Stream {
 }
 
 impl Stream {
+    /// Its two halves: the reading one for the driver alone, the writing one shared.
+    fn split(self) -> (ReadHalf, WriteHalf) {
+        match self {
+            Stream::Tcp(s) => {
+                let (r, w) = s.into_split();
+                (ReadHalf::Tcp(r), WriteHalf::Tcp(w))
+            }
+            Stream::Unix(s) => {
+                let (r, w) = s.into_split();
+                (ReadHalf::Unix(r), WriteHalf::Unix(w))
+            }
+        }
+    }
+}
+
+/// Read through `AsyncRead`: a read that fills less than the room it was given ends the
+/// socket's readiness there, so the driver waits for the next reply without a second
+/// `recv` that would only say "nothing more" (`try_read` keeps the readiness until a read
+/// fails with `WouldBlock`: a wasted system call per reply).
+enum ReadHalf {
+    Tcp(tokio::net::tcp::OwnedReadHalf),
+    Unix(tokio::net::unix::OwnedReadHalf),
+}
+
+impl ReadHalf {
+    fn poll_read(&mut self, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        match self {
+            ReadHalf::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            ReadHalf::Unix(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+enum WriteHalf {
+    Tcp(tokio::net::tcp::OwnedWriteHalf),
+    Unix(tokio::net::unix::OwnedWriteHalf),
+}
+
+impl WriteHalf {
     fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
         match self {
-            Stream::Tcp(s) => s.try_write(buf),
-            Stream::Unix(s) => s.try_write(buf),
+            WriteHalf::Tcp(s) => s.try_write(buf),
+            WriteHalf::Unix(s) => s.try_write(buf),
         }
     }
 
-    fn try_read_buf(&self, buf: &mut Vec<u8>) -> io::Result<usize> {
+    fn poll_write(&mut self, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         match self {
-            Stream::Tcp(s) => s.try_read_buf(buf),
-            Stream::Unix(s) => s.try_read_buf(buf),
-        }
-    }
-
-    fn poll_read_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self {
-            Stream::Tcp(s) => s.poll_read_ready(cx),
-            Stream::Unix(s) => s.poll_read_ready(cx),
-        }
-    }
-
-    fn poll_write_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self {
-            Stream::Tcp(s) => s.poll_write_ready(cx),
-            Stream::Unix(s) => s.poll_write_ready(cx),
+            WriteHalf::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+            WriteHalf::Unix(s) => Pin::new(s).poll_write(cx, buf),
         }
     }
 }
@@ -61,6 +88,8 @@ impl Stream {
 type Reply = oneshot::Sender<Result<Value, RedisError>>;
 
 struct State {
+    /// The socket's writing half: callers write with it under this lock.
+    write: WriteHalf,
     /// Packed commands the socket has not taken yet.
     out: Vec<u8>,
     /// One slot per command written or buffered, oldest first.
@@ -74,7 +103,6 @@ struct State {
 }
 
 struct Shared {
-    stream: Stream,
     state: Mutex<State>,
 }
 
@@ -106,9 +134,10 @@ impl Pipe {
     /// Starts the connection's driver on the current runtime; the returned future ends
     /// when the connection does, with why.
     pub fn start(stream: Stream) -> (Pipe, impl std::future::Future<Output = RedisError>) {
+        let (read, write) = stream.split();
         let shared = Arc::new(Shared {
-            stream,
             state: Mutex::new(State {
+                write,
                 out: Vec::new(),
                 waiting: VecDeque::new(),
                 driver: None,
@@ -116,7 +145,7 @@ impl Pipe {
                 dropped: false,
             }),
         });
-        let driver = drive(Arc::clone(&shared));
+        let driver = drive(Arc::clone(&shared), read);
         (Pipe(Arc::new(Handle(shared))), driver)
     }
 
@@ -135,7 +164,7 @@ impl Pipe {
             if idle {
                 // Written from here: no hop to the driver. What the socket does not take
                 // (or an error) is the driver's to deal with.
-                if let Ok(n) = shared.stream.try_write(&s.out) {
+                if let Ok(n) = s.write.try_write(&s.out) {
                     if n == s.out.len() {
                         s.out.clear();
                     } else {
@@ -159,10 +188,9 @@ fn closed() -> RedisError {
 
 /// Writes what callers left in the buffer, reads and answers replies, until the socket
 /// ends or fails (then fails every waiting command) or every handle is dropped.
-async fn drive(shared: Arc<Shared>) -> RedisError {
-    let mut input: Vec<u8> = Vec::with_capacity(16 * 1024);
-    let mut start = 0;
-    let r = poll_fn(|cx| poll_drive(&shared, cx, &mut input, &mut start)).await;
+async fn drive(shared: Arc<Shared>, mut read: ReadHalf) -> RedisError {
+    let mut input = Input::default();
+    let r = poll_fn(|cx| poll_drive(&shared, cx, &mut read, &mut input)).await;
     let e = match r {
         Ok(()) => closed(),
         Err(e) => e,
@@ -179,15 +207,51 @@ async fn drive(shared: Arc<Shared>) -> RedisError {
     e
 }
 
+/// Bytes read and not parsed yet: `buf[start..end]`, in a buffer that grows only when a
+/// reply does not fit it.
+struct Input {
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+}
+
+impl Default for Input {
+    fn default() -> Input {
+        Input {
+            buf: vec![0; 16 * 1024],
+            start: 0,
+            end: 0,
+        }
+    }
+}
+
+impl Input {
+    /// Room for the next read: the unparsed bytes moved to the front, and the buffer
+    /// doubled when they fill it.
+    fn room(&mut self) -> &mut [u8] {
+        if self.start == self.end {
+            (self.start, self.end) = (0, 0);
+        } else if self.end == self.buf.len() && self.start > 0 {
+            self.buf.copy_within(self.start..self.end, 0);
+            (self.start, self.end) = (0, self.end - self.start);
+        }
+        if self.end == self.buf.len() {
+            self.buf.resize(2 * self.buf.len(), 0);
+        }
+        &mut self.buf[self.end..]
+    }
+}
+
 fn poll_drive(
     shared: &Shared,
     cx: &mut Context<'_>,
-    input: &mut Vec<u8>,
-    start: &mut usize,
+    read: &mut ReadHalf,
+    input: &mut Input,
 ) -> Poll<Result<(), RedisError>> {
     // Write what is left in the buffer.
     {
-        let mut s = shared.state();
+        let mut guard = shared.state();
+        let s = &mut *guard;
         if s.dropped {
             return Poll::Ready(Ok(()));
         }
@@ -195,39 +259,33 @@ fn poll_drive(
             s.driver = Some(cx.waker().clone());
         }
         while !s.out.is_empty() {
-            match shared.stream.poll_write_ready(cx) {
+            match s.write.poll_write(cx, &s.out) {
                 Poll::Pending => break,
-                Poll::Ready(Err(e)) => return Poll::Ready(Err(e.into())),
-                Poll::Ready(Ok(())) => {}
-            }
-            match shared.stream.try_write(&s.out) {
-                Ok(0) => return Poll::Ready(Err(io::Error::from(io::ErrorKind::WriteZero).into())),
-                Ok(n) => {
+                Poll::Ready(Ok(0)) => {
+                    return Poll::Ready(Err(io::Error::from(io::ErrorKind::WriteZero).into()))
+                }
+                Poll::Ready(Ok(n)) => {
                     s.out.drain(..n);
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(e) => return Poll::Ready(Err(e.into())),
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e.into())),
             }
         }
     }
     // Read and answer every complete reply.
     loop {
-        match shared.stream.poll_read_ready(cx) {
+        let mut room = ReadBuf::new(input.room());
+        match read.poll_read(cx, &mut room) {
             Poll::Pending => return Poll::Pending,
             Poll::Ready(Err(e)) => return Poll::Ready(Err(e.into())),
             Poll::Ready(Ok(())) => {}
         }
-        if input.capacity() - input.len() < 4096 {
-            input.reserve(16 * 1024);
+        let n = room.filled().len();
+        if n == 0 {
+            return Poll::Ready(Err(closed()));
         }
-        match shared.stream.try_read_buf(input) {
-            Ok(0) => return Poll::Ready(Err(closed())),
-            Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(e) => return Poll::Ready(Err(e.into())),
-        }
-        while let Some((value, used)) = parse(&input[*start..])? {
-            *start += used;
+        input.end += n;
+        while let Some((value, used)) = parse(&input.buf[input.start..input.end])? {
+            input.start += used;
             let tx = shared.state().waiting.pop_front();
             match tx {
                 Some(tx) => {
@@ -237,13 +295,6 @@ fn poll_drive(
                     return Poll::Ready(Err(protocol("a reply nobody asked for".into())));
                 }
             }
-        }
-        if *start == input.len() {
-            input.clear();
-            *start = 0;
-        } else if *start > input.len() / 2 {
-            input.drain(..*start);
-            *start = 0;
         }
     }
 }
@@ -344,6 +395,66 @@ mod tests {
         let v = whole(b"-NOSCRIPT No matching script\r\n");
         let e = v.extract_error().unwrap_err();
         assert_eq!(e.code(), Some("NOSCRIPT"));
+    }
+
+    /// A real Redis behind the pipe: replies far larger than the read buffer, and many
+    /// commands in flight at once, each answered with its own reply.
+    #[tokio::test]
+    async fn large_and_pipelined_replies_each_reach_their_own_caller() {
+        let redis = tollgate_testkit::RedisServer::start().unwrap();
+        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", redis.port))
+            .await
+            .unwrap();
+        let (pipe, driver) = Pipe::start(Stream::Tcp(tcp));
+        tokio::spawn(driver);
+
+        // 100 kB: the 16 kB buffer must grow, and keep what it has read meanwhile.
+        let big: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        let mut set = redis::cmd("SET");
+        set.arg("big").arg(&big[..]);
+        assert_eq!(pipe.send(&set).await.unwrap(), Value::Okay);
+        let mut get = redis::cmd("GET");
+        get.arg("big");
+        assert_eq!(
+            pipe.send(&get).await.unwrap(),
+            Value::BulkString(big.clone())
+        );
+
+        // 500 commands in flight, replies of different sizes: each caller gets its own.
+        let sends = (0..500usize).map(|i| {
+            let pipe = pipe.clone();
+            async move {
+                let mut echo = redis::cmd("ECHO");
+                echo.arg(vec![b'x'; i * 37 % 3000]);
+                (i, pipe.send(&echo).await.unwrap())
+            }
+        });
+        for (i, reply) in futures_util::future::join_all(sends).await {
+            assert_eq!(
+                reply,
+                Value::BulkString(vec![b'x'; i * 37 % 3000]),
+                "command {i}"
+            );
+        }
+        assert_eq!(pipe.send(&get).await.unwrap(), Value::BulkString(big));
+    }
+
+    #[test]
+    fn unparsed_bytes_move_to_the_front_and_the_buffer_grows_only_when_they_fill_it() {
+        let mut input = Input::default();
+        let size = input.buf.len();
+        assert_eq!(input.room().len(), size);
+        // Full, with the first 10 bytes parsed: they make room.
+        input.buf[10] = b'a';
+        (input.start, input.end) = (10, size);
+        assert_eq!(input.room().len(), 10);
+        assert_eq!((input.start, input.end, input.buf[0]), (0, size - 10, b'a'));
+        // Full of one unparsed reply: twice the size.
+        (input.start, input.end) = (0, size);
+        assert_eq!(input.room().len(), size);
+        // All parsed: from the front again.
+        (input.start, input.end) = (5, 5);
+        assert_eq!(input.room().len(), 2 * size);
     }
 
     #[test]

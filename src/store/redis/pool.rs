@@ -551,4 +551,39 @@ mod tests {
             .unwrap();
         assert_eq!(in_3.as_deref(), Some("here"));
     }
+
+    #[tokio::test]
+    async fn the_request_path_connection_speaks_over_a_unix_socket() {
+        let dir = tollgate_testkit::temp_dir("unix").unwrap();
+        let socket = dir.path().join("redis.sock");
+        let redis = RedisServer::start_with(&["--unixsocket", socket.to_str().unwrap()]).unwrap();
+        let url = format!("redis+unix://{}?db=2", socket.display());
+        let dialer = Arc::new(Dialer::new(&url, Duration::from_secs(2)).unwrap());
+
+        let link = dialer.dial_link().await.unwrap();
+        let replies = futures_util::future::join_all((0..50).map(|i| {
+            let link = &link;
+            async move {
+                link.query::<i64>(redis::cmd("INCRBY").arg("n").arg(i))
+                    .await
+            }
+        }))
+        .await;
+
+        // In order, each its own: 0, 0+1, 0+1+2, ...
+        for (i, r) in replies.into_iter().enumerate() {
+            assert_eq!(r.unwrap(), (0..=i as i64).sum::<i64>(), "reply {i}");
+        }
+        let mut c = redis.conn().unwrap();
+        let in_2: i64 = redis::pipe()
+            .cmd("SELECT")
+            .arg(2)
+            .ignore()
+            .cmd("GET")
+            .arg("n")
+            .query(&mut c)
+            .map(|(v,): (i64,)| v)
+            .unwrap();
+        assert_eq!(in_2, (0..50).sum::<i64>());
+    }
 }
