@@ -139,20 +139,34 @@ pub fn key_slot(key: &str) -> u16 {
     crc16(hash_tag(key).unwrap_or(key).as_bytes()) % 16384
 }
 
+/// CRC16 (XMODEM) a byte at a time: the slot of every decision's key is computed on the
+/// request path.
 fn crc16(data: &[u8]) -> u16 {
-    let mut crc: u16 = 0;
-    for &byte in data {
-        crc ^= (byte as u16) << 8;
-        for _ in 0..8 {
+    data.iter().fold(0u16, |crc, &byte| {
+        (crc << 8) ^ CRC16_TABLE[usize::from((crc >> 8) as u8 ^ byte)]
+    })
+}
+
+/// The CRC of each byte value alone (polynomial 0x1021).
+const CRC16_TABLE: [u16; 256] = {
+    let mut table = [0u16; 256];
+    let mut i = 0;
+    while i < 256 {
+        let mut crc = (i as u16) << 8;
+        let mut bit = 0;
+        while bit < 8 {
             crc = if crc & 0x8000 != 0 {
                 (crc << 1) ^ 0x1021
             } else {
                 crc << 1
             };
+            bit += 1;
         }
+        table[i] = crc;
+        i += 1;
     }
-    crc
-}
+    table
+};
 
 /// A key that lands in `slot`, for probing the node that owns it.
 pub fn key_in_slot(slot: u16) -> String {
