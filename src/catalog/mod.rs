@@ -81,6 +81,8 @@ impl PlanSlot {
 /// What the request path needs to know about a client, resolved ahead of time.
 pub struct ClientEntry {
     pub id: ClientId,
+    /// The id as the `X-Client-Id` header the service gets, built once.
+    pub id_header: HeaderValue,
     pub plan: Arc<PlanSlot>,
     pub mode: Mode,
     /// The Redis key of the client's bucket, built once.
@@ -522,7 +524,10 @@ impl Catalog {
             Some(o) if shard.is_none() => o.unsharded_at,
             _ => None,
         };
+        // Ids are letters, digits, `-`, `_` and `.`: always a valid header value.
+        let id_header = HeaderValue::from_str(id.as_str()).ok()?;
         Some(Arc::new(ClientEntry {
+            id_header,
             bucket_key: self.key_names.bucket(id).into_boxed_str(),
             mode: rec.value.mode.unwrap_or(self.default_mode),
             id: id.clone(),

@@ -4,7 +4,6 @@ use std::cell::Cell;
 use std::rc::Rc;
 use std::time::Duration;
 
-use actix_web::http::header::HeaderValue;
 use actix_web::{web, HttpMessage, HttpRequest, HttpResponse};
 use awc::error::{ConnectError, SendRequestError};
 use bytes::Bytes;
@@ -89,11 +88,9 @@ pub async fn forward(
         scheme,
         &state.trusted_proxies,
     );
-    let client_id = HeaderValue::from_str(admitted.client.id.as_str())
-        .map_err(|e| ApiError::Internal(e.into()))?;
     let forwarded = origin.forwarded();
     out = out
-        .insert_header((X_CLIENT_ID.clone(), client_id))
+        .insert_header((X_CLIENT_ID.clone(), admitted.client.id_header.clone()))
         .insert_header((X_FORWARDED_FOR.clone(), origin.x_forwarded_for))
         .insert_header((X_FORWARDED_PROTO.clone(), origin.proto))
         .insert_header((actix_web::http::header::FORWARDED, forwarded));
