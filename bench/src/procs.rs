@@ -472,6 +472,8 @@ impl Drop for Nginx {
 pub struct Floor {
     child: Child,
     pub addr: SocketAddr,
+    /// Under a profiler: stopped with SIGTERM and time to write its data.
+    grace: Duration,
     _dir: TempDir,
 }
 
@@ -481,7 +483,19 @@ impl Floor {
         let port = free_port()?;
         let addr = SocketAddr::from(([127, 0, 0, 1], port));
         let log = dir.path().join("floor.err");
-        let mut cmd = command(std::env::current_exe()?);
+        // `TOLLGATE_BENCH_FLOOR_WRAPPER` (e.g. "valgrind --tool=callgrind") runs it under a
+        // profiler, as `TOLLGATE_BENCH_WRAPPER` does the gateway.
+        let profiler = std::env::var("TOLLGATE_BENCH_FLOOR_WRAPPER").unwrap_or_default();
+        let mut argv = profiler.split_whitespace().map(std::ffi::OsString::from);
+        let mut cmd = match argv.next() {
+            Some(program) => {
+                let mut cmd = command(program);
+                cmd.args(argv).arg(std::env::current_exe()?);
+                cmd
+            }
+            None => command(std::env::current_exe()?),
+        };
+        let profiled = !profiler.trim().is_empty();
         cmd.arg("floor")
             .arg("--listen")
             .arg(addr.to_string())
@@ -504,6 +518,11 @@ impl Floor {
         Ok(Floor {
             child,
             addr,
+            grace: if profiled {
+                Duration::from_secs(30)
+            } else {
+                Duration::ZERO
+            },
             _dir: dir,
         })
     }
@@ -517,7 +536,7 @@ impl Floor {
 
 impl Drop for Floor {
     fn drop(&mut self) {
-        stop(&mut self.child, Duration::ZERO);
+        stop(&mut self.child, self.grace);
     }
 }
 
