@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Instructions the gateway and the floor (bare actix-web + awc) execute per request,
+# counted by callgrind: independent of the machine's load, unlike CPU time, so two
+# builds can be compared where `throughput` swings 10-30% from run to run. Also counts
+# the system calls and allocations behind them (recv, send, malloc per request).
+#
+#   bench/scripts/gateway-cost.sh [RATE=400] [extra `tollgate-bench latency` options]
+#
+# It runs the `latency` scenario twice (10 s and 30 s per side, RATE requests/s, 10,000
+# clients, a decision budget of 1 s so nothing fails open under valgrind), the gateway
+# and the floor each under callgrind, and divides the difference between the two runs by
+# the difference in requests: start-up and warm-up cancel out. The release build in
+# target/release is used; KEEP=dir keeps the profiles (callgrind_annotate them).
+# Per request counts depend on how many takes share a Redis call (printed): at low
+# rates about one per call. Needs valgrind and python3 (Debian: valgrind, python3).
+set -euo pipefail
+rate=${1:-400}
+shift || true
+out=${KEEP:-$(mktemp -d)}
+[ -n "${KEEP:-}" ] || trap 'rm -rf "$out"' EXIT
+bin=target/release/tollgate-bench
+[ -x "$bin" ] || { echo "build first: cargo build --release --workspace" >&2; exit 1; }
+for d in 10 30; do
+  TOLLGATE_BENCH_WRAPPER="valgrind --tool=callgrind --callgrind-out-file=$out/gw-$d.%p.out" \
+  TOLLGATE_BENCH_FLOOR_WRAPPER="valgrind --tool=callgrind --callgrind-out-file=$out/floor-$d.%p.out" \
+    "$bin" latency --rate "$rate" --duration "$d" --clients 10000 --warmup 3 --timeout-ms 1000 "$@" \
+    >"$out/run-$d.log" 2>&1
+done
+python3 - "$out" <<'PY'
+import collections, glob, re, sys
+out = sys.argv[1]
+
+def requests(d, row):
+    for line in open(f"{out}/run-{d}.log"):
+        if line.startswith("| " + row):
+            return int(line.split("|")[2])
+
+def profile(path):
+    """Total instructions, and calls into each function."""
+    names, calls, total, cfn = {}, collections.Counter(), 0, None
+    for line in open(path):
+        if line.startswith(("fn=", "cfn=")):
+            m = re.match(r"c?fn=\((\d+)\)(?: (.*))?", line.strip())
+            if m.group(2):
+                names[m.group(1)] = m.group(2)
+            if line.startswith("cfn="):
+                cfn = names.get(m.group(1), m.group(1))
+        elif line.startswith("calls="):
+            calls[cfn] += int(line[6:].split()[0])
+        elif line.startswith("totals:"):
+            total = int(line.split()[1])
+    return total, calls
+
+counted = {"recv": r"^recv$", "send": r"^send$", "malloc": r"^mi_malloc_aligned$"}
+for kind, row in (("floor", "floor"), ("gw", "through tollgate")):
+    runs = [profile(glob.glob(f"{out}/{kind}-{d}.*.out")[0]) for d in (10, 30)]
+    n = requests(30, row) - requests(10, row)
+    line = f"{row:18s} {(runs[1][0] - runs[0][0]) / n:9,.0f} instructions per request"
+    for name, pat in counted.items():
+        c = sum(v for k, v in runs[1][1].items() if k and re.search(pat, k))
+        c -= sum(v for k, v in runs[0][1].items() if k and re.search(pat, k))
+        line += f", {c / n:.2f} {name}"
+    print(line + f" ({n} requests)")
+for line in open(f"{out}/run-30.log"):
+    if line.startswith("Redis calls"):
+        print(line.split(".  ")[0].split(" Fail-opens")[0])
+PY
