@@ -56,6 +56,13 @@ pub enum StoreErrorKind {
     Pool,
 }
 
+impl StoreErrorKind {
+    /// The `kind` label of `tollgate_store_errors_total`.
+    pub fn label(self) -> &'static str {
+        ERROR_KINDS[self as usize]
+    }
+}
+
 /// What a service's report of a request's real cost (a route's `cost_header`) came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CostReport {

@@ -52,6 +52,55 @@ pub struct Limiter {
     /// Sharded clients whose global quota is used up, until when (unix µs).
     /// With the quotas' amounts then: a raised quota (an override, a plan change) lifts it.
     quota_blocks: Arc<dashmap::DashMap<ClientId, (u64, f64)>>,
+    /// Store errors the request path met, said in the log at most every
+    /// [`ERROR_LOG_EVERY`].
+    error_log: ErrorLog,
+}
+
+/// The request path logs a failed store call at most this often (each is counted in
+/// `tollgate_store_errors_total`): one line names the error, not one per request.
+const ERROR_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// When the request path last logged a store error, and how many it has not logged since.
+struct ErrorLog {
+    epoch: Instant,
+    /// Milliseconds since `epoch` of the last line, plus one (0: never).
+    last_ms: std::sync::atomic::AtomicU64,
+    unlogged: std::sync::atomic::AtomicU64,
+}
+
+impl ErrorLog {
+    fn new() -> ErrorLog {
+        ErrorLog {
+            epoch: Instant::now(),
+            last_ms: Default::default(),
+            unlogged: Default::default(),
+        }
+    }
+
+    /// Logs `e` if no error was logged within [`ERROR_LOG_EVERY`], with how many were not.
+    fn note(&self, e: &StoreError) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let now = self.epoch.elapsed().as_millis() as u64 + 1;
+        let last = self.last_ms.load(Relaxed);
+        let due = last == 0 || now >= last + ERROR_LOG_EVERY.as_millis() as u64;
+        if !due
+            || self
+                .last_ms
+                .compare_exchange(last, now, Relaxed, Relaxed)
+                .is_err()
+        {
+            self.unlogged.fetch_add(1, Relaxed);
+            return;
+        }
+        let unlogged = self.unlogged.swap(0, Relaxed);
+        tracing::warn!(
+            error = %e,
+            kind = e.kind().label(),
+            unlogged_since_last = unlogged,
+            "store call failed: failing open (logged at most every 10 s; every one is counted in tollgate_store_errors_total)"
+        );
+    }
 }
 
 impl Limiter {
@@ -81,6 +130,7 @@ impl Limiter {
             shadow: Arc::new(ShadowStats::default()),
             periods,
             quota_blocks: Arc::new(dashmap::DashMap::new()),
+            error_log: ErrorLog::new(),
         }
     }
 
@@ -233,6 +283,7 @@ impl Limiter {
                 StoreError::Deadline { .. } => FailOpenReason::Timeout,
                 e => {
                     self.metrics.store_error(e.kind());
+                    self.error_log.note(&e);
                     FailOpenReason::Error
                 }
             })

@@ -11,6 +11,10 @@ pub enum StoreError {
     Pool(String),
     #[error("store reply not understood: {0}")]
     Protocol(String),
+    /// Redis ran the limits script and refused one of its entries: e.g. `OOM` when its
+    /// memory is full under `noeviction`, or a group whose slot moved.
+    #[error("redis refused the limits script's write or read: {0}")]
+    Refused(String),
     #[error("catalog file: {0}")]
     File(String),
     /// The call deciding this request (with others) was abandoned when the request that
@@ -36,9 +40,10 @@ impl StoreError {
                 StoreErrorKind::Connection
             }
             StoreError::Redis(r) if r.code() == Some("NOSCRIPT") => StoreErrorKind::Script,
-            StoreError::Redis(_) | StoreError::Protocol(_) | StoreError::File(_) => {
-                StoreErrorKind::Reply
-            }
+            StoreError::Redis(_)
+            | StoreError::Protocol(_)
+            | StoreError::Refused(_)
+            | StoreError::File(_) => StoreErrorKind::Reply,
             StoreError::Pool(_) => StoreErrorKind::Pool,
         }
     }

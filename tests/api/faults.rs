@@ -479,3 +479,117 @@ async fn cluster_connections_that_go_silent_are_replaced_by_fresh_ones() {
     let accepted: usize = proxies.iter().map(FaultProxy::accepted).sum();
     assert!(accepted > accepted_before, "fresh connections were made");
 }
+
+/// `GET /orders` with `client`'s key, `n` times in a row: each answer's status, and
+/// whether Redis decided it (a `RateLimit` header) or the gateway failed open.
+async fn orders(address: &str, client: &str, n: usize) -> Vec<(u16, bool)> {
+    let http = reqwest::Client::new();
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let r = http
+            .get(format!("{address}/orders"))
+            .header("x-api-key", key(client))
+            .send()
+            .await
+            .expect("the gateway answers");
+        out.push((r.status().as_u16(), decided(&r)));
+    }
+    out
+}
+
+/// A sample of the process gateway at `address`'s `/metrics`.
+async fn sample_at(address: &str, series: &str) -> f64 {
+    let text = reqwest::get(format!("{address}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let prefix = format!("{series} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {series} on /metrics"))
+}
+
+#[tokio::test]
+async fn a_redis_out_of_memory_fails_open_logs_why_once_and_limits_again_once_memory_is_freed() {
+    // Arrange: the eviction policy the README recommends (`noeviction`), and a plan of 3
+    // with next to no refill.
+    let redis = RedisServer::start_with(&["--maxmemory-policy", "noeviction"]).unwrap();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let toml = format!(
+        "{}{}{}",
+        redis_toml(&redis),
+        catalog_toml(("small", 3.0, 0.001), &["acme", "beta"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    );
+    let gw = gateway_process(&toml, &[("RUST_LOG", "info"), ("NO_COLOR", "1")]);
+    let at = gw.address.clone();
+    eventually(Duration::from_secs(10), "a first decision", || async {
+        orders(&at, "acme", 1).await == [(200, true)]
+    })
+    .await;
+    assert_eq!(
+        orders(&at, "acme", 3).await,
+        [(200, true), (200, true), (429, true)]
+    );
+
+    // Act: memory runs out (another tenant's data, a runaway key): 2 MB of data under a
+    // `maxmemory` of 1 MB, so Redis refuses every write and keeps answering reads.
+    let mut c = redis.conn().unwrap();
+    let config_set = |c: &mut redis::Connection, value: &str| {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxmemory")
+            .arg(value)
+            .query(c)
+            .unwrap();
+    };
+    let _: () = redis::cmd("SET")
+        .arg("ballast")
+        .arg(vec![b'x'; 2 * 1024 * 1024])
+        .query(&mut c)
+        .unwrap();
+    config_set(&mut c, "1mb");
+    let during_beta = orders(&at, "beta", 10).await;
+    let during_acme = orders(&at, "acme", 2).await;
+
+    // Assert: every request fails open (the safety limit still stands behind them), each
+    // is counted, and the log names the cause once, not once per request.
+    assert_eq!(during_beta, [(200, false); 10]);
+    assert_eq!(during_acme, [(200, false); 2], "nothing can be recorded");
+    assert_eq!(
+        sample_at(&at, "tollgate_fail_open_reasons_total{reason=\"error\"}").await,
+        12.0
+    );
+    assert_eq!(
+        sample_at(&at, "tollgate_store_errors_total{kind=\"reply\"}").await,
+        12.0
+    );
+    assert_eq!(
+        sample_at(&at, "tollgate_breaker_open").await,
+        0.0,
+        "Redis answers"
+    );
+    let log = std::fs::read_to_string(gw.dir().join("gateway.log")).unwrap();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("store call failed"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{log}");
+    assert!(
+        lines[0].contains("OOM") && lines[0].contains("maxmemory"),
+        "{}",
+        lines[0]
+    );
+
+    // Assert: once memory is freed, limiting resumes at once, and nothing was half
+    // written meanwhile: `beta` starts with a full bucket.
+    let _: () = redis::cmd("DEL").arg("ballast").query(&mut c).unwrap();
+    config_set(&mut c, "64mb");
+    assert_eq!(
+        orders(&at, "beta", 4).await,
+        [(200, true), (200, true), (200, true), (429, true)]
+    );
+}

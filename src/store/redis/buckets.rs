@@ -143,9 +143,7 @@ impl RedisStore {
                 .decide(Group::Slot(key_slot(group)), entry, conn)
                 .await?;
         }
-        let bytes = answer
-            .bytes()
-            .map_err(|e| StoreError::Protocol(format!("limits script: {e}")))?;
+        let bytes = answer.bytes().map_err(StoreError::Refused)?;
         let levels = parse_reply(bytes, applied)?;
         Ok((levels, answer.now_us, answer.takes))
     }
