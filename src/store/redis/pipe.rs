@@ -437,6 +437,20 @@ mod tests {
             );
         }
         assert_eq!(pipe.send(&get).await.unwrap(), Value::BulkString(big));
+
+        // 16 MB: more than the socket takes at once, so the caller's write is partial and
+        // the driver writes the rest; the commands behind it wait their turn.
+        let huge: Vec<u8> = (0..16u32 << 20).map(|i| (i % 253) as u8).collect();
+        let mut set = redis::cmd("SET");
+        set.arg("huge").arg(&huge[..]);
+        let mut strlen = redis::cmd("STRLEN");
+        strlen.arg("huge");
+        let both = futures_util::future::join(pipe.send(&set), pipe.send(&strlen));
+        let (set, len) = tokio::time::timeout(std::time::Duration::from_secs(30), both)
+            .await
+            .expect("the driver writes what the caller's write left");
+        assert_eq!(set.unwrap(), Value::Okay);
+        assert_eq!(len.unwrap(), Value::Int(16 << 20));
     }
 
     #[test]
