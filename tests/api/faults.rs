@@ -505,11 +505,7 @@ async fn sample_at(address: &str, series: &str) -> f64 {
         .text()
         .await
         .unwrap();
-    let prefix = format!("{series} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {series} on /metrics"))
+    sample_in(&text, series).unwrap_or_else(|| panic!("no {series} on /metrics"))
 }
 
 #[tokio::test]

@@ -299,10 +299,7 @@ impl TestGateway {
     /// name with its labels).
     pub async fn metric(&self, series: &str) -> Option<f64> {
         let text = self.get("/metrics", None).await.text().await.ok()?;
-        let prefix = format!("{series} ");
-        text.lines()
-            .find_map(|l| l.strip_prefix(&prefix))
-            .and_then(|v| v.trim().parse().ok())
+        sample_in(&text, series)
     }
 
     /// [`TestGateway::metric`] for a series that must be there: a missing one fails the test.
@@ -339,6 +336,14 @@ impl TestGateway {
         }
         req.send().await.expect("gateway answers")
     }
+}
+
+/// The sample of `series` (a name, or a name with its labels) in a `/metrics` page.
+pub fn sample_in(text: &str, series: &str) -> Option<f64> {
+    let prefix = format!("{series} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|v| v.trim().parse().ok())
 }
 
 /// The gateway's binary as its own process (for clocks, signals and exit codes): `toml`
