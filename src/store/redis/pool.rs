@@ -381,6 +381,9 @@ impl PerThread {
     }
 
     /// This thread's usable link, dialing one (or joining the dial in flight) if needed.
+    /// A dial it joined that fails is followed by one of its own: the one it joined began
+    /// earlier (the keeper's, say, while Redis was still down or unreachable), and its
+    /// failure says nothing about a dial begun now.
     pub async fn get(&self) -> Result<Link, RedisError> {
         let slot = self.slot();
         if let Some(link) = &*slot.link.borrow() {
@@ -389,9 +392,18 @@ impl PerThread {
             }
         }
         slot.link.borrow_mut().take();
+        let joined = slot.dialing.borrow().is_some();
         let dial = slot.dial(&self.dialer);
         drop(slot);
-        dial.await
+        match dial.await {
+            Err(_) if joined => {
+                let slot = self.slot();
+                let dial = slot.dial(&self.dialer);
+                drop(slot);
+                dial.await
+            }
+            r => r,
+        }
     }
 
     /// Keeps this thread's link open for as long as the thread runs: re-dials as soon as
@@ -514,12 +526,13 @@ impl bb8::ManageConnection for RedisManager {
 
 #[cfg(test)]
 mod tests {
+    use std::rc::Rc;
     use std::sync::Arc;
     use std::time::Duration;
 
     use tollgate_testkit::RedisServer;
 
-    use super::Dialer;
+    use super::{Dialer, PerThread};
 
     #[tokio::test]
     async fn the_request_path_connection_logs_in_and_selects_the_database_of_its_url() {
@@ -585,5 +598,40 @@ mod tests {
             .map(|(v,): (i64,)| v)
             .unwrap();
         assert_eq!(in_2, (0..50).sum::<i64>());
+    }
+
+    #[tokio::test]
+    async fn a_request_that_joined_a_failed_dial_begun_earlier_dials_again_itself() {
+        // Arrange: a dial begun while Redis cannot be reached (its `SELECT` never answered,
+        // as the keeper's is during an outage), then Redis reachable again.
+        let redis = RedisServer::start().unwrap();
+        let proxy = tollgate_testkit::FaultProxy::start(
+            format!("127.0.0.1:{}", redis.port).parse().unwrap(),
+        );
+        let url = format!("redis://127.0.0.1:{}/1", proxy.port());
+        let dialer = Arc::new(Dialer::new(&url, Duration::from_millis(300)).unwrap());
+        let per_thread = Rc::new(PerThread::new(dialer));
+        proxy.partition();
+        let local = tokio::task::LocalSet::new();
+        local
+            .run_until(async {
+                let keeper = Rc::clone(&per_thread);
+                let early = tokio::task::spawn_local(async move { keeper.get().await });
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                proxy.heal();
+
+                // Act: a request needs the link while that dial is still in flight.
+                let link = per_thread.get().await;
+
+                // Assert: the early dial failed, the request's own succeeded and works.
+                assert!(
+                    early.await.unwrap().is_err(),
+                    "the early dial cannot succeed"
+                );
+                let link = link.expect("a dial of the request's own");
+                let pong: String = link.query(&redis::cmd("PING")).await.unwrap();
+                assert_eq!(pong, "PONG");
+            })
+            .await;
     }
 }
