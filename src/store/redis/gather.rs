@@ -44,6 +44,10 @@ use crate::store::StoreError;
 /// Most entries one call carries; more open the next batch.
 pub const MAX_ENTRIES: usize = 128;
 
+/// A call still unanswered after this is dropped as soon as every entry's caller has
+/// given up on it.
+const ABANDON_CHECK: std::time::Duration = std::time::Duration::from_secs(1);
+
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 /// The script's arguments, packed in one buffer: one allocation per batch rather than
@@ -426,7 +430,7 @@ fn wall_clock_us() -> u64 {
 
 /// Closes the batch and sends it as one call; answers every entry.
 async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
-    let (mut conn, declare_all, groups, sets, set_args, entries, tags, waiters, takes) = {
+    let (mut conn, declare_all, groups, sets, set_args, entries, tags, mut waiters, takes) = {
         let mut b = batch.lock().unwrap_or_else(|p| p.into_inner());
         b.open = false;
         let conn = match &b.conn {
@@ -494,7 +498,19 @@ async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
         .arg(&set_args)
         .arg(&runs)
         .arg(&tag_args);
-    let answer = match call(&mut conn, &cmd, &script).await {
+    // Each waiter bounds its own wait (a request's budget, the control timeout), but the
+    // call has no deadline of its own: on a connection gone silent it would wait, and keep
+    // the connection open, forever. So it is dropped once nobody waits for it any more,
+    // checked only after `ABANDON_CHECK` (a call normally answers long before).
+    let nobody_waits = async {
+        tokio::time::sleep(ABANDON_CHECK).await;
+        futures_util::future::join_all(waiters.iter_mut().map(|tx| tx.closed())).await;
+    };
+    let reply = tokio::select! {
+        r = call(&mut conn, &cmd, &script) => r,
+        () = nobody_waits => return,
+    };
+    let answer = match reply {
         Ok(r) => split(r, &sizes),
         Err(e) => Err(StoreError::Redis(e)),
     };
@@ -592,7 +608,9 @@ mod tests {
     use crate::domain::limits::{Level, Limit, Limits};
     use crate::domain::Bucket;
     use crate::store::redis::RedisStore;
-    use crate::store::Keys;
+    use crate::store::{Keys, StoreError};
+
+    use super::ABANDON_CHECK;
 
     /// A store on the Redis at `url`, with a control timeout of 1 s.
     fn store_at(url: String) -> Rc<RedisStore> {
@@ -736,6 +754,42 @@ mod tests {
                     1,
                     "one call for all ten"
                 );
+            })
+            .await;
+    }
+
+    #[tokio::test]
+    async fn a_call_on_a_silent_connection_ends_once_nobody_waits_for_it() {
+        // Arrange: a connection open, then silenced (it stays open, nothing answers).
+        let redis = RedisServer::start().unwrap();
+        let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
+        let (store, applied) = (store_at(proxy.redis_url()), bucket_of_five());
+        let local = tokio::task::LocalSet::new();
+        local
+            .run_until(async {
+                store
+                    .take("tollgate:b:{w}", &applied, 1.0, None)
+                    .await
+                    .unwrap();
+                let alive = || {
+                    tokio::runtime::Handle::current()
+                        .metrics()
+                        .num_alive_tasks()
+                };
+                let before = alive();
+                proxy.blackhole();
+
+                // Act: a take whose request gives up at its 50 ms budget.
+                let deadline = tokio::time::Instant::now() + Duration::from_millis(50);
+                let r = store
+                    .take("tollgate:b:{c}", &applied, 1.0, Some(deadline))
+                    .await;
+                assert!(matches!(r, Err(StoreError::Deadline { .. })), "{r:?}");
+                assert_eq!(alive(), before + 1, "the call's task waits on");
+
+                // Assert: its call's task ends soon after the check, not never.
+                tokio::time::sleep(ABANDON_CHECK + Duration::from_millis(300)).await;
+                assert_eq!(alive(), before, "the call's task is gone");
             })
             .await;
     }
