@@ -25,8 +25,8 @@ pub(super) type FeedEntry = (String, Vec<(String, String)>);
 /// How commands reach Redis.
 pub(super) enum Backend {
     /// One server: the request path uses one pipelined connection of our own per worker
-    /// thread (`pipe.rs`); everything else a bb8 pool of redis-rs multiplexed connections. Both dial through one
-    /// [`Dialer`], which knows which connections are still trusted.
+    /// thread (`pipe.rs`); everything else a bb8 pool of redis-rs multiplexed connections.
+    /// Both dial through one [`Dialer`], which knows which connections are still trusted.
     Single {
         pool: bb8::Pool<RedisManager>,
         per_thread: PerThread,

@@ -97,8 +97,9 @@ impl RedisStore {
     }
 
     /// One entry of a script call: (each limit's level before the op, Redis' clock, the
-    /// requests the whole call decided). Takes are gathered with the other takes this worker makes in the same turn
-    /// (`gather`); adjustments and peeks with each other, so the take calls stay countable.
+    /// requests the whole call decided). Takes are gathered with the other takes this
+    /// worker makes in the same turn (`gather`); adjustments and peeks with each other, so
+    /// the take calls stay countable.
     async fn call(
         &self,
         key: &str,

@@ -2,9 +2,10 @@
 //! a change feed that gateways poll instead of reloading the catalog.
 //!
 //! `backend.rs` holds [`RedisStore`] and how it reaches Redis (`pool.rs`: connections to
-//! one server, `pipe.rs`: the request path's); each concern adds its own `impl RedisStore` block: `buckets.rs` (takes,
-//! through `coalesce.rs`), `catalog.rs`, `audit.rs`, `shadow.rs`, `shards.rs` and
-//! `persistence.rs` (what Redis keeps across its restart).
+//! one server, `pipe.rs`: the request path's); each concern adds its own
+//! `impl RedisStore` block: `buckets.rs` (takes, through `coalesce.rs`), `catalog.rs`,
+//! `audit.rs`, `shadow.rs`, `shards.rs` and `persistence.rs` (what Redis keeps across its
+//! restart).
 
 mod audit;
 mod backend;

@@ -392,18 +392,19 @@ impl PerThread {
             }
         }
         slot.link.borrow_mut().take();
-        let joined = slot.dialing.borrow().is_some();
-        let dial = slot.dial(&self.dialer);
         drop(slot);
+        let (joined, dial) = self.dial();
         match dial.await {
-            Err(_) if joined => {
-                let slot = self.slot();
-                let dial = slot.dial(&self.dialer);
-                drop(slot);
-                dial.await
-            }
+            Err(_) if joined => self.dial().1.await,
             r => r,
         }
+    }
+
+    /// Whether a dial was in flight already (then it is joined), and the dial.
+    fn dial(&self) -> (bool, Dial) {
+        let slot = self.slot();
+        let joined = slot.dialing.borrow().is_some();
+        (joined, slot.dial(&self.dialer))
     }
 
     /// Keeps this thread's link open for as long as the thread runs: re-dials as soon as
@@ -438,8 +439,9 @@ impl PerThread {
     }
 }
 
-/// A pooled connection: a [`Link`] whose commands have the control timeout. A command that
-/// fails at the transport level breaks it; one that times out retires every connection.
+/// A pooled connection: redis-rs's multiplexed connection, its commands with the control
+/// timeout. A command that fails at the transport level breaks it; one that times out
+/// retires every connection.
 pub struct RedisConn {
     conn: MultiplexedConnection,
     health: Arc<Health>,
