@@ -9,7 +9,7 @@ use std::sync::Arc;
 use crate::catalog::{ClientEntry, SafetyRecord};
 use crate::domain::Verdict;
 use crate::domain::{Bucket, ClientId};
-use crate::store::LocalBuckets;
+use crate::store::{LocalBuckets, Probe};
 
 /// A (client, service) pair; cloning it copies two reference counts, never a string.
 #[derive(Clone, PartialEq, Eq)]
@@ -17,14 +17,26 @@ pub struct SafetyKey(ClientId, Arc<str>);
 
 impl Hash for SafetyKey {
     fn hash<H: Hasher>(&self, h: &mut H) {
+        SafetyProbe(&self.0, &self.1).hash(h)
+    }
+}
+
+/// Finds a pair's bucket without copying either name (see [`Probe`]).
+struct SafetyProbe<'a>(&'a ClientId, &'a Arc<str>);
+
+impl Hash for SafetyProbe<'_> {
+    fn hash<H: Hasher>(&self, h: &mut H) {
         self.0.as_str().hash(h);
         self.1.hash(h);
     }
 }
 
-impl From<&SafetyKey> for SafetyKey {
-    fn from(k: &SafetyKey) -> SafetyKey {
-        k.clone()
+impl Probe<SafetyKey> for SafetyProbe<'_> {
+    fn is(&self, key: &SafetyKey) -> bool {
+        key.0 == *self.0 && key.1 == *self.1
+    }
+    fn key(&self) -> SafetyKey {
+        SafetyKey(self.0.clone(), Arc::clone(self.1))
     }
 }
 
@@ -58,7 +70,7 @@ impl SafetyLimit {
         multiplier: f64,
         cost: f64,
     ) -> Verdict {
-        let key = SafetyKey(client.id.clone(), Arc::clone(service));
+        let key = SafetyProbe(&client.id, service);
         self.buckets
             .take_at(&key, plan.scaled(multiplier), cost, self.buckets.now_us())
     }
@@ -66,5 +78,38 @@ impl SafetyLimit {
     /// Forgets idle pairs; returns how many remain.
     pub fn evict_idle(&self) -> usize {
         self.buckets.evict_idle()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A bucket found by a probe before its table grew must be found by it after: the
+    /// table rehashes stored keys, so a key and its probe must hash alike.
+    #[test]
+    fn every_pair_keeps_its_own_bucket_while_the_table_grows() {
+        let buckets = LocalBuckets::<SafetyKey>::default();
+        let plan = Bucket::new(1.0, 0.001).unwrap();
+        let services: Vec<Arc<str>> = vec!["orders".into(), "search".into()];
+        let ids: Vec<ClientId> = (0..3000)
+            .map(|i| ClientId::parse(&format!("client-{i}")).unwrap())
+            .collect();
+        let take = |id: &ClientId, service: &Arc<str>| {
+            buckets
+                .take_at(&SafetyProbe(id, service), plan, 1.0, 0)
+                .allowed
+        };
+        for id in &ids {
+            for service in &services {
+                assert!(take(id, service), "first take of {}", id.as_str());
+            }
+        }
+        for id in &ids {
+            for service in &services {
+                assert!(!take(id, service), "second take of {}", id.as_str());
+            }
+        }
+        assert_eq!(buckets.evict_idle(), ids.len() * services.len());
     }
 }

@@ -2,13 +2,13 @@
 //! keys rarely meet on a lock, and no lock is ever held across an await. The embedded
 //! store's limits and the coarse safety limit both live here.
 
-use std::borrow::Borrow;
 use std::collections::HashMap;
 
 use foldhash::fast::RandomState;
 use std::hash::{BuildHasher, Hash};
 use std::time::Instant;
 
+use hashbrown::HashTable;
 use parking_lot::Mutex;
 
 use std::sync::Arc;
@@ -25,89 +25,107 @@ struct Slot {
     expires_us: u64,
 }
 
+/// How a [`LocalBuckets`] finds a bucket without building its key: `Probe` hashes
+/// exactly as the key `K` it stands for does, and builds `K` only for a new bucket.
+pub trait Probe<K>: Hash {
+    fn is(&self, key: &K) -> bool;
+    fn key(&self) -> K;
+}
+
+impl<K: Hash + Eq + Clone> Probe<K> for K {
+    fn is(&self, key: &K) -> bool {
+        self == key
+    }
+    fn key(&self) -> K {
+        self.clone()
+    }
+}
+
+impl Probe<Box<str>> for str {
+    fn is(&self, key: &Box<str>) -> bool {
+        self == &**key
+    }
+    fn key(&self) -> Box<str> {
+        self.into()
+    }
+}
+
+type BucketShard<K> = Mutex<HashTable<(K, Slot)>>;
+
 /// Buckets keyed by `K`, on a monotonic clock.
 pub struct LocalBuckets<K> {
+    /// One hash per lookup picks the shard (from its middle bits) and the slot in it.
     /// foldhash: keys are the gateway's own (client and service names), and a SipHash per
     /// request on the hot path bought nothing.
-    shards: Box<[Mutex<HashMap<K, Slot, RandomState>>]>,
+    shards: Box<[BucketShard<K>]>,
     hasher: RandomState,
     epoch: Instant,
 }
 
-impl<K: Hash + Eq> Default for LocalBuckets<K> {
+impl<K: Hash> Default for LocalBuckets<K> {
     fn default() -> Self {
         LocalBuckets {
-            shards: (0..SHARDS)
-                .map(|_| Mutex::new(HashMap::default()))
-                .collect(),
+            shards: (0..SHARDS).map(|_| Mutex::new(HashTable::new())).collect(),
             hasher: Default::default(),
             epoch: Instant::now(),
         }
     }
 }
 
-impl<K: Hash + Eq> LocalBuckets<K> {
+impl<K: Hash> LocalBuckets<K> {
     /// Microseconds on this map's monotonic clock.
     pub fn now_us(&self) -> u64 {
         self.epoch.elapsed().as_micros() as u64
     }
 
-    fn shard<Q: Hash + ?Sized>(&self, key: &Q) -> &Mutex<HashMap<K, Slot, RandomState>> {
-        &self.shards[self.hasher.hash_one(key) as usize % SHARDS]
+    /// The key's hash and its shard. The table indexes by the low bits and tags by the
+    /// top seven, so the shard comes from bits in between, independent of both.
+    fn shard(&self, key: &(impl Hash + ?Sized)) -> (u64, &BucketShard<K>) {
+        let hash = self.hasher.hash_one(key);
+        (hash, &self.shards[(hash >> 32) as usize % SHARDS])
     }
 
-    /// Refills and takes `cost` tokens at `now_us`; the key is copied only for a new bucket.
-    pub fn take_at<Q>(&self, key: &Q, plan: Bucket, cost: f64, now_us: u64) -> Verdict
-    where
-        K: Borrow<Q> + for<'a> From<&'a Q>,
-        Q: Hash + Eq + ?Sized,
-    {
-        self.take_seeded(key, plan, cost, now_us, None)
-    }
-
-    /// [`LocalBuckets::take_at`]; a new bucket starts with `initial` tokens, if given.
-    pub fn take_seeded<Q>(
+    /// Refills and takes `cost` tokens at `now_us`, hashing the key once; the key is built
+    /// only for a new bucket.
+    pub fn take_at(
         &self,
-        key: &Q,
+        key: &(impl Probe<K> + ?Sized),
         plan: Bucket,
         cost: f64,
         now_us: u64,
-        initial: Option<f64>,
-    ) -> Verdict
-    where
-        K: Borrow<Q> + for<'a> From<&'a Q>,
-        Q: Hash + Eq + ?Sized,
-    {
-        let mut shard = self.shard(key).lock();
-        let prev = shard.get(key).map(|s| s.state);
-        let (state, verdict) = bucket::take_seeded(prev, now_us, plan, cost, initial);
-        let slot = Slot {
-            state,
-            expires_us: now_us + bucket::idle_expiry_ms(plan, state.tokens) * 1000,
-        };
-        match shard.get_mut(key) {
-            Some(s) => *s = slot,
+    ) -> Verdict {
+        let (hash, shard) = self.shard(key);
+        let mut shard = shard.lock();
+        let expiry =
+            |state: BucketState| now_us + bucket::idle_expiry_ms(plan, state.tokens) * 1000;
+        match shard.find_mut(hash, |(k, _)| key.is(k)) {
+            Some((_, slot)) => {
+                let (state, verdict) =
+                    bucket::take_seeded(Some(slot.state), now_us, plan, cost, None);
+                *slot = Slot {
+                    state,
+                    expires_us: expiry(state),
+                };
+                verdict
+            }
             None => {
-                shard.insert(K::from(key), slot);
+                let (state, verdict) = bucket::take_seeded(None, now_us, plan, cost, None);
+                let slot = Slot {
+                    state,
+                    expires_us: expiry(state),
+                };
+                let hasher = &self.hasher;
+                shard.insert_unique(hash, (key.key(), slot), |(k, _)| hasher.hash_one(k));
+                verdict
             }
         }
-        verdict
     }
 
-    pub fn peek<Q>(&self, key: &Q) -> Option<BucketState>
-    where
-        K: Borrow<Q>,
-        Q: Hash + Eq + ?Sized,
-    {
-        self.shard(key).lock().get(key).map(|s| s.state)
-    }
-
-    pub fn remove<Q>(&self, key: &Q)
-    where
-        K: Borrow<Q>,
-        Q: Hash + Eq + ?Sized,
-    {
-        self.shard(key).lock().remove(key);
+    /// The bucket's state as last taken from, if it has one.
+    pub fn peek(&self, key: &(impl Probe<K> + ?Sized)) -> Option<BucketState> {
+        let (hash, shard) = self.shard(key);
+        let shard = shard.lock();
+        shard.find(hash, |(k, _)| key.is(k)).map(|(_, s)| s.state)
     }
 
     /// Forgets buckets that would be full by now; returns how many remain.
@@ -117,7 +135,7 @@ impl<K: Hash + Eq> LocalBuckets<K> {
             .iter()
             .map(|s| {
                 let mut s = s.lock();
-                s.retain(|_, slot| slot.expires_us > now);
+                s.retain(|(_, slot)| slot.expires_us > now);
                 s.len()
             })
             .sum()

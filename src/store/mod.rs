@@ -20,7 +20,7 @@ mod shards;
 pub use self::dispatch::Store;
 pub use self::error::StoreError;
 pub use self::keys::{key_in_slot, key_slot, state_field, Keys, StateGroups, CLUSTER_STATE_GROUPS};
-pub use self::local::{LocalBuckets, LocalLimits, LocalOp};
+pub use self::local::{LocalBuckets, LocalLimits, LocalOp, Probe};
 pub use self::records::ClientsPage;
 pub use self::redis::Persistence;
 pub use self::shards::{Reconcile, RegionShare, ShardState};
