@@ -270,13 +270,10 @@ impl Limiter {
         let answer = if breakers.with(key, Breaker::is_open) {
             Err(FailOpenReason::BreakerOpen)
         } else {
-            // The store answers by the deadline itself, saying whether the call went out;
-            // the timeout around it only guards against a store that would not.
+            // The store answers by the deadline itself, saying whether the call went out
+            // (`Store::take`): one timer per request, not a second one around it.
             let deadline = tokio::time::Instant::now() + self.timeout;
-            let answer =
-                tokio::time::timeout_at(deadline, store.take(key, &applied, cost, Some(deadline)))
-                    .await
-                    .unwrap_or(Err(StoreError::Deadline { sent: true }));
+            let answer = store.take(key, &applied, cost, Some(deadline)).await;
             // The breaker judges the store: see `Breaker::observe`.
             breakers.with(key, |b| b.observe(&answer));
             answer.map_err(|e| match e {
