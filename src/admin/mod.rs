@@ -118,7 +118,33 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
                 ))
             })),
     )
-    .service(SwaggerUi::new("/swagger-ui/{_:.*}").url("/api-docs/openapi.json", ApiDoc::openapi()));
+    .service(
+        // Behind a guard that compares the path's bytes: the router otherwise tries the
+        // Swagger UI's pattern, a regex, against every forwarded request's path. It lets
+        // through exactly what the UI's resources take (GET, their paths), so every other
+        // request goes on to the routes after it as before.
+        web::scope("")
+            .guard(actix_web::guard::fn_guard(|ctx| {
+                let head = ctx.head();
+                head.method == actix_web::http::Method::GET && is_swagger_path(&head.uri)
+            }))
+            .service(
+                SwaggerUi::new("/swagger-ui/{_:.*}")
+                    .url("/api-docs/openapi.json", ApiDoc::openapi()),
+            ),
+    );
+}
+
+/// Whether the router would match the Swagger UI's resources (its files and the OpenAPI
+/// document) to `uri`'s path, which it reads requoted as [`Url`] does; most paths have
+/// no `%` and are read as they are.
+fn is_swagger_path(uri: &actix_web::http::Uri) -> bool {
+    let matches = |path: &str| path == "/api-docs/openapi.json" || path.starts_with("/swagger-ui/");
+    if uri.path().contains('%') {
+        matches(actix_web::dev::Url::new(uri.clone()).path())
+    } else {
+        matches(uri.path())
+    }
 }
 
 /// A resource's answer to a method it does not have: `405` with `Allow`.

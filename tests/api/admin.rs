@@ -966,6 +966,39 @@ async fn the_committed_openapi_document_is_the_one_the_code_produces_and_serves(
     assert_eq!(ui.status(), 200);
 }
 
+/// The Swagger UI sits behind a cheap path guard (its pattern is a regex the router would
+/// otherwise try on every forwarded request): it must answer exactly the requests its
+/// resources match, and every other one must still reach the forwarding route, whose
+/// guard asks for a key.
+#[tokio::test]
+async fn the_swagger_ui_answers_what_its_resources_match_and_the_rest_goes_on_to_the_routes() {
+    let gw = admin_gateway("").await;
+    let status = |method: reqwest::Method, path: &'static str| {
+        let req = gw.http.request(method, format!("{}{path}", gw.address));
+        async move { req.send().await.unwrap().status().as_u16() }
+    };
+    use reqwest::Method;
+    for path in [
+        "/swagger-ui/",
+        "/swagger-ui/index.html",
+        "/swagger%2Dui/",
+        "/api-docs/openapi.json",
+        "/api-docs/openapi.json?x=1",
+    ] {
+        assert_eq!(status(Method::GET, path).await, 200, "GET {path}");
+    }
+    for (method, path) in [
+        (Method::POST, "/swagger-ui/"),
+        (Method::HEAD, "/swagger-ui/"),
+        (Method::GET, "/swagger-ui"),
+        (Method::GET, "/swagger-uix/"),
+        (Method::GET, "/api-docs/openapi.jsonx"),
+        (Method::DELETE, "/api-docs/openapi.json"),
+    ] {
+        assert_eq!(status(method.clone(), path).await, 401, "{method} {path}");
+    }
+}
+
 #[test]
 fn tollgate_token_refuses_without_a_secret_and_mints_with_one() {
     let out = std::process::Command::new(binary())
