@@ -3,6 +3,10 @@
 //! hop-by-hop ones). `throughput` runs it as a baseline: what any gateway built on these
 //! two crates pays before deciding anything, so the table separates the cost of the stack
 //! from the cost of tollgate's own work.
+//!
+//! With `--redis`, it also asks Redis one `PING` per request before forwarding, on one
+//! multiplexed connection per worker: the floor of any design that must hear from Redis
+//! before it forwards (`latency` compares tollgate's added latency with it).
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -19,14 +23,34 @@ pub struct Args {
     upstream: String,
     #[arg(long, default_value_t = 1)]
     workers: usize,
+    /// `redis://host:port`: one `PING` per request, answered before forwarding.
+    #[arg(long)]
+    redis: Option<String>,
 }
+
+/// A worker's connection to Redis, opened on its first request.
+type RedisLink = tokio::sync::OnceCell<redis::aio::MultiplexedConnection>;
 
 async fn forward(
     req: HttpRequest,
     body: web::Bytes,
     client: web::Data<awc::Client>,
     base: web::Data<String>,
+    redis: web::Data<Option<(redis::Client, RedisLink)>>,
 ) -> HttpResponse {
+    if let Some((client, link)) = redis.get_ref() {
+        let conn = link
+            .get_or_try_init(|| client.get_multiplexed_async_connection())
+            .await;
+        let Ok(conn) = conn else {
+            return HttpResponse::BadGateway().finish();
+        };
+        let pong: redis::RedisResult<String> =
+            redis::cmd("PING").query_async(&mut conn.clone()).await;
+        if pong.is_err() {
+            return HttpResponse::BadGateway().finish();
+        }
+    }
     let path = req.uri().path_and_query().map_or("/", |p| p.as_str());
     let mut out = client.request(req.method().clone(), format!("{}{path}", base.get_ref()));
     for (n, v) in req.headers() {
@@ -53,6 +77,7 @@ async fn forward(
 /// Serves until killed.
 pub fn run(a: &Args) -> anyhow::Result<()> {
     let (upstream, workers, listen) = (a.upstream.clone(), a.workers, a.listen);
+    let redis = a.redis.as_deref().map(redis::Client::open).transpose()?;
     actix_web::rt::System::new().block_on(async move {
         HttpServer::new(move || {
             let client = awc::Client::builder()
@@ -62,6 +87,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             App::new()
                 .app_data(web::Data::new(client))
                 .app_data(web::Data::new(upstream.clone()))
+                .app_data(web::Data::new(redis.clone().map(|c| (c, RedisLink::new()))))
                 .default_service(web::to(forward))
         })
         .workers(workers)

@@ -478,7 +478,13 @@ pub struct Floor {
 }
 
 impl Floor {
-    pub fn start(upstream: &str, workers: usize, pin: Option<Pin>) -> anyhow::Result<Floor> {
+    /// With `redis`, it asks Redis one `PING` per request before forwarding.
+    pub fn start(
+        upstream: &str,
+        workers: usize,
+        pin: Option<Pin>,
+        redis: Option<&str>,
+    ) -> anyhow::Result<Floor> {
         let dir = temp_dir("floor")?;
         let port = free_port()?;
         let addr = SocketAddr::from(([127, 0, 0, 1], port));
@@ -504,6 +510,9 @@ impl Floor {
             .arg("--workers")
             .arg(workers.to_string())
             .stderr(std::fs::File::create(&log)?);
+        if let Some(url) = redis {
+            cmd.arg("--redis").arg(url);
+        }
         if pin.is_some() {
             Pin::sut(&mut cmd);
         }

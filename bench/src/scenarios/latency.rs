@@ -3,6 +3,11 @@
 //! mode, alternating every `--slice` seconds in one run, so drift in the machine's load
 //! (the other engineer's compiles) falls on both sides alike. With `--otlp` a third side
 //! joins the alternation: a second gateway, configured alike, exporting spans over OTLP.
+//!
+//! Beside the floor (actix-web + awc alone) runs the floor with one Redis round trip per
+//! request (a `PING` before forwarding, to the same Redis, under the same load): the
+//! least any design that asks Redis before forwarding can add, measured rather than
+//! estimated. Issue 14's latency goal compares tollgate with it.
 
 use std::time::Duration;
 
@@ -72,10 +77,24 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     config.timeout_ms = Some(a.timeout_ms);
     a.clients.add_to(&mut config, "large");
     let gateway = Gateway::start_pinned(&config, PATH, pin)?;
-    let floor = if a.no_floor {
-        None
+    let (floor, floor_redis) = if a.no_floor {
+        (None, None)
     } else {
-        Some(Floor::start(&upstream.urls()[0], a.gateway_workers, pin)?)
+        let url = redis.url();
+        (
+            Some(Floor::start(
+                &upstream.urls()[0],
+                a.gateway_workers,
+                pin,
+                None,
+            )?),
+            Some(Floor::start(
+                &upstream.urls()[0],
+                a.gateway_workers,
+                pin,
+                Some(&url),
+            )?),
+        )
     };
     let traced = if a.otlp {
         let collector = Upstreams::start(vec![Server::Fast(Default::default())])?;
@@ -91,10 +110,11 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     };
 
     let requests = a.clients.requests(PATH, KEY);
-    // The targets, in the order each slice visits them: direct, the floor, the gateway,
-    // the gateway exporting spans.
+    // The targets, in the order each slice visits them: direct, the floor, the floor with
+    // a Redis round trip, the gateway, the gateway exporting spans.
     let mut targets = vec![upstream.addrs[0]];
     targets.extend(floor.as_ref().map(|f| f.addr));
+    targets.extend(floor_redis.as_ref().map(|f| f.addr));
     let at_gateway = targets.len();
     targets.push(gateway.addr);
     targets.extend(traced.as_ref().map(|(_, t)| t.addr));
@@ -153,12 +173,16 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     };
     let through = by_target.pop().expect("the gateway is a target");
     let direct = by_target.remove(0);
+    let via_floor_redis = floor_redis.as_ref().and_then(|_| by_target.pop());
     let via_floor = by_target.pop();
     let errors = |v: &[crate::load::Sample]| v.iter().filter(|s| s.status != 200).count();
     let (direct_errors, gateway_errors) = (errors(&direct), errors(&through));
     let d = Summary::of(&direct);
     let g = Summary::of(&through);
     let f = via_floor.as_deref().map(|v| (Summary::of(v), errors(v)));
+    let fr = via_floor_redis
+        .as_deref()
+        .map(|v| (Summary::of(v), errors(v)));
     let metrics = gateway.metrics()?;
     // The exporting gateway: its latency, and what its exporter did.
     let exported = match &traced {
@@ -194,6 +218,9 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     if let Some((fs, fe)) = &f {
         rows.push(("floor: actix-web + awc, no limiter", fs, *fe));
     }
+    if let Some((rs, re)) = &fr {
+        rows.push(("floor + one Redis PING per request", rs, *re));
+    }
     rows.push(("through tollgate (Redis)", &g, gateway_errors));
     for (name, s, e) in rows {
         table.row(vec![
@@ -216,6 +243,18 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
             ms(fs.p90_ms - d.p90_ms),
             ms(fs.p99_ms - d.p99_ms),
             ms(fs.p999_ms - d.p999_ms),
+            String::new(),
+        ]);
+    }
+    if let Some((rs, _)) = &fr {
+        table.row(vec![
+            "added by the floor + a Redis round trip".into(),
+            String::new(),
+            String::new(),
+            ms(rs.p50_ms - d.p50_ms),
+            ms(rs.p90_ms - d.p90_ms),
+            ms(rs.p99_ms - d.p99_ms),
+            ms(rs.p999_ms - d.p999_ms),
             String::new(),
         ]);
     }
@@ -282,6 +321,9 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         "floor": f.as_ref().map(|(fs, _)| summary_json(fs)),
         "floor_added_p50_ms": f.as_ref().map(|(fs, _)| round(fs.p50_ms - d.p50_ms, 3)),
         "floor_added_p99_ms": f.as_ref().map(|(fs, _)| round(fs.p99_ms - d.p99_ms, 3)),
+        "floor_redis": fr.as_ref().map(|(rs, _)| summary_json(rs)),
+        "floor_redis_added_p50_ms": fr.as_ref().map(|(rs, _)| round(rs.p50_ms - d.p50_ms, 3)),
+        "floor_redis_added_p99_ms": fr.as_ref().map(|(rs, _)| round(rs.p99_ms - d.p99_ms, 3)),
         "gateway": summary_json(&g),
         "added_p50_ms": round(g.p50_ms - d.p50_ms, 3),
         "added_p99_ms": round(g.p99_ms - d.p99_ms, 3),

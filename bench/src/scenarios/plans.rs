@@ -280,7 +280,7 @@ fn cost(a: &Args) -> anyhow::Result<CostResult> {
 
     let gw_one = Gateway::start(&one, PATH)?;
     let gw_three = Gateway::start(&three, PATH)?;
-    let floor = Floor::start(&upstream.urls()[0], a.gateway_workers, None)?;
+    let floor = Floor::start(&upstream.urls()[0], a.gateway_workers, None, None)?;
     let targets = [
         Target {
             name: "direct to the upstream",

@@ -69,6 +69,9 @@ struct Row {
     ratios: Vec<f64>,
     non_2xx: u64,
     errors: u64,
+    /// A gateway on Redis: its bucket takes per script call, one per round (how well its
+    /// takes gathered; the per-call cost is spread over them).
+    takes_per_call: Option<Vec<f64>>,
 }
 
 impl Row {
@@ -82,6 +85,7 @@ impl Row {
             ratios: Vec::new(),
             non_2xx: 0,
             errors: 0,
+            takes_per_call: None,
         }
     }
 
@@ -159,7 +163,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     }
     if !a.no_floor {
         for &w in &a.workers {
-            let floor = Floor::start(&upstream.urls()[0], w, pin)?;
+            let floor = Floor::start(&upstream.urls()[0], w, pin, None)?;
             rows.push(Row::new(
                 format!(
                     "floor: actix-web + awc, no limiter, {w} worker{}",
@@ -194,11 +198,13 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
                 a.clients.add_to(&mut config, "large");
                 Gateway::start_pinned(&config, PATH, pin)?
             };
-            rows.push(Row::new(
+            let mut row = Row::new(
                 format!("tollgate ({store}), {w} worker{}", plural(w)),
                 gateway.addr,
                 Some(gateway.child.id()),
-            ));
+            );
+            row.takes_per_call = (!embedded).then(Vec::new);
+            rows.push(row);
             keep.push(Box::new(gateway));
         }
     }
@@ -206,8 +212,18 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         let mut direct = 0.0;
         for (i, row) in rows.iter_mut().enumerate() {
             eprintln!("  round {}: {}", round + 1, row.name);
+            let gathered = row.takes_per_call.is_some();
+            let before = if gathered {
+                bucket_calls(row.addr)?
+            } else {
+                (0.0, 0.0)
+            };
             let r =
                 run_closed_watching(row.addr, requests.clone(), a.conns, warmup, slice, row.pid)?;
+            if let Some(per_call) = row.takes_per_call.as_mut() {
+                let after = bucket_calls(row.addr)?;
+                per_call.push((after.1 - before.1) / (after.0 - before.0).max(1.0));
+            }
             row.cpu_us.extend(r.cpu_us_per_request());
             if i == 0 {
                 direct = r.rate();
@@ -254,6 +270,8 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
             "rounds_cpu_us_per_request": r.cpu_us.iter().map(|v| round(*v, 2)).collect::<Vec<_>>(),
             "non_2xx": r.non_2xx,
             "errors": r.errors,
+            "takes_per_redis_call": r.takes_per_call.as_deref().map(|v| round(median(v), 2)),
+            "rounds_takes_per_redis_call": r.takes_per_call.as_deref().map(|v| v.iter().map(|t| round(*t, 2)).collect::<Vec<_>>()),
         }));
     }
     // The best worker count of each kind, by its ratio to direct.
@@ -296,6 +314,17 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         ));
     }
     markdown.push_str(&format!(". {machine}.\n"));
+    for r in &rows {
+        if let Some(per_call) = r.takes_per_call.as_deref() {
+            let rounds: Vec<String> = per_call.iter().map(|t| format!("{t:.1}")).collect();
+            markdown.push_str(&format!(
+                "{}: {:.1} takes per Redis call (median; rounds: {}), warm-up included.\n",
+                r.name,
+                median(per_call),
+                rounds.join(", ")
+            ));
+        }
+    }
 
     let json = json!({
         "scenario": "throughput",
@@ -339,6 +368,18 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
 }
 
 /// How the run placed its processes, for the heading.
+/// The gateway's script calls and the takes they decided, from its `/metrics`.
+fn bucket_calls(addr: SocketAddr) -> anyhow::Result<(f64, f64)> {
+    let (status, body) = crate::procs::block_on(crate::http::fetch(addr, "/metrics", None))?;
+    anyhow::ensure!(status == 200, "/metrics answered {status}");
+    let m = crate::http::parse_metrics(&body);
+    let get = |k: &str| m.get(k).copied().unwrap_or(0.0);
+    Ok((
+        get("tollgate_store_bucket_calls_total"),
+        get("tollgate_store_bucket_takes_total"),
+    ))
+}
+
 pub fn pinned(pin: Option<Pin>) -> String {
     match pin {
         Some(_) => format!(
