@@ -121,13 +121,6 @@ impl<K: Hash> LocalBuckets<K> {
         }
     }
 
-    /// The bucket's state as last taken from, if it has one.
-    pub fn peek(&self, key: &(impl Probe<K> + ?Sized)) -> Option<BucketState> {
-        let (hash, shard) = self.shard(key);
-        let shard = shard.lock();
-        shard.find(hash, |(k, _)| key.is(k)).map(|(_, s)| s.state)
-    }
-
     /// Forgets buckets that would be full by now; returns how many remain.
     pub fn evict_idle(&self) -> usize {
         let now = self.now_us();
