@@ -23,7 +23,8 @@ bin=target/release/tollgate-bench
 for d in 10 30; do
   TOLLGATE_BENCH_WRAPPER="valgrind --tool=callgrind --callgrind-out-file=$out/gw-$d.%p.out" \
   TOLLGATE_BENCH_FLOOR_WRAPPER="valgrind --tool=callgrind --callgrind-out-file=$out/floor-$d.%p.out" \
-    "$bin" latency --rate "$rate" --duration "$d" --clients 10000 --warmup 3 --timeout-ms 1000 "$@" \
+    "$bin" latency --rate "$rate" --duration "$d" --clients 10000 --warmup 3 --timeout-ms 1000 \
+      --no-redis-floor "$@" \
     >"$out/run-$d.log" 2>&1
 done
 python3 - "$out" <<'PY'

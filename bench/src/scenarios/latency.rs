@@ -47,6 +47,9 @@ pub struct Args {
     /// Skip the floor (bare actix-web + awc, no limiter, as many workers as the gateway).
     #[arg(long)]
     no_floor: bool,
+    /// Skip the floor with one Redis `PING` per request (it runs whenever the floor does).
+    #[arg(long)]
+    no_redis_floor: bool,
     /// The gateway and the floor alone on CPU 1, everything else on CPU 0 (see
     /// `throughput --pin`).
     #[arg(long)]
@@ -88,12 +91,9 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
                 pin,
                 None,
             )?),
-            Some(Floor::start(
-                &upstream.urls()[0],
-                a.gateway_workers,
-                pin,
-                Some(&url),
-            )?),
+            (!a.no_redis_floor)
+                .then(|| Floor::start(&upstream.urls()[0], a.gateway_workers, pin, Some(&url)))
+                .transpose()?,
         )
     };
     let traced = if a.otlp {
