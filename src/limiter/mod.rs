@@ -31,7 +31,7 @@ use crate::configuration::Periods;
 use crate::domain::limits::Level;
 use crate::domain::{Applied, AppliedKind, ClientId, Decision, Limits, Mode, Outcome, Ruling};
 use crate::metrics::{FailOpenReason, Metrics};
-use crate::store::{Store, StoreError};
+use crate::store::{Every, Store, StoreError};
 
 /// Decides requests: safety limit, breaker, store, mode.
 pub struct Limiter {
@@ -61,19 +61,17 @@ pub struct Limiter {
 /// `tollgate_store_errors_total`): one line names the error, not one per request.
 const ERROR_LOG_EVERY: Duration = Duration::from_secs(10);
 
-/// When the request path last logged a store error, and how many it has not logged since.
+/// When the request path may log a store error again, and how many it has not logged
+/// since it last did.
 struct ErrorLog {
-    epoch: Instant,
-    /// Milliseconds since `epoch` of the last line, plus one (0: never).
-    last_ms: std::sync::atomic::AtomicU64,
+    gate: Every,
     unlogged: std::sync::atomic::AtomicU64,
 }
 
 impl ErrorLog {
     fn new() -> ErrorLog {
         ErrorLog {
-            epoch: Instant::now(),
-            last_ms: Default::default(),
+            gate: Every::new(ERROR_LOG_EVERY),
             unlogged: Default::default(),
         }
     }
@@ -81,15 +79,7 @@ impl ErrorLog {
     /// Logs `e` if no error was logged within [`ERROR_LOG_EVERY`], with how many were not.
     fn note(&self, e: &StoreError) {
         use std::sync::atomic::Ordering::Relaxed;
-        let now = self.epoch.elapsed().as_millis() as u64 + 1;
-        let last = self.last_ms.load(Relaxed);
-        let due = last == 0 || now >= last + ERROR_LOG_EVERY.as_millis() as u64;
-        if !due
-            || self
-                .last_ms
-                .compare_exchange(last, now, Relaxed, Relaxed)
-                .is_err()
-        {
+        if !self.gate.due() {
             self.unlogged.fetch_add(1, Relaxed);
             return;
         }
@@ -98,7 +88,8 @@ impl ErrorLog {
             error = %e,
             kind = e.kind().label(),
             unlogged_since_last = unlogged,
-            "store call failed: failing open (logged at most every 10 s; every one is counted in tollgate_store_errors_total)"
+            "store call failed: failing open (logged at most every {} s; every one is counted in tollgate_store_errors_total)",
+            ERROR_LOG_EVERY.as_secs()
         );
     }
 }

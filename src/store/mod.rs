@@ -5,12 +5,13 @@
 //! [`Store`] (`dispatch.rs`) is what the rest of the gateway holds; the backends sit
 //! beside it, each split by concern (buckets, catalog, audit, shadow counts, shards).
 //! The vocabulary both share lives in its own files: errors (`error.rs`), catalog records
-//! (`records.rs`), reconciliation (`shards.rs`), key names (`keys.rs`) and in-process
-//! buckets (`local.rs`).
+//! (`records.rs`), reconciliation (`shards.rs`), key names (`keys.rs`), in-process
+//! buckets (`local.rs`) and a once-per-period gate (`every.rs`).
 
 mod dispatch;
 mod embedded;
 mod error;
+mod every;
 mod keys;
 mod local;
 pub mod records;
@@ -19,6 +20,7 @@ mod shards;
 
 pub use self::dispatch::Store;
 pub use self::error::StoreError;
+pub use self::every::Every;
 pub use self::keys::{key_in_slot, key_slot, state_field, Keys, StateGroups, CLUSTER_STATE_GROUPS};
 pub use self::local::{LocalBuckets, LocalLimits, LocalOp, Probe};
 pub use self::records::ClientsPage;

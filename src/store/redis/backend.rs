@@ -2,7 +2,6 @@
 //! the request path, a pool for the rest) or a cluster, the retry rule for calls off the
 //! request path ([`retrying!`]), and the reads every concern shares.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,7 +16,7 @@ use super::gather::Gatherer;
 use super::pool::{tcp_settings, Dialer, PerThread, RedisManager};
 use crate::configuration::redact_url;
 use crate::store::keys::{StateGroups, CLUSTER_STATE_GROUPS};
-use crate::store::{Keys, StoreError};
+use crate::store::{Every, Keys, StoreError};
 
 /// One stream entry (the change feed, the audit log): its id and fields.
 pub(super) type FeedEntry = (String, Vec<(String, String)>);
@@ -52,12 +51,12 @@ pub(super) struct ClusterBackend {
     /// Which master serves each slot (an index among the masters), as last read: takes
     /// for keys of one master go to it in one call (`gather`).
     masters: Arc<ArcSwap<Option<Vec<u16>>>>,
-    /// When `masters` was last asked for (unix ms).
-    masters_at: Arc<AtomicU64>,
+    /// Opens when `masters` should be read again.
+    masters_due: Every,
 }
 
 /// How often the slot map is read again; a stale one only costs takes a second call.
-const MASTERS_EVERY_MS: u64 = 1_000;
+const MASTERS_EVERY: Duration = Duration::from_secs(1);
 
 impl ClusterBackend {
     pub(super) fn conn(&self) -> ClusterConnection {
@@ -67,14 +66,7 @@ impl ClusterBackend {
     /// The master serving `slot` as last read, reading the slot map again in the
     /// background when it is older than a second. `None` until it was read once.
     pub(super) fn master_of(&self, slot: u16) -> Option<u16> {
-        let now = unix_ms();
-        let at = self.masters_at.load(Ordering::Relaxed);
-        if now.saturating_sub(at) >= MASTERS_EVERY_MS
-            && self
-                .masters_at
-                .compare_exchange(at, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
+        if self.masters_due.due() {
             let (conn, masters) = (self.conn(), Arc::clone(&self.masters));
             tokio::spawn(async move {
                 match read_masters(conn).await {
@@ -301,7 +293,7 @@ impl RedisStore {
             control_timeout,
             renewing: tokio::sync::Mutex::new(()),
             masters: Arc::new(ArcSwap::from_pointee(None)),
-            masters_at: Arc::new(AtomicU64::new(0)),
+            masters_due: Every::new(MASTERS_EVERY),
         }));
         Ok(RedisStore::new(backend, keys, url, control_timeout))
     }
@@ -494,10 +486,4 @@ async fn read_masters(mut conn: ClusterConnection) -> Result<Vec<u16>, StoreErro
         }
     }
     Ok(masters)
-}
-
-fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }

@@ -39,7 +39,7 @@ use tokio::sync::oneshot;
 use super::pool::Link;
 use crate::domain::quota::Bounds;
 use crate::domain::{Applied, AppliedKind};
-use crate::store::StoreError;
+use crate::store::{Every, StoreError};
 
 /// Most entries one call carries; more open the next batch.
 pub const MAX_ENTRIES: usize = 128;
@@ -221,12 +221,11 @@ struct Lua {
     hash: String,
 }
 
-#[derive(Default)]
 struct Counts {
     calls: AtomicU64,
     takes: AtomicU64,
-    /// When (ms since `SWEEP_EPOCH`) this gatherer's last call swept its first group.
-    swept_ms: AtomicU64,
+    /// Opens when this gatherer's next call should ask for a sweep of its first group.
+    sweep: Every,
 }
 
 /// The least number of fields a sweep examines (see `lua/bucket.lua`: a sixtieth of the
@@ -236,19 +235,13 @@ pub const SWEEP_FIELDS: u64 = 64;
 /// most once a second, whatever the number of gateways asking.
 pub const SWEEP_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
 
-static SWEEP_EPOCH: std::sync::LazyLock<std::time::Instant> =
-    std::sync::LazyLock::new(std::time::Instant::now);
-
-impl Counts {
-    /// Whether a call sent now should sweep: at most once per [`SWEEP_EVERY`].
-    fn sweep_due(&self) -> bool {
-        let now = SWEEP_EPOCH.elapsed().as_millis() as u64 + SWEEP_EVERY.as_millis() as u64;
-        let last = self.swept_ms.load(Ordering::Relaxed);
-        now >= last + SWEEP_EVERY.as_millis() as u64
-            && self
-                .swept_ms
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
+impl Default for Counts {
+    fn default() -> Counts {
+        Counts {
+            calls: AtomicU64::new(0),
+            takes: AtomicU64::new(0),
+            sweep: Every::new(SWEEP_EVERY),
+        }
     }
 }
 
@@ -492,7 +485,7 @@ async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
             .arg(groups.len() - 1)
             .arg(&groups[1..]);
     }
-    let sweep = if counts.sweep_due() { SWEEP_FIELDS } else { 0 };
+    let sweep = if counts.sweep.due() { SWEEP_FIELDS } else { 0 };
     cmd.arg(sweep)
         .arg(sets)
         .arg(&set_args)
