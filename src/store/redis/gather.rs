@@ -618,6 +618,19 @@ mod tests {
         )
     }
 
+    /// A Redis behind a fault proxy, a store on it through the proxy, and a bucket of 5.
+    fn behind_proxy() -> (
+        RedisServer,
+        FaultProxy,
+        Rc<RedisStore>,
+        Rc<Vec<crate::domain::Applied>>,
+    ) {
+        let redis = RedisServer::start().unwrap();
+        let proxy = FaultProxy::start(([127, 0, 0, 1], redis.port).into());
+        let store = store_at(proxy.redis_url());
+        (redis, proxy, store, bucket_of_five())
+    }
+
     /// A plan of one bucket of 5, with next to no refill.
     fn bucket_of_five() -> Rc<Vec<crate::domain::Applied>> {
         let plan = Limits::new(vec![Limit::default_bucket(
@@ -706,9 +719,7 @@ mod tests {
     #[tokio::test]
     async fn takes_whose_requests_give_up_never_take_the_others_call_with_them() {
         // Arrange: Redis 30 ms away, so a call is in flight long enough to give up on.
-        let redis = RedisServer::start().unwrap();
-        let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
-        let (store, applied) = (store_at(proxy.redis_url()), bucket_of_five());
+        let (_redis, proxy, store, applied) = behind_proxy();
         let local = tokio::task::LocalSet::new();
         local
             .run_until(async {
@@ -754,9 +765,7 @@ mod tests {
     #[tokio::test]
     async fn a_call_on_a_silent_connection_ends_once_nobody_waits_for_it() {
         // Arrange: a connection open, then silenced (it stays open, nothing answers).
-        let redis = RedisServer::start().unwrap();
-        let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
-        let (store, applied) = (store_at(proxy.redis_url()), bucket_of_five());
+        let (_redis, proxy, store, applied) = behind_proxy();
         let local = tokio::task::LocalSet::new();
         local
             .run_until(async {
