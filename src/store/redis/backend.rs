@@ -181,7 +181,7 @@ macro_rules! retrying {
 pub(super) use retrying;
 
 /// The limits script (`lua/bucket.lua`).
-const BUCKET_LUA: &str = include_str!("../../../lua/bucket.lua");
+pub(super) const BUCKET_LUA: &str = include_str!("../../../lua/bucket.lua");
 
 /// Redis (one server or a cluster) as the store.
 pub struct RedisStore {

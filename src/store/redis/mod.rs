@@ -16,6 +16,8 @@ mod gather;
 mod persistence;
 mod pipe;
 mod pool;
+#[cfg(test)]
+mod script_paths;
 mod shadow;
 mod shards;
 
