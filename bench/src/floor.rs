@@ -4,9 +4,13 @@
 //! two crates pays before deciding anything, so the table separates the cost of the stack
 //! from the cost of tollgate's own work.
 //!
-//! With `--redis`, it also asks Redis one `PING` per request before forwarding, on one
-//! multiplexed connection per worker: the floor of any design that must hear from Redis
-//! before it forwards (`latency` compares tollgate's added latency with it).
+//! With `--redis`, it also asks Redis once per request before forwarding, on one
+//! multiplexed connection per worker: a `PING`, the floor of any design that must hear
+//! from Redis before it forwards; or (`--ask script`) an `EVALSHA` of a script that only
+//! reads `TIME`, the floor of any design that decides in a Redis script by Redis' clock
+//! (a script call costs Redis more than a command: its arguments become Lua values, and
+//! every 50th call runs a step of Lua's garbage collector). `latency` compares tollgate's
+//! added latency with both.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -23,10 +27,25 @@ pub struct Args {
     upstream: String,
     #[arg(long, default_value_t = 1)]
     workers: usize,
-    /// `redis://host:port`: one `PING` per request, answered before forwarding.
+    /// `redis://host:port`: one question per request (`--ask`), answered before forwarding.
     #[arg(long)]
     redis: Option<String>,
+    /// What to ask Redis with `--redis`.
+    #[arg(long, value_enum, default_value_t = Ask::Ping)]
+    ask: Ask,
 }
+
+/// What the floor asks Redis once per request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Ask {
+    /// `PING`.
+    Ping,
+    /// `EVALSHA` of [`TIME_LUA`], with one key.
+    Script,
+}
+
+/// The least a script deciding by Redis' clock runs.
+const TIME_LUA: &str = "return redis.call('TIME')[1]";
 
 /// A worker's connection to Redis, opened on its first request.
 type RedisLink = tokio::sync::OnceCell<redis::aio::MultiplexedConnection>;
@@ -36,18 +55,21 @@ async fn forward(
     body: web::Bytes,
     client: web::Data<awc::Client>,
     base: web::Data<String>,
-    redis: web::Data<Option<(redis::Client, RedisLink)>>,
+    redis: web::Data<Option<(redis::Client, RedisLink, Ask)>>,
+    script: web::Data<redis::Script>,
 ) -> HttpResponse {
-    if let Some((client, link)) = redis.get_ref() {
+    if let Some((client, link, ask)) = redis.get_ref() {
         let conn = link
             .get_or_try_init(|| client.get_multiplexed_async_connection())
             .await;
         let Ok(conn) = conn else {
             return HttpResponse::BadGateway().finish();
         };
-        let pong: redis::RedisResult<String> =
-            redis::cmd("PING").query_async(&mut conn.clone()).await;
-        if pong.is_err() {
+        let answer: redis::RedisResult<String> = match ask {
+            Ask::Ping => redis::cmd("PING").query_async(&mut conn.clone()).await,
+            Ask::Script => script.key("{floor}").invoke_async(&mut conn.clone()).await,
+        };
+        if answer.is_err() {
             return HttpResponse::BadGateway().finish();
         }
     }
@@ -76,7 +98,7 @@ async fn forward(
 
 /// Serves until killed.
 pub fn run(a: &Args) -> anyhow::Result<()> {
-    let (upstream, workers, listen) = (a.upstream.clone(), a.workers, a.listen);
+    let (upstream, workers, listen, ask) = (a.upstream.clone(), a.workers, a.listen, a.ask);
     let redis = a.redis.as_deref().map(redis::Client::open).transpose()?;
     actix_web::rt::System::new().block_on(async move {
         HttpServer::new(move || {
@@ -87,7 +109,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             App::new()
                 .app_data(web::Data::new(client))
                 .app_data(web::Data::new(upstream.clone()))
-                .app_data(web::Data::new(redis.clone().map(|c| (c, RedisLink::new()))))
+                .app_data(web::Data::new(
+                    redis.clone().map(|c| (c, RedisLink::new(), ask)),
+                ))
+                .app_data(web::Data::new(redis::Script::new(TIME_LUA)))
                 .default_service(web::to(forward))
         })
         .workers(workers)

@@ -15,6 +15,7 @@ use tollgate_testkit::{
     Launcher, PlanDef, RouteDef, TempDir,
 };
 
+use crate::floor::Ask;
 use crate::http;
 
 /// Lets the process open as many descriptors as it may (open-loop runs hold hundreds of
@@ -478,12 +479,12 @@ pub struct Floor {
 }
 
 impl Floor {
-    /// With `redis`, it asks Redis one `PING` per request before forwarding.
+    /// With `redis`, it asks the Redis at that URL once per request before forwarding.
     pub fn start(
         upstream: &str,
         workers: usize,
         pin: Option<Pin>,
-        redis: Option<&str>,
+        redis: Option<(&str, Ask)>,
     ) -> anyhow::Result<Floor> {
         let dir = temp_dir("floor")?;
         let port = free_port()?;
@@ -510,8 +511,11 @@ impl Floor {
             .arg("--workers")
             .arg(workers.to_string())
             .stderr(std::fs::File::create(&log)?);
-        if let Some(url) = redis {
-            cmd.arg("--redis").arg(url);
+        if let Some((url, ask)) = redis {
+            cmd.arg("--redis").arg(url).arg("--ask").arg(match ask {
+                Ask::Ping => "ping",
+                Ask::Script => "script",
+            });
         }
         if pin.is_some() {
             Pin::sut(&mut cmd);

@@ -17,6 +17,7 @@ use tollgate_testkit::RedisServer;
 use super::clients::Clients;
 use super::throughput::pinned;
 use super::{seconds, summary_json};
+use crate::floor::Ask;
 use crate::load::{run_open, sorted_ns, Arrivals, Stream, Summary};
 use crate::procs::{one_unlimited_client, raise_fd_limit, Floor, Gateway, Pin};
 use crate::report::{machine, ms, round, Outcome, Table};
@@ -47,7 +48,8 @@ pub struct Args {
     /// Skip the floor (bare actix-web + awc, no limiter, as many workers as the gateway).
     #[arg(long)]
     no_floor: bool,
-    /// Skip the floor with one Redis `PING` per request (it runs whenever the floor does).
+    /// Skip the floors with one Redis `PING`, and one call of a script reading `TIME`, per
+    /// request (they run whenever the floor does).
     #[arg(long)]
     no_redis_floor: bool,
     /// The gateway and the floor alone on CPU 1, everything else on CPU 0 (see
@@ -80,22 +82,23 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     config.timeout_ms = Some(a.timeout_ms);
     a.clients.add_to(&mut config, "large");
     let gateway = Gateway::start_pinned(&config, PATH, pin)?;
-    let (floor, floor_redis) = if a.no_floor {
-        (None, None)
-    } else {
-        let url = redis.url();
-        (
-            Some(Floor::start(
-                &upstream.urls()[0],
-                a.gateway_workers,
-                pin,
-                None,
-            )?),
-            (!a.no_redis_floor)
-                .then(|| Floor::start(&upstream.urls()[0], a.gateway_workers, pin, Some(&url)))
-                .transpose()?,
-        )
+    let floor = (!a.no_floor)
+        .then(|| Floor::start(&upstream.urls()[0], a.gateway_workers, pin, None))
+        .transpose()?;
+    let url = redis.url();
+    let asking = |ask| {
+        (!a.no_floor && !a.no_redis_floor)
+            .then(|| {
+                Floor::start(
+                    &upstream.urls()[0],
+                    a.gateway_workers,
+                    pin,
+                    Some((&url, ask)),
+                )
+            })
+            .transpose()
     };
+    let (floor_redis, floor_script) = (asking(Ask::Ping)?, asking(Ask::Script)?);
     let traced = if a.otlp {
         let collector = Upstreams::start(vec![Server::Fast(Default::default())])?;
         let mut config = config.clone();
@@ -111,10 +114,13 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
 
     let requests = a.clients.requests(PATH, KEY);
     // The targets, in the order each slice visits them: direct, the floor, the floor with
-    // a Redis round trip, the gateway, the gateway exporting spans.
+    // a Redis round trip, the floor with a script call, the gateway, the gateway exporting
+    // spans.
     let mut targets = vec![upstream.addrs[0]];
     targets.extend(floor.as_ref().map(|f| f.addr));
     targets.extend(floor_redis.as_ref().map(|f| f.addr));
+    let at_floor_script = targets.len();
+    targets.extend(floor_script.as_ref().map(|f| f.addr));
     let at_gateway = targets.len();
     targets.push(gateway.addr);
     targets.extend(traced.as_ref().map(|(_, t)| t.addr));
@@ -156,11 +162,13 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
 
     // Samples by target; the first round of streams is the warm-up.
     let mut by_target = vec![Vec::new(); n];
-    let mut gateway_sent = 0usize;
+    let (mut gateway_sent, mut script_floor_sent) = (0usize, 0usize);
     for (i, samples) in result.samples.iter().enumerate() {
         let target = i % n;
         if target >= at_gateway {
             gateway_sent += samples.len();
+        } else if floor_script.is_some() && target == at_floor_script {
+            script_floor_sent += samples.len();
         }
         if i >= n {
             by_target[target].extend_from_slice(samples);
@@ -173,6 +181,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     };
     let through = by_target.pop().expect("the gateway is a target");
     let direct = by_target.remove(0);
+    let via_floor_script = floor_script.as_ref().and_then(|_| by_target.pop());
     let via_floor_redis = floor_redis.as_ref().and_then(|_| by_target.pop());
     let via_floor = by_target.pop();
     let errors = |v: &[crate::load::Sample]| v.iter().filter(|s| s.status != 200).count();
@@ -181,6 +190,9 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     let g = Summary::of(&through);
     let f = via_floor.as_deref().map(|v| (Summary::of(v), errors(v)));
     let fr = via_floor_redis
+        .as_deref()
+        .map(|v| (Summary::of(v), errors(v)));
+    let fscript = via_floor_script
         .as_deref()
         .map(|v| (Summary::of(v), errors(v)));
     let metrics = gateway.metrics()?;
@@ -221,6 +233,9 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     if let Some((rs, re)) = &fr {
         rows.push(("floor + one Redis PING per request", rs, *re));
     }
+    if let Some((ss, se)) = &fscript {
+        rows.push(("floor + one script call (TIME) per request", ss, *se));
+    }
     rows.push(("through tollgate (Redis)", &g, gateway_errors));
     for (name, s, e) in rows {
         table.row(vec![
@@ -252,6 +267,9 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     }
     if let Some((rs, _)) = &fr {
         table.row(added("added by the floor + a Redis round trip", rs));
+    }
+    if let Some((ss, _)) = &fscript {
+        table.row(added("added by the floor + a script call", ss));
     }
     if let Some((t, e, _, _)) = &exported {
         table.row(vec![
@@ -287,6 +305,8 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
             String::new(),
         ]);
     }
+    // The script floor's calls (one per request it served) are not the gateway's.
+    let evalsha = evalsha.saturating_sub(script_floor_sent as u64);
     let calls_per_request = evalsha as f64 / gateway_sent.max(1) as f64;
     let markdown = format!(
         "### latency: {} req/s open loop, {} s per side, {}{}\n\n{}\n\
@@ -319,6 +339,9 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         "floor_redis": fr.as_ref().map(|(rs, _)| summary_json(rs)),
         "floor_redis_added_p50_ms": fr.as_ref().map(|(rs, _)| round(rs.p50_ms - d.p50_ms, 3)),
         "floor_redis_added_p99_ms": fr.as_ref().map(|(rs, _)| round(rs.p99_ms - d.p99_ms, 3)),
+        "floor_script": fscript.as_ref().map(|(ss, _)| summary_json(ss)),
+        "floor_script_added_p50_ms": fscript.as_ref().map(|(ss, _)| round(ss.p50_ms - d.p50_ms, 3)),
+        "floor_script_added_p99_ms": fscript.as_ref().map(|(ss, _)| round(ss.p99_ms - d.p99_ms, 3)),
         "gateway": summary_json(&g),
         "added_p50_ms": round(g.p50_ms - d.p50_ms, 3),
         "added_p99_ms": round(g.p99_ms - d.p99_ms, 3),
