@@ -73,6 +73,22 @@ impl Argv {
         self.ends.push(self.buf.len());
         self
     }
+
+    /// Appends one argument, a whole number in decimal.
+    pub fn push_int(&mut self, v: impl itoa::Integer) -> &mut Self {
+        self.push_bytes(itoa::Buffer::new().format(v).as_bytes())
+    }
+
+    /// Appends one argument, a number that Lua's `tonumber` reads back exactly: a whole
+    /// one as an integer, any other as its shortest round-tripping decimal (without the
+    /// formatting machinery `push` goes through: this runs for every limit of every call).
+    pub fn push_num(&mut self, v: f64) -> &mut Self {
+        if v.fract() == 0.0 && v.abs() < 1e15 {
+            self.push_int(v as i64)
+        } else {
+            self.push_bytes(ryu::Buffer::new().format(v).as_bytes())
+        }
+    }
 }
 
 impl ToRedisArgs for Argv {
@@ -384,29 +400,38 @@ fn same_limits(a: &[Applied], b: &[Applied]) -> bool {
 
 /// A limit set's arguments (see `lua/bucket.lua`).
 fn encode_set(argv: &mut Argv, applied: &[Applied]) {
-    argv.push(applied.len());
-    let now_us = wall_clock_us();
+    argv.push_int(applied.len());
     for a in applied {
         // Its state's field suffix: none for the first limit, `/name:` for the others.
         match &*a.field {
-            "" => argv.push(""),
+            "" => argv.push_bytes(b""),
             f => argv.push(format_args!("/{f}")),
         };
         match &a.kind {
             AppliedKind::Bucket { bucket, initial } => {
-                argv.push("b").push(bucket.capacity()).push(bucket.rate());
+                argv.push_bytes(b"b")
+                    .push_num(bucket.capacity())
+                    .push_num(bucket.rate());
                 match initial {
-                    Some(i) => argv.push(i),
-                    None => argv.push(""),
+                    Some(i) => argv.push_num(*i),
+                    None => argv.push_bytes(b""),
                 };
-                argv.push("");
+                argv.push_bytes(b"");
             }
-            AppliedKind::Quota { amount, clock } => match clock.bounds(now_us) {
+            AppliedKind::Quota { amount, clock } => match clock.bounds(wall_clock_us()) {
                 Bounds::Fixed([e0, e1, e2]) => {
-                    argv.push("q").push(amount).push(e0).push(e1).push(e2);
+                    argv.push_bytes(b"q")
+                        .push_num(*amount)
+                        .push_int(e0)
+                        .push_int(e1)
+                        .push_int(e2);
                 }
                 Bounds::Rolling(len) => {
-                    argv.push("r").push(amount).push(len).push("").push("");
+                    argv.push_bytes(b"r")
+                        .push_num(*amount)
+                        .push_int(len)
+                        .push_bytes(b"")
+                        .push_bytes(b"");
                 }
             },
         }
@@ -638,6 +663,45 @@ mod tests {
         )])
         .unwrap();
         Rc::new(plan.every())
+    }
+
+    #[test]
+    fn numbers_are_written_as_decimals_that_read_back_exactly() {
+        let values = [
+            0.0,
+            5.0,
+            -3.0,
+            0.1,
+            0.3,
+            1.0 / 3.0,
+            1e-7,
+            2.5e15,
+            1e20,
+            123_456.789,
+            1e15 - 1.0,
+        ];
+        let mut argv = super::Argv::default();
+        for v in values {
+            argv.push_num(v);
+        }
+        argv.push_int(u64::MAX);
+        let mut start = 0;
+        for (i, end) in argv.ends.iter().enumerate() {
+            let text = std::str::from_utf8(&argv.buf[start..*end]).unwrap();
+            start = *end;
+            match values.get(i) {
+                Some(v) => {
+                    assert_eq!(text.parse::<f64>().unwrap(), *v, "{text}");
+                    if v.fract() == 0.0 && v.abs() < 1e15 {
+                        assert!(
+                            text.bytes().all(|b| b.is_ascii_digit() || b == b'-'),
+                            "{text}"
+                        );
+                    }
+                }
+                None => assert_eq!(text, u64::MAX.to_string()),
+            }
+        }
     }
 
     #[tokio::test]
