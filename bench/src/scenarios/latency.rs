@@ -1,13 +1,17 @@
 //! `latency`: what the gateway adds. The same open-loop load (fixed rate, latency from the
 //! intended send time) goes to the upstream directly and through the gateway in Redis
 //! mode, alternating every `--slice` seconds in one run, so drift in the machine's load
-//! (the other engineer's compiles) falls on both sides alike. With `--otlp` a third side
-//! joins the alternation: a second gateway, configured alike, exporting spans over OTLP.
+//! (the other engineer's compiles) falls on both sides alike. With `--otlp` a side joins
+//! the alternation: a second gateway, configured alike, exporting spans over OTLP; with
+//! `--embedded`, a second gateway on the embedded store (the gateway's own work without
+//! its Redis round trip).
 //!
-//! Beside the floor (actix-web + awc alone) runs the floor with one Redis round trip per
+//! Beside the floor (actix-web + awc alone) run the floor with one Redis round trip per
 //! request (a `PING` before forwarding, to the same Redis, under the same load): the
 //! least any design that asks Redis before forwarding can add, measured rather than
-//! estimated. Issue 14's latency goal compares tollgate with it.
+//! estimated; and the floor with one call of a script that only reads `TIME`: the least
+//! any design that decides in a Redis script by Redis' clock can add. Issue 14's latency
+//! goal compares tollgate with them.
 
 use std::time::Duration;
 
@@ -61,6 +65,10 @@ pub struct Args {
     /// request to it starts a sampled trace (3 spans). The first gateway exports nothing.
     #[arg(long)]
     otlp: bool,
+    /// Add a side: a second gateway, configured alike but on the embedded store (no
+    /// Redis), which separates the gateway's own work from its Redis round trip.
+    #[arg(long)]
+    embedded: bool,
     #[command(flatten)]
     clients: Clients,
 }
@@ -99,6 +107,13 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
             .transpose()
     };
     let (floor_redis, floor_script) = (asking(Ask::Ping)?, asking(Ask::Script)?);
+    let embedded = if a.embedded {
+        let mut config = config.clone();
+        config.redis_url = Some(String::new());
+        Some(Gateway::start_pinned(&config, PATH, pin)?)
+    } else {
+        None
+    };
     let traced = if a.otlp {
         let collector = Upstreams::start(vec![Server::Fast(Default::default())])?;
         let mut config = config.clone();
@@ -114,8 +129,8 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
 
     let requests = a.clients.requests(PATH, KEY);
     // The targets, in the order each slice visits them: direct, the floor, the floor with
-    // a Redis round trip, the floor with a script call, the gateway, the gateway exporting
-    // spans.
+    // a Redis round trip, the floor with a script call, the gateway, the gateway on the
+    // embedded store, the gateway exporting spans.
     let mut targets = vec![upstream.addrs[0]];
     targets.extend(floor.as_ref().map(|f| f.addr));
     targets.extend(floor_redis.as_ref().map(|f| f.addr));
@@ -123,6 +138,8 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     targets.extend(floor_script.as_ref().map(|f| f.addr));
     let at_gateway = targets.len();
     targets.push(gateway.addr);
+    let at_embedded = targets.len();
+    targets.extend(embedded.as_ref().map(|e| e.addr));
     targets.extend(traced.as_ref().map(|(_, t)| t.addr));
     let n = targets.len();
     let stream = |addr, from: f64, until: f64| Stream {
@@ -165,7 +182,9 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     let (mut gateway_sent, mut script_floor_sent) = (0usize, 0usize);
     for (i, samples) in result.samples.iter().enumerate() {
         let target = i % n;
-        if target >= at_gateway {
+        if embedded.is_some() && target == at_embedded {
+            // No Redis calls.
+        } else if target >= at_gateway {
             gateway_sent += samples.len();
         } else if floor_script.is_some() && target == at_floor_script {
             script_floor_sent += samples.len();
@@ -179,6 +198,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     } else {
         Vec::new()
     };
+    let on_embedded = embedded.as_ref().and_then(|_| by_target.pop());
     let through = by_target.pop().expect("the gateway is a target");
     let direct = by_target.remove(0);
     let via_floor_script = floor_script.as_ref().and_then(|_| by_target.pop());
@@ -237,6 +257,10 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         rows.push(("floor + one script call (TIME) per request", ss, *se));
     }
     rows.push(("through tollgate (Redis)", &g, gateway_errors));
+    let emb = on_embedded.as_deref().map(|v| (Summary::of(v), errors(v)));
+    if let Some((es, ee)) = &emb {
+        rows.push(("through tollgate (embedded store)", es, *ee));
+    }
     for (name, s, e) in rows {
         table.row(vec![
             name.into(),
@@ -293,6 +317,9 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         ms(g.p999_ms - d.p999_ms),
         String::new(),
     ]);
+    if let Some((es, _)) = &emb {
+        table.row(added("added by tollgate on the embedded store", es));
+    }
     if let Some((t, _, _, _)) = &exported {
         table.row(vec![
             "**added by exporting spans**".into(),
@@ -343,6 +370,9 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         "floor_script_added_p50_ms": fscript.as_ref().map(|(ss, _)| round(ss.p50_ms - d.p50_ms, 3)),
         "floor_script_added_p99_ms": fscript.as_ref().map(|(ss, _)| round(ss.p99_ms - d.p99_ms, 3)),
         "gateway": summary_json(&g),
+        "embedded": emb.as_ref().map(|(es, _)| summary_json(es)),
+        "embedded_added_p50_ms": emb.as_ref().map(|(es, _)| round(es.p50_ms - d.p50_ms, 3)),
+        "embedded_added_p99_ms": emb.as_ref().map(|(es, _)| round(es.p99_ms - d.p99_ms, 3)),
         "added_p50_ms": round(g.p50_ms - d.p50_ms, 3),
         "added_p99_ms": round(g.p99_ms - d.p99_ms, 3),
         "added_p999_ms": round(g.p999_ms - d.p999_ms, 3),
