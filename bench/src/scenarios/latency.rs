@@ -19,6 +19,7 @@ use serde_json::json;
 use tollgate_testkit::RedisServer;
 
 use super::clients::Clients;
+use super::takes::RedisSpent;
 use super::throughput::pinned;
 use super::{seconds, summary_json};
 use crate::floor::Ask;
@@ -88,6 +89,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         one_unlimited_client(Some(redis.url()), upstream.urls(), "latency-client", KEY);
     config.workers = a.gateway_workers;
     config.timeout_ms = Some(a.timeout_ms);
+    let mut embedded_config = config.clone();
     a.clients.add_to(&mut config, "large");
     let gateway = Gateway::start_pinned(&config, PATH, pin)?;
     let floor = (!a.no_floor)
@@ -108,9 +110,11 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     };
     let (floor_redis, floor_script) = (asking(Ask::Ping)?, asking(Ask::Script)?);
     let embedded = if a.embedded {
-        let mut config = config.clone();
-        config.redis_url = Some(String::new());
-        Some(Gateway::start_pinned(&config, PATH, pin)?)
+        embedded_config.redis_url = Some(String::new());
+        // Into its catalog file in one write (see `add_clients_and_restart`).
+        let mut gateway = Gateway::start_pinned(&embedded_config, PATH, pin)?;
+        gateway.add_clients_and_restart(&a.clients.defs("large"), PATH)?;
+        Some(gateway)
     } else {
         None
     };
@@ -134,7 +138,6 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     let mut targets = vec![upstream.addrs[0]];
     targets.extend(floor.as_ref().map(|f| f.addr));
     targets.extend(floor_redis.as_ref().map(|f| f.addr));
-    let at_floor_script = targets.len();
     targets.extend(floor_script.as_ref().map(|f| f.addr));
     let at_gateway = targets.len();
     targets.push(gateway.addr);
@@ -166,7 +169,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         }
         left -= len;
     }
-    let evalsha_before = redis.calls("evalsha")?;
+    let spent_before = RedisSpent::read(&redis)?;
     eprintln!(
         "latency: {} req/s, {} s per side, alternating every {} s{} ({machine})",
         a.rate,
@@ -175,19 +178,18 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         pinned(pin)
     );
     let result = run_open(streams)?;
-    let evalsha = redis.calls("evalsha")? - evalsha_before;
+    let spent = RedisSpent::read(&redis)?.since(&spent_before);
+    let evalsha = spent.calls("evalsha");
 
     // Samples by target; the first round of streams is the warm-up.
     let mut by_target = vec![Vec::new(); n];
-    let (mut gateway_sent, mut script_floor_sent) = (0usize, 0usize);
+    let mut gateway_sent = 0usize;
     for (i, samples) in result.samples.iter().enumerate() {
         let target = i % n;
         if embedded.is_some() && target == at_embedded {
             // No Redis calls.
         } else if target >= at_gateway {
             gateway_sent += samples.len();
-        } else if floor_script.is_some() && target == at_floor_script {
-            script_floor_sent += samples.len();
         }
         if i >= n {
             by_target[target].extend_from_slice(samples);
@@ -332,12 +334,20 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
             String::new(),
         ]);
     }
-    // The script floor's calls (one per request it served) are not the gateway's.
-    let evalsha = evalsha.saturating_sub(script_floor_sent as u64);
     let calls_per_request = evalsha as f64 / gateway_sent.max(1) as f64;
+    // Time inside Redis per call (`INFO commandstats`): the gateway's script, the floors'
+    // `PING` and `EVAL`.
+    let usec_per_call = |c: &str| spent.usec(c) as f64 / spent.calls(c).max(1) as f64;
+    let (in_evalsha, in_ping, in_eval) = (
+        usec_per_call("evalsha"),
+        usec_per_call("ping"),
+        usec_per_call("eval"),
+    );
     let markdown = format!(
         "### latency: {} req/s open loop, {} s per side, {}{}\n\n{}\n\
-         Redis calls per gateway request: {:.3} (EVALSHA). Fail-opens: {}.{} \
+         Redis calls per gateway request: {:.3} (EVALSHA). Inside Redis per call: the \
+         gateway's EVALSHA {:.1} µs, the floors' PING {:.1} µs and EVAL {:.1} µs. \
+         Fail-opens: {}.{} \
          Generator wake-up lateness p50/p99: {:.0}/{:.0} µs (included in both sides). {}.\n",
         a.rate,
         a.duration,
@@ -345,6 +355,9 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         pinned(pin),
         table.render(),
         calls_per_request,
+        in_evalsha,
+        in_ping,
+        in_eval,
         fail_open,
         tracing_note,
         result.dispatch_late_p50.as_secs_f64() * 1e6,
@@ -379,6 +392,9 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         "direct_non_200": direct_errors,
         "gateway_non_200": gateway_errors,
         "redis_calls_per_request": round(calls_per_request, 4),
+        "usec_per_evalsha": round(in_evalsha, 2),
+        "usec_per_floor_ping": round(in_ping, 2),
+        "usec_per_floor_eval": round(in_eval, 2),
         "fail_open": fail_open,
         "otlp": exported.as_ref().map(|(t, e, exported, dropped)| json!({
             "gateway": summary_json(t),
