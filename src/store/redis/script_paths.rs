@@ -155,7 +155,7 @@ fn the_lean_path_decides_answers_and_writes_as_the_general_path_does() {
         State::Tokens(-3.0, LATER),
         State::Tokens(1.0, 0.0),
     ];
-    let ops: [Op; 8] = [
+    let ops: [Op; 9] = [
         (b't', 1.0, 1),
         (b't', 1.0, 3),
         (b't', 0.5, 9),
@@ -164,6 +164,8 @@ fn the_lean_path_decides_answers_and_writes_as_the_general_path_does() {
         (b'a', -2.0, 1),
         (b'a', 2e9, 1),
         (b'p', 1.0, 1),
+        // No operation the gateway sends: both paths refill and write, and take nothing.
+        (b'x', 1.0, 1),
     ];
     let mut compared = 0;
     for state in states {
@@ -185,7 +187,7 @@ fn the_lean_path_decides_answers_and_writes_as_the_general_path_does() {
             }
         }
     }
-    assert_eq!(compared, 7 * 8 * 3);
+    assert_eq!(compared, 7 * 9 * 3);
 }
 
 #[test]
