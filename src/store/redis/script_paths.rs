@@ -41,6 +41,8 @@ struct Outcome {
     mark: Option<Vec<u8>>,
 }
 
+/// A call's one run of entries (struct '<HBdIHH'): `len` entries of `op`, of the first
+/// limit set and the first group.
 fn run(op: Op, len: u16) -> Vec<u8> {
     let mut r = len.to_le_bytes().to_vec();
     r.push(op.0);
@@ -51,6 +53,7 @@ fn run(op: Op, len: u16) -> Vec<u8> {
     r
 }
 
+/// Puts `group` in `state`, for client `c`.
 fn prepare(conn: &mut Connection, group: &str, state: State) {
     redis::cmd("DEL").arg(group).exec(conn).unwrap();
     let field: Option<Vec<u8>> = match state {
