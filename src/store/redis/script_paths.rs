@@ -211,3 +211,37 @@ fn an_error_on_the_lean_path_is_answered_as_the_general_path_answers_it() {
     assert!(lean.errors[0].contains("WRONGTYPE"), "{lean:?}");
     assert_eq!(lean, general);
 }
+
+#[test]
+fn a_write_refused_on_the_lean_path_is_answered_as_the_general_path_answers_it() {
+    // A Redis out of memory: HMGET answers, HSET is refused, on both paths.
+    let redis = RedisServer::start().unwrap();
+    let mut conn = redis.conn().unwrap();
+    for group in ["t:{lean}", "t:{general}"] {
+        prepare(&mut conn, group, State::Tokens(2.5, LATER));
+    }
+    for (k, v) in [("maxmemory-policy", "noeviction"), ("maxmemory", "1")] {
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(k)
+            .arg(v)
+            .exec(&mut conn)
+            .unwrap();
+    }
+    let lean = call(&mut conn, "t:{lean}", (b't', 1.0, 1), "", true);
+    let general = call(&mut conn, "t:{general}", (b't', 1.0, 1), "", false);
+    assert_eq!(lean.status, "0", "{lean:?}");
+    assert!(lean.errors[0].contains("OOM"), "{lean:?}");
+    // Nothing was taken: the field holds its 2.5 tokens (its times, unwritten, are not
+    // relative to this call's now, so they are not compared).
+    assert_eq!(lean.field.map(|f| f.0), Some(2.5), "{lean:?}");
+    let view = |o: &Outcome| {
+        (
+            o.status.clone(),
+            o.errors.clone(),
+            o.mark.clone(),
+            o.field.map(|f| f.0),
+        )
+    };
+    assert_eq!(view(&lean), view(&general));
+}
