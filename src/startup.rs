@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::dev::{Server, ServerHandle};
-use actix_web::middleware::{from_fn, Condition};
+use actix_web::middleware::from_fn;
 use actix_web::{web, App, HttpServer};
 use anyhow::Context;
 use tracing_actix_web::TracingLogger;
@@ -95,26 +95,30 @@ impl Application {
             // rather than on its first request.
             let limiter = Arc::clone(&data.limiter);
             actix_web::rt::spawn(async move { limiter.keep_connected().await });
-            App::new()
+            let app = App::new()
                 .wrap(TracingLogger::<telemetry::RequestSpan>::new())
                 .wrap(from_fn(proxy::request_id))
                 .app_data(data.clone())
                 .app_data(jwt_data.clone())
-                .app_data(web::Data::new(proxy::upstream_client()))
                 .configure(ops::configure)
                 .configure(|cfg| {
                     if !separate_admin {
                         ops::configure_metrics(cfg);
                         admin::configure(cfg);
                     }
-                })
-                .service(
+                });
+            // Every path no other service claims: the limiter middleware, then the forward.
+            let proxy = actix_service::apply(proxy::Guard, proxy::Forward);
+            if traced {
+                // The request span around both, only when spans are exported.
+                app.service(
                     web::scope("")
-                        .wrap(from_fn(proxy::guard))
-                        // The request span, only when spans are exported.
-                        .wrap(Condition::new(traced, from_fn(trace::request)))
-                        .default_service(web::to(proxy::forward)),
+                        .wrap(from_fn(trace::request))
+                        .default_service(proxy),
                 )
+            } else {
+                app.default_service(proxy)
+            }
         });
         let shutdown_timeout_s = settings.server.shutdown_timeout.as_secs();
         let main = main.shutdown_timeout(shutdown_timeout_s).backlog(4096);

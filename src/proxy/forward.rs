@@ -1,12 +1,19 @@
 //! Forwarding an admitted request to one replica with awc, bodies streamed both ways.
 
 use std::cell::Cell;
+use std::future::{ready, Ready};
 use std::rc::Rc;
 use std::time::Duration;
 
+use actix_web::body::BoxBody;
+use actix_web::dev::{
+    always_ready, Payload, Service, ServiceFactory, ServiceRequest, ServiceResponse,
+};
+use actix_web::http::header::{self, HeaderValue};
 use actix_web::{web, HttpMessage, HttpRequest, HttpResponse};
 use awc::error::{ConnectError, SendRequestError};
 use bytes::Bytes;
+use futures_util::future::LocalBoxFuture;
 use futures_util::StreamExt;
 
 use super::headers::{
@@ -18,8 +25,54 @@ use crate::error::ApiError;
 use crate::state::AppState;
 use crate::trace;
 
+/// The forwarder as a service, the guard's inner one: one per worker, each with its own awc
+/// client. A service rather than a handler: a handler extracts its arguments through
+/// `FromRequest` and is boxed once more.
+pub struct Forward;
+
+impl ServiceFactory<ServiceRequest> for Forward {
+    type Response = ServiceResponse<BoxBody>;
+    type Error = actix_web::Error;
+    type Config = ();
+    type Service = ForwardService;
+    type InitError = ();
+    type Future = Ready<Result<ForwardService, ()>>;
+
+    fn new_service(&self, _: ()) -> Self::Future {
+        ready(Ok(ForwardService {
+            client: upstream_client(),
+        }))
+    }
+}
+
+pub struct ForwardService {
+    client: awc::Client,
+}
+
+impl Service<ServiceRequest> for ForwardService {
+    type Response = ServiceResponse<BoxBody>;
+    type Error = actix_web::Error;
+    type Future = LocalBoxFuture<'static, Result<ServiceResponse<BoxBody>, actix_web::Error>>;
+
+    always_ready!();
+
+    fn call(&self, req: ServiceRequest) -> Self::Future {
+        let client = self.client.clone();
+        let (req, payload) = req.into_parts();
+        Box::pin(async move {
+            let res = match forward(&req, payload, &client).await {
+                Ok(res) => res,
+                // As a handler's `Err` is answered: the error's response, with the error
+                // kept in it for the middlewares above.
+                Err(e) => HttpResponse::from_error(e),
+            };
+            Ok(ServiceResponse::new(req, res))
+        })
+    }
+}
+
 /// One awc client per worker: its connection pool keeps upstream connections alive.
-pub fn upstream_client() -> awc::Client {
+fn upstream_client() -> awc::Client {
     awc::Client::builder()
         .no_default_headers()
         .disable_redirects()
@@ -35,10 +88,10 @@ pub fn upstream_client() -> awc::Client {
 
 /// Sends the request on to a replica of its route and streams the answer back.
 #[tracing::instrument(name = "forward", level = "debug", skip_all, fields(service, upstream))]
-pub async fn forward(
-    req: HttpRequest,
-    payload: web::Payload,
-    client: web::Data<awc::Client>,
+async fn forward(
+    req: &HttpRequest,
+    payload: Payload,
+    client: &awc::Client,
 ) -> Result<HttpResponse, ApiError> {
     // Borrowed from the request rather than extracted (an extractor clones the `Arc`
     // every worker shares).
@@ -69,10 +122,13 @@ pub async fn forward(
         .timeout(route.timeout)
         .no_decompress();
 
+    // Into the map directly: `append_header` and `insert_header` move the whole request
+    // builder in and out per header.
+    let headers = out.headers_mut();
     let listed = connection_headers(req.headers());
     for (name, value) in req.headers() {
         if forwardable(name, &state.api_key_header, &listed) {
-            out = out.append_header((name.clone(), value.clone()));
+            headers.append(name.clone(), value.clone());
         }
     }
     // The scheme of this hop: the listener's, never a header the client sent (those are
@@ -88,19 +144,25 @@ pub async fn forward(
         scheme,
         &state.trusted_proxies,
     );
-    let forwarded = origin.forwarded();
-    out = out
-        .insert_header((X_CLIENT_ID.clone(), admitted.client.id_header.clone()))
-        .insert_header((X_FORWARDED_FOR.clone(), origin.x_forwarded_for))
-        .insert_header((X_FORWARDED_PROTO.clone(), origin.proto))
-        .insert_header((actix_web::http::header::FORWARDED, forwarded));
+    // Both are built from addresses and checked header text: a value they cannot make is
+    // the gateway's bug, answered 500.
+    let value = |v: String| HeaderValue::try_from(v).map_err(|e| ApiError::Internal(e.into()));
+    let forwarded = value(origin.forwarded())?;
+    let headers = out.headers_mut();
+    headers.insert(X_CLIENT_ID.clone(), admitted.client.id_header.clone());
+    headers.insert(X_FORWARDED_FOR.clone(), value(origin.x_forwarded_for)?);
+    headers.insert(
+        X_FORWARDED_PROTO.clone(),
+        HeaderValue::from_static(origin.proto),
+    );
+    headers.insert(header::FORWARDED, forwarded);
     if let Some(host) = origin.host {
-        out = out.insert_header((X_FORWARDED_HOST.clone(), host));
+        headers.insert(X_FORWARDED_HOST.clone(), host);
     }
     if let Some(id) = req.extensions().get::<RequestId>() {
-        out = out.insert_header((X_REQUEST_ID.clone(), id.0.clone()));
+        headers.insert(X_REQUEST_ID.clone(), id.0.clone());
     }
-    let upstream_span = trace::propagate(&req, state.traces.as_ref(), out.headers_mut());
+    let upstream_span = trace::propagate(req, state.traces.as_ref(), out.headers_mut());
 
     let declared_len = req
         .headers()
@@ -176,7 +238,7 @@ fn err_status(e: &ApiError) -> u16 {
 
 /// The request body, cut off with an error once it passes `max` bytes.
 fn limited(
-    payload: web::Payload,
+    payload: Payload,
     max: u64,
     too_large: Rc<Cell<bool>>,
 ) -> impl futures_util::Stream<Item = Result<Bytes, actix_web::error::PayloadError>> + 'static {

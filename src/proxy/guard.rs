@@ -1,13 +1,15 @@
 //! The limiter middleware: API key → client → route → decision, before any upstream call.
 
+use std::future::{ready, Ready};
+use std::rc::Rc;
 use std::sync::Arc;
 
-use actix_web::body::{BoxBody, MessageBody};
-use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::body::BoxBody;
+use actix_web::dev::{forward_ready, Service, ServiceRequest, ServiceResponse, Transform};
 use actix_web::http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use actix_web::http::uri::PathAndQuery;
-use actix_web::middleware::Next;
 use actix_web::{web, HttpMessage, ResponseError};
+use futures_util::future::LocalBoxFuture;
 
 use super::{NormalPath, Route};
 use crate::catalog::ClientEntry;
@@ -18,6 +20,49 @@ use crate::error::ApiError;
 use crate::metrics::CostReport;
 use crate::state::AppState;
 use crate::trace::DecisionTimer;
+
+/// The limiter middleware: wraps the forwarder (see [`guard`]). Written out rather than
+/// made with `from_fn`, whose `Next` boxes the inner service and its future: this layer
+/// calls its inner service directly, one boxed future per request for both.
+pub struct Guard;
+
+impl<S> Transform<S, ServiceRequest> for Guard
+where
+    S: Service<ServiceRequest, Response = ServiceResponse<BoxBody>, Error = actix_web::Error>
+        + 'static,
+{
+    type Response = ServiceResponse<BoxBody>;
+    type Error = actix_web::Error;
+    type Transform = GuardService<S>;
+    type InitError = ();
+    type Future = Ready<Result<GuardService<S>, ()>>;
+
+    fn new_transform(&self, next: S) -> Self::Future {
+        ready(Ok(GuardService {
+            next: Rc::new(next),
+        }))
+    }
+}
+
+pub struct GuardService<S> {
+    next: Rc<S>,
+}
+
+impl<S> Service<ServiceRequest> for GuardService<S>
+where
+    S: Service<ServiceRequest, Response = ServiceResponse<BoxBody>, Error = actix_web::Error>
+        + 'static,
+{
+    type Response = ServiceResponse<BoxBody>;
+    type Error = actix_web::Error;
+    type Future = LocalBoxFuture<'static, Result<ServiceResponse<BoxBody>, actix_web::Error>>;
+
+    forward_ready!(next);
+
+    fn call(&self, req: ServiceRequest) -> Self::Future {
+        Box::pin(guard(req, Rc::clone(&self.next)))
+    }
+}
 
 /// What the guard hands the forwarder for an admitted request.
 #[derive(Clone)]
@@ -40,10 +85,13 @@ const MAX_REPORTED_COST: f64 = 1e9;
 /// `cost_header`, the real cost the service reports in its response is settled (see
 /// [`CostedRoute::settle`]) as soon as the response head is in, before its body streams.
 #[tracing::instrument(name = "guard", level = "debug", skip_all, fields(client_id = tracing::field::Empty))]
-pub async fn guard(
+async fn guard<S>(
     req: ServiceRequest,
-    next: Next<impl MessageBody + 'static>,
-) -> Result<ServiceResponse<BoxBody>, actix_web::Error> {
+    next: Rc<S>,
+) -> Result<ServiceResponse<BoxBody>, actix_web::Error>
+where
+    S: Service<ServiceRequest, Response = ServiceResponse<BoxBody>, Error = actix_web::Error>,
+{
     // Borrowed, not cloned: every worker shares `AppState`, and an `Arc` count bumped by
     // both workers on every request is a cache line bouncing between their cores.
     let Some(state) = req.app_data::<web::Data<AppState>>() else {
@@ -145,7 +193,7 @@ pub async fn guard(
         route,
         path_and_query,
     });
-    let mut res = next.call(req).await?.map_into_boxed_body();
+    let mut res = next.call(req).await?;
     if let Some((limiter, client)) = shadow {
         limiter.compare(&client, &decision, res.status().as_u16());
     }

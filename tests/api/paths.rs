@@ -272,11 +272,12 @@ async fn a_bad_path_is_refused_before_the_key_is_looked_at() {
 
 #[tokio::test]
 async fn an_asterisk_request_target_is_never_forwarded() {
-    // `OPTIONS *` matches no scope in actix (they all start with '/'), so actix answers it
-    // with its own 404 before the guard; `NormalPath` would refuse it too.
+    // `OPTIONS *` matches none of the gateway's own endpoints, so it reaches the guard,
+    // whose `NormalPath` refuses a path that does not start with '/'.
     let (gw, orders, billing) = two_services("").await;
     let r = raw(&gw, "OPTIONS", "*", Some(&key("acme"))).await;
-    assert_eq!(r.status, 404);
+    assert_eq!(r.status, 400);
+    assert!(r.body.contains("starting with '/'"), "{}", r.body);
     assert_eq!(orders.hits() + billing.hits(), 0);
 }
 
