@@ -10,7 +10,8 @@
 # clients, a decision budget of 1 s so nothing fails open under valgrind), the gateway
 # and the floor each under callgrind, and divides the difference between the two runs by
 # the difference in requests: start-up and warm-up cancel out. The release build in
-# target/release is used; KEEP=dir keeps the profiles (callgrind_annotate them).
+# target/release is used, or BIN=path/to/tollgate-bench (the gateway beside it: to count a
+# build kept aside); KEEP=dir keeps the profiles (callgrind_annotate them).
 # Per request counts depend on how many takes share a Redis call (printed): at low
 # rates about one per call. Needs valgrind and python3 (Debian: valgrind, python3).
 set -euo pipefail
@@ -18,7 +19,7 @@ rate=${1:-400}
 shift || true
 out=${KEEP:-$(mktemp -d)}
 [ -n "${KEEP:-}" ] || trap 'rm -rf "$out"' EXIT
-bin=target/release/tollgate-bench
+bin=${BIN:-target/release/tollgate-bench}
 [ -x "$bin" ] || { echo "build first: cargo build --release --workspace" >&2; exit 1; }
 for d in 10 30; do
   TOLLGATE_BENCH_WRAPPER="valgrind --tool=callgrind --callgrind-out-file=$out/gw-$d.%p.out" \

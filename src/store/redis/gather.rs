@@ -59,6 +59,14 @@ pub struct Argv {
 }
 
 impl Argv {
+    /// Room for `args` arguments of `bytes` in all before either grows.
+    pub fn with_capacity(bytes: usize, args: usize) -> Argv {
+        Argv {
+            buf: Vec::with_capacity(bytes),
+            ends: Vec::with_capacity(args),
+        }
+    }
+
     /// Appends one argument, these bytes.
     pub fn push_bytes(&mut self, v: &[u8]) -> &mut Self {
         self.buf.extend_from_slice(v);
@@ -304,14 +312,16 @@ impl Gatherer {
             }
         }
         if let Some(tx) = tx {
+            // Sized for a lone entry of a one-bucket plan (most calls, with many clients),
+            // so that one grows none of them step by step.
             let mut pending = Pending {
                 conn: conn().await?,
                 declare_all: !matches!(group, Group::Master(_)),
                 groups: Vec::new(),
                 sets: Vec::new(),
-                set_args: Argv::default(),
+                set_args: Argv::with_capacity(64, SET_ARGS),
                 entries: Vec::new(),
-                tags: Vec::new(),
+                tags: Vec::with_capacity(64),
                 seen: Default::default(),
                 waiters: Vec::new(),
                 takes: 0,
@@ -398,6 +408,9 @@ fn same_limits(a: &[Applied], b: &[Applied]) -> bool {
             .all(|(a, b)| a.field == b.field && a.kind == b.kind)
 }
 
+/// How many arguments [`encode_set`] writes for a set of one bucket.
+const SET_ARGS: usize = 7;
+
 /// A limit set's arguments (see `lua/bucket.lua`).
 fn encode_set(argv: &mut Argv, applied: &[Applied]) {
     argv.push_int(applied.len());
@@ -477,7 +490,7 @@ async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
     order.sort_by_key(|&i| entries[i].run_key());
     let mut at = vec![0; entries.len()];
     let mut runs = Vec::with_capacity(19 * entries.len());
-    let mut tag_args = Argv::default();
+    let mut tag_args = Argv::with_capacity(tags.len(), entries.len());
     let mut sizes = Vec::with_capacity(entries.len());
     let mut run_start = 0;
     for (pos, &i) in order.iter().enumerate() {
@@ -500,8 +513,15 @@ async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
         }
     }
 
-    let mut cmd = redis::cmd("EVALSHA");
-    cmd.arg(&script.hash);
+    // Its arguments: the name, the hash, 3 or 4 for the groups, 5 after them.
+    let args = 10 + groups.len() + set_args.ends.len() + tag_args.ends.len();
+    let bytes = 64
+        + groups.iter().map(String::len).sum::<usize>()
+        + set_args.buf.len()
+        + runs.len()
+        + tag_args.buf.len();
+    let mut cmd = redis::Cmd::with_capacity(args, bytes);
+    cmd.arg("EVALSHA").arg(&script.hash);
     if declare_all {
         cmd.arg(groups.len()).arg(&groups).arg(0);
     } else {
@@ -702,6 +722,21 @@ mod tests {
                 None => assert_eq!(text, u64::MAX.to_string()),
             }
         }
+    }
+
+    /// A lone call's buffers are sized for a one-bucket set: one that outgrew them would
+    /// still be right, only slower.
+    #[test]
+    fn a_one_bucket_set_fills_the_arguments_a_lone_call_makes_room_for() {
+        let limits =
+            Limits::new(vec![Limit::default_bucket(Bucket::new(5.0, 1.0).unwrap())]).unwrap();
+        let applied = limits.applied(None);
+        assert!(super::one_bucket(&applied));
+        let mut argv = super::Argv::with_capacity(64, super::SET_ARGS);
+        super::encode_set(&mut argv, &applied);
+        assert_eq!(argv.ends.len(), super::SET_ARGS);
+        assert_eq!(argv.ends.capacity(), super::SET_ARGS);
+        assert!(argv.buf.len() <= 64);
     }
 
     #[tokio::test]
