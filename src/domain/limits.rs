@@ -736,35 +736,40 @@ pub fn take_many(
     n: usize,
     now_us: u64,
 ) -> Vec<Ruling> {
-    (0..n)
-        .map(|_| {
-            let refused_by = applied
+    let mut rulings = Vec::with_capacity(n);
+    for i in 0..n {
+        let refused_by = applied
+            .iter()
+            .zip(&levels)
+            .position(|(a, l)| !l.fits(&a.kind, cost));
+        let wait_us = match refused_by {
+            None => {
+                for l in levels.iter_mut() {
+                    l.spend(cost);
+                }
+                Some(0)
+            }
+            Some(_) => applied
                 .iter()
                 .zip(&levels)
-                .position(|(a, l)| !l.fits(&a.kind, cost));
-            let wait_us = match refused_by {
-                None => {
-                    for l in levels.iter_mut() {
-                        l.spend(cost);
-                    }
-                    Some(0)
-                }
-                Some(_) => applied
-                    .iter()
-                    .zip(&levels)
-                    .map(|(a, l)| l.wait_us(&a.kind, cost, now_us))
-                    .try_fold(0u64, |m, w| w.map(|w| m.max(w))),
-            };
-            Ruling {
-                allowed: refused_by.is_none(),
-                levels: levels.clone(),
-                wait_us,
-                refused_by,
-                now_us,
-                batch: 0,
-            }
-        })
-        .collect()
+                .map(|(a, l)| l.wait_us(&a.kind, cost, now_us))
+                .try_fold(0u64, |m, w| w.map(|w| m.max(w))),
+        };
+        rulings.push(Ruling {
+            allowed: refused_by.is_none(),
+            // The last take keeps the levels themselves (most calls decide one).
+            levels: if i + 1 == n {
+                std::mem::take(&mut levels)
+            } else {
+                levels.clone()
+            },
+            wait_us,
+            refused_by,
+            now_us,
+            batch: 0,
+        });
+    }
+    rulings
 }
 
 /// The levels of `applied` at `now_us` from their stored states (in the same order).
@@ -816,7 +821,10 @@ mod tests {
             r.iter().map(|r| r.allowed).collect::<Vec<_>>(),
             [true, true, true, false, false]
         );
-        // The bucket kept the two tokens the refused requests did not take.
+        // Each ruling holds the levels after its own take; the bucket kept the two tokens
+        // the refused requests did not take.
+        assert_eq!(r[0].levels[0], Level::Tokens(4.0));
+        assert_eq!(r[2].levels[0], Level::Tokens(2.0));
         assert_eq!(r[4].levels[0], Level::Tokens(2.0));
         assert_eq!(r[4].refused_by, Some(1));
         // A quota refuses until its window ends: midnight.

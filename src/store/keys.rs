@@ -105,8 +105,9 @@ impl StateGroups {
 
     /// A bucket key's group (its index) and its field: the key's hash tag.
     pub fn locate<'a>(&self, bucket_key: &'a str) -> (usize, &'a str) {
-        let g = usize::from(key_slot(bucket_key)) * self.keys.len() / 16384;
-        (g, hash_tag(bucket_key).unwrap_or(bucket_key))
+        let tag = hash_tag(bucket_key).unwrap_or(bucket_key);
+        let g = usize::from(crc16(tag.as_bytes()) % 16384) * self.keys.len() / 16384;
+        (g, tag)
     }
 
     /// Group `g`'s hash.
@@ -127,10 +128,12 @@ pub fn state_field(tag: &str, prefix: &str) -> String {
 
 /// The part of a key between the first `{` and the next `}`, if non-empty.
 fn hash_tag(key: &str) -> Option<&str> {
-    let open = key.find('{')?;
-    let rest = &key[open + 1..];
-    let close = rest.find('}')?;
-    (close > 0).then(|| &rest[..close])
+    // Bytes, not `str::find`: its searcher costs more than the short keys it searches
+    // (every decision's key is located). An ASCII brace is always a character boundary.
+    let b = key.as_bytes();
+    let open = b.iter().position(|&c| c == b'{')? + 1;
+    let len = b[open..].iter().position(|&c| c == b'}')?;
+    (len > 0).then(|| &key[open..open + len])
 }
 
 /// The Redis Cluster slot of a key: CRC16 (XMODEM) of its hash tag (the part between
@@ -208,7 +211,8 @@ mod tests {
         assert_eq!(key_slot("{bar"), 4015);
         assert_eq!(key_slot("foo{bar}{zap}"), 5061); // the tag is `bar`
         assert_eq!(key_slot("bar"), 5061);
-        // A `}` before any `{` opens nothing.
+        assert_eq!(key_slot("é{bar}é"), 5061); // found by bytes, cut on characters
+                                               // A `}` before any `{` opens nothing.
         assert_eq!(key_slot("}{x}"), 16287);
         assert_eq!(key_slot("x}"), 11978);
     }
