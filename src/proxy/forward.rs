@@ -122,15 +122,6 @@ async fn forward(
         .timeout(route.timeout)
         .no_decompress();
 
-    // Into the map directly: `append_header` and `insert_header` move the whole request
-    // builder in and out per header.
-    let headers = out.headers_mut();
-    let listed = connection_headers(req.headers());
-    for (name, value) in req.headers() {
-        if forwardable(name, &state.api_key_header, &listed) {
-            headers.append(name.clone(), value.clone());
-        }
-    }
     // The scheme of this hop: the listener's, never a header the client sent (those are
     // believed only from trusted proxies, in `Origin::of`).
     let scheme = if req.app_config().secure() {
@@ -148,7 +139,15 @@ async fn forward(
     // the gateway's bug, answered 500.
     let value = |v: String| HeaderValue::try_from(v).map_err(|e| ApiError::Internal(e.into()));
     let forwarded = value(origin.forwarded())?;
+    // Into the map directly: `append_header` and `insert_header` move the whole request
+    // builder in and out per header.
     let headers = out.headers_mut();
+    let listed = connection_headers(req.headers());
+    for (name, value) in req.headers() {
+        if forwardable(name, &state.api_key_header, &listed) {
+            headers.append(name.clone(), value.clone());
+        }
+    }
     headers.insert(X_CLIENT_ID.clone(), admitted.client.id_header.clone());
     headers.insert(X_FORWARDED_FOR.clone(), value(origin.x_forwarded_for)?);
     headers.insert(

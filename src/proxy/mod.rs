@@ -8,8 +8,8 @@ mod headers;
 mod path;
 mod routes;
 
-pub use forward::{Forward, ForwardService};
-pub use guard::{Admitted, Guard, GuardService};
+pub use forward::Forward;
+pub use guard::{Admitted, Guard};
 pub use headers::{request_id, RequestId};
 pub use path::{NormalPath, PathError, MAX_PATH_BYTES};
 pub use routes::{Route, RouteTable};

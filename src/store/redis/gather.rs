@@ -513,7 +513,8 @@ async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
         }
     }
 
-    // Its arguments: the name, the hash, 3 or 4 for the groups, 5 after them.
+    // Its arguments: 7 of their own (the name, the hash, the two group counts, the sweep,
+    // the set count, the runs), one per group, the sets' and the tags'; 3 to spare.
     let args = 10 + groups.len() + set_args.ends.len() + tag_args.ends.len();
     let bytes = 64
         + groups.iter().map(String::len).sum::<usize>()

@@ -193,6 +193,16 @@ fn the_lean_path_decides_answers_and_writes_as_the_general_path_does() {
     assert_eq!(compared, 7 * 9 * 3);
 }
 
+/// One take on each path, of the groups `t:{lean}` and `t:{general}` (set up alike by the
+/// caller): the lean path's must be refused with `error`.
+fn refused_on_both_paths(conn: &mut Connection, error: &str) -> (Outcome, Outcome) {
+    let lean = call(conn, "t:{lean}", (b't', 1.0, 1), "", true);
+    let general = call(conn, "t:{general}", (b't', 1.0, 1), "", false);
+    assert_eq!(lean.status, "0", "{lean:?}");
+    assert!(lean.errors[0].contains(error), "{lean:?}");
+    (lean, general)
+}
+
 #[test]
 fn an_error_on_the_lean_path_is_answered_as_the_general_path_answers_it() {
     // A group that is not a hash: HMGET fails on both paths.
@@ -205,10 +215,7 @@ fn an_error_on_the_lean_path_is_answered_as_the_general_path_answers_it() {
             .exec(&mut conn)
             .unwrap();
     }
-    let lean = call(&mut conn, "t:{lean}", (b't', 1.0, 1), "", true);
-    let general = call(&mut conn, "t:{general}", (b't', 1.0, 1), "", false);
-    assert_eq!(lean.status, "0", "{lean:?}");
-    assert!(lean.errors[0].contains("WRONGTYPE"), "{lean:?}");
+    let (lean, general) = refused_on_both_paths(&mut conn, "WRONGTYPE");
     assert_eq!(lean, general);
 }
 
@@ -228,10 +235,7 @@ fn a_write_refused_on_the_lean_path_is_answered_as_the_general_path_answers_it()
             .exec(&mut conn)
             .unwrap();
     }
-    let lean = call(&mut conn, "t:{lean}", (b't', 1.0, 1), "", true);
-    let general = call(&mut conn, "t:{general}", (b't', 1.0, 1), "", false);
-    assert_eq!(lean.status, "0", "{lean:?}");
-    assert!(lean.errors[0].contains("OOM"), "{lean:?}");
+    let (lean, general) = refused_on_both_paths(&mut conn, "OOM");
     // Nothing was taken: the field holds its 2.5 tokens (its times, unwritten, are not
     // relative to this call's now, so they are not compared).
     assert_eq!(lean.field.map(|f| f.0), Some(2.5), "{lean:?}");
