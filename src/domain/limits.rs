@@ -772,6 +772,24 @@ pub fn take_many(
     rulings
 }
 
+/// Spends from `levels` what [`take_many`] would admit of `k` takes of `cost`, without
+/// their rulings: the levels the take after them sees.
+pub fn spend_takes(applied: &[Applied], levels: &mut [Level], cost: f64, k: usize) {
+    for _ in 0..k {
+        if !applied
+            .iter()
+            .zip(levels.iter())
+            .all(|(a, l)| l.fits(&a.kind, cost))
+        {
+            // Refused, and so is every later one (same cost, no refill): nothing spent.
+            return;
+        }
+        for l in levels.iter_mut() {
+            l.spend(cost);
+        }
+    }
+}
+
 /// The levels of `applied` at `now_us` from their stored states (in the same order).
 pub fn levels_at(applied: &[Applied], states: &[Option<LimitState>], now_us: u64) -> Vec<Level> {
     applied
@@ -829,6 +847,22 @@ mod tests {
         assert_eq!(r[4].refused_by, Some(1));
         // A quota refuses until its window ends: midnight.
         assert_eq!(r[4].wait_us, Some(12 * 3600 * 1_000_000));
+    }
+
+    /// A take that joined others of its client in one script call replays theirs first:
+    /// whatever their number, it gets what it would have got among them.
+    #[test]
+    fn takes_spent_without_rulings_leave_what_their_rulings_would_have() {
+        let a = applied(&[bucket("burst", 5.0, 1.0), daily("day", 3.0)]);
+        for cost in [1.0, 2.0] {
+            let all = take_many(&a, levels_at(&a, &[], NOON), cost, 6, NOON);
+            for skip in 0..6 {
+                let mut levels = levels_at(&a, &[], NOON);
+                spend_takes(&a, &mut levels, cost, skip);
+                let rest = take_many(&a, levels, cost, 6 - skip, NOON);
+                assert_eq!(rest, all[skip..], "cost {cost}, {skip} before");
+            }
+        }
     }
 
     #[test]

@@ -7,7 +7,7 @@ use redis::AsyncCommands;
 use super::backend::{retrying, Backend, RedisStore};
 use super::coalesce::{Batch, Take};
 use super::gather::{one_bucket, Conn, Entry, Group, Op};
-use crate::domain::limits::{take_many, Level};
+use crate::domain::limits::{spend_takes, take_many, Level};
 use crate::domain::{bucket, Applied, AppliedKind, Bucket, BucketState, Ruling};
 use crate::store::keys::{key_slot, state_field};
 use crate::store::StoreError;
@@ -44,10 +44,12 @@ impl RedisStore {
     /// key: they go out on this worker's one connection, which Redis serves in order, and
     /// each reply carries the levels at its own start.
     async fn take_batch(&self, key: &str, batch: Batch<'_>) -> Result<Vec<Ruling>, StoreError> {
-        let (levels, now_us, takes) = self
+        let (mut levels, now_us, takes, skip) = self
             .call(key, Op::Take, batch.applied, batch.cost, batch.n)
             .await?;
-        // The script did the same arithmetic from the same levels.
+        // The script did the same arithmetic from the same levels, for the takes of this
+        // client that joined the entry before these (`skip`), then these.
+        spend_takes(batch.applied, &mut levels, batch.cost, skip);
         let mut rulings = take_many(batch.applied, levels, batch.cost, batch.n, now_us);
         for r in &mut rulings {
             r.batch = u32::try_from(takes).unwrap_or(u32::MAX);
@@ -63,7 +65,7 @@ impl RedisStore {
         applied: &[Applied],
         delta: f64,
     ) -> Result<Ruling, StoreError> {
-        let (mut levels, now_us, _) = self.call(key, Op::Adjust, applied, delta, 0).await?;
+        let (mut levels, now_us, _, _) = self.call(key, Op::Adjust, applied, delta, 0).await?;
         for (l, a) in levels.iter_mut().zip(applied) {
             l.adjust(&a.kind, delta);
         }
@@ -80,7 +82,7 @@ impl RedisStore {
     /// Every limit's level now, on Redis' clock; writes nothing. Within the control
     /// timeout: past it, [`StoreError::Deadline`].
     pub async fn peek(&self, key: &str, applied: &[Applied]) -> Result<Ruling, StoreError> {
-        let (levels, now_us, _) = tokio::time::timeout(
+        let (levels, now_us, _, _) = tokio::time::timeout(
             self.control_timeout,
             self.call(key, Op::Peek, applied, 0.0, 0),
         )
@@ -97,7 +99,8 @@ impl RedisStore {
     }
 
     /// One entry of a script call: (each limit's level before the op, Redis' clock, the
-    /// requests the whole call decided). Takes are gathered with the other takes this
+    /// requests the whole call decided, and how many takes of the same client the entry
+    /// decided before these: see `gather`). Takes are gathered with the other takes this
     /// worker makes in the same turn (`gather`); adjustments and peeks with each other, so
     /// the take calls stay countable.
     async fn call(
@@ -107,7 +110,7 @@ impl RedisStore {
         applied: &[Applied],
         cost: f64,
         n: usize,
-    ) -> Result<(Vec<Level>, u64, u64), StoreError> {
+    ) -> Result<(Vec<Level>, u64, u64, usize), StoreError> {
         let (g, tag) = self.groups.locate(key);
         let group = self.groups.key(g);
         let entry = Entry {
@@ -146,7 +149,7 @@ impl RedisStore {
         }
         let bytes = answer.bytes().map_err(StoreError::Refused)?;
         let levels = parse_reply(bytes, applied)?;
-        Ok((levels, answer.now_us, answer.takes))
+        Ok((levels, answer.now_us, answer.takes, answer.skip))
     }
 
     /// Deletes the state of the buckets under `buckets` (field prefixes) at `key`.
@@ -229,4 +232,85 @@ fn parse_reply(reply: &[u8], applied: &[Applied]) -> Result<Vec<Level>, StoreErr
             },
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::rc::Rc;
+    use std::time::Duration;
+
+    use secrecy::SecretString;
+    use tollgate_testkit::RedisServer;
+
+    use crate::domain::limits::{Level, Limit, Limits};
+    use crate::domain::Bucket;
+    use crate::store::redis::coalesce::Batch;
+    use crate::store::redis::RedisStore;
+    use crate::store::Keys;
+
+    /// A worker so busy that every take of a hot client leads a call of its own (see
+    /// `coalesce`): the takes it makes in one turn still cost Redis one entry of one call,
+    /// and each gets the verdict one call per take would have given it.
+    #[tokio::test]
+    async fn one_clients_takes_in_one_turn_share_an_entry_and_keep_their_order() {
+        // Arrange: one client, a bucket of 5 with next to no refill.
+        let redis = RedisServer::start().unwrap();
+        let store = Rc::new(
+            RedisStore::connect(
+                &SecretString::from(redis.url()),
+                2,
+                Duration::from_secs(1),
+                Keys::new("tollgate:"),
+            )
+            .unwrap(),
+        );
+        let plan = Limits::new(vec![Limit::default_bucket(
+            Bucket::new(5.0, 0.001).unwrap(),
+        )])
+        .unwrap();
+        let applied = Rc::new(plan.every());
+        let local = tokio::task::LocalSet::new();
+        local
+            .run_until(async {
+                store.peek("tollgate:b:{w}", &applied).await.unwrap();
+                let calls_before = store.bucket_calls().0;
+
+                // Act: eight takes of one request each, in one turn, none queued behind
+                // another's call.
+                let takes: Vec<_> = (0..8)
+                    .map(|_| {
+                        let (store, applied) = (Rc::clone(&store), Rc::clone(&applied));
+                        tokio::task::spawn_local(async move {
+                            let batch = Batch {
+                                applied: &applied,
+                                cost: 1.0,
+                                n: 1,
+                            };
+                            store.take_batch("tollgate:b:{c}", batch).await
+                        })
+                    })
+                    .collect();
+                let mut verdicts = Vec::new();
+                for t in takes {
+                    let rulings = t.await.unwrap().unwrap();
+                    assert_eq!(rulings.len(), 1);
+                    assert_eq!(rulings[0].batch, 8, "the call decided all eight");
+                    verdicts.push(rulings[0].allowed);
+                }
+
+                // Assert: one call; the first five in arrival order took the five tokens,
+                // the last three were refused, and the bucket is empty.
+                assert_eq!(store.bucket_calls().0 - calls_before, 1);
+                assert_eq!(
+                    verdicts,
+                    [true, true, true, true, true, false, false, false]
+                );
+                let now = store.peek("tollgate:b:{c}", &applied).await.unwrap();
+                let Level::Tokens(tokens) = now.levels[0] else {
+                    panic!("{now:?}")
+                };
+                assert!(tokens.abs() < 0.01, "{tokens}");
+            })
+            .await;
+    }
 }

@@ -5,7 +5,9 @@
 //! the command, enter Lua, reply: about 10 µs) for every request. So the takes a worker
 //! makes go to Redis gathered: the first take of a worker's turn opens a batch and
 //! schedules its sending as a task behind the requests already woken; every take made
-//! before that task runs joins the batch, one entry each. Then one `EVALSHA`
+//! before that task runs joins the batch, one entry per client (a client's takes at one
+//! cost from the same limits share one: a hot client on a saturated worker, whose takes
+//! each lead a call, still costs one entry per turn). Then one `EVALSHA`
 //! (`lua/bucket.lua`, one entry per key) decides them all, in order, on the worker's
 //! connection.
 //!
@@ -147,6 +149,9 @@ pub struct Answer {
     pub now_us: u64,
     /// The requests the whole call decided (the takes of all its entries).
     pub takes: u64,
+    /// The takes of the entry's client decided before this caller's, in the same entry
+    /// (see [`Pending::add`]): the caller's verdicts follow theirs.
+    pub skip: usize,
     reply: Arc<Reply>,
     at: usize,
 }
@@ -194,9 +199,11 @@ struct Pending {
     /// The entries, in arrival order, and their tags (concatenated).
     entries: Vec<Queued>,
     tags: Vec<u8>,
-    /// Each entry's (group, tag), hashed: a client appears in a call once.
-    seen: std::collections::HashSet<u64, foldhash::fast::FixedState>,
-    waiters: Vec<Waiter>,
+    /// Each entry's (group, tag), hashed, and the entry's index: a client appears in a
+    /// call once.
+    seen: HashMap<u64, usize, foldhash::fast::FixedState>,
+    /// Who waits for which entry, and how many of that entry's takes come before theirs.
+    waiters: Vec<(Waiter, usize, usize)>,
     takes: u64,
     /// Still taking entries: its task has not run yet.
     open: bool,
@@ -341,12 +348,38 @@ impl Gatherer {
 }
 
 impl Pending {
-    /// Adds `e`, or gives `tx` back if the batch holds an entry of its client already
-    /// (that entry then goes in a call of its own, so it reads what this one wrote).
+    /// Adds `e`, or gives `tx` back if the batch holds an entry of its client already that
+    /// it cannot join (that entry then goes in a call of its own, so it reads what this one
+    /// wrote). It joins one that takes at the same cost from the same limits: the entry's
+    /// takes grow by `e.n`, decided after the ones it held, in order, as one call per
+    /// caller would have decided them. So a hot client's takes within one turn of the
+    /// worker cost Redis one entry, however many requests they are (the coalescer queues
+    /// takes behind a call in flight only while their budgets can afford it: with a
+    /// worker so busy that a round trip takes most of a budget, each take leads a call of
+    /// its own, and they meet here).
     fn add(&mut self, e: &Entry<'_>, tx: Waiter) -> Result<(), Waiter> {
-        if !self.seen.insert(seen_hash(e)) {
-            return Err(tx);
+        let seen = seen_hash(e);
+        if let Some(&i) = self.seen.get(&seen) {
+            let q = &mut self.entries[i];
+            let same = self.groups[usize::from(q.group)] == e.group
+                && &self.tags[q.tag.clone()] == e.tag.as_bytes()
+                && matches!(e.op, Op::Take)
+                && q.op == b't'
+                && q.cost.to_bits() == e.cost.to_bits()
+                && same_limits(&self.sets[usize::from(q.set)], e.applied);
+            let skip = q.n as usize;
+            let Some(n) = u32::try_from(e.n).ok().and_then(|n| q.n.checked_add(n)) else {
+                return Err(tx);
+            };
+            if !same {
+                return Err(tx);
+            }
+            q.n = n;
+            self.waiters.push((tx, i, skip));
+            self.takes += e.n as u64;
+            return Ok(());
         }
+        self.seen.insert(seen, self.entries.len());
         let set = match self.sets.iter().position(|s| same_limits(s, e.applied)) {
             Some(i) => i,
             None => {
@@ -381,7 +414,7 @@ impl Pending {
                 16 * e.applied.len()
             },
         });
-        self.waiters.push(tx);
+        self.waiters.push((tx, self.entries.len() - 1, 0));
         if matches!(e.op, Op::Take) {
             self.takes += e.n as u64;
         }
@@ -543,7 +576,7 @@ async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
     // checked only after `ABANDON_CHECK` (a call normally answers long before).
     let nobody_waits = async {
         tokio::time::sleep(ABANDON_CHECK).await;
-        futures_util::future::join_all(waiters.iter_mut().map(|tx| tx.closed())).await;
+        futures_util::future::join_all(waiters.iter_mut().map(|(tx, _, _)| tx.closed())).await;
     };
     let reply = tokio::select! {
         r = call(&mut conn, &cmd, &script) => r,
@@ -555,17 +588,18 @@ async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
     };
     match answer {
         Ok((now_us, reply)) => {
-            for (i, tx) in waiters.into_iter().enumerate() {
+            for (tx, entry, skip) in waiters {
                 let _ = tx.send(Ok(Answer {
                     now_us,
                     takes,
+                    skip,
                     reply: Arc::clone(&reply),
-                    at: at[i],
+                    at: at[entry],
                 }));
             }
         }
         Err(e) => {
-            for tx in waiters {
+            for (tx, _, _) in waiters {
                 let _ = tx.send(Err(e.clone()));
             }
         }
