@@ -50,7 +50,7 @@
 //! shared between threads or needs a lock.
 
 use std::cell::{Cell, RefCell};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::future::{poll_fn, Future};
 use std::pin::pin;
 use std::rc::Rc;
@@ -58,6 +58,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Poll, Waker};
 use std::time::Duration;
 
+use hashbrown::HashTable;
 use tokio::time::Instant;
 
 use crate::domain::{Applied, Ruling};
@@ -121,9 +122,16 @@ impl Waiter {
 }
 
 /// A bucket's calls in flight on this worker and the takes queued for the next one. A lane
-/// exists exactly while a call for its bucket is in flight (or a lead is being handed on).
+/// is filed exactly while a call for its bucket is in flight (or a lead is being handed
+/// on); then it goes back to the thread's spares, its buffers kept for the next bucket.
 #[derive(Default)]
 struct Lane {
+    /// Whose lane it is (see [`LaneId`]); the bucket's key is copied into a buffer the
+    /// lane keeps.
+    key: String,
+    store: u64,
+    cost: u64,
+    set: u64,
     /// Calls in flight, and leads handed on but not yet taken up.
     in_flight: usize,
     /// When the calls in flight were sent, oldest first.
@@ -158,12 +166,23 @@ impl Lane {
 
 type LaneRef = Rc<RefCell<Lane>>;
 
-/// Per state key: (coalescer, cost bits, which limits, lane). Lookups by `&str` allocate
-/// nothing.
-type Lanes = HashMap<Box<str>, Vec<(u64, u64, u64, LaneRef)>, foldhash::fast::RandomState>;
+/// The lanes filed on this thread, found by a hash of their [`LaneId`], and spare ones.
+/// With thousands of clients nearly every take files a lane and removes it a round trip
+/// later: a spare lane makes that no allocation (the table, the spares and each spare's
+/// buffers are reused), and the key is hashed once per lookup.
+#[derive(Default)]
+struct Lanes {
+    /// Each lane with its id's hash (a table that grows rehashes by it, borrowing no lane).
+    table: HashTable<(u64, LaneRef)>,
+    spare: Vec<LaneRef>,
+}
+
+/// Spare lanes kept per thread: enough for the buckets a worker has in flight at once
+/// with a few clients each sending bursts; more are freed.
+const SPARE_LANES: usize = 256;
 
 thread_local! {
-    static LANES: RefCell<Lanes> = RefCell::new(HashMap::default());
+    static LANES: RefCell<Lanes> = RefCell::new(Lanes::default());
 }
 
 /// How long a bucket call takes, pessimistically: any longer call raises the estimate at
@@ -252,37 +271,70 @@ struct LaneId<'a> {
 }
 
 impl LaneId<'_> {
+    fn hash(&self) -> u64 {
+        use std::hash::BuildHasher;
+        foldhash::fast::FixedState::with_seed(0)
+            .hash_one((self.key, self.store, self.cost, self.set))
+    }
+
+    fn is(&self, lane: &Lane) -> bool {
+        lane.key == self.key
+            && lane.store == self.store
+            && lane.cost == self.cost
+            && lane.set == self.set
+    }
+
     fn find(self) -> Option<LaneRef> {
+        let hash = self.hash();
         LANES.with(|m| {
-            m.borrow().get(self.key).and_then(|v| {
-                v.iter()
-                    .find(|(s, c, t, _)| *s == self.store && *c == self.cost && *t == self.set)
-                    .map(|(_, _, _, l)| Rc::clone(l))
-            })
+            m.borrow()
+                .table
+                .find(hash, |(h, l)| *h == hash && self.is(&l.borrow()))
+                .map(|(_, l)| Rc::clone(l))
         })
     }
 
     fn open(self) -> LaneRef {
-        let lane = LaneRef::default();
         LANES.with(|m| {
-            m.borrow_mut().entry(self.key.into()).or_default().push((
-                self.store,
-                self.cost,
-                self.set,
-                Rc::clone(&lane),
-            ))
-        });
-        lane
+            let m = &mut *m.borrow_mut();
+            // A spare nobody holds any more (the last holder of a closed lane lets go of
+            // it just after closing it).
+            let lane = match m.spare.pop() {
+                Some(l) if Rc::strong_count(&l) == 1 => l,
+                _ => LaneRef::default(),
+            };
+            {
+                let mut l = lane.borrow_mut();
+                l.key.clear();
+                l.key.push_str(self.key);
+                (l.store, l.cost, l.set) = (self.store, self.cost, self.set);
+            }
+            let hash = self.hash();
+            m.table
+                .insert_unique(hash, (hash, Rc::clone(&lane)), |(h, _)| *h);
+            lane
+        })
     }
 
     fn close(self) {
         LANES.with(|m| {
-            let mut m = m.borrow_mut();
-            if let Some(v) = m.get_mut(self.key) {
-                v.retain(|(s, c, t, _)| !(*s == self.store && *c == self.cost && *t == self.set));
-                if v.is_empty() {
-                    m.remove(self.key);
+            let m = &mut *m.borrow_mut();
+            let hash = self.hash();
+            let found = m
+                .table
+                .find_entry(hash, |(h, l)| *h == hash && self.is(&l.borrow()));
+            let Ok(entry) = found else {
+                return;
+            };
+            let ((_, lane), _) = entry.remove();
+            if m.spare.len() < SPARE_LANES {
+                {
+                    let mut l = lane.borrow_mut();
+                    l.in_flight = 0;
+                    l.sent.clear();
+                    l.queue.clear();
                 }
+                m.spare.push(lane);
             }
         });
     }
@@ -665,6 +717,77 @@ mod tests {
         }
     }
 
+    /// The lane a call files is a spare from an earlier bucket's call, holding nothing of
+    /// it: found only under its new bucket, and queued takes go behind the new call.
+    #[tokio::test]
+    async fn a_lane_is_reused_for_the_next_bucket_and_found_only_under_it() {
+        let local = tokio::task::LocalSet::new();
+        local
+            .run_until(async {
+                let c = Rc::new(Coalescer::default());
+                let store = Slow::new(3.0);
+                let filed = || {
+                    LANES.with(|m| {
+                        let m = m.borrow();
+                        let keys: Vec<String> = m
+                            .table
+                            .iter()
+                            .map(|(_, l)| l.borrow().key.clone())
+                            .collect();
+                        let ptrs: Vec<*const RefCell<Lane>> =
+                            m.table.iter().map(|(_, l)| Rc::as_ptr(l)).collect();
+                        (keys, ptrs)
+                    })
+                };
+                let take_from = |key: &'static str| {
+                    let (c, store) = (Rc::clone(&c), Rc::clone(&store));
+                    tokio::task::spawn_local(
+                        async move { c.take(key, take(), |b| store.call(b)).await },
+                    )
+                };
+
+                // A call for "first", answered: its lane goes back to the spares.
+                let first = take_from("first");
+                settle().await;
+                let (keys, before) = filed();
+                assert_eq!(keys, ["first"]);
+                store.go.notify_one();
+                assert!(first.await.unwrap().unwrap().allowed);
+                assert!(filed().0.is_empty());
+                let spares = || LANES.with(|m| m.borrow().spare.len());
+                assert_eq!(spares(), 1);
+
+                // A call for "second" files the same lane, now under "second" alone.
+                let second = take_from("second");
+                settle().await;
+                assert_eq!(spares(), 0);
+                let (keys, after) = filed();
+                assert_eq!((keys, &after), (vec!["second".to_string()], &before));
+                let behind = take_from("second");
+                let elsewhere = take_from("first");
+                settle().await;
+                assert_eq!(
+                    *store.batches.borrow(),
+                    [1, 1, 1],
+                    "first, second, first again"
+                );
+
+                // Both calls answered: the one queued behind "second" goes next, alone.
+                store.go.notify_waiters();
+                settle().await;
+                assert!(second.await.unwrap().unwrap().allowed);
+                assert!(elsewhere.await.unwrap().unwrap().allowed);
+                store.go.notify_waiters();
+                assert!(
+                    !behind.await.unwrap().unwrap().allowed,
+                    "three tokens, four takes"
+                );
+                assert_eq!(*store.batches.borrow(), [1, 1, 1, 1]);
+                assert!(filed().0.is_empty());
+            })
+            .await;
+    }
+
     #[tokio::test]
     async fn takes_behind_a_call_in_flight_go_together_and_in_order() {
         let local = tokio::task::LocalSet::new();
@@ -699,7 +822,7 @@ mod tests {
                     [(0, true), (1, true), (2, true), (3, false), (4, false)]
                 );
                 // Idle again: the lane is gone and the next take goes alone.
-                assert!(LANES.with(|m| m.borrow().is_empty()));
+                assert!(LANES.with(|m| m.borrow().table.is_empty()));
             })
             .await;
     }
@@ -841,7 +964,7 @@ mod tests {
                 assert!(first.await.unwrap().unwrap().allowed);
                 assert!(second.await.unwrap().unwrap().allowed);
                 assert!(!third.await.unwrap().unwrap().allowed);
-                assert!(LANES.with(|m| m.borrow().is_empty()));
+                assert!(LANES.with(|m| m.borrow().table.is_empty()));
             })
             .await;
     }
