@@ -255,6 +255,16 @@ impl Gateway {
         probe_path: &str,
         pin: Option<Pin>,
     ) -> anyhow::Result<Gateway> {
+        Gateway::start_binary(&tollgate_binary()?, config, probe_path, pin)
+    }
+
+    /// [`Gateway::start_pinned`] with the gateway binary `bin` (another build, to compare).
+    pub fn start_binary(
+        bin: &std::path::Path,
+        config: &GatewayConfig,
+        probe_path: &str,
+        pin: Option<Pin>,
+    ) -> anyhow::Result<Gateway> {
         let profiler = std::env::var("TOLLGATE_BENCH_WRAPPER")
             .unwrap_or_default()
             .split_whitespace()
@@ -266,7 +276,7 @@ impl Gateway {
         wrapper.extend(profiler);
         // How many times the usual waits to allow (a profiler slows everything down).
         let patience = if profiled { 10 } else { 1 };
-        let gw = Launcher::new(tollgate_binary()?)
+        let gw = Launcher::new(bin.to_path_buf())
             .env(
                 "RUST_LOG",
                 &std::env::var("RUST_LOG").unwrap_or("info".into()),

@@ -48,6 +48,11 @@ pub struct Args {
     /// is then what one core of its own serves. For 2-core machines; use `--workers 1`.
     #[arg(long)]
     pin: bool,
+    /// Also measure this other build of the gateway (a `tollgate` binary) on Redis, in
+    /// the same rounds as the others: an A/B comparison of two builds on a machine whose
+    /// speed drifts from minute to minute (a shared host), which two runs cannot make.
+    #[arg(long, value_name = "TOLLGATE")]
+    compare: Option<std::path::PathBuf>,
     #[command(flatten)]
     clients: Clients,
 }
@@ -177,6 +182,21 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     }
     let redis = RedisServer::start()?;
     for &w in &a.workers {
+        if let Some(bin) = &a.compare {
+            let mut config =
+                one_unlimited_client(Some(redis.url()), upstream.urls(), "throughput-client", KEY);
+            config.workers = w;
+            a.clients.add_to(&mut config, "large");
+            let gateway = Gateway::start_binary(bin, &config, PATH, pin)?;
+            let mut row = Row::new(
+                format!("compared build (Redis), {w} worker{}", plural(w)),
+                gateway.addr,
+                Some(gateway.child.id()),
+            );
+            row.takes_per_call = Some(Vec::new());
+            rows.push(row);
+            keep.push(Box::new(gateway));
+        }
         for embedded in [false, true] {
             if embedded && a.no_embedded {
                 continue;
