@@ -196,8 +196,38 @@ fn classify(segment: &str, changed: &mut bool) -> Result<Segment, PathError> {
     })
 }
 
+/// Whether `rest` (the path after its first `/`) is normal by its bytes alone: letters,
+/// digits, `-`, `_`, `~`, single `/`s not at its start, and `.`s between two of the
+/// others (so no segment is `.` or `..` or ends in `.`). Every segment is then a name
+/// with nothing to decode: most request paths, checked a byte at a time. Any other
+/// path is checked unit by unit ([`is_normal`]).
+fn plainly_normal(rest: &[u8]) -> bool {
+    let plain = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'~');
+    let mut prev = b'/';
+    for (i, &b) in rest.iter().enumerate() {
+        let ok = match b {
+            b'/' => prev != b'/',
+            b'.' => plain(prev) && rest.get(i + 1).is_some_and(|&n| plain(n)),
+            b => plain(b),
+        };
+        if !ok {
+            return false;
+        }
+        prev = b;
+    }
+    true
+}
+
 /// Validates `rest` (the path after its first `/`) and says whether it is already normal.
 fn is_normal(rest: &str) -> Result<bool, PathError> {
+    if plainly_normal(rest.as_bytes()) {
+        return Ok(true);
+    }
+    is_normal_by_units(rest)
+}
+
+/// [`is_normal`], a unit at a time.
+fn is_normal_by_units(rest: &str) -> Result<bool, PathError> {
     let mut changed = false;
     let mut segments = rest.split('/').peekable();
     while let Some(segment) = segments.next() {
@@ -289,6 +319,43 @@ mod tests {
             let p = NormalPath::parse(raw).unwrap();
             assert_eq!(p.as_str(), raw);
             assert!(!p.is_rewritten(), "{raw}");
+        }
+    }
+
+    /// The byte check never calls a path normal that the unit-by-unit check would not:
+    /// every path of up to five characters over an alphabet with each kind of byte.
+    #[test]
+    fn the_byte_check_agrees_with_the_full_check() {
+        let alphabet = [b'a', b'Z', b'7', b'-', b'~', b'.', b'/', b'%', b';', b'\\'];
+        let mut plain = 0;
+        let mut rest = Vec::new();
+        fn each(rest: &mut Vec<u8>, alphabet: &[u8], left: usize, f: &mut dyn FnMut(&[u8])) {
+            f(rest);
+            if left == 0 {
+                return;
+            }
+            for &b in alphabet {
+                rest.push(b);
+                each(rest, alphabet, left - 1, f);
+                rest.pop();
+            }
+        }
+        each(&mut rest, &alphabet, 5, &mut |r| {
+            if super::plainly_normal(r) {
+                plain += 1;
+                let text = std::str::from_utf8(r).unwrap();
+                assert_eq!(super::is_normal_by_units(text), Ok(true), "{text:?}");
+            }
+        });
+        // The common spellings do take the byte check.
+        assert!(plain > 1000, "{plain}");
+        for p in ["api/items/42", "v1/items.json", "a/", "", "x-y_z~1/b.c.d"] {
+            assert!(super::plainly_normal(p.as_bytes()), "{p}");
+        }
+        for p in [
+            "/a", "a//b", "a/.", "a/..", ".a", "a./b", "a..b", "a%41", "a;b", "a.",
+        ] {
+            assert!(!super::plainly_normal(p.as_bytes()), "{p}");
         }
     }
 
