@@ -61,7 +61,7 @@ impl SafetyLimit {
         }
     }
 
-    /// Takes `cost` from the client's safety bucket for `service`.
+    /// Takes `cost` from the client's safety bucket for `service`, at `now`.
     pub fn take(
         &self,
         client: &ClientEntry,
@@ -69,10 +69,11 @@ impl SafetyLimit {
         plan: Bucket,
         multiplier: f64,
         cost: f64,
+        now: std::time::Instant,
     ) -> Verdict {
         let key = SafetyProbe(&client.id, service);
         self.buckets
-            .take_at(&key, plan.scaled(multiplier), cost, self.buckets.now_us())
+            .take_at(&key, plan.scaled(multiplier), cost, self.buckets.us_at(now))
     }
 
     /// Forgets idle pairs; returns how many remain.

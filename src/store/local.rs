@@ -78,6 +78,11 @@ impl<K: Hash> LocalBuckets<K> {
         self.epoch.elapsed().as_micros() as u64
     }
 
+    /// `at` in microseconds on this map's clock (a moment the caller read already).
+    pub fn us_at(&self, at: Instant) -> u64 {
+        at.saturating_duration_since(self.epoch).as_micros() as u64
+    }
+
     /// The key's hash and its shard. The table indexes by the low bits and tags by the
     /// top seven, so the shard comes from bits in between, independent of both.
     fn shard(&self, key: &(impl Hash + ?Sized)) -> (u64, &BucketShard<K>) {
