@@ -36,22 +36,11 @@ callgrind_control -z "$pid" >/dev/null 2>&1
 sleep 15
 callgrind_control -d "$pid" >/dev/null 2>&1
 wait "$bench"
-python3 - "$out" "$kind" <<'PY'
-import collections, glob, re, sys
+PYTHONPATH="$(dirname "$0")" python3 - "$out" "$kind" <<'PY'
+import glob, sys
+from callgrind_profile import profile
 out, kind = sys.argv[1], sys.argv[2]
-path = sorted(glob.glob(f"{out}/cg.*.out.*"))[0]
-names, calls, cfn, total = {}, collections.Counter(), None, 0
-for line in open(path, errors="replace"):
-    if line.startswith(("fn=", "cfn=")):
-        m = re.match(r"c?fn=\((\d+)\)(?: (.*))?", line.strip())
-        if m.group(2):
-            names[m.group(1)] = m.group(2)
-        if line.startswith("cfn="):
-            cfn = names.get(m.group(1), m.group(1))
-    elif line.startswith("calls="):
-        calls[cfn] += int(line[6:].split()[0])
-    elif line.startswith(("totals:", "summary:")):
-        total = int(line.split()[1])
+total, calls = profile(sorted(glob.glob(f"{out}/cg.*.out.*"))[0])
 if kind == "gw":
     n = calls["tollgate::limiter::safety::SafetyLimit::take"]
 else:

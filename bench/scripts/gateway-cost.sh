@@ -28,30 +28,15 @@ for d in 10 30; do
       --no-redis-floor "$@" \
     >"$out/run-$d.log" 2>&1
 done
-python3 - "$out" <<'PY'
-import collections, glob, re, sys
+PYTHONPATH="$(dirname "$0")" python3 - "$out" <<'PY'
+import glob, re, sys
+from callgrind_profile import profile
 out = sys.argv[1]
 
 def requests(d, row):
     for line in open(f"{out}/run-{d}.log"):
         if line.startswith("| " + row):
             return int(line.split("|")[2])
-
-def profile(path):
-    """Total instructions, and calls into each function."""
-    names, calls, total, cfn = {}, collections.Counter(), 0, None
-    for line in open(path):
-        if line.startswith(("fn=", "cfn=")):
-            m = re.match(r"c?fn=\((\d+)\)(?: (.*))?", line.strip())
-            if m.group(2):
-                names[m.group(1)] = m.group(2)
-            if line.startswith("cfn="):
-                cfn = names.get(m.group(1), m.group(1))
-        elif line.startswith("calls="):
-            calls[cfn] += int(line[6:].split()[0])
-        elif line.startswith("totals:"):
-            total = int(line.split()[1])
-    return total, calls
 
 counted = {"recv": r"^recv$", "send": r"^send$", "malloc": r"^mi_malloc_aligned$"}
 for kind, row in (("floor", "floor"), ("gw", "through tollgate")):
