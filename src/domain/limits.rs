@@ -738,17 +738,9 @@ pub fn take_many(
 ) -> Vec<Ruling> {
     let mut rulings = Vec::with_capacity(n);
     for i in 0..n {
-        let refused_by = applied
-            .iter()
-            .zip(&levels)
-            .position(|(a, l)| !l.fits(&a.kind, cost));
+        let refused_by = take_one(applied, &mut levels, cost);
         let wait_us = match refused_by {
-            None => {
-                for l in levels.iter_mut() {
-                    l.spend(cost);
-                }
-                Some(0)
-            }
+            None => Some(0),
             Some(_) => applied
                 .iter()
                 .zip(&levels)
@@ -776,18 +768,26 @@ pub fn take_many(
 /// their rulings: the levels the take after them sees.
 pub fn spend_takes(applied: &[Applied], levels: &mut [Level], cost: f64, k: usize) {
     for _ in 0..k {
-        if !applied
-            .iter()
-            .zip(levels.iter())
-            .all(|(a, l)| l.fits(&a.kind, cost))
-        {
+        if take_one(applied, levels, cost).is_some() {
             // Refused, and so is every later one (same cost, no refill): nothing spent.
             return;
         }
+    }
+}
+
+/// One take of `cost`: spent from every limit if each holds it, else from none; the
+/// first limit that refused it, if one did.
+fn take_one(applied: &[Applied], levels: &mut [Level], cost: f64) -> Option<usize> {
+    let refused_by = applied
+        .iter()
+        .zip(levels.iter())
+        .position(|(a, l)| !l.fits(&a.kind, cost));
+    if refused_by.is_none() {
         for l in levels.iter_mut() {
             l.spend(cost);
         }
     }
+    refused_by
 }
 
 /// The levels of `applied` at `now_us` from their stored states (in the same order).
