@@ -105,8 +105,8 @@ impl StateGroups {
 
     /// A bucket key's group (its index) and its field: the key's hash tag.
     pub fn locate<'a>(&self, bucket_key: &'a str) -> (usize, &'a str) {
-        let tag = hash_tag(bucket_key).unwrap_or(bucket_key);
-        let g = usize::from(crc16(tag.as_bytes()) % 16384) * self.keys.len() / 16384;
+        let tag = hashed_part(bucket_key);
+        let g = usize::from(slot_of(tag)) * self.keys.len() / 16384;
         (g, tag)
     }
 
@@ -139,7 +139,17 @@ fn hash_tag(key: &str) -> Option<&str> {
 /// The Redis Cluster slot of a key: CRC16 (XMODEM) of its hash tag (the part between
 /// the first `{` and the next `}`, if non-empty), else of the whole key, modulo 16384.
 pub fn key_slot(key: &str) -> u16 {
-    crc16(hash_tag(key).unwrap_or(key).as_bytes()) % 16384
+    slot_of(hashed_part(key))
+}
+
+/// What of `key` Redis Cluster hashes: its hash tag, else the whole key.
+fn hashed_part(key: &str) -> &str {
+    hash_tag(key).unwrap_or(key)
+}
+
+/// The slot of a key whose hashed part is `part`.
+fn slot_of(part: &str) -> u16 {
+    crc16(part.as_bytes()) % 16384
 }
 
 /// CRC16 (XMODEM) a byte at a time: the slot of every decision's key is computed on the
@@ -211,8 +221,9 @@ mod tests {
         assert_eq!(key_slot("{bar"), 4015);
         assert_eq!(key_slot("foo{bar}{zap}"), 5061); // the tag is `bar`
         assert_eq!(key_slot("bar"), 5061);
-        assert_eq!(key_slot("é{bar}é"), 5061); // found by bytes, cut on characters
-                                               // A `}` before any `{` opens nothing.
+        // Found by bytes, cut on characters.
+        assert_eq!(key_slot("é{bar}é"), 5061);
+        // A `}` before any `{` opens nothing.
         assert_eq!(key_slot("}{x}"), 16287);
         assert_eq!(key_slot("x}"), 11978);
     }
