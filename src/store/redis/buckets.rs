@@ -237,16 +237,12 @@ fn parse_reply(reply: &[u8], applied: &[Applied]) -> Result<Vec<Level>, StoreErr
 #[cfg(test)]
 mod tests {
     use std::rc::Rc;
-    use std::time::Duration;
 
-    use secrecy::SecretString;
     use tollgate_testkit::RedisServer;
 
-    use crate::domain::limits::{Level, Limit, Limits};
-    use crate::domain::Bucket;
+    use crate::domain::limits::Level;
     use crate::store::redis::coalesce::Batch;
-    use crate::store::redis::RedisStore;
-    use crate::store::Keys;
+    use crate::store::redis::gather::tests::{bucket_of_five, store_at};
 
     /// A worker so busy that every take of a hot client leads a call of its own (see
     /// `coalesce`): the takes it makes in one turn still cost Redis one entry of one call,
@@ -255,20 +251,7 @@ mod tests {
     async fn one_clients_takes_in_one_turn_share_an_entry_and_keep_their_order() {
         // Arrange: one client, a bucket of 5 with next to no refill.
         let redis = RedisServer::start().unwrap();
-        let store = Rc::new(
-            RedisStore::connect(
-                &SecretString::from(redis.url()),
-                2,
-                Duration::from_secs(1),
-                Keys::new("tollgate:"),
-            )
-            .unwrap(),
-        );
-        let plan = Limits::new(vec![Limit::default_bucket(
-            Bucket::new(5.0, 0.001).unwrap(),
-        )])
-        .unwrap();
-        let applied = Rc::new(plan.every());
+        let (store, applied) = (store_at(redis.url()), bucket_of_five());
         let local = tokio::task::LocalSet::new();
         local
             .run_until(async {

@@ -367,15 +367,12 @@ impl Pending {
                 && q.op == b't'
                 && q.cost.to_bits() == e.cost.to_bits()
                 && same_limits(&self.sets[usize::from(q.set)], e.applied);
-            let skip = q.n as usize;
-            let Some(n) = u32::try_from(e.n).ok().and_then(|n| q.n.checked_add(n)) else {
+            let grown = u32::try_from(e.n).ok().and_then(|n| q.n.checked_add(n));
+            let (true, Some(n)) = (same, grown) else {
                 return Err(tx);
             };
-            if !same {
-                return Err(tx);
-            }
+            self.waiters.push((tx, i, q.n as usize));
             q.n = n;
-            self.waiters.push((tx, i, skip));
             self.takes += e.n as u64;
             return Ok(());
         }
@@ -671,7 +668,7 @@ async fn query<T: redis::FromRedisValue>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use std::rc::Rc;
     use std::time::Duration;
 
@@ -686,7 +683,7 @@ mod tests {
     use super::ABANDON_CHECK;
 
     /// A store on the Redis at `url`, with a control timeout of 1 s.
-    fn store_at(url: String) -> Rc<RedisStore> {
+    pub(in crate::store::redis) fn store_at(url: String) -> Rc<RedisStore> {
         Rc::new(
             RedisStore::connect(
                 &SecretString::from(url),
@@ -712,7 +709,7 @@ mod tests {
     }
 
     /// A plan of one bucket of 5, with next to no refill.
-    fn bucket_of_five() -> Rc<Vec<crate::domain::Applied>> {
+    pub(in crate::store::redis) fn bucket_of_five() -> Rc<Vec<crate::domain::Applied>> {
         let plan = Limits::new(vec![Limit::default_bucket(
             Bucket::new(5.0, 0.001).unwrap(),
         )])
