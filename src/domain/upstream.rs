@@ -1,6 +1,7 @@
 //! An upstream replica: parsed once from the configuration's `routes[].upstreams`, then
 //! used by the proxy for every forwarded request without parsing anything again.
 
+use actix_web::http::header::HeaderValue;
 use actix_web::http::uri::{Authority, InvalidUriParts, Parts, PathAndQuery, Scheme};
 use actix_web::http::Uri;
 
@@ -9,6 +10,9 @@ use actix_web::http::Uri;
 pub struct Upstream {
     base: String,
     authority: Authority,
+    /// The `Host` a request to it carries, written once: awc writes it per request
+    /// (`format!` and a header check) when the request has none.
+    host: HeaderValue,
 }
 
 impl Upstream {
@@ -29,14 +33,25 @@ impl Upstream {
         if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
             return Err(format!("{s:?} must not have a path or query"));
         }
+        // awc's own rule: the port unless it is absent, 80 or 443.
+        let host = match authority.port_u16() {
+            None | Some(80) | Some(443) => authority.host().to_owned(),
+            Some(port) => format!("{}:{port}", authority.host()),
+        };
         Ok(Upstream {
             base: format!("http://{authority}"),
             authority: authority.clone(),
+            host: HeaderValue::try_from(host).map_err(|_| format!("{s:?}: not a host"))?,
         })
     }
 
     pub fn base(&self) -> &str {
         &self.base
+    }
+
+    /// The `Host` header a request forwarded to it carries.
+    pub fn host(&self) -> &HeaderValue {
+        &self.host
     }
 
     /// The replica's URL for a request's path and query (from parts: nothing re-parsed).
@@ -69,6 +84,19 @@ mod tests {
             "http://x?q=1",
         ] {
             assert!(Upstream::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_host_header_is_the_authority_without_a_default_port() {
+        for (url, host) in [
+            ("http://127.0.0.1:9001", "127.0.0.1:9001"),
+            ("http://svc.internal", "svc.internal"),
+            ("http://svc.internal:80", "svc.internal"),
+            ("http://svc.internal:443", "svc.internal"),
+            ("http://[::1]:8080", "[::1]:8080"),
+        ] {
+            assert_eq!(Upstream::parse(url).unwrap().host(), host, "{url}");
         }
     }
 }

@@ -148,6 +148,7 @@ async fn forward(
             headers.append(name.clone(), value.clone());
         }
     }
+    headers.insert(header::HOST, upstream.host().clone());
     headers.insert(X_CLIENT_ID.clone(), admitted.client.id_header.clone());
     headers.insert(X_FORWARDED_FOR.clone(), value(origin.x_forwarded_for)?);
     headers.insert(

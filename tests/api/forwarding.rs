@@ -46,6 +46,12 @@ async fn an_admitted_request_reaches_the_service_with_its_identity_and_without_t
     assert_eq!(h["x-forwarded-for"], "127.0.0.1");
     assert_eq!(h["x-forwarded-proto"], "http");
     assert!(h["forwarded"].starts_with("for=127.0.0.1;proto=http"));
+    // The service is asked by its own name; the client's host goes in X-Forwarded-Host.
+    assert_eq!(h["host"], up.url().trim_start_matches("http://"));
+    assert_eq!(
+        h["x-forwarded-host"],
+        gw.address.trim_start_matches("http://")
+    );
     assert!(
         !h.contains_key("x-hop"),
         "connection-listed headers are hop-by-hop"
