@@ -1,13 +1,13 @@
 //! tollgate: an API gateway that enforces one token bucket per client, once, at the edge.
 //!
 //! How the pieces fit, in request order:
-//! - [`proxy::Guard`] (middleware) brings the path to its normal form
+//! - [`proxy::Guard`] (the proxy's service) brings the path to its normal form
 //!   ([`proxy::NormalPath`]), hashes the API key and finds the client in the catalog
 //!   mirror (memory only), picks the route, and asks the limiter for a decision: one
 //!   atomic call into the [`store`] (a Redis script, or the same arithmetic in process),
 //!   bounded by `redis.timeout_ms`, failing open past it.
-//! - Denied requests are answered `429` by the gateway; admitted ones reach
-//!   [`proxy::Forward`], which streams them to one replica with awc.
+//! - Denied requests are answered `429` by the gateway; admitted ones are streamed to
+//!   one replica with awc, in the same service.
 //! - [`trace`] propagates W3C Trace Context to the upstream and, when configured,
 //!   exports the request's spans over OTLP.
 //! - [`startup::Application`] wires it together from [`configuration::Settings`].

@@ -107,8 +107,8 @@ impl Application {
                         admin::configure(cfg);
                     }
                 });
-            // Every path no other service claims: the limiter middleware, then the forward.
-            let proxy = actix_service::apply(proxy::Guard, proxy::Forward);
+            // Every path no other service claims: the limiter, then the forward.
+            let proxy = proxy::Guard;
             if traced {
                 // The request span around both, only when spans are exported.
                 app.service(

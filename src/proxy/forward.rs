@@ -1,78 +1,56 @@
 //! Forwarding an admitted request to one replica with awc, bodies streamed both ways.
 
 use std::cell::Cell;
-use std::future::{ready, Ready};
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::body::BoxBody;
-use actix_web::dev::{
-    always_ready, Payload, Service, ServiceFactory, ServiceRequest, ServiceResponse,
-};
+use actix_web::dev::{Payload, ServiceRequest, ServiceResponse};
 use actix_web::http::header::{self, HeaderValue};
+use actix_web::http::uri::PathAndQuery;
 use actix_web::{web, HttpMessage, HttpRequest, HttpResponse};
 use awc::error::{ConnectError, SendRequestError};
 use bytes::Bytes;
-use futures_util::future::LocalBoxFuture;
 use futures_util::StreamExt;
 
 use super::headers::{
     connection_headers, forwardable, response_headers, Origin, RequestId, X_CLIENT_ID,
     X_FORWARDED_FOR, X_FORWARDED_HOST, X_FORWARDED_PROTO, X_REQUEST_ID,
 };
-use super::Admitted;
+use super::Route;
+use crate::catalog::ClientEntry;
 use crate::error::ApiError;
 use crate::state::AppState;
 use crate::trace;
 
-/// The forwarder as a service, the guard's inner one: one per worker, each with its own awc
-/// client. A service rather than a handler: a handler extracts its arguments through
-/// `FromRequest` and is boxed once more.
-pub struct Forward;
-
-impl ServiceFactory<ServiceRequest> for Forward {
-    type Response = ServiceResponse<BoxBody>;
-    type Error = actix_web::Error;
-    type Config = ();
-    type Service = ForwardService;
-    type InitError = ();
-    type Future = Ready<Result<ForwardService, ()>>;
-
-    fn new_service(&self, _: ()) -> Self::Future {
-        ready(Ok(ForwardService {
-            client: upstream_client(),
-        }))
-    }
+/// What the guard hands the forwarder for an admitted request.
+pub(super) struct Admitted {
+    pub client: Arc<ClientEntry>,
+    pub route: Arc<Route>,
+    /// The normal form of the path with the query as received, when it differs from the
+    /// request's; `None`: forward the request's own (most paths are already normal).
+    pub path_and_query: Option<PathAndQuery>,
 }
 
-pub struct ForwardService {
-    client: awc::Client,
-}
-
-impl Service<ServiceRequest> for ForwardService {
-    type Response = ServiceResponse<BoxBody>;
-    type Error = actix_web::Error;
-    type Future = LocalBoxFuture<'static, Result<ServiceResponse<BoxBody>, actix_web::Error>>;
-
-    always_ready!();
-
-    fn call(&self, req: ServiceRequest) -> Self::Future {
-        let client = self.client.clone();
-        let (req, payload) = req.into_parts();
-        Box::pin(async move {
-            let res = match forward(&req, payload, &client).await {
-                Ok(res) => res,
-                // As a handler's `Err` is answered: the error's response, with the error
-                // kept in it for the middlewares above.
-                Err(e) => HttpResponse::from_error(e),
-            };
-            Ok(ServiceResponse::new(req, res))
-        })
-    }
+/// Forwards an admitted request (see [`forward`]), answering a failure as a handler's
+/// `Err` is answered: the error's response, with the error kept in it for the
+/// middlewares above.
+pub(super) async fn respond(
+    req: ServiceRequest,
+    admitted: Admitted,
+    client: &awc::Client,
+) -> ServiceResponse<BoxBody> {
+    let (req, payload) = req.into_parts();
+    let res = match forward(&req, payload, admitted, client).await {
+        Ok(res) => res,
+        Err(e) => HttpResponse::from_error(e),
+    };
+    ServiceResponse::new(req, res)
 }
 
 /// One awc client per worker: its connection pool keeps upstream connections alive.
-fn upstream_client() -> awc::Client {
+pub(super) fn upstream_client() -> awc::Client {
     awc::Client::builder()
         .no_default_headers()
         .disable_redirects()
@@ -91,6 +69,7 @@ fn upstream_client() -> awc::Client {
 async fn forward(
     req: &HttpRequest,
     payload: Payload,
+    admitted: Admitted,
     client: &awc::Client,
 ) -> Result<HttpResponse, ApiError> {
     // Borrowed from the request rather than extracted (an extractor clones the `Arc`
@@ -98,11 +77,6 @@ async fn forward(
     let state = req
         .app_data::<web::Data<AppState>>()
         .ok_or_else(|| ApiError::Internal(anyhow::anyhow!("no AppState")))?;
-    // Taken, not cloned: nothing after this handler reads it.
-    let admitted = req
-        .extensions_mut()
-        .remove::<Admitted>()
-        .ok_or_else(|| ApiError::Internal(anyhow::anyhow!("forward without an admission")))?;
     let route = &admitted.route;
     let upstream = route.pick();
     let span = tracing::Span::current();

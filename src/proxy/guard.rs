@@ -1,16 +1,16 @@
 //! The limiter middleware: API key → client → route → decision, before any upstream call.
 
 use std::future::{ready, Ready};
-use std::rc::Rc;
 use std::sync::Arc;
 
 use actix_web::body::BoxBody;
-use actix_web::dev::{forward_ready, Service, ServiceRequest, ServiceResponse, Transform};
+use actix_web::dev::{always_ready, Service, ServiceFactory, ServiceRequest, ServiceResponse};
 use actix_web::http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use actix_web::http::uri::PathAndQuery;
-use actix_web::{web, HttpMessage, ResponseError};
+use actix_web::{web, ResponseError};
 use futures_util::future::LocalBoxFuture;
 
+use super::forward::{self, Admitted};
 use super::{NormalPath, Route};
 use crate::catalog::ClientEntry;
 use crate::domain::ratelimit::policy_name;
@@ -21,57 +21,44 @@ use crate::metrics::CostReport;
 use crate::state::AppState;
 use crate::trace::DecisionTimer;
 
-/// The limiter middleware: wraps the forwarder (see [`guard`]). Written out rather than
-/// made with `from_fn`, whose `Next` boxes the inner service and its future: this layer
-/// calls its inner service directly, one boxed future per request for both.
+/// The proxy: every path no other service claims. Each request is decided by [`guard`]
+/// and, when admitted, forwarded by `forward` within the same future. One service rather
+/// than a middleware over a forwarding service: the admission goes to the forward as an
+/// argument, not through the request's extensions (a boxed value and a map insert and
+/// removal per request), and one boxed future serves both.
 pub struct Guard;
 
-impl<S> Transform<S, ServiceRequest> for Guard
-where
-    S: Service<ServiceRequest, Response = ServiceResponse<BoxBody>, Error = actix_web::Error>
-        + 'static,
-{
+impl ServiceFactory<ServiceRequest> for Guard {
     type Response = ServiceResponse<BoxBody>;
     type Error = actix_web::Error;
-    type Transform = GuardService<S>;
+    type Config = ();
+    type Service = GuardService;
     type InitError = ();
-    type Future = Ready<Result<GuardService<S>, ()>>;
+    type Future = Ready<Result<GuardService, ()>>;
 
-    fn new_transform(&self, next: S) -> Self::Future {
+    fn new_service(&self, _: ()) -> Self::Future {
         ready(Ok(GuardService {
-            next: Rc::new(next),
+            client: forward::upstream_client(),
         }))
     }
 }
 
-pub struct GuardService<S> {
-    next: Rc<S>,
+/// One per worker, each with its own awc client (its pool keeps upstream connections
+/// alive).
+pub struct GuardService {
+    client: awc::Client,
 }
 
-impl<S> Service<ServiceRequest> for GuardService<S>
-where
-    S: Service<ServiceRequest, Response = ServiceResponse<BoxBody>, Error = actix_web::Error>
-        + 'static,
-{
+impl Service<ServiceRequest> for GuardService {
     type Response = ServiceResponse<BoxBody>;
     type Error = actix_web::Error;
     type Future = LocalBoxFuture<'static, Result<ServiceResponse<BoxBody>, actix_web::Error>>;
 
-    forward_ready!(next);
+    always_ready!();
 
     fn call(&self, req: ServiceRequest) -> Self::Future {
-        Box::pin(guard(req, Rc::clone(&self.next)))
+        Box::pin(guard(req, self.client.clone()))
     }
-}
-
-/// What the guard hands the forwarder for an admitted request.
-#[derive(Clone)]
-pub struct Admitted {
-    pub client: Arc<ClientEntry>,
-    pub route: Arc<Route>,
-    /// The normal form of the path with the query as received, when it differs from the
-    /// request's; `None`: forward the request's own (most paths are already normal).
-    pub path_and_query: Option<PathAndQuery>,
 }
 
 /// The largest real cost a service may report (the largest `cost` a route may have).
@@ -85,13 +72,10 @@ const MAX_REPORTED_COST: f64 = 1e9;
 /// `cost_header`, the real cost the service reports in its response is settled (see
 /// [`CostedRoute::settle`]) as soon as the response head is in, before its body streams.
 #[tracing::instrument(name = "guard", level = "debug", skip_all, fields(client_id = tracing::field::Empty))]
-async fn guard<S>(
+async fn guard(
     req: ServiceRequest,
-    next: Rc<S>,
-) -> Result<ServiceResponse<BoxBody>, actix_web::Error>
-where
-    S: Service<ServiceRequest, Response = ServiceResponse<BoxBody>, Error = actix_web::Error>,
-{
+    upstream: awc::Client,
+) -> Result<ServiceResponse<BoxBody>, actix_web::Error> {
     // Borrowed, not cloned: every worker shares `AppState`, and an `Arc` count bumped by
     // both workers on every request is a cache line bouncing between their cores.
     let Some(state) = req.app_data::<web::Data<AppState>>() else {
@@ -188,12 +172,12 @@ where
         client: Arc::clone(&client),
         state: state.clone(),
     });
-    req.extensions_mut().insert(Admitted {
+    let admitted = Admitted {
         client,
         route,
         path_and_query,
-    });
-    let mut res = next.call(req).await?;
+    };
+    let mut res = forward::respond(req, admitted, &upstream).await;
     if let Some((limiter, client)) = shadow {
         limiter.compare(&client, &decision, res.status().as_u16());
     }

@@ -1,5 +1,5 @@
-//! The data plane: [`guard`] (path → API key → client → route → decision) wraps
-//! [`forward`] (one upstream replica, streamed both ways). [`NormalPath`] is the one form
+//! The data plane: [`guard`] (path → API key → client → route → decision), then, for an
+//! admitted request, [`forward`] (one upstream replica, streamed both ways), in one service. [`NormalPath`] is the one form
 //! a path is routed and forwarded in.
 
 mod forward;
@@ -8,8 +8,7 @@ mod headers;
 mod path;
 mod routes;
 
-pub use forward::Forward;
-pub use guard::{Admitted, Guard};
+pub use guard::Guard;
 pub use headers::{request_id, RequestId};
 pub use path::{NormalPath, PathError, MAX_PATH_BYTES};
 pub use routes::{Route, RouteTable};
