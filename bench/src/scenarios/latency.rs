@@ -348,11 +348,30 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     } else {
         String::new()
     };
+    // When the gateway's slowest requests were sent: a stall at a slice's start (idle
+    // connections, a cold cache) reads differently from one anywhere in it.
+    let cycle = n as f64 * a.slice;
+    let mut slowest: Vec<_> = through.iter().collect();
+    slowest.sort_by_key(|s| std::cmp::Reverse(s.latency));
+    let slowest = slowest
+        .iter()
+        .take(5)
+        .map(|s| {
+            let at = s.at.as_secs_f64();
+            let into = (at - n as f64 * a.warmup).rem_euclid(cycle) - at_gateway as f64 * a.slice;
+            format!(
+                "{:.2} ms at {at:.2} s ({:.0} ms into its slice)",
+                s.latency.as_secs_f64() * 1e3,
+                into * 1e3
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
     let markdown = format!(
         "### latency: {} req/s open loop, {} s per side, {}{}\n\n{}\n\
          Redis calls per gateway request: {:.3} (EVALSHA). Inside Redis per call: the \
          gateway's EVALSHA {:.1} µs{}. \
-         Fail-opens: {}.{} \
+         Fail-opens: {}.{} The gateway's slowest requests: {slowest}. \
          Generator wake-up lateness p50/p99: {:.0}/{:.0} µs (included in both sides). {}.\n",
         a.rate,
         a.duration,
