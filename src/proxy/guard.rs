@@ -1,4 +1,5 @@
-//! The limiter middleware: API key → client → route → decision, before any upstream call.
+//! The proxy's service: API key → client → route → decision, before any upstream call, then
+//! the forward of an admitted request.
 
 use std::future::{ready, Ready};
 use std::sync::Arc;
