@@ -75,7 +75,7 @@ impl<K: Hash> Default for LocalBuckets<K> {
 impl<K: Hash> LocalBuckets<K> {
     /// Microseconds on this map's monotonic clock.
     pub fn now_us(&self) -> u64 {
-        self.epoch.elapsed().as_micros() as u64
+        self.us_at(Instant::now())
     }
 
     /// `at` in microseconds on this map's clock (a moment the caller read already).
