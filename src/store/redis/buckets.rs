@@ -240,9 +240,8 @@ mod tests {
 
     use tollgate_testkit::RedisServer;
 
-    use crate::domain::limits::Level;
     use crate::store::redis::coalesce::Batch;
-    use crate::store::redis::gather::tests::{bucket_of_five, store_at};
+    use crate::store::redis::gather::tests::{bucket_of_five, store_at, tokens_in};
 
     /// A worker so busy that every take of a hot client leads a call of its own (see
     /// `coalesce`): the takes it makes in one turn still cost Redis one entry of one call,
@@ -288,10 +287,7 @@ mod tests {
                     verdicts,
                     [true, true, true, true, true, false, false, false]
                 );
-                let now = store.peek("tollgate:b:{c}", &applied).await.unwrap();
-                let Level::Tokens(tokens) = now.levels[0] else {
-                    panic!("{now:?}")
-                };
+                let tokens = tokens_in(&store, "tollgate:b:{c}", &applied).await;
                 assert!(tokens.abs() < 0.01, "{tokens}");
             })
             .await;

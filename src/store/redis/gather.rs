@@ -709,6 +709,19 @@ pub(super) mod tests {
     }
 
     /// A plan of one bucket of 5, with next to no refill.
+    /// The tokens `key`'s bucket holds now (a peek: nothing taken).
+    pub(in crate::store::redis) async fn tokens_in(
+        store: &RedisStore,
+        key: &str,
+        applied: &[crate::domain::Applied],
+    ) -> f64 {
+        let now = store.peek(key, applied).await.unwrap();
+        let Level::Tokens(tokens) = now.levels[0] else {
+            panic!("{now:?}")
+        };
+        tokens
+    }
+
     pub(in crate::store::redis) fn bucket_of_five() -> Rc<Vec<crate::domain::Applied>> {
         let plan = Limits::new(vec![Limit::default_bucket(
             Bucket::new(5.0, 0.001).unwrap(),
@@ -838,10 +851,7 @@ pub(super) mod tests {
                 // Assert: two calls, and the bucket holds 5 - 1 - 2: the second saw the
                 // first's write (in one call, both would have read 5).
                 assert_eq!(store.bucket_calls().0 - calls_before, 2);
-                let now = store.peek("tollgate:b:{c}", &applied).await.unwrap();
-                let Level::Tokens(tokens) = now.levels[0] else {
-                    panic!("{now:?}")
-                };
+                let tokens = tokens_in(&store, "tollgate:b:{c}", &applied).await;
                 assert!((tokens - 2.0).abs() < 0.01, "{tokens}");
             })
             .await;
