@@ -61,6 +61,9 @@ pub enum ApiError {
     Validation(Vec<FieldError>),
     #[error("the store is unavailable: {0}")]
     StoreUnavailable(String),
+    /// The gateway is overloaded and shed the request before deciding or forwarding it.
+    #[error("the gateway is overloaded; retry after 1 s")]
+    Overloaded,
     #[error("an internal error occurred")]
     Internal(#[source] anyhow::Error),
 }
@@ -138,6 +141,7 @@ impl ApiError {
             ApiError::PreconditionFailed(_) => "precondition-failed",
             ApiError::Validation(_) => "validation",
             ApiError::StoreUnavailable(_) => "store-unavailable",
+            ApiError::Overloaded => "overloaded",
             ApiError::Internal(_) => "internal",
         }
     }
@@ -164,7 +168,7 @@ impl ResponseError for ApiError {
             ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::PreconditionFailed(_) => StatusCode::PRECONDITION_FAILED,
             ApiError::Validation(_) => StatusCode::UNPROCESSABLE_ENTITY,
-            ApiError::StoreUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::StoreUnavailable(_) | ApiError::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -205,6 +209,9 @@ impl ResponseError for ApiError {
             }
             ApiError::RateLimited { retry_after_s, .. } => {
                 resp.insert_header((header::RETRY_AFTER, retry_after_s.to_string()));
+            }
+            ApiError::Overloaded => {
+                resp.insert_header((header::RETRY_AFTER, "1"));
             }
             ApiError::MethodNotAllowed(allow) => {
                 resp.insert_header((header::ALLOW, *allow));

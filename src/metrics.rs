@@ -15,12 +15,13 @@ const BUCKETS: [f64; 10] = [
     0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.1, 1.0,
 ];
 
-const OUTCOMES: [&str; 6] = [
+const OUTCOMES: [&str; 7] = [
     "allowed",
     "denied",
     "shadow_denied",
     "fail_open",
     "safety_denied",
+    "shed",
     "unknown_key",
 ];
 
@@ -43,6 +44,26 @@ impl FailOpenReason {
         REASONS[self as usize]
     }
 }
+
+/// Why a request was shed (answered `503` by an overloaded gateway, see
+/// `limiter::overload`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShedReason {
+    /// The worker was overloaded when the request arrived.
+    Overloaded,
+    /// Its decision took longer than `overload.max_wait_ms`.
+    DecisionWait,
+}
+
+const SHED_REASONS: [&str; 2] = ["overloaded", "decision_wait"];
+
+impl ShedReason {
+    /// The `reason` label of `tollgate_shed_total`.
+    pub fn label(self) -> &'static str {
+        SHED_REASONS[self as usize]
+    }
+}
+
 /// The `kind` label of `tollgate_store_errors_total`, in [`StoreErrorKind`] order.
 const ERROR_KINDS: [&str; 5] = ["timeout", "connection", "script", "reply", "pool"];
 
@@ -113,6 +134,7 @@ struct Shard {
 
 pub struct Metrics {
     fail_open_reasons: [AtomicU64; REASONS.len()],
+    shed: [AtomicU64; SHED_REASONS.len()],
     store_errors: [AtomicU64; ERROR_KINDS.len()],
     /// [gateway deny][service deny]
     shadow: [[AtomicU64; 2]; 2],
@@ -123,6 +145,7 @@ impl Default for Metrics {
     fn default() -> Self {
         Metrics {
             fail_open_reasons: Default::default(),
+            shed: Default::default(),
             store_errors: Default::default(),
             shadow: Default::default(),
             shards: (0..SHARDS).map(|_| Shard::default()).collect(),
@@ -164,6 +187,11 @@ impl Metrics {
     /// Requests that failed open for `reason`.
     pub fn fail_open_count(&self, reason: FailOpenReason) -> u64 {
         self.fail_open_reasons[reason as usize].load(Relaxed)
+    }
+
+    /// Counts a request shed for `reason` (its decision is counted by `record_decision`).
+    pub fn shed(&self, reason: ShedReason) {
+        self.shed[reason as usize].fetch_add(1, Relaxed);
     }
 
     pub fn store_error(&self, kind: StoreErrorKind) {
@@ -239,6 +267,19 @@ impl Metrics {
                 out,
                 "tollgate_fail_open_reasons_total{{reason=\"{r}\"}} {}",
                 self.fail_open_reasons[i].load(Relaxed)
+            );
+        }
+        family(
+            &mut out,
+            "tollgate_shed_total",
+            "counter",
+            "Requests an overloaded gateway refused with 503 rather than decide late or admit unchecked, by reason; the same count as tollgate_decisions_total{outcome=\"shed\"}.",
+        );
+        for (i, r) in SHED_REASONS.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "tollgate_shed_total{{reason=\"{r}\"}} {}",
+                self.shed[i].load(Relaxed)
             );
         }
         family(
@@ -361,6 +402,7 @@ mod tests {
             Outcome::ShadowDenied,
             Outcome::FailOpen,
             Outcome::SafetyDenied,
+            Outcome::Shed,
         ] {
             assert_eq!(OUTCOMES[o as usize], o.label());
         }

@@ -122,6 +122,28 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
         "Times the circuit breaker opened.",
     );
     let _ = writeln!(out, "tollgate_breaker_opened_total {opened}");
+    let loads = state.limiter.worker_loads();
+    family(
+        &mut out,
+        "tollgate_pending_decisions",
+        "gauge",
+        "Requests being decided now, over all workers (each worker sheds new ones past overload.max_pending).",
+    );
+    let pending: usize = loads.iter().map(|l| l.pending()).sum();
+    let _ = writeln!(out, "tollgate_pending_decisions {pending}");
+    family(
+        &mut out,
+        "tollgate_worker_delay_seconds",
+        "gauge",
+        "How late each worker's event loop runs a task that becomes ready, last measured (every 10 ms); past overload.max_delay_ms the worker sheds.",
+    );
+    for (i, l) in loads.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "tollgate_worker_delay_seconds{{worker=\"{i}\"}} {}",
+            l.delay().as_secs_f64()
+        );
+    }
     if let Some(tracer) = &state.traces {
         let counters = tracer.counters();
         family(

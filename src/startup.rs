@@ -65,6 +65,7 @@ impl Application {
             Arc::clone(&metrics),
             settings.limits.safety_multiplier,
             settings.periods,
+            settings.overload,
         ));
         limiter.spawn_background();
         let state = web::Data::new(AppState {
@@ -92,9 +93,11 @@ impl Application {
         let main = HttpServer::new(move || {
             // This closure runs once on each worker's thread: keep that worker's
             // request-path connections open from now on, re-opened as soon as one dies,
-            // rather than on its first request.
+            // rather than on its first request, and measure its event loop's delay.
             let limiter = Arc::clone(&data.limiter);
-            actix_web::rt::spawn(async move { limiter.keep_connected().await });
+            actix_web::rt::spawn(async move {
+                futures_util::future::join(limiter.keep_connected(), limiter.watch_worker()).await
+            });
             let app = App::new()
                 .wrap(TracingLogger::<telemetry::RequestSpan>::new())
                 .wrap(from_fn(proxy::request_id))

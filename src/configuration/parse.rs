@@ -13,12 +13,12 @@ use secrecy::{ExposeSecret, SecretString};
 
 use super::periods::{BackOff, Periods};
 use super::raw::{
-    RawAdmin, RawCatalog, RawLimits, RawPeriods, RawRedis, RawRoute, RawServer, RawSettings,
-    RawTelemetry,
+    RawAdmin, RawCatalog, RawLimits, RawOverload, RawPeriods, RawRedis, RawRoute, RawServer,
+    RawSettings, RawTelemetry,
 };
 use super::settings::{
-    AdminSettings, CatalogSettings, ClientSettings, LimitSettings, PlanSettings, RedisSettings,
-    RouteSettings, ServerSettings, Settings, TelemetrySettings,
+    AdminSettings, CatalogSettings, ClientSettings, LimitSettings, OverloadSettings, PlanSettings,
+    RedisSettings, RouteSettings, ServerSettings, Settings, TelemetrySettings,
 };
 use crate::domain::{
     ApiKey, Bucket, Capacity, ClientId, KeyHash, Limit, Limits, Mode, PlanName, Rate, Region,
@@ -128,10 +128,11 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
     let limits = limits(raw.limits, &mut p);
     let admin = admin(raw.admin, &mut p);
     let periods = periods(raw.periods, &mut p);
+    let overload = overload(raw.overload, redis.as_ref(), &mut p);
     let telemetry = telemetry(raw.telemetry, &mut p);
     let routes = routes(raw.routes, &mut p);
     match (
-        server, redis, catalog, limits, admin, periods, telemetry, routes,
+        server, redis, catalog, limits, admin, periods, overload, telemetry, routes,
     ) {
         (
             Some(server),
@@ -140,6 +141,7 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
             Some(limits),
             Some(admin),
             Some(periods),
+            Some(overload),
             Some(telemetry),
             Some(routes),
         ) if p.0.is_empty() => Ok(Settings {
@@ -149,6 +151,7 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
             limits,
             admin,
             periods,
+            overload,
             telemetry,
             routes,
         }),
@@ -425,6 +428,54 @@ fn limits(raw: RawLimits, p: &mut Problems) -> Option<LimitSettings> {
     })
 }
 
+/// `[overload]`. `redis`: the store's budget, which the whole decision's must exceed twice
+/// over (a call ahead of the take's own, then its own), so a slow store fails open before a
+/// decision is shed for taking too long (`None` when the Redis settings are bad, which
+/// say why themselves).
+fn overload(
+    raw: RawOverload,
+    redis: Option<&RedisSettings>,
+    p: &mut Problems,
+) -> Option<OverloadSettings> {
+    let max_delay = p.take(
+        "overload.max_delay_ms",
+        within(raw.max_delay_ms, 1..=60_000, "must be between 1 and 60000"),
+    );
+    let max_pending = p.take(
+        "overload.max_pending",
+        within(
+            raw.max_pending,
+            1..=1_000_000,
+            "must be between 1 and 1000000",
+        ),
+    );
+    let budget = redis.map(|r| r.timeout)?;
+    let max_wait = match raw.max_wait_ms {
+        // Automatic: room for four store budgets, and never under 100 ms.
+        0 => Some((budget * 4).max(Duration::from_millis(100))),
+        ms => p
+            .take(
+                "overload.max_wait_ms",
+                within(ms, 1..=60_000, "must be 0 (automatic) or 1 to 60000"),
+            )
+            .map(Duration::from_millis)
+            .filter(|wait| {
+                *wait > budget * 2 || {
+                    p.add(
+                        "overload.max_wait_ms",
+                        "must be more than twice redis.timeout_ms (or 0, automatic)",
+                    );
+                    false
+                }
+            }),
+    };
+    Some(OverloadSettings {
+        max_delay: Duration::from_millis(max_delay?),
+        max_pending: usize::try_from(max_pending?).ok()?,
+        max_wait: max_wait?,
+    })
+}
+
 fn periods(raw: RawPeriods, p: &mut Problems) -> Option<Periods> {
     let mut ms = |key: &str, v: u64, min: u64| {
         p.take(
@@ -654,6 +705,38 @@ mod tests {
         assert!(s.admin.jwt_hs256_secret.is_none());
         // The compiled-in periods are the design's (README, "Configuration reference").
         assert_eq!(s.periods, Periods::default());
+        assert_eq!(
+            s.overload,
+            OverloadSettings {
+                max_delay: Duration::from_millis(10),
+                max_pending: 1024,
+                max_wait: Duration::from_millis(100),
+            }
+        );
+    }
+
+    #[test]
+    fn overload_bounds_are_named_and_the_whole_wait_must_exceed_two_store_budgets() {
+        let s = load(
+            "[redis]\ntimeout_ms = 50\n[overload]\nmax_delay_ms = 3\nmax_pending = 7\nmax_wait_ms = 101\n",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(s.overload.max_delay, Duration::from_millis(3));
+        assert_eq!(s.overload.max_pending, 7);
+        assert_eq!(s.overload.max_wait, Duration::from_millis(101));
+        assert_eq!(
+            problems("[overload]\nmax_delay_ms = 0\nmax_pending = 0\n"),
+            ["overload.max_delay_ms", "overload.max_pending"]
+        );
+        assert_eq!(
+            problems("[redis]\ntimeout_ms = 50\n[overload]\nmax_wait_ms = 100\n"),
+            ["overload.max_wait_ms"]
+        );
+        // Automatic: four budgets, at least 100 ms.
+        let wait = |toml: &str| load(toml, &[]).unwrap().overload.max_wait;
+        assert_eq!(wait(""), Duration::from_millis(100));
+        assert_eq!(wait("[redis]\ntimeout_ms = 2000\n"), Duration::from_secs(8));
     }
 
     #[test]

@@ -19,6 +19,7 @@ pub(super) struct RawSettings {
     pub(super) limits: RawLimits,
     pub(super) admin: RawAdmin,
     pub(super) periods: RawPeriods,
+    pub(super) overload: RawOverload,
     pub(super) telemetry: RawTelemetry,
     #[serde(default)]
     pub(super) routes: Vec<RawRoute>,
@@ -107,6 +108,14 @@ pub(super) struct RawPeriods {
     pub(super) breaker_backoff_ms: u64,
     pub(super) breaker_backoff_max_ms: u64,
     pub(super) breaker_stable_ms: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawOverload {
+    pub(super) max_delay_ms: u64,
+    pub(super) max_pending: u64,
+    pub(super) max_wait_ms: u64,
 }
 
 #[derive(Debug, Deserialize)]

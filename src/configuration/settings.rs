@@ -23,6 +23,8 @@ pub struct Settings {
     pub admin: AdminSettings,
     /// `periods`: how often the limiter's background work runs.
     pub periods: Periods,
+    /// `overload`: when a worker sheds requests rather than decide them late.
+    pub overload: OverloadSettings,
     pub telemetry: TelemetrySettings,
     /// `routes`: upstream services, matched by longest path prefix.
     pub routes: Vec<RouteSettings>,
@@ -124,6 +126,22 @@ pub struct LimitSettings {
     /// `limits.safety_multiplier`: coarse per-(client, service) limit as a multiple of the
     /// plan (1-1000).
     pub safety_multiplier: f64,
+}
+
+/// When a worker is overloaded, and how long a decision may take in all (see
+/// `limiter::overload`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OverloadSettings {
+    /// `overload.max_delay_ms`: a worker whose event loop runs a ready task this late is
+    /// overloaded, and sheds the requests of clients with a decision already pending on it.
+    pub max_delay: Duration,
+    /// `overload.max_pending`: undecided requests per worker past which every new one is
+    /// shed.
+    pub max_pending: usize,
+    /// `overload.max_wait_ms`: a decision not made by then, whatever held it, is shed;
+    /// more than twice `redis.timeout_ms`, so a slow store fails open first (`0`, the
+    /// default: four times `redis.timeout_ms`, at least 100 ms).
+    pub max_wait: Duration,
 }
 
 #[derive(Debug, Clone)]

@@ -15,12 +15,17 @@ pub enum Outcome {
     FailOpen,
     /// Past the coarse per-service safety limit: answer 429.
     SafetyDenied,
+    /// The gateway is overloaded: answer 503, not decided (see `limiter::overload`).
+    Shed,
 }
 
 impl Outcome {
     /// Whether the request goes on to the service.
     pub fn forwards(self) -> bool {
-        !matches!(self, Outcome::Denied | Outcome::SafetyDenied)
+        !matches!(
+            self,
+            Outcome::Denied | Outcome::SafetyDenied | Outcome::Shed
+        )
     }
 
     /// The `outcome` label of `tollgate_decisions_total`.
@@ -31,6 +36,7 @@ impl Outcome {
             Outcome::ShadowDenied => "shadow_denied",
             Outcome::FailOpen => "fail_open",
             Outcome::SafetyDenied => "safety_denied",
+            Outcome::Shed => "shed",
         }
     }
 }

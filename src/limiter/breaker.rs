@@ -4,12 +4,13 @@
 //! A store that keeps failing right after recovering gets longer back-offs, so a flapping
 //! one does not make every request wait.
 //!
-//! It judges the store, not one bucket's queue ([`Breaker::observe`]): a failure is a store
-//! call that went out and did not answer within the budget, or an error. A request that
-//! ran out of budget while queued for a call (one hot client's backlog on a slow store)
-//! spent nothing and proves nothing, and a request whose call was abandoned by its leader
-//! is counted once, by that leader. Any reply is a success. A stalled or dead store still
-//! opens it: every call that goes out to it fails.
+//! It judges the store, not the gateway ([`Breaker::observe`]): a failure is a store call
+//! that did not answer within the store's budget, counted from when it was written and
+//! checked against the socket before it is called late (see `store::Budget`), or an
+//! error. Time a request waits for its worker, a batch or a call ahead of it is never
+//! counted, so a saturated or stalled gateway cannot open it; a request whose call was
+//! abandoned by its leader proves nothing either. Any reply is a success. A stalled or
+//! dead store still opens it: every call that goes out to it fails.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -74,7 +75,7 @@ impl Breaker {
     pub fn observe<T>(&self, answer: &Result<T, StoreError>) {
         match answer {
             Ok(_) => self.success(),
-            Err(StoreError::Deadline { sent: false } | StoreError::Abandoned) => {}
+            Err(StoreError::Abandoned) => {}
             Err(_) => self.failure(),
         }
     }
@@ -194,10 +195,9 @@ mod tests {
     }
 
     #[test]
-    fn requests_that_ran_out_of_budget_in_a_queue_never_open_it() {
+    fn calls_abandoned_by_their_leader_never_open_it() {
         let b = Breaker::new(Duration::ZERO, BackOff::default());
         for _ in 0..100 {
-            b.observe::<()>(&Err(StoreError::Deadline { sent: false }));
             b.observe::<()>(&Err(StoreError::Abandoned));
         }
         assert!(!b.is_open());
@@ -208,7 +208,7 @@ mod tests {
     fn calls_that_went_out_and_did_not_answer_open_it() {
         let b = Breaker::new(Duration::ZERO, BackOff::default());
         for _ in 0..THRESHOLD {
-            b.observe::<()>(&Err(StoreError::Deadline { sent: true }));
+            b.observe::<()>(&Err(StoreError::Deadline));
         }
         assert!(
             b.is_open(),
@@ -225,8 +225,8 @@ mod tests {
     fn any_reply_ends_a_streak_of_failures() {
         let b = Breaker::new(Duration::ZERO, BackOff::default());
         for _ in 0..THRESHOLD * 10 {
-            b.observe::<()>(&Err(StoreError::Deadline { sent: true }));
-            b.observe::<()>(&Err(StoreError::Deadline { sent: false }));
+            b.observe::<()>(&Err(StoreError::Deadline));
+            b.observe::<()>(&Err(StoreError::Abandoned));
             b.observe(&Ok(()));
         }
         assert!(!b.is_open());

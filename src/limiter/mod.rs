@@ -3,14 +3,20 @@
 //! Every request takes the same steps, each of which can settle it:
 //! 1. the coarse safety limit (in process, per client and service) — `SafetyDenied`;
 //! 2. the circuit breaker: if the store is known to be down, fail open at once;
-//! 3. the store's bucket, answered by `redis.timeout_ms` — `FailOpen` past it, except for
-//!    a cost the plan's capacity can never hold, which is `Denied` whatever the store says;
+//! 3. the store's bucket: a call Redis does not answer within `redis.timeout_ms` of being
+//!    written is `FailOpen`, except for a cost the plan's capacity can never hold, which
+//!    is `Denied` whatever the store says;
 //! 4. the client's mode: in shadow mode a deny becomes `ShadowDenied` and is forwarded.
+//!
+//! Before them all, an overloaded worker sheds the request (`Shed`, see [`overload`]), and
+//! a decision not made within `overload.max_wait_ms` is shed too: the gateway's own
+//! lateness never admits a request unchecked.
 
 pub mod breaker;
 mod breakers;
 pub mod debits;
 mod hot;
+pub mod overload;
 mod safety;
 mod shadow;
 pub mod shares;
@@ -22,16 +28,17 @@ use std::time::{Duration, Instant};
 pub use breaker::Breaker;
 pub use breakers::Breakers;
 pub use hot::{HotClient, HotClients};
+pub use overload::{Overload, WorkerLoad};
 pub use safety::SafetyLimit;
 pub use shadow::ShadowStats;
 pub use shares::ShareBook;
 
 use crate::catalog::{Catalog, ClientEntry};
-use crate::configuration::Periods;
+use crate::configuration::{OverloadSettings, Periods};
 use crate::domain::limits::Level;
 use crate::domain::{Applied, AppliedKind, ClientId, Decision, Limits, Mode, Outcome, Ruling};
-use crate::metrics::{FailOpenReason, Metrics};
-use crate::store::{Every, Store, StoreError};
+use crate::metrics::{FailOpenReason, Metrics, ShedReason};
+use crate::store::{Budget, Every, Store, StoreError};
 
 /// Decides requests: safety limit, breaker, store, mode.
 pub struct Limiter {
@@ -49,6 +56,7 @@ pub struct Limiter {
     safety: SafetyLimit,
     shadow: Arc<ShadowStats>,
     periods: Periods,
+    overload: Overload,
     /// Sharded clients whose global quota is used up, until when (unix µs).
     /// With the quotas' amounts then: a raised quota (an override, a plan change) lifts it.
     quota_blocks: Arc<dashmap::DashMap<ClientId, (u64, f64)>>,
@@ -105,6 +113,7 @@ impl Limiter {
         metrics: Arc<Metrics>,
         default_multiplier: f64,
         periods: Periods,
+        overload: OverloadSettings,
     ) -> Limiter {
         Limiter {
             regional_breakers: Breakers::new(&regional, timeout, periods.backoff),
@@ -120,6 +129,7 @@ impl Limiter {
             safety: SafetyLimit::new(default_multiplier),
             shadow: Arc::new(ShadowStats::default()),
             periods,
+            overload: Overload::new(overload),
             quota_blocks: Arc::new(dashmap::DashMap::new()),
             error_log: ErrorLog::new(),
         }
@@ -159,20 +169,61 @@ impl Limiter {
         }
     }
 
+    /// Measures the calling worker's event-loop delay (spawn once per worker; runs until
+    /// the worker ends): see [`overload`].
+    pub async fn watch_worker(&self) {
+        self.overload.watch_worker().await;
+    }
+
+    /// Every worker's load, for `/metrics`.
+    pub fn worker_loads(&self) -> Vec<Arc<WorkerLoad>> {
+        self.overload.loads()
+    }
+
     /// Decides one request for `client` to `service`, costing `cost` tokens from every
     /// limit that applies to it.
     pub async fn decide(&self, client: &ClientEntry, service: &Arc<str>, cost: f64) -> Decision {
         // The one clock read the decision's steps share (the safety bucket's time, the
-        // store's deadline); each read costs tens of nanoseconds.
+        // store's budget, the bound on the whole); each read costs tens of nanoseconds.
         let started = Instant::now();
-        self.hot.observe(&client.id);
         let limits = client.limits();
-        let decision = self
-            .decide_inner(client, service, cost, &limits, started)
-            .await;
+        let decision = match self.overload.admit(client) {
+            Some(_pending) => {
+                self.hot.observe(&client.id);
+                let bound = tokio::time::Instant::from_std(started) + self.overload.max_wait();
+                let decided = self.decide_inner(client, service, cost, &limits, started);
+                match tokio::time::timeout_at(bound, decided).await {
+                    Ok(decision) => decision,
+                    Err(_) => self.shed(client, &limits, service, cost, ShedReason::DecisionWait),
+                }
+            }
+            None => self.shed(client, &limits, service, cost, ShedReason::Overloaded),
+        };
         self.metrics
             .record_decision(decision.outcome, started.elapsed());
         decision
+    }
+
+    /// A request shed for `reason`: not decided, not forwarded, counted.
+    fn shed(
+        &self,
+        client: &ClientEntry,
+        limits: &Limits,
+        service: &Arc<str>,
+        cost: f64,
+        reason: ShedReason,
+    ) -> Decision {
+        self.metrics.shed(reason);
+        Decision {
+            outcome: Outcome::Shed,
+            applied: limits.applied(Some(service)),
+            ruling: None,
+            safety_wait_us: None,
+            fail_open_reason: None,
+            as_planned: !limits.has_scoped() && client.record.overrides.is_empty(),
+            cost,
+            sharded: false,
+        }
     }
 
     async fn decide_inner(
@@ -268,14 +319,14 @@ impl Limiter {
         let answer = if breakers.with(key, Breaker::is_open) {
             Err(FailOpenReason::BreakerOpen)
         } else {
-            // The store answers by the deadline itself, saying whether the call went out
-            // (`Store::take`): one timer per request, not a second one around it.
-            let deadline = tokio::time::Instant::from_std(started) + self.timeout;
-            let answer = store.take(key, &applied, cost, Some(deadline)).await;
+            // The store's budget runs from when the call is written (`Store::take`), so
+            // time this request waits for its worker is never read as a slow store.
+            let budget = Budget::starting(tokio::time::Instant::from_std(started), self.timeout);
+            let answer = store.take(key, &applied, cost, Some(budget)).await;
             // The breaker judges the store: see `Breaker::observe`.
             breakers.with(key, |b| b.observe(&answer));
             answer.map_err(|e| match e {
-                StoreError::Deadline { .. } => FailOpenReason::Timeout,
+                StoreError::Deadline => FailOpenReason::Timeout,
                 e => {
                     self.metrics.store_error(e.kind());
                     self.error_log.note(&e);

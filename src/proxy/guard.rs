@@ -137,6 +137,9 @@ async fn guard(
     );
     let mut rl =
         RateLimitHeaders::with_policy(&client.plan.name, &decision, client.plan.policy(&decision));
+    if decision.outcome == Outcome::Shed {
+        return Ok(reject(req, ApiError::Overloaded, None));
+    }
     if !decision.outcome.forwards() {
         let (wait, limit) = match decision.outcome {
             Outcome::SafetyDenied => (decision.safety_wait_us, None),

@@ -66,18 +66,18 @@ impl Store {
     }
 
     /// Takes `cost` from every limit in `applied` at `key`, or from none, atomically, on
-    /// the store's clock. With a `deadline`, the answer past it is
-    /// [`StoreError::Deadline`] (the embedded store always answers at once).
+    /// the store's clock. With a `budget`, a call the store does not answer within it
+    /// answers [`StoreError::Deadline`] (the embedded store always answers at once).
     pub async fn take(
         &self,
         key: &str,
         applied: &[Applied],
         cost: f64,
-        deadline: Option<tokio::time::Instant>,
+        budget: Option<super::Budget>,
     ) -> Result<Ruling, StoreError> {
         match self {
             Store::Embedded(s) => Ok(s.take(key, applied, cost)),
-            Store::Redis(s) => s.take(key, applied, cost, deadline).await,
+            Store::Redis(s) => s.take(key, applied, cost, budget).await,
         }
     }
 

@@ -18,14 +18,13 @@ pub enum StoreError {
     #[error("catalog file: {0}")]
     File(String),
     /// The call deciding this request (with others) was abandoned when the request that
-    /// sent it ran out of time.
-    #[error("the call deciding this request was abandoned at its budget")]
+    /// led it went away (its client hung up): it says nothing about the store.
+    #[error("the call deciding this request was abandoned by the request that led it")]
     Abandoned,
-    /// The request's budget ran out. `sent`: its call had gone out and did not answer in
-    /// time (a slow or dead store); otherwise it ran out while queued for a call, spent
-    /// nothing, and says nothing about the store.
-    #[error("no answer within the budget ({})", if *sent { "call sent" } else { "queued, not sent" })]
-    Deadline { sent: bool },
+    /// The store did not answer a call within its budget, counted from when the call was
+    /// written to its connection (see [`super::Budget`]): a slow or dead store.
+    #[error("the store did not answer within its budget")]
+    Deadline,
 }
 
 impl StoreError {
@@ -33,7 +32,7 @@ impl StoreError {
     pub fn kind(&self) -> StoreErrorKind {
         match self {
             StoreError::Redis(r) if r.is_timeout() => StoreErrorKind::Timeout,
-            StoreError::Abandoned | StoreError::Deadline { .. } => StoreErrorKind::Timeout,
+            StoreError::Abandoned | StoreError::Deadline => StoreErrorKind::Timeout,
             StoreError::Redis(r)
                 if r.is_io_error() || r.is_connection_dropped() || r.is_connection_refusal() =>
             {

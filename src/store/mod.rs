@@ -8,6 +8,7 @@
 //! (`records.rs`), reconciliation (`shards.rs`), key names (`keys.rs`), in-process
 //! buckets (`local.rs`) and a once-per-period gate (`every.rs`).
 
+mod budget;
 mod dispatch;
 mod embedded;
 mod error;
@@ -18,6 +19,7 @@ pub mod records;
 mod redis;
 mod shards;
 
+pub use self::budget::Budget;
 pub use self::dispatch::Store;
 pub use self::error::StoreError;
 pub use self::every::Every;

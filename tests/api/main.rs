@@ -16,6 +16,7 @@ mod forwarding;
 mod limiting;
 mod operating;
 mod outage_start;
+mod overload;
 mod paths;
 mod plans;
 mod quotas;

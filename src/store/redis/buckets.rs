@@ -2,6 +2,8 @@
 //! path's part of the Redis store, one `EVALSHA` per decision (or per batch of queued
 //! decisions), whatever the number of limits.
 
+use std::time::Duration;
+
 use redis::AsyncCommands;
 
 use super::backend::{retrying, Backend, RedisStore};
@@ -10,28 +12,29 @@ use super::gather::{one_bucket, Conn, Entry, Group, Op};
 use crate::domain::limits::{spend_takes, take_many, Level};
 use crate::domain::{bucket, Applied, AppliedKind, Bucket, BucketState, Ruling};
 use crate::store::keys::{key_slot, state_field};
-use crate::store::StoreError;
+use crate::store::{Budget, StoreError};
 
 impl RedisStore {
-    /// Takes `cost` from every limit in `applied` at `key`, or from none, answering by
-    /// `deadline` (then with [`StoreError::Deadline`]). Takes for the same limits that
-    /// arrive on this worker while a call for them is in flight go to Redis together, in
-    /// time for their deadlines (see `coalesce`); each still gets the answer one-by-one
-    /// calls would have given it.
+    /// Takes `cost` from every limit in `applied` at `key`, or from none; a call Redis
+    /// does not answer within `budget.store` answers [`StoreError::Deadline`]. Takes for
+    /// the same limits that arrive on this worker while a call for them is in flight go
+    /// to Redis together, in time for their `due` (see `coalesce`); each still gets the
+    /// answer one-by-one calls would have given it.
     pub async fn take(
         &self,
         key: &str,
         applied: &[Applied],
         cost: f64,
-        deadline: Option<tokio::time::Instant>,
+        budget: Option<Budget>,
     ) -> Result<Ruling, StoreError> {
         let take = Take {
             applied,
             cost,
-            deadline,
+            due: budget.map(|b| b.due),
         };
+        let store = budget.map(|b| b.store);
         self.coalescer
-            .take(key, take, |batch| self.take_batch(key, batch))
+            .take(key, take, |batch| self.take_batch(key, batch, store))
             .await
     }
 
@@ -43,9 +46,14 @@ impl RedisStore {
     /// One `EVALSHA` deciding `batch.n` takes, in order. Several may be in flight for one
     /// key: they go out on this worker's one connection, which Redis serves in order, and
     /// each reply carries the levels at its own start.
-    async fn take_batch(&self, key: &str, batch: Batch<'_>) -> Result<Vec<Ruling>, StoreError> {
+    async fn take_batch(
+        &self,
+        key: &str,
+        batch: Batch<'_>,
+        budget: Option<Duration>,
+    ) -> Result<Vec<Ruling>, StoreError> {
         let (mut levels, now_us, takes, skip) = self
-            .call(key, Op::Take, batch.applied, batch.cost, batch.n)
+            .call(key, Op::Take, batch.applied, batch.cost, batch.n, budget)
             .await?;
         // The script did the same arithmetic from the same levels, for the takes of this
         // client that joined the entry before these (`skip`), then these.
@@ -65,7 +73,8 @@ impl RedisStore {
         applied: &[Applied],
         delta: f64,
     ) -> Result<Ruling, StoreError> {
-        let (mut levels, now_us, _, _) = self.call(key, Op::Adjust, applied, delta, 0).await?;
+        let (mut levels, now_us, _, _) =
+            self.call(key, Op::Adjust, applied, delta, 0, None).await?;
         for (l, a) in levels.iter_mut().zip(applied) {
             l.adjust(&a.kind, delta);
         }
@@ -84,10 +93,10 @@ impl RedisStore {
     pub async fn peek(&self, key: &str, applied: &[Applied]) -> Result<Ruling, StoreError> {
         let (levels, now_us, _, _) = tokio::time::timeout(
             self.control_timeout,
-            self.call(key, Op::Peek, applied, 0.0, 0),
+            self.call(key, Op::Peek, applied, 0.0, 0, None),
         )
         .await
-        .map_err(|_| StoreError::Deadline { sent: true })??;
+        .map_err(|_| StoreError::Deadline)??;
         Ok(Ruling {
             allowed: true,
             levels,
@@ -102,7 +111,8 @@ impl RedisStore {
     /// requests the whole call decided, and how many takes of the same client the entry
     /// decided before these: see `gather`). Takes are gathered with the other takes this
     /// worker makes in the same turn (`gather`); adjustments and peeks with each other, so
-    /// the take calls stay countable.
+    /// the take calls stay countable. `budget`: how long Redis has to answer the call,
+    /// from when it is written (`None`: the caller bounds the wait).
     async fn call(
         &self,
         key: &str,
@@ -110,6 +120,7 @@ impl RedisStore {
         applied: &[Applied],
         cost: f64,
         n: usize,
+        budget: Option<Duration>,
     ) -> Result<(Vec<Level>, u64, u64, usize), StoreError> {
         let (g, tag) = self.groups.locate(key);
         let group = self.groups.key(g);
@@ -120,6 +131,7 @@ impl RedisStore {
             cost,
             n,
             applied,
+            budget,
         };
         let gatherer = match op {
             Op::Take => &self.takes,
@@ -268,7 +280,7 @@ mod tests {
                                 cost: 1.0,
                                 n: 1,
                             };
-                            store.take_batch("tollgate:b:{c}", batch).await
+                            store.take_batch("tollgate:b:{c}", batch, None).await
                         })
                     })
                     .collect();

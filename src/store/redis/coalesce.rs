@@ -13,7 +13,7 @@
 //! - **the oldest queued take could no longer afford to wait**: its budget's end, less one
 //!   round trip and a half (a pessimistic estimate: see [`RoundTrip`]) and 0.5 ms, or, if the
 //!   call in flight is late (a Redis that just slowed down makes the estimate stale), a
-//!   third of the way from that call's start to the take's deadline. Then the queue goes
+//!   third of the way from that call's start to the moment the take is due. Then the queue goes
 //!   at once, as a call *beside* the calls still in flight.
 //!
 //! A take that arrives when even that moment has passed (the round trip is as long as its
@@ -36,12 +36,15 @@
 //! counting.
 //!
 //! No task is spawned: the lead passes from future to future, and only the oldest queued
-//! take keeps a timer. A take whose budget runs out answers [`StoreError::Deadline`], saying
-//! whether its call went out (`sent`): a take that ran out of budget in the queue spent
-//! nothing and says nothing about the store, which the circuit breaker relies on. A leader
-//! that is dropped mid-call answers the requests riding on its call with
+//! take keeps a timer. A take's `due` only schedules: the coalescer never gives up on a
+//! take. Once its call is written, the store has `redis.timeout_ms` to answer it (`gather`
+//! holds that deadline, one per call); a worker so busy that a queued take's moment
+//! passes sends it late, and the limiter bounds the whole wait (`limiter::overload`). A
+//! take dropped from the queue (its request gone) spent nothing. A leader that is dropped
+//! mid-call (its client hung up) answers the requests riding on its call with
 //! [`StoreError::Abandoned`], so they fail open at once instead of waiting for a reply
-//! nobody will read, and hands the lead to the next queued request.
+//! nobody will read, and hands the lead to the next queued request. The leader is the
+//! newest request on its call, so the limiter's bound never drops it before its riders.
 //!
 //! A lane's call is one *entry* of a script call: `gather` sends the entries a worker
 //! makes in one turn of its event loop, of any clients, as one `EVALSHA`.
@@ -49,7 +52,7 @@
 //! Lanes live in a thread-local map: an actix worker is one thread, so nothing here is
 //! shared between threads or needs a lock.
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::future::{poll_fn, Future};
 use std::pin::pin;
@@ -79,9 +82,10 @@ pub struct Take<'a> {
     /// Every limit that applies to the request.
     pub applied: &'a [Applied],
     pub cost: f64,
-    /// When the request's budget runs out. `None`: no deadline here (the caller bounds
-    /// the wait), and a queued take waits for a call in flight to return.
-    pub deadline: Option<Instant>,
+    /// When the request wants its answer by: a queued take goes beside the call in flight
+    /// at the last moment that still meets it. `None`: a queued take waits for a call in
+    /// flight to return.
+    pub due: Option<Instant>,
 }
 
 /// One call: `n` takes of `cost` from one client's limits, as the leader sees them.
@@ -211,20 +215,20 @@ impl RoundTrip {
         self.us.store(new, Ordering::Relaxed);
     }
 
-    /// The latest moment a take due at `deadline` can still send its call: one round
+    /// The latest moment a take due at `due` can still send its call: one round
     /// trip, half as much again for the variation a call sees on a busy worker (the reply
     /// waits for the worker to poll it), and [`SLACK`] before it.
     ///
     /// A call in flight since `oldest` that has not answered yet says the round trip is at
     /// least its age, whatever the estimate (a store that just slowed down); then the take
     /// also assumes its own call may take twice that age, and sends by the moment that
-    /// still fits: a third of the way from `oldest` to `deadline`.
-    fn last_send(&self, deadline: Instant, oldest: Option<Instant>) -> Option<Instant> {
+    /// still fits: a third of the way from `oldest` to `due`.
+    fn last_send(&self, due: Instant, oldest: Option<Instant>) -> Option<Instant> {
         let rtt = self.estimate();
-        let by_estimate = deadline.checked_sub(rtt + rtt / 2 + SLACK)?;
+        let by_estimate = due.checked_sub(rtt + rtt / 2 + SLACK)?;
         let by_age = oldest
-            .filter(|o| *o < deadline)
-            .map(|o| o + (deadline - o) / 3)
+            .filter(|o| *o < due)
+            .map(|o| o + (due - o) / 3)
             .and_then(|t| t.checked_sub(SLACK));
         match by_age {
             Some(a) => Some(a.min(by_estimate)),
@@ -391,13 +395,11 @@ impl Drop for Leading<'_> {
     }
 }
 
-/// A queued request; if it is dropped, it leaves the queue (or passes on a lead it got),
-/// and says whether its call had gone out.
+/// A queued request; if it is dropped, it leaves the queue (or passes on a lead it got).
 struct Queued<'a> {
     id: LaneId<'a>,
     lane: LaneRef,
     me: Rc<Waiter>,
-    sent: &'a Cell<bool>,
     armed: bool,
 }
 
@@ -417,44 +419,24 @@ impl Drop for Queued<'_> {
                     w.wake();
                 }
             }
-            State::Sent => self.sent.set(true),
             // Given the lead and gone before sending: the newest rider leads instead.
             State::Lead(mut riders) => match riders.pop() {
                 Some(next) => next.settle(State::Lead(riders)),
                 None => self.id.hand_on(&self.lane),
             },
-            State::Done(_) | State::Finished => {}
+            State::Sent | State::Done(_) | State::Finished => {}
         }
     }
 }
 
 impl Coalescer {
     /// Decides `take` on the bucket `key` with `call`, alone or with other takes queued
-    /// for the same bucket. `call` must return one verdict per request, in order. Past
-    /// `take.deadline` the answer is [`StoreError::Deadline`].
+    /// for the same bucket. `call` must return one verdict per request, in order, and
+    /// bounds its own wait for the store.
     pub async fn take<'a, F, Fut>(
         &self,
         key: &str,
         take: Take<'a>,
-        call: F,
-    ) -> Result<Ruling, StoreError>
-    where
-        F: Fn(Batch<'a>) -> Fut,
-        Fut: Future<Output = Result<Vec<Ruling>, StoreError>>,
-    {
-        let sent = Cell::new(false);
-        let Some(deadline) = take.deadline else {
-            return self.decide(key, take, &sent, call).await;
-        };
-        let answer = tokio::time::timeout_at(deadline, self.decide(key, take, &sent, call)).await;
-        answer.unwrap_or(Err(StoreError::Deadline { sent: sent.get() }))
-    }
-
-    async fn decide<'a, F, Fut>(
-        &self,
-        key: &str,
-        take: Take<'a>,
-        sent: &Cell<bool>,
         call: F,
     ) -> Result<Ruling, StoreError>
     where
@@ -471,10 +453,10 @@ impl Coalescer {
             // Idle: send at once.
             let lane = id.open();
             lane.borrow_mut().in_flight = 1;
-            return self.lead(id, lane, take, sent, Vec::new(), call).await;
+            return self.lead(id, lane, take, Vec::new(), call).await;
         };
         let oldest = lane.borrow().sent.front().copied();
-        let deadline = match take.deadline {
+        let due = match take.due {
             Some(d) => match self.rtt.last_send(d, oldest) {
                 Some(t) if t > Instant::now() => Some(d),
                 // It cannot afford to wait at all: its own call now, the queue on it.
@@ -484,7 +466,7 @@ impl Coalescer {
                         l.in_flight += 1;
                         l.board(MAX_BATCH - 1)
                     };
-                    return self.lead(id, lane, take, sent, riders, call).await;
+                    return self.lead(id, lane, take, riders, call).await;
                 }
             },
             None => None,
@@ -498,7 +480,6 @@ impl Coalescer {
             id,
             lane: Rc::clone(&lane),
             me: Rc::clone(&me),
-            sent,
             armed: true,
         };
         // Armed only while this take is the oldest in the queue.
@@ -513,10 +494,10 @@ impl Coalescer {
                         .queue
                         .front()
                         .is_some_and(|w| Rc::ptr_eq(w, &me));
-                    if let (true, Some(deadline)) = (front, deadline) {
+                    if let (true, Some(due)) = (front, due) {
                         if timer.is_none() {
                             let since = lane.borrow().sent.front().copied();
-                            let at = self.rtt.last_send(deadline, since);
+                            let at = self.rtt.last_send(due, since);
                             // None: no time left to wait at all.
                             let at = at.unwrap_or_else(Instant::now);
                             timer.set(Some(tokio::time::sleep_until(at)));
@@ -559,11 +540,8 @@ impl Coalescer {
         .await;
         queued.armed = false;
         match answer {
-            Ok(answer) => {
-                sent.set(true);
-                answer
-            }
-            Err(riders) => self.lead(id, lane, take, sent, riders, call).await,
+            Ok(answer) => answer,
+            Err(riders) => self.lead(id, lane, take, riders, call).await,
         }
     }
 
@@ -575,7 +553,6 @@ impl Coalescer {
         id: LaneId<'_>,
         lane: LaneRef,
         take: Take<'a>,
-        sent: &Cell<bool>,
         riders: Vec<Rc<Waiter>>,
         call: F,
     ) -> Result<Ruling, StoreError>
@@ -595,7 +572,6 @@ impl Coalescer {
             sent_at,
             answered: false,
         };
-        sent.set(true);
         let reply = call(Batch {
             applied: take.applied,
             cost: take.cost,
@@ -659,7 +635,7 @@ mod tests {
         Take {
             applied: &ONE_BUCKET,
             cost: 1.0,
-            deadline: None,
+            due: None,
         }
     }
 
@@ -920,15 +896,15 @@ mod tests {
         }
     }
 
-    /// A take of one token from "k" with a deadline `budget_ms` from now (`None`: none).
-    fn spawn_deadline_take(
+    /// A take of one token from "k" due `budget_ms` from now (`None`: none).
+    fn spawn_due_take(
         c: &Rc<Coalescer>,
         store: &Rc<Pipelined>,
         budget_ms: Option<u64>,
     ) -> tokio::task::JoinHandle<Result<Ruling, StoreError>> {
         let (c, store) = (Rc::clone(c), Rc::clone(store));
         let t = Take {
-            deadline: budget_ms.map(|ms| Instant::now() + Duration::from_millis(ms)),
+            due: budget_ms.map(|ms| Instant::now() + Duration::from_millis(ms)),
             ..take()
         };
         tokio::task::spawn_local(async move { c.take("k", t, |b| store.call(b)).await })
@@ -944,11 +920,11 @@ mod tests {
                 let c = Rc::new(Coalescer::default());
                 c.rtt.observe(Duration::from_millis(300));
                 let store = Pipelined::new(2.0);
-                let first = spawn_deadline_take(&c, &store, Some(1_000));
+                let first = spawn_due_take(&c, &store, Some(1_000));
                 settle().await;
-                let second = spawn_deadline_take(&c, &store, Some(1_000));
+                let second = spawn_due_take(&c, &store, Some(1_000));
                 settle().await;
-                let third = spawn_deadline_take(&c, &store, Some(1_000));
+                let third = spawn_due_take(&c, &store, Some(1_000));
                 settle().await;
                 assert_eq!(store.sizes(), [1], "the queue waits while it can");
 
@@ -977,10 +953,10 @@ mod tests {
                 let c = Rc::new(Coalescer::default());
                 c.rtt.observe(Duration::from_millis(1));
                 let store = Pipelined::new(10.0);
-                let first = spawn_deadline_take(&c, &store, Some(1_000));
+                let first = spawn_due_take(&c, &store, Some(1_000));
                 settle().await;
                 let queued: Vec<_> = (0..3)
-                    .map(|_| spawn_deadline_take(&c, &store, Some(1_000)))
+                    .map(|_| spawn_due_take(&c, &store, Some(1_000)))
                     .collect();
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 assert_eq!(store.sizes(), [1]);
@@ -1009,11 +985,11 @@ mod tests {
                 let c = Rc::new(Coalescer::default());
                 c.rtt.observe(Duration::from_millis(500));
                 let store = Pipelined::new(2.0);
-                let first = spawn_deadline_take(&c, &store, None);
+                let first = spawn_due_take(&c, &store, None);
                 settle().await;
-                let queued = spawn_deadline_take(&c, &store, None);
+                let queued = spawn_due_take(&c, &store, None);
                 settle().await;
-                let hurried = spawn_deadline_take(&c, &store, Some(100));
+                let hurried = spawn_due_take(&c, &store, Some(100));
                 settle().await;
                 // Its own call at once, with the older queued take first on it.
                 assert_eq!(store.sizes(), [1, 2]);
@@ -1026,35 +1002,27 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn past_its_deadline_a_take_says_whether_its_call_went_out() {
+    async fn past_its_due_a_queued_take_is_sent_beside_the_call_in_flight_never_given_up() {
         let local = tokio::task::LocalSet::new();
         local
             .run_until(async {
                 let c = Rc::new(Coalescer::default());
                 let store = Pipelined::new(10.0);
-                // A leader whose call never answers in time...
-                let leader = spawn_deadline_take(&c, &store, Some(100));
+                // A leader whose call does not answer for a long time...
+                let leader = spawn_due_take(&c, &store, Some(100));
                 settle().await;
-                // ...an older queued take without a deadline, then one that runs out of
-                // budget behind it, never having been sent.
-                let patient = spawn_deadline_take(&c, &store, None);
+                // ...and a take due before it answers, queued behind it.
+                let queued = spawn_due_take(&c, &store, Some(50));
                 settle().await;
-                let queued = spawn_deadline_take(&c, &store, Some(50));
+                tokio::time::sleep(Duration::from_millis(200)).await;
                 settle().await;
-                assert!(matches!(
-                    queued.await.unwrap(),
-                    Err(StoreError::Deadline { sent: false })
-                ));
-                assert!(matches!(
-                    leader.await.unwrap(),
-                    Err(StoreError::Deadline { sent: true })
-                ));
-                // The leader gave up: the patient take leads the next call.
-                settle().await;
+                // Past both dues, nothing gave up: the queued take went beside the leader's
+                // call, and both are answered when the store answers.
                 assert_eq!(store.sizes(), [1, 1]);
+                assert!(!leader.is_finished() && !queued.is_finished());
                 store.go.notify_waiters();
-                assert!(patient.await.unwrap().unwrap().allowed);
-                // The abandoned call spent its token: Redis ran it.
+                assert!(leader.await.unwrap().unwrap().allowed);
+                assert!(queued.await.unwrap().unwrap().allowed);
                 assert_eq!(*store.calls.borrow(), [(1, 10.0), (1, 9.0)]);
             })
             .await;

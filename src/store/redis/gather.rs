@@ -184,6 +184,9 @@ pub struct Entry<'a> {
     pub cost: f64,
     pub n: usize,
     pub applied: &'a [Applied],
+    /// How long Redis has to answer the call, from when it is written (`None`: the caller
+    /// bounds its wait).
+    pub budget: Option<std::time::Duration>,
 }
 
 /// The batch a worker is filling.
@@ -205,6 +208,8 @@ struct Pending {
     /// Who waits for which entry, and how many of that entry's takes come before theirs.
     waiters: Vec<(Waiter, usize, usize)>,
     takes: u64,
+    /// The shortest budget of its entries: how long Redis has to answer the call.
+    budget: Option<std::time::Duration>,
     /// Still taking entries: its task has not run yet.
     open: bool,
 }
@@ -319,10 +324,18 @@ impl Gatherer {
             }
         }
         if let Some(tx) = tx {
+            // A connection that takes longer than the budget to come (a dial to a store
+            // that does not answer) is the store's failure, as a call would be.
+            let conn = match entry.budget {
+                Some(budget) => tokio::time::timeout(budget, conn())
+                    .await
+                    .map_err(|_| StoreError::Deadline)??,
+                None => conn().await?,
+            };
             // Sized for a lone entry of a one-bucket plan (most calls, with many clients),
             // so that one grows none of them step by step.
             let mut pending = Pending {
-                conn: conn().await?,
+                conn,
                 declare_all: !matches!(group, Group::Master(_)),
                 groups: Vec::new(),
                 sets: Vec::new(),
@@ -332,6 +345,7 @@ impl Gatherer {
                 seen: Default::default(),
                 waiters: Vec::new(),
                 takes: 0,
+                budget: None,
                 open: true,
             };
             let _ = pending.add(&entry, tx);
@@ -358,6 +372,10 @@ impl Pending {
     /// worker so busy that a round trip takes most of a budget, each take leads a call of
     /// its own, and they meet here).
     fn add(&mut self, e: &Entry<'_>, tx: Waiter) -> Result<(), Waiter> {
+        self.budget = match (self.budget, e.budget) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         let seen = seen_hash(e);
         if let Some(&i) = self.seen.get(&seen) {
             let q = &mut self.entries[i];
@@ -491,15 +509,35 @@ fn wall_clock_us() -> u64 {
 
 /// Closes the batch and sends it as one call; answers every entry.
 async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
-    let (mut conn, declare_all, groups, sets, set_args, entries, tags, mut waiters, takes) = {
+    let (
+        mut conn,
+        reader,
+        budget,
+        declare_all,
+        groups,
+        sets,
+        set_args,
+        entries,
+        tags,
+        mut waiters,
+        takes,
+    ) = {
         let mut b = batch.lock().unwrap_or_else(|p| p.into_inner());
         b.open = false;
         let conn = match &b.conn {
             Conn::Single(l) => Conn::Single(l.clone()),
             Conn::Cluster(c) => Conn::Cluster(c.clone()),
         };
+        // A second handle on the link, to look for the reply on its socket when the
+        // budget ends (the call holds the first).
+        let reader = match &b.conn {
+            Conn::Single(l) if b.budget.is_some() => Some(l.clone()),
+            _ => None,
+        };
         (
             conn,
+            reader,
+            b.budget,
             b.declare_all,
             std::mem::take(&mut b.groups),
             b.sets.len(),
@@ -567,17 +605,55 @@ async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
         .arg(&set_args)
         .arg(&runs)
         .arg(&tag_args);
-    // Each waiter bounds its own wait (a request's budget, the control timeout), but the
-    // call has no deadline of its own: on a connection gone silent it would wait, and keep
-    // the connection open, forever. So it is dropped once nobody waits for it any more,
-    // checked only after `ABANDON_CHECK` (a call normally answers long before).
-    let nobody_waits = async {
-        tokio::time::sleep(ABANDON_CHECK).await;
-        futures_util::future::join_all(waiters.iter_mut().map(|(tx, _, _)| tx.closed())).await;
-    };
-    let reply = tokio::select! {
-        r = call(&mut conn, &cmd, &script) => r,
-        () = nobody_waits => return,
+    let reply = match budget {
+        Some(budget) => {
+            // The store's budget starts now: the call is written in its first poll, just
+            // below. Time the worker took to get here is its own, not the store's.
+            let end = tokio::time::Instant::now() + budget;
+            let mut call = std::pin::pin!(call(&mut conn, &cmd, &script));
+            let late = tokio::select! {
+                biased;
+                r = &mut call => Some(r),
+                () = tokio::time::sleep_until(end) => None,
+            };
+            match late {
+                Some(r) => r,
+                None => {
+                    // The timer fired, perhaps long after `end` on a busy worker, before
+                    // the connection's driver ran: a reply on the socket now came in
+                    // time, or is late by less than the worker's own delay. Either way
+                    // the store answered, and its answer is used.
+                    if let Some(link) = &reader {
+                        link.read_now();
+                    }
+                    match futures_util::FutureExt::now_or_never(call.as_mut()) {
+                        Some(r) => r,
+                        None => {
+                            for (tx, _, _) in waiters {
+                                let _ = tx.send(Err(StoreError::Deadline));
+                            }
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+        None => {
+            // Each waiter bounds its own wait (the control timeout), but the call has no
+            // deadline of its own: on a connection gone silent it would wait, and keep
+            // the connection open, forever. So it is dropped once nobody waits for it any
+            // more, checked only after `ABANDON_CHECK` (a call normally answers long
+            // before).
+            let nobody_waits = async {
+                tokio::time::sleep(ABANDON_CHECK).await;
+                futures_util::future::join_all(waiters.iter_mut().map(|(tx, _, _)| tx.closed()))
+                    .await;
+            };
+            tokio::select! {
+                r = call(&mut conn, &cmd, &script) => r,
+                () = nobody_waits => return,
+            }
+        }
     };
     let answer = match reply {
         Ok(r) => split(r, &sizes),
@@ -678,7 +754,7 @@ pub(super) mod tests {
     use crate::domain::limits::{Level, Limit, Limits};
     use crate::domain::Bucket;
     use crate::store::redis::RedisStore;
-    use crate::store::{Keys, StoreError};
+    use crate::store::{Budget, Keys, StoreError};
 
     use super::ABANDON_CHECK;
 
@@ -814,10 +890,7 @@ pub(super) mod tests {
         .await
         .expect("an answer, not a wait without end");
         assert!(
-            matches!(
-                answer,
-                Err(crate::store::StoreError::Deadline { sent: true })
-            ),
+            matches!(answer, Err(crate::store::StoreError::Deadline)),
             "{answer:?}"
         );
     }
@@ -904,7 +977,7 @@ pub(super) mod tests {
     }
 
     #[tokio::test]
-    async fn a_call_on_a_silent_connection_ends_once_nobody_waits_for_it() {
+    async fn a_call_without_a_budget_on_a_silent_connection_ends_once_nobody_waits_for_it() {
         // Arrange: a connection open, then silenced (it stays open, nothing answers).
         let (_redis, proxy, store, applied) = behind_proxy();
         let local = tokio::task::LocalSet::new();
@@ -922,17 +995,92 @@ pub(super) mod tests {
                 let before = alive();
                 proxy.blackhole();
 
-                // Act: a take whose request gives up at its 50 ms budget.
-                let deadline = tokio::time::Instant::now() + Duration::from_millis(50);
-                let r = store
-                    .take("tollgate:b:{c}", &applied, 1.0, Some(deadline))
-                    .await;
-                assert!(matches!(r, Err(StoreError::Deadline { .. })), "{r:?}");
+                // Act: a take with no budget, whose caller gives up after 50 ms.
+                let r = tokio::time::timeout(
+                    Duration::from_millis(50),
+                    store.take("tollgate:b:{c}", &applied, 1.0, None),
+                )
+                .await;
+                assert!(r.is_err(), "{r:?}");
                 assert_eq!(alive(), before + 1, "the call's task waits on");
 
                 // Assert: its call's task ends soon after the check, not never.
                 tokio::time::sleep(ABANDON_CHECK + Duration::from_millis(300)).await;
                 assert_eq!(alive(), before, "the call's task is gone");
+            })
+            .await;
+    }
+
+    /// A budget of `ms` for a take starting now.
+    fn budget_ms(ms: u64) -> Option<Budget> {
+        Some(Budget::starting(
+            tokio::time::Instant::now(),
+            Duration::from_millis(ms),
+        ))
+    }
+
+    #[tokio::test]
+    async fn a_call_the_store_does_not_answer_within_its_budget_fails_and_ends_then() {
+        let (_redis, proxy, store, applied) = behind_proxy();
+        let local = tokio::task::LocalSet::new();
+        local
+            .run_until(async {
+                store
+                    .take("tollgate:b:{w}", &applied, 1.0, None)
+                    .await
+                    .unwrap();
+                let alive = || {
+                    tokio::runtime::Handle::current()
+                        .metrics()
+                        .num_alive_tasks()
+                };
+                let before = alive();
+                proxy.blackhole();
+
+                let started = std::time::Instant::now();
+                let r = store
+                    .take("tollgate:b:{c}", &applied, 1.0, budget_ms(50))
+                    .await;
+                assert!(matches!(r, Err(StoreError::Deadline)), "{r:?}");
+                assert!(started.elapsed() >= Duration::from_millis(50));
+                tokio::task::yield_now().await;
+                assert_eq!(alive(), before, "the call's task ended with its budget");
+            })
+            .await;
+    }
+
+    #[tokio::test]
+    async fn a_reply_that_came_in_time_while_the_worker_was_busy_is_used_not_failed() {
+        // Arrange: Redis 5 ms away, a budget of 20 ms.
+        let (_redis, proxy, store, applied) = behind_proxy();
+        let local = tokio::task::LocalSet::new();
+        local
+            .run_until(async {
+                store
+                    .take("tollgate:b:{w}", &applied, 1.0, None)
+                    .await
+                    .unwrap();
+                proxy.delay(Duration::from_millis(5));
+
+                // Act: the take's call goes out, then the worker is held by a CPU-bound
+                // burst of 200 ms (ten budgets): Redis answers meanwhile, and nothing on
+                // the worker runs until the burst ends, when every timer is long due.
+                let take = {
+                    let (store, applied) = (Rc::clone(&store), Rc::clone(&applied));
+                    tokio::task::spawn_local(async move {
+                        store
+                            .take("tollgate:b:{c}", &applied, 1.0, budget_ms(20))
+                            .await
+                    })
+                };
+                for _ in 0..20 {
+                    tokio::task::yield_now().await;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+
+                // Assert: decided by Redis' answer, not failed for the worker's delay.
+                let r = take.await.unwrap();
+                assert!(r.is_ok_and(|r| r.allowed), "the store answered in time");
             })
             .await;
     }

@@ -56,6 +56,26 @@ enum ReadHalf {
 }
 
 impl ReadHalf {
+    /// Reads what the socket holds now, without waiting (`WouldBlock` when nothing). A
+    /// `recv` of its own rather than tokio's `try_read`, which answers `WouldBlock`
+    /// without asking the kernel until the reactor has seen the socket readable: on a
+    /// worker too busy to poll the reactor, that is exactly what has not happened yet.
+    /// Tokio copes with the bytes gone: its next read finds none and waits again.
+    fn try_read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        use std::os::fd::AsRawFd;
+        let fd = match self {
+            ReadHalf::Tcp(s) => s.as_ref().as_raw_fd(),
+            ReadHalf::Unix(s) => s.as_ref().as_raw_fd(),
+        };
+        // SAFETY: `buf` is valid for writes of its length, and `fd` is an open socket this
+        // half owns for as long as the call lasts.
+        let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(n as usize)
+    }
+
     fn poll_read(&mut self, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         match self {
             ReadHalf::Tcp(s) => Pin::new(s).poll_read(cx, buf),
@@ -104,11 +124,47 @@ struct State {
 
 struct Shared {
     state: Mutex<State>,
+    /// The reading half and what it read: the driver's, and a caller's that checks for
+    /// replies at its deadline ([`Pipe::read_now`]).
+    reader: Mutex<Reader>,
 }
 
 impl Shared {
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn reader(&self) -> MutexGuard<'_, Reader> {
+        self.reader.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Answers the oldest waiting command with `value`.
+    fn answer(&self, value: Value) -> Result<(), RedisError> {
+        let tx = self.state().waiting.pop_front();
+        match tx {
+            Some(tx) => {
+                let _ = tx.send(Ok(value));
+                Ok(())
+            }
+            None => Err(protocol("a reply nobody asked for".into())),
+        }
+    }
+}
+
+struct Reader {
+    read: ReadHalf,
+    input: Input,
+}
+
+impl Reader {
+    /// Answers every complete reply read so far.
+    fn answer_complete(&mut self, shared: &Shared) -> Result<(), RedisError> {
+        let input = &mut self.input;
+        while let Some((value, used)) = parse(&input.buf[input.start..input.end])? {
+            input.start += used;
+            shared.answer(value)?;
+        }
+        Ok(())
     }
 }
 
@@ -144,8 +200,12 @@ impl Pipe {
                 ended: None,
                 dropped: false,
             }),
+            reader: Mutex::new(Reader {
+                read,
+                input: Input::default(),
+            }),
         });
-        let driver = drive(Arc::clone(&shared), read);
+        let driver = drive(Arc::clone(&shared));
         (Pipe(Arc::new(Handle(shared))), driver)
     }
 
@@ -180,6 +240,27 @@ impl Pipe {
         }
         rx.await.unwrap_or_else(|_| Err(closed()))
     }
+
+    /// Reads and answers the replies the socket holds now, without waiting for the
+    /// driver task. A caller whose deadline has come calls it before giving up: on a
+    /// worker too busy to have run the driver since the reply arrived, the reply is
+    /// there, and the store was not late (see `gather`). A failure is left for the
+    /// driver to meet and report.
+    pub fn read_now(&self) {
+        let shared = &self.0 .0;
+        let mut reader = shared.reader();
+        let reader = &mut *reader;
+        loop {
+            let n = match reader.read.try_read(reader.input.room()) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            reader.input.end += n;
+            if reader.answer_complete(shared).is_err() {
+                return;
+            }
+        }
+    }
 }
 
 fn closed() -> RedisError {
@@ -188,9 +269,8 @@ fn closed() -> RedisError {
 
 /// Writes what callers left in the buffer, reads and answers replies, until the socket
 /// ends or fails (then fails every waiting command) or every handle is dropped.
-async fn drive(shared: Arc<Shared>, mut read: ReadHalf) -> RedisError {
-    let mut input = Input::default();
-    let r = poll_fn(|cx| poll_drive(&shared, cx, &mut read, &mut input)).await;
+async fn drive(shared: Arc<Shared>) -> RedisError {
+    let r = poll_fn(|cx| poll_drive(&shared, cx)).await;
     let e = match r {
         Ok(()) => closed(),
         Err(e) => e,
@@ -242,12 +322,7 @@ impl Input {
     }
 }
 
-fn poll_drive(
-    shared: &Shared,
-    cx: &mut Context<'_>,
-    read: &mut ReadHalf,
-    input: &mut Input,
-) -> Poll<Result<(), RedisError>> {
+fn poll_drive(shared: &Shared, cx: &mut Context<'_>) -> Poll<Result<(), RedisError>> {
     // Write what is left in the buffer.
     {
         let mut guard = shared.state();
@@ -272,9 +347,11 @@ fn poll_drive(
         }
     }
     // Read and answer every complete reply.
+    let mut reader = shared.reader();
+    let reader = &mut *reader;
     loop {
-        let mut room = ReadBuf::new(input.room());
-        match read.poll_read(cx, &mut room) {
+        let mut room = ReadBuf::new(reader.input.room());
+        match reader.read.poll_read(cx, &mut room) {
             Poll::Pending => return Poll::Pending,
             Poll::Ready(Err(e)) => return Poll::Ready(Err(e.into())),
             Poll::Ready(Ok(())) => {}
@@ -283,19 +360,8 @@ fn poll_drive(
         if n == 0 {
             return Poll::Ready(Err(closed()));
         }
-        input.end += n;
-        while let Some((value, used)) = parse(&input.buf[input.start..input.end])? {
-            input.start += used;
-            let tx = shared.state().waiting.pop_front();
-            match tx {
-                Some(tx) => {
-                    let _ = tx.send(Ok(value));
-                }
-                None => {
-                    return Poll::Ready(Err(protocol("a reply nobody asked for".into())));
-                }
-            }
-        }
+        reader.input.end += n;
+        reader.answer_complete(shared)?;
     }
 }
 
@@ -399,6 +465,52 @@ mod tests {
 
     /// A real Redis behind the pipe: replies far larger than the read buffer, and many
     /// commands in flight at once, each answered with its own reply.
+    #[tokio::test]
+    async fn replies_waiting_on_the_socket_are_read_by_a_caller_before_the_driver_runs() {
+        // Arrange: a connection whose driver is on this (current-thread) runtime, and
+        // three commands written.
+        let redis = tollgate_testkit::RedisServer::start().unwrap();
+        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", redis.port))
+            .await
+            .unwrap();
+        let (pipe, driver) = Pipe::start(Stream::Tcp(tcp));
+        tokio::spawn(driver);
+        let mut pings: Vec<_> = (0..3)
+            .map(|i| {
+                let pipe = pipe.clone();
+                Box::pin(async move {
+                    let mut echo = redis::cmd("ECHO");
+                    echo.arg(i);
+                    pipe.send(&echo).await
+                })
+            })
+            .collect();
+        for p in &mut pings {
+            assert!(futures_util::FutureExt::now_or_never(p.as_mut()).is_none());
+        }
+
+        // Act: the thread is held (Redis answers meanwhile; the driver cannot run), then
+        // a caller reads what the socket holds.
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        pipe.read_now();
+
+        // Assert: every reply reached its own caller without the driver.
+        for (i, p) in pings.iter_mut().enumerate() {
+            let reply = futures_util::FutureExt::now_or_never(p.as_mut()).expect("answered");
+            assert_eq!(
+                reply.unwrap(),
+                Value::BulkString(i.to_string().into_bytes())
+            );
+        }
+        // And the driver carries on from there.
+        let mut echo = redis::cmd("ECHO");
+        echo.arg("next");
+        assert_eq!(
+            pipe.send(&echo).await.unwrap(),
+            Value::BulkString(b"next".to_vec())
+        );
+    }
+
     #[tokio::test]
     async fn large_and_pipelined_replies_each_reach_their_own_caller() {
         let redis = tollgate_testkit::RedisServer::start().unwrap();

@@ -306,6 +306,11 @@ impl Link {
         self.health.usable(dialer)
     }
 
+    /// Answers the replies its socket holds now (see [`Pipe::read_now`]).
+    pub fn read_now(&self) {
+        self.pipe.read_now();
+    }
+
     /// `cmd`'s reply as a `T`; a transport error marks the link broken.
     pub async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, RedisError> {
         let r = match self.pipe.send(cmd).await {
