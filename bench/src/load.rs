@@ -11,7 +11,7 @@
 //! answer is in, for the maximum rate.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -328,12 +328,60 @@ async fn exchange(
     Some(reply)
 }
 
+/// Answers by HTTP status.
+#[derive(Debug, Clone, Default)]
+pub struct Statuses(BTreeMap<u16, u64>);
+
+impl Statuses {
+    fn add(&mut self, status: u16) {
+        *self.0.entry(status).or_default() += 1;
+    }
+
+    /// Answers with `status`.
+    pub fn of(&self, status: u16) -> u64 {
+        self.0.get(&status).copied().unwrap_or(0)
+    }
+
+    pub fn total(&self) -> u64 {
+        self.0.values().sum()
+    }
+
+    /// Answers with none of `statuses`.
+    pub fn other_than(&self, statuses: &[u16]) -> u64 {
+        self.0
+            .iter()
+            .filter(|(s, _)| !statuses.contains(s))
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    fn merge(&mut self, other: &Statuses) {
+        for (&s, &n) in &other.0 {
+            *self.0.entry(s).or_default() += n;
+        }
+    }
+
+    /// The share of answers with `status`, in % (0 with none).
+    pub fn pct(&self, status: u16) -> f64 {
+        100.0 * self.of(status) as f64 / self.total().max(1) as f64
+    }
+}
+
 /// What a closed-loop run measured.
 pub struct ClosedResult {
     /// Answers completed inside the measured window.
     pub completed: u64,
     /// Of those, answers other than 2xx.
     pub non_2xx: u64,
+    /// The same answers by status.
+    pub statuses: Statuses,
+    /// Answers completed during the warm-up, by status: whether a client's bucket was
+    /// emptied before the window opened.
+    pub warmup_statuses: Statuses,
+    /// How long before the window opened the warm-up's last `429` came, if one did: the
+    /// bucket held under one token then, so at most `1 + rate x this` when the window
+    /// opened.
+    pub last_429_before_window: Option<Duration>,
     /// Failed exchanges (connection errors), over the whole run.
     pub errors: u64,
     pub window: Duration,
@@ -345,8 +393,44 @@ pub struct ClosedResult {
 }
 
 impl ClosedResult {
+    /// A run of no connections (a class of clients with none in it).
+    pub fn empty(window: Duration) -> ClosedResult {
+        ClosedResult {
+            completed: 0,
+            non_2xx: 0,
+            statuses: Statuses::default(),
+            warmup_statuses: Statuses::default(),
+            last_429_before_window: None,
+            errors: 0,
+            window,
+            latencies_ns: Vec::new(),
+            cpu_s: None,
+        }
+    }
+
+    /// Several runs over the same `window` (clients measured side by side, each on its
+    /// own connections) as one class of clients.
+    pub fn combined(parts: &[ClosedResult], window: Duration) -> ClosedResult {
+        let mut all = ClosedResult::empty(window);
+        for p in parts {
+            all.completed += p.completed;
+            all.non_2xx += p.non_2xx;
+            all.statuses.merge(&p.statuses);
+            all.warmup_statuses.merge(&p.warmup_statuses);
+            all.errors += p.errors;
+            all.latencies_ns.extend_from_slice(&p.latencies_ns);
+        }
+        all.latencies_ns.sort_unstable();
+        all
+    }
+
     pub fn rate(&self) -> f64 {
         self.completed as f64 / self.window.as_secs_f64()
+    }
+
+    /// The 99th percentile latency in the window, in ms.
+    pub fn p99_ms(&self) -> f64 {
+        percentile(&self.latencies_ns, 0.99) as f64 / 1e6
     }
 
     /// CPU µs the watched process spent per answer completed in the window.
@@ -417,6 +501,9 @@ async fn closed(
     let non_2xx = Rc::new(Cell::new(0u64));
     let errors = Rc::new(Cell::new(0u64));
     let latencies = Rc::new(RefCell::new(Vec::new()));
+    let statuses = Rc::new(RefCell::new(Statuses::default()));
+    let warmup_statuses = Rc::new(RefCell::new(Statuses::default()));
+    let last_429 = Rc::new(Cell::new(None::<Instant>));
     let mut tasks = Vec::new();
     for c in 0..conns {
         let (requests, completed, non_2xx, errors, latencies) = (
@@ -425,6 +512,11 @@ async fn closed(
             Rc::clone(&non_2xx),
             Rc::clone(&errors),
             Rc::clone(&latencies),
+        );
+        let (statuses, warmup_statuses, last_429) = (
+            Rc::clone(&statuses),
+            Rc::clone(&warmup_statuses),
+            Rc::clone(&last_429),
         );
         tasks.push(tokio::task::spawn_local(async move {
             let mut conn: Option<Conn> = None;
@@ -452,8 +544,14 @@ async fn closed(
                         if now >= from && now < until {
                             completed.set(completed.get() + 1);
                             latencies.borrow_mut().push((now - sent).as_nanos() as u64);
+                            statuses.borrow_mut().add(reply.status);
                             if !(200..300).contains(&reply.status) {
                                 non_2xx.set(non_2xx.get() + 1);
+                            }
+                        } else if now < from {
+                            warmup_statuses.borrow_mut().add(reply.status);
+                            if reply.status == 429 {
+                                last_429.set(Some(now));
                             }
                         }
                         if open.closed {
@@ -481,6 +579,9 @@ async fn closed(
         cpu_s,
         completed: completed.get(),
         non_2xx: non_2xx.get(),
+        statuses: statuses.take(),
+        warmup_statuses: warmup_statuses.take(),
+        last_429_before_window: last_429.get().map(|t| from - t),
         errors: errors.get(),
         window: duration,
         latencies_ns,

@@ -17,7 +17,7 @@
 //!   forwards), nginx and the floor proxy; `redis-server`, the config builder and the
 //!   process plumbing come from `tollgate-testkit`, shared with the tests.
 //! - [`scenarios`]: latency, throughput, accuracy, plans, redis, failopen, slowredis,
-//!   replay.
+//!   overload, replay.
 //! - [`report`] and [`svg`]: the table, the JSON and the charts.
 
 mod floor;
@@ -35,7 +35,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 /// Measures tollgate: added latency, throughput, accuracy, plans of several limits,
-/// fail-open, a slow Redis and the incident replay.
+/// fail-open, a slow Redis, overload and the incident replay.
 #[derive(Debug, Parser)]
 #[command(name = "tollgate-bench", version)]
 struct Cli {
@@ -83,6 +83,10 @@ enum Scenario {
     /// A slow (not stalled) Redis: fail-opens, breaker openings, throughput and p99 per
     /// injected reply delay, one hot client and a few others.
     Slowredis(scenarios::slowredis::Args),
+    /// A client at 10x the gateway's capacity beside clients on a real limit: the status
+    /// mix per class, the others' admitted count against their buckets, fail-opens,
+    /// breaker openings and the gateway's memory.
+    Overload(scenarios::overload::Args),
     /// (Internal) the bare actix-web + awc proxy `throughput` measures as the stack's floor.
     #[command(hide = true)]
     Floor(floor::Args),
@@ -119,6 +123,7 @@ fn main() -> ExitCode {
         Scenario::Failopen(a) => scenarios::failopen::run(&a),
         Scenario::Replay(a) => scenarios::replay::run(&a),
         Scenario::Slowredis(a) => scenarios::slowredis::run(&a),
+        Scenario::Overload(a) => scenarios::overload::run(&a),
         Scenario::Floor(_) => unreachable!("handled above"),
     };
     let mut outcome = match result {
@@ -136,14 +141,9 @@ fn main() -> ExitCode {
             d.steal * 100.0
         ));
         if let Some(obj) = outcome.json.as_object_mut() {
-            obj.insert(
-                "other_processes_cpu_pct".into(),
-                serde_json::json!(report::round(d.other_processes * 100.0, 1)),
-            );
-            obj.insert(
-                "steal_cpu_pct".into(),
-                serde_json::json!(report::round(d.steal * 100.0, 1)),
-            );
+            for (k, v) in d.json_fields() {
+                obj.insert(k.into(), v);
+            }
         }
     }
     println!("{}", outcome.markdown);

@@ -124,6 +124,52 @@ pub fn cpu_seconds(pid: u32) -> Option<f64> {
     Some(total)
 }
 
+/// Process `pid`'s resident set (`VmRSS` in `/proc/PID/status`), in KiB; `None` once it
+/// is gone.
+pub fn rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Samples a process's resident set on a thread of its own, at once, then every `every`,
+/// and once more when stopped: whether what it holds grows while it is under load (a
+/// queue of work it cannot get to does).
+pub struct RssWatch {
+    stop: std::sync::mpsc::Sender<()>,
+    thread: std::thread::JoinHandle<Vec<u64>>,
+}
+
+impl RssWatch {
+    pub fn start(pid: u32, every: Duration) -> RssWatch {
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let mut kib = Vec::new();
+            loop {
+                kib.extend(rss_kib(pid));
+                match stopped.recv_timeout(every) {
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+                    _ => break,
+                }
+            }
+            kib.extend(rss_kib(pid));
+            kib
+        });
+        RssWatch { stop, thread }
+    }
+
+    /// The samples in KiB, first to last.
+    pub fn stop(self) -> Vec<u64> {
+        let _ = self.stop.send(());
+        self.thread.join().unwrap_or_default()
+    }
+}
+
 /// Sets this process's nice value (children inherit it); says so when it cannot.
 pub fn set_nice(n: i32) {
     // SAFETY: setpriority on our own process.
@@ -376,6 +422,24 @@ impl Gateway {
             bail!("/metrics answered {status}");
         }
         Ok(http::parse_metrics(&body))
+    }
+
+    /// [`Gateway::metrics`] from a gateway under load, asked again every 20 ms for up to
+    /// `within`: an overloaded gateway may shed the scrape too.
+    pub fn metrics_within(
+        &self,
+        within: Duration,
+    ) -> anyhow::Result<std::collections::HashMap<String, f64>> {
+        let deadline = Instant::now() + within;
+        loop {
+            match self.metrics() {
+                Ok(m) => return Ok(m),
+                Err(e) if Instant::now() > deadline => {
+                    return Err(e.context(format!("no /metrics within {within:?}")))
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
     }
 }
 

@@ -52,10 +52,106 @@ pub fn ms(v: f64) -> String {
     format!("{v:.3}")
 }
 
+/// A share in %, two decimals.
+pub fn pct(v: f64) -> String {
+    format!("{v:.2}%")
+}
+
+/// A count or a rate, whole.
+pub fn count(v: f64) -> String {
+    format!("{v:.0}")
+}
+
 /// Rounds to `digits` decimals for JSON, so files diff readably.
 pub fn round(v: f64, digits: i32) -> f64 {
     let f = 10f64.powi(digits);
     (v * f).round() / f
+}
+
+/// The median (the mean of the middle two for an even count); 0 for none.
+pub fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// Which way a figure gets worse, for [`OverRuns`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Worse {
+    Higher,
+    Lower,
+    /// An error in %: the run farthest from 0 either way.
+    FartherFromZero,
+}
+
+impl Worse {
+    /// How the report names it ("highest").
+    pub fn word(self) -> &'static str {
+        match self {
+            Worse::Higher => "highest",
+            Worse::Lower => "lowest",
+            Worse::FartherFromZero => "farthest from 0",
+        }
+    }
+}
+
+/// One figure over repeated runs: the median and the worst run's. On a shared host a run
+/// can be lucky as easily as unlucky, so a single run, or the best of several, says little:
+/// the median is the typical run, the worst what one must be ready for. The best is never
+/// reported.
+#[derive(Debug, Clone)]
+pub struct OverRuns {
+    pub median: f64,
+    pub worst: f64,
+    pub worse: Worse,
+    /// Every run's value, in run order.
+    pub runs: Vec<f64>,
+}
+
+impl OverRuns {
+    pub fn of(runs: Vec<f64>, worse: Worse) -> OverRuns {
+        let pick = |a: f64, b: f64| match worse {
+            Worse::Higher => a.max(b),
+            Worse::Lower => a.min(b),
+            Worse::FartherFromZero => {
+                if b.abs() > a.abs() {
+                    b
+                } else {
+                    a
+                }
+            }
+        };
+        let worst = runs.iter().copied().reduce(pick).unwrap_or(0.0);
+        OverRuns {
+            median: median(&runs),
+            worst,
+            worse,
+            runs,
+        }
+    }
+
+    /// A table cell: `median (worst)`, each written by `fmt`; the value alone for one run.
+    pub fn cell(&self, fmt: impl Fn(f64) -> String) -> String {
+        if self.runs.len() > 1 {
+            format!("{} ({})", fmt(self.median), fmt(self.worst))
+        } else {
+            fmt(self.median)
+        }
+    }
+
+    /// `{"median", "worst", "worse", "runs"}`, rounded to `digits` decimals.
+    pub fn json(&self, digits: i32) -> serde_json::Value {
+        serde_json::json!({
+            "median": round(self.median, digits),
+            "worst": round(self.worst, digits),
+            "worse": self.worse.word(),
+            "runs": self.runs.iter().map(|&v| round(v, digits)).collect::<Vec<_>>(),
+        })
+    }
 }
 
 /// A one-line description of the machine and its load when the run started, for the
@@ -221,6 +317,57 @@ pub struct CpuWatch {
 pub struct Disturbance {
     pub other_processes: f64,
     pub steal: f64,
+}
+
+impl Disturbance {
+    /// `other_processes_cpu_pct` and `steal_cpu_pct`, as every scenario's JSON has them.
+    pub fn json_fields(&self) -> [(&'static str, serde_json::Value); 2] {
+        [
+            (
+                "other_processes_cpu_pct",
+                serde_json::json!(round(self.other_processes * 100.0, 1)),
+            ),
+            (
+                "steal_cpu_pct",
+                serde_json::json!(round(self.steal * 100.0, 1)),
+            ),
+        ]
+    }
+
+    /// The same as a JSON object.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::Value::Object(
+            self.json_fields()
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect(),
+        )
+    }
+}
+
+/// For scenarios of repeated runs, each watched by its own [`CpuWatch`]: a sentence giving
+/// each run's steal and other processes' CPU (the worst run is often the disturbed one),
+/// and the same as a JSON array (`null` where `/proc/stat` could not be read).
+pub fn runs_disturbance<'a>(
+    runs: impl IntoIterator<Item = Option<&'a Disturbance>>,
+) -> (String, serde_json::Value) {
+    let runs: Vec<_> = runs.into_iter().collect();
+    let pct = |f: fn(&Disturbance) -> f64| {
+        runs.iter()
+            .map(|d| d.map_or("?".into(), |d| format!("{:.1}%", f(d) * 100.0)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let text = format!(
+        "Per run, the hypervisor stole {} and other processes used {} of the machine's CPU time.\n",
+        pct(|d| d.steal),
+        pct(|d| d.other_processes)
+    );
+    let json = runs
+        .iter()
+        .map(|d| d.map_or(serde_json::Value::Null, Disturbance::json))
+        .collect();
+    (text, json)
 }
 
 impl CpuWatch {

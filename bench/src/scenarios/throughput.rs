@@ -13,7 +13,7 @@ use super::clients::Clients;
 use super::seconds;
 use crate::load::run_closed_watching;
 use crate::procs::{one_unlimited_client, raise_fd_limit, Floor, Gateway, Nginx, Pin};
-use crate::report::{machine, round, Outcome, Table};
+use crate::report::{machine, median, round, Outcome, Table};
 use crate::svg;
 use crate::upstream::{Server, Upstreams};
 
@@ -104,16 +104,6 @@ impl Row {
 
     fn cpu_us(&self) -> Option<f64> {
         (!self.cpu_us.is_empty()).then(|| median(&self.cpu_us))
-    }
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
 }
 
