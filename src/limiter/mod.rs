@@ -186,37 +186,39 @@ impl Limiter {
         // The one clock read the decision's steps share (the safety bucket's time, the
         // store's budget, the bound on the whole); each read costs tens of nanoseconds.
         let started = Instant::now();
+        // Counted whether or not it is shed: the client that overloads a worker is the
+        // hottest one (`/admin/v1/hot` names it).
+        self.hot.observe(&client.id);
         let limits = client.limits();
         let decision = match self.overload.admit(client) {
             Some(_pending) => {
-                self.hot.observe(&client.id);
                 let bound = tokio::time::Instant::from_std(started) + self.overload.max_wait();
                 let decided = self.decide_inner(client, service, cost, &limits, started);
                 match tokio::time::timeout_at(bound, decided).await {
                     Ok(decision) => decision,
-                    Err(_) => self.shed(client, &limits, service, cost, ShedReason::DecisionWait),
+                    Err(_) => self.shed(client, &limits, cost, ShedReason::DecisionWait),
                 }
             }
-            None => self.shed(client, &limits, service, cost, ShedReason::Overloaded),
+            None => self.shed(client, &limits, cost, ShedReason::Overloaded),
         };
         self.metrics
             .record_decision(decision.outcome, started.elapsed());
         decision
     }
 
-    /// A request shed for `reason`: not decided, not forwarded, counted.
+    /// A request shed for `reason`: not decided, not forwarded, counted; as cheap as a
+    /// refusal can be (no limits applied: its answer carries no rate-limit headers).
     fn shed(
         &self,
         client: &ClientEntry,
         limits: &Limits,
-        service: &Arc<str>,
         cost: f64,
         reason: ShedReason,
     ) -> Decision {
         self.metrics.shed(reason);
         Decision {
             outcome: Outcome::Shed,
-            applied: limits.applied(Some(service)),
+            applied: Vec::new(),
             ruling: None,
             safety_wait_us: None,
             fail_open_reason: None,

@@ -135,11 +135,11 @@ async fn guard(
         &route.service,
         &route.prefix,
     );
-    let mut rl =
-        RateLimitHeaders::with_policy(&client.plan.name, &decision, client.plan.policy(&decision));
     if decision.outcome == Outcome::Shed {
         return Ok(reject(req, ApiError::Overloaded, None));
     }
+    let mut rl =
+        RateLimitHeaders::with_policy(&client.plan.name, &decision, client.plan.policy(&decision));
     if !decision.outcome.forwards() {
         let (wait, limit) = match decision.outcome {
             Outcome::SafetyDenied => (decision.safety_wait_us, None),

@@ -611,12 +611,12 @@ async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
             // below. Time the worker took to get here is its own, not the store's.
             let end = tokio::time::Instant::now() + budget;
             let mut call = std::pin::pin!(call(&mut conn, &cmd, &script));
-            let late = tokio::select! {
+            let in_time = tokio::select! {
                 biased;
                 r = &mut call => Some(r),
                 () = tokio::time::sleep_until(end) => None,
             };
-            match late {
+            match in_time {
                 Some(r) => r,
                 None => {
                     // The timer fired, perhaps long after `end` on a busy worker, before
