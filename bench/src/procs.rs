@@ -170,6 +170,98 @@ impl RssWatch {
     }
 }
 
+/// Takes the CPU away from a process `stop` in every `period` (SIGSTOP, then SIGCONT), on
+/// a thread of its own, until dropped (it leaves the process running). A hypervisor's
+/// steal, or a neighbour's burst, as the gateway sees it, while Redis and the load keep
+/// running: a gateway VM whose CPU is stolen, in front of a Redis on a host of its own
+/// (real steal on this machine would stall Redis and the load generator too, and then
+/// calls really do take longer than the budget).
+pub struct Steal {
+    stealing: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    pid: libc::pid_t,
+}
+
+/// `STOP_MS/PERIOD_MS`, e.g. `3/18`: stopped 3 ms in every 18 (17%).
+#[derive(Debug, Clone, Copy)]
+pub struct StealSpec {
+    pub stop: Duration,
+    pub period: Duration,
+}
+
+impl std::str::FromStr for StealSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<StealSpec, String> {
+        let bad = || format!("{s:?} is not STOP_MS/PERIOD_MS with 0 < STOP_MS < PERIOD_MS");
+        let (stop, period) = s.split_once('/').ok_or_else(bad)?;
+        let ms = |v: &str| v.trim().parse::<f64>().map_err(|_| bad());
+        let (stop, period) = (ms(stop)?, ms(period)?);
+        if !(stop > 0.0 && stop < period && period <= 10_000.0) {
+            return Err(bad());
+        }
+        Ok(StealSpec {
+            stop: Duration::from_secs_f64(stop / 1e3),
+            period: Duration::from_secs_f64(period / 1e3),
+        })
+    }
+}
+
+impl StealSpec {
+    /// The share of the time the process is stopped.
+    pub fn share(&self) -> f64 {
+        self.stop.as_secs_f64() / self.period.as_secs_f64()
+    }
+
+    /// How a report says it.
+    pub fn describe(&self) -> String {
+        format!(
+            "the gateway stopped {} ms in every {} ms ({:.0}% stolen)",
+            self.stop.as_secs_f64() * 1e3,
+            self.period.as_secs_f64() * 1e3,
+            self.share() * 100.0
+        )
+    }
+}
+
+impl Steal {
+    pub fn start(pid: u32, spec: StealSpec) -> Steal {
+        use std::sync::atomic::Ordering::Relaxed;
+        let stealing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let pid = pid as libc::pid_t;
+        let thread = {
+            let stealing = std::sync::Arc::clone(&stealing);
+            std::thread::spawn(move || {
+                while stealing.load(Relaxed) {
+                    // SAFETY: kill(2) on the pid of a child this tool started.
+                    unsafe { libc::kill(pid, libc::SIGSTOP) };
+                    std::thread::sleep(spec.stop);
+                    // SAFETY: as above.
+                    unsafe { libc::kill(pid, libc::SIGCONT) };
+                    std::thread::sleep(spec.period - spec.stop);
+                }
+            })
+        };
+        Steal {
+            stealing,
+            thread: Some(thread),
+            pid,
+        }
+    }
+}
+
+impl Drop for Steal {
+    fn drop(&mut self) {
+        self.stealing
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        // SAFETY: kill(2) on the pid of a child this tool started.
+        unsafe { libc::kill(self.pid, libc::SIGCONT) };
+    }
+}
+
 /// Sets this process's nice value (children inherit it); says so when it cannot.
 pub fn set_nice(n: i32) {
     // SAFETY: setpriority on our own process.

@@ -24,7 +24,7 @@ use super::throughput::pinned;
 use super::{seconds, summary_json};
 use crate::floor::Ask;
 use crate::load::{run_open, sorted_ns, Arrivals, Stream, Summary};
-use crate::procs::{one_unlimited_client, raise_fd_limit, Floor, Gateway, Pin};
+use crate::procs::{one_unlimited_client, raise_fd_limit, Floor, Gateway, Pin, Steal, StealSpec};
 use crate::report::{machine, ms, round, Outcome, Table};
 use crate::svg;
 use crate::upstream::{Server, Upstreams};
@@ -70,6 +70,10 @@ pub struct Args {
     /// Redis), which separates the gateway's own work from its Redis round trip.
     #[arg(long)]
     embedded: bool,
+    /// Takes the gateway's CPU away while it is measured, `STOP_MS/PERIOD_MS` (e.g.
+    /// `3/18`: 17%), as a hypervisor's steal would (see `procs::Steal`).
+    #[arg(long, value_name = "STOP_MS/PERIOD_MS")]
+    steal: Option<StealSpec>,
     #[command(flatten)]
     clients: Clients,
 }
@@ -177,7 +181,9 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         a.slice,
         pinned(pin)
     );
+    let steal = a.steal.map(|s| Steal::start(gateway.child.id(), s));
     let result = run_open(streams)?;
+    drop(steal);
     let spent = RedisSpent::read(&redis)?.since(&spent_before);
     let evalsha = spent.calls("evalsha");
 
@@ -371,7 +377,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         "### latency: {} req/s open loop, {} s per side, {}{}\n\n{}\n\
          Redis calls per gateway request: {:.3} (EVALSHA). Inside Redis per call: the \
          gateway's EVALSHA {:.1} µs{}. \
-         Fail-opens: {}.{} The gateway's slowest requests: {slowest}. \
+         Fail-opens: {}.{}{} The gateway's slowest requests: {slowest}. \
          Generator wake-up lateness p50/p99: {:.0}/{:.0} µs (included in both sides). {}.\n",
         a.rate,
         a.duration,
@@ -382,6 +388,10 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         in_evalsha,
         floors_inside,
         fail_open,
+        a.steal.map_or(String::new(), |s| format!(
+            " Steal emulated: {}.",
+            s.describe()
+        )),
         tracing_note,
         result.dispatch_late_p50.as_secs_f64() * 1e6,
         result.dispatch_late_p99.as_secs_f64() * 1e6,
@@ -389,6 +399,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     );
     let json = json!({
         "scenario": "latency",
+        "steal": a.steal.map(|s| s.describe()),
         "clients": a.clients.describe(),
         "rate": a.rate,
         "duration_s": a.duration,

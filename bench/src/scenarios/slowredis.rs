@@ -21,7 +21,7 @@ use super::overload::OverloadSettings;
 use super::{seconds, MetricsDelta};
 use crate::http::get_request;
 use crate::load::{run_closed, ClosedResult};
-use crate::procs::{one_unlimited_client, raise_fd_limit, Gateway};
+use crate::procs::{one_unlimited_client, raise_fd_limit, Gateway, Steal, StealSpec};
 use crate::report::{
     count, machine, median, ms, pct, round, runs_disturbance, CpuWatch, Outcome, OverRuns, Table,
     Worse,
@@ -57,6 +57,10 @@ pub struct Args {
     runs: usize,
     #[command(flatten)]
     overload: OverloadSettings,
+    /// Takes the gateway's CPU away during each measured window, `STOP_MS/PERIOD_MS`
+    /// (e.g. `3/18`: 17%), as a hypervisor's steal would (see `procs::Steal`).
+    #[arg(long, value_name = "STOP_MS/PERIOD_MS")]
+    steal: Option<StealSpec>,
 }
 
 const PATH: &str = "/api/items/42";
@@ -257,6 +261,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
             )?;
             drop(warm);
             let before = gateway.metrics()?;
+            let steal = a.steal.map(|s| Steal::start(gateway.child.id(), s));
             let others = {
                 let (reqs, n) = (other_requests.clone(), a.others);
                 std::thread::spawn(move || run_closed(addr, reqs, n, Duration::ZERO, duration))
@@ -276,6 +281,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
                 let _ = others.join();
                 ClosedResult::empty(duration)
             };
+            drop(steal);
             let m = MetricsDelta {
                 before,
                 after: gateway.metrics()?,
@@ -348,7 +354,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
          {spread}Fail-open % is over the store's verdicts (allowed, denied, shadow-denied, \
          failed open; the hot client's and the others'), so requests shed with a `503` are \
          not in it: the 503 columns are their share of each class's answers. The delay is \
-         added to every reply by a proxy, on top of its own hop. Overload settings: {}. {machine}.\n{per_run_cpu}",
+         added to every reply by a proxy, on top of its own hop. Overload settings: {}. Steal: {}. {machine}.\n{per_run_cpu}",
         a.timeout_ms,
         a.hot_conns,
         a.others,
@@ -358,9 +364,11 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         if a.runs == 1 { "" } else { "s" },
         table.render(),
         a.overload.describe(),
+        a.steal.map_or("none emulated".into(), |s| s.describe()),
     );
     let json = json!({
         "scenario": "slowredis",
+        "steal": a.steal.map(|s| s.describe()),
         "timeout_ms": a.timeout_ms,
         "hot_conns": a.hot_conns,
         "others": a.others,
