@@ -216,16 +216,7 @@ impl Limiter {
         reason: ShedReason,
     ) -> Decision {
         self.metrics.shed(reason);
-        Decision {
-            outcome: Outcome::Shed,
-            applied: Vec::new(),
-            ruling: None,
-            safety_wait_us: None,
-            fail_open_reason: None,
-            as_planned: !limits.has_scoped() && client.record.overrides.is_empty(),
-            cost,
-            sharded: false,
-        }
+        opening(client, limits, cost, Outcome::Shed)
     }
 
     async fn decide_inner(
@@ -237,16 +228,7 @@ impl Limiter {
         started: Instant,
     ) -> Decision {
         let mut applied = limits.applied(Some(service));
-        let mut decision = Decision {
-            outcome: Outcome::Allowed,
-            applied: Vec::new(),
-            ruling: None,
-            safety_wait_us: None,
-            fail_open_reason: None,
-            as_planned: !limits.has_scoped() && client.record.overrides.is_empty(),
-            cost,
-            sharded: false,
-        };
+        let mut decision = opening(client, limits, cost, Outcome::Allowed);
 
         // The coarse safety limit scales the plan's first bucket (a plan of quotas alone
         // has none).
@@ -518,6 +500,20 @@ impl Limiter {
 
     pub fn breakers(&self) -> &Breakers {
         &self.breakers
+    }
+}
+
+/// A decision of `outcome` for `cost` with nothing applied or ruled yet.
+fn opening(client: &ClientEntry, limits: &Limits, cost: f64, outcome: Outcome) -> Decision {
+    Decision {
+        outcome,
+        applied: Vec::new(),
+        ruling: None,
+        safety_wait_us: None,
+        fail_open_reason: None,
+        as_planned: !limits.has_scoped() && client.record.overrides.is_empty(),
+        cost,
+        sharded: false,
     }
 }
 

@@ -987,12 +987,7 @@ pub(super) mod tests {
                     .take("tollgate:b:{w}", &applied, 1.0, None)
                     .await
                     .unwrap();
-                let alive = || {
-                    tokio::runtime::Handle::current()
-                        .metrics()
-                        .num_alive_tasks()
-                };
-                let before = alive();
+                let before = alive_tasks();
                 proxy.blackhole();
 
                 // Act: a take with no budget, whose caller gives up after 50 ms.
@@ -1002,13 +997,20 @@ pub(super) mod tests {
                 )
                 .await;
                 assert!(r.is_err(), "{r:?}");
-                assert_eq!(alive(), before + 1, "the call's task waits on");
+                assert_eq!(alive_tasks(), before + 1, "the call's task waits on");
 
                 // Assert: its call's task ends soon after the check, not never.
                 tokio::time::sleep(ABANDON_CHECK + Duration::from_millis(300)).await;
-                assert_eq!(alive(), before, "the call's task is gone");
+                assert_eq!(alive_tasks(), before, "the call's task is gone");
             })
             .await;
+    }
+
+    /// Tasks alive on this runtime (a call's sending task among them).
+    fn alive_tasks() -> usize {
+        tokio::runtime::Handle::current()
+            .metrics()
+            .num_alive_tasks()
     }
 
     /// A budget of `ms` for a take starting now.
@@ -1029,12 +1031,7 @@ pub(super) mod tests {
                     .take("tollgate:b:{w}", &applied, 1.0, None)
                     .await
                     .unwrap();
-                let alive = || {
-                    tokio::runtime::Handle::current()
-                        .metrics()
-                        .num_alive_tasks()
-                };
-                let before = alive();
+                let before = alive_tasks();
                 proxy.blackhole();
 
                 let started = std::time::Instant::now();
@@ -1044,7 +1041,11 @@ pub(super) mod tests {
                 assert!(matches!(r, Err(StoreError::Deadline)), "{r:?}");
                 assert!(started.elapsed() >= Duration::from_millis(50));
                 tokio::task::yield_now().await;
-                assert_eq!(alive(), before, "the call's task ended with its budget");
+                assert_eq!(
+                    alive_tasks(),
+                    before,
+                    "the call's task ended with its budget"
+                );
             })
             .await;
     }
