@@ -247,3 +247,47 @@ async fn a_gateway_whose_cpu_is_taken_away_neither_fails_open_nor_opens_the_brea
     assert_eq!(sample_in(&text, "tollgate_breaker_opened_total"), Some(0.0));
     assert_eq!(ok, CAPACITY - 1, "the bucket admits exactly what it holds");
 }
+
+#[tokio::test]
+async fn a_decision_held_past_max_wait_is_shed_with_503_and_counted_as_decision_wait() {
+    // Arrange: a store budget of 2 s, and a whole-decision bound of 100 ms: an order the
+    // settings refuse (the bound must exceed two budgets), set on the parsed settings to
+    // reach the bound alone. Then Redis stops answering.
+    let redis = RedisServer::start().unwrap();
+    let proxy = FaultProxy::start(([127, 0, 0, 1], redis.port).into());
+    let up = Upstream::start(Behaviour::Echo).await;
+    let toml = format!(
+        "[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n{}{}",
+        proxy.redis_url(),
+        catalog_toml(("gold", 100.0, 1.0), &["acme"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    );
+    let mut s = settings(&toml);
+    s.overload.max_wait = Duration::from_millis(100);
+    let gw = TestGateway::spawn(s).await;
+    eventually(Duration::from_secs(5), "the store answers", || async {
+        decided(&gw.get("/orders/warm", Some(&key("acme"))).await)
+    })
+    .await;
+    proxy.blackhole();
+
+    // Act
+    let started = Instant::now();
+    let r = gw.get("/orders/1", Some(&key("acme"))).await;
+
+    // Assert: shed at the bound, not admitted unchecked, never forwarded.
+    let took = started.elapsed();
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.headers()["retry-after"], "1");
+    assert!(
+        took >= Duration::from_millis(100) && took < Duration::from_millis(1500),
+        "answered after {took:?}"
+    );
+    assert_eq!(up.hits(), 1, "only the warm-up reached the service");
+    assert_eq!(
+        gw.sample("tollgate_shed_total{reason=\"decision_wait\"}")
+            .await,
+        1.0
+    );
+    assert_eq!(gw.sample("tollgate_fail_open_total").await, 0.0);
+}
