@@ -465,16 +465,22 @@ mod tests {
 
     /// A real Redis behind the pipe: replies far larger than the read buffer, and many
     /// commands in flight at once, each answered with its own reply.
-    #[tokio::test]
-    async fn replies_waiting_on_the_socket_are_read_by_a_caller_before_the_driver_runs() {
-        // Arrange: a connection whose driver is on this (current-thread) runtime, and
-        // three commands written.
-        let redis = tollgate_testkit::RedisServer::start().unwrap();
+    /// A connection to `redis`, its driver spawned on this runtime.
+    async fn connected(redis: &tollgate_testkit::RedisServer) -> Pipe {
         let tcp = tokio::net::TcpStream::connect(("127.0.0.1", redis.port))
             .await
             .unwrap();
         let (pipe, driver) = Pipe::start(Stream::Tcp(tcp));
         tokio::spawn(driver);
+        pipe
+    }
+
+    #[tokio::test]
+    async fn replies_waiting_on_the_socket_are_read_by_a_caller_before_the_driver_runs() {
+        // Arrange: a connection whose driver is on this (current-thread) runtime, and
+        // three commands written.
+        let redis = tollgate_testkit::RedisServer::start().unwrap();
+        let pipe = connected(&redis).await;
         let mut pings: Vec<_> = (0..3)
             .map(|i| {
                 let pipe = pipe.clone();
@@ -514,11 +520,7 @@ mod tests {
     #[tokio::test]
     async fn large_and_pipelined_replies_each_reach_their_own_caller() {
         let redis = tollgate_testkit::RedisServer::start().unwrap();
-        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", redis.port))
-            .await
-            .unwrap();
-        let (pipe, driver) = Pipe::start(Stream::Tcp(tcp));
-        tokio::spawn(driver);
+        let pipe = connected(&redis).await;
 
         // 100 kB: the 16 kB buffer must grow, and keep what it has read meanwhile.
         let big: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
