@@ -49,6 +49,8 @@ pub struct FaultProxy {
     shared: Arc<Shared>,
     stop: Option<oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// The proxy thread's id in the kernel (for `chrt`, `taskset`).
+    tid: i32,
 }
 
 impl FaultProxy {
@@ -69,9 +71,12 @@ impl FaultProxy {
         });
         let (stop, stopped) = oneshot::channel();
         let s = Arc::clone(&shared);
+        let (tid_tx, tid_rx) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("fault-proxy".into())
             .spawn(move || {
+                // SAFETY: gettid has no preconditions.
+                let _ = tid_tx.send(unsafe { libc::gettid() });
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build()
@@ -85,12 +90,20 @@ impl FaultProxy {
                 });
             })
             .expect("proxy thread");
+        let tid = tid_rx.recv().expect("the proxy thread's id");
         FaultProxy {
             addr,
             shared,
             stop: Some(stop),
             thread: Some(thread),
+            tid,
         }
+    }
+
+    /// The kernel's id of the one thread that runs the proxy (its scheduling can be set
+    /// apart from the rest of the process's, e.g. with `chrt -p`).
+    pub fn thread_id(&self) -> i32 {
+        self.tid
     }
 
     pub fn port(&self) -> u16 {

@@ -115,6 +115,11 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
+    /// The server's process id (its threads' scheduling can be set, e.g. with `chrt -a -p`).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// A blocking connection, for inspecting what the gateway wrote.
     pub fn conn(&self) -> anyhow::Result<redis::Connection> {
         Ok(redis::Client::open(self.url())?.get_connection()?)

@@ -21,7 +21,9 @@ use super::overload::OverloadSettings;
 use super::{seconds, MetricsDelta};
 use crate::http::get_request;
 use crate::load::{run_closed, ClosedResult};
-use crate::procs::{one_unlimited_client, raise_fd_limit, Gateway, Steal, StealSpec};
+use crate::procs::{
+    one_unlimited_client, raise_fd_limit, realtime, threads_of, Gateway, Steal, StealSpec,
+};
 use crate::report::{
     count, machine, median, ms, pct, round, runs_disturbance, CpuWatch, Outcome, OverRuns, Table,
     Worse,
@@ -61,6 +63,12 @@ pub struct Args {
     /// (e.g. `3/18`: 17%), as a hypervisor's steal would (see `procs::Steal`).
     #[arg(long, value_name = "STOP_MS/PERIOD_MS")]
     steal: Option<StealSpec>,
+    /// Runs `redis-server` and the fault proxy at real-time priority (see
+    /// `procs::realtime`): a store on a host of its own, which the saturated gateway and
+    /// load generator beside it cannot starve. Without it the store path shares the cores,
+    /// and a call it answers late is a slow store, which fails open by design.
+    #[arg(long)]
+    store_realtime: bool,
 }
 
 const PATH: &str = "/api/items/42";
@@ -198,6 +206,11 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     let machine = machine();
     let redis = RedisServer::start()?;
     let proxy = FaultProxy::start(([127, 0, 0, 1], redis.port).into());
+    if a.store_realtime {
+        let mut tids = threads_of(redis.pid())?;
+        tids.push(proxy.thread_id());
+        realtime(&tids)?;
+    }
     let upstream = Upstreams::start(vec![Server::Fast(Default::default())])?;
     // Every client on a plan far above any offered rate: each request takes the allowed
     // path, so a fail-open is the store's doing, never the limit's.
@@ -354,7 +367,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
          {spread}Fail-open % is over the store's verdicts (allowed, denied, shadow-denied, \
          failed open; the hot client's and the others'), so requests shed with a `503` are \
          not in it: the 503 columns are their share of each class's answers. The delay is \
-         added to every reply by a proxy, on top of its own hop. Overload settings: {}. Steal: {}. {machine}.\n{per_run_cpu}",
+         added to every reply by a proxy, on top of its own hop. Overload settings: {}. Steal: {}. Store path: {}. {machine}.\n{per_run_cpu}",
         a.timeout_ms,
         a.hot_conns,
         a.others,
@@ -365,10 +378,16 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         table.render(),
         a.overload.describe(),
         a.steal.map_or("none emulated".into(), |s| s.describe()),
+        if a.store_realtime {
+            "redis-server and the proxy at real-time priority (a store the gateway's load cannot starve)"
+        } else {
+            "redis-server and the proxy share the cores with the gateway and the load"
+        },
     );
     let json = json!({
         "scenario": "slowredis",
         "steal": a.steal.map(|s| s.describe()),
+        "store_realtime": a.store_realtime,
         "timeout_ms": a.timeout_ms,
         "hot_conns": a.hot_conns,
         "others": a.others,

@@ -50,6 +50,14 @@ pub const MAX_ENTRIES: usize = 128;
 /// given up on it.
 const ABANDON_CHECK: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// A budget's end seen later than this was not watched: the gateway (or its whole host)
+/// was not running, and the store is given the time back (see `MAX_GRACES`).
+const LATE_LOOK: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// How many times a call's budget is extended for a late look, each by the lateness, at
+/// most one budget: a call waits at most three budgets, however late the gateway runs.
+const MAX_GRACES: u32 = 2;
+
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 /// The script's arguments, packed in one buffer: one allocation per batch rather than
@@ -609,33 +617,41 @@ async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
         Some(budget) => {
             // The store's budget starts now: the call is written in its first poll, just
             // below. Time the worker took to get here is its own, not the store's.
-            let end = tokio::time::Instant::now() + budget;
+            let mut end = tokio::time::Instant::now() + budget;
             let mut call = std::pin::pin!(call(&mut conn, &cmd, &script));
-            let in_time = tokio::select! {
-                biased;
-                r = &mut call => Some(r),
-                () = tokio::time::sleep_until(end) => None,
-            };
-            match in_time {
-                Some(r) => r,
-                None => {
-                    // The timer fired, perhaps long after `end` on a busy worker, before
-                    // the connection's driver ran: a reply on the socket now came in
-                    // time, or is late by less than the worker's own delay. Either way
-                    // the store answered, and its answer is used.
-                    if let Some(link) = &reader {
-                        link.read_now();
-                    }
-                    match futures_util::FutureExt::now_or_never(call.as_mut()) {
-                        Some(r) => r,
-                        None => {
-                            for (tx, _, _) in waiters {
-                                let _ = tx.send(Err(StoreError::Deadline));
-                            }
-                            return;
-                        }
-                    }
+            let mut graces = 0;
+            loop {
+                let in_time = tokio::select! {
+                    biased;
+                    r = &mut call => Some(r),
+                    () = tokio::time::sleep_until(end) => None,
+                };
+                if let Some(r) = in_time {
+                    break r;
                 }
+                // The timer fired, perhaps long after `end` on a busy worker, before the
+                // connection's driver ran: a reply on the socket now came in time, or is
+                // late by less than the worker's own delay. Either way the store
+                // answered, and its answer is used.
+                if let Some(link) = &reader {
+                    link.read_now();
+                }
+                if let Some(r) = futures_util::FutureExt::now_or_never(call.as_mut()) {
+                    break r;
+                }
+                // No reply. If the gateway looked late, it was not running while the
+                // budget ran out (a busy worker, a stopped process, a paused host, which
+                // stops the store on the same host too): the store gets that time back,
+                // up to one budget, at most twice. A punctual look is the store's verdict.
+                let late = tokio::time::Instant::now().saturating_duration_since(end);
+                if late <= LATE_LOOK || graces == MAX_GRACES {
+                    for (tx, _, _) in waiters {
+                        let _ = tx.send(Err(StoreError::Deadline));
+                    }
+                    return;
+                }
+                graces += 1;
+                end = tokio::time::Instant::now() + late.min(budget);
             }
         }
         None => {
@@ -1082,6 +1098,64 @@ pub(super) mod tests {
                 // Assert: decided by Redis' answer, not failed for the worker's delay.
                 let r = take.await.unwrap();
                 assert!(r.is_ok_and(|r| r.allowed), "the store answered in time");
+            })
+            .await;
+    }
+
+    #[tokio::test]
+    async fn a_budget_that_ran_out_while_nothing_watched_is_given_back() {
+        // Arrange: Redis 60 ms away, a budget of 20 ms.
+        let (_redis, proxy, store, applied) = behind_proxy();
+        let local = tokio::task::LocalSet::new();
+        local
+            .run_until(async {
+                store
+                    .take("tollgate:b:{w}", &applied, 1.0, None)
+                    .await
+                    .unwrap();
+                proxy.delay(Duration::from_millis(60));
+
+                // Act: the call goes out, then the worker stops for 45 ms (as a paused
+                // host stops it and the store alike): the budget ends 25 ms before anyone
+                // looks, and the reply is not there yet.
+                let take = {
+                    let (store, applied) = (Rc::clone(&store), Rc::clone(&applied));
+                    tokio::task::spawn_local(async move {
+                        store
+                            .take("tollgate:b:{c}", &applied, 1.0, budget_ms(20))
+                            .await
+                    })
+                };
+                for _ in 0..20 {
+                    tokio::task::yield_now().await;
+                }
+                std::thread::sleep(Duration::from_millis(45));
+
+                // Assert: the late look gave the store its time back (up to a budget,
+                // twice), and its answer at 60 ms decided.
+                let r = take.await.unwrap();
+                assert!(r.is_ok_and(|r| r.allowed), "failed for a late look");
+            })
+            .await;
+    }
+
+    #[tokio::test]
+    async fn a_punctual_look_at_a_silent_store_fails_at_the_budget() {
+        let (_redis, proxy, store, applied) = behind_proxy();
+        let local = tokio::task::LocalSet::new();
+        local
+            .run_until(async {
+                store
+                    .take("tollgate:b:{w}", &applied, 1.0, None)
+                    .await
+                    .unwrap();
+                proxy.delay(Duration::from_millis(200));
+                let started = std::time::Instant::now();
+                let r = store
+                    .take("tollgate:b:{c}", &applied, 1.0, budget_ms(20))
+                    .await;
+                assert!(matches!(r, Err(StoreError::Deadline)), "{r:?}");
+                assert!(started.elapsed() < Duration::from_millis(150));
             })
             .await;
     }
