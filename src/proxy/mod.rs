@@ -1,14 +1,18 @@
 //! The data plane: [`guard`] (path → API key → client → route → decision), then, for an
 //! admitted request, [`forward`] (one upstream replica, streamed both ways), in one service. [`NormalPath`] is the one form
-//! a path is routed and forwarded in.
+//! a path is routed and forwarded in. [`wire`] sits under awc on every upstream connection,
+//! holding its responses to RFC 9112 (interim responses, bodiless and close-delimited
+//! bodies, truncation).
 
 mod forward;
 mod guard;
 mod headers;
 mod path;
 mod routes;
+mod wire;
 
 pub use guard::Guard;
 pub use headers::{request_id, RequestId};
 pub use path::{NormalPath, PathError, MAX_PATH_BYTES};
 pub use routes::{Route, RouteTable};
+pub use wire::{checked_body, client, connector, CheckedBody, Probe, Wire};
