@@ -9,7 +9,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
-use tollgate::configuration::RouteSettings;
+use tollgate::configuration::{Balance, RouteSettings};
 use tollgate::domain::{bucket, Applied, BucketState, Decision, Outcome, RateLimitHeaders};
 use tollgate::domain::{
     Bucket, KeyHash, Limit, LimitSpec, Limits, PlanName, ServiceName, Upstream,
@@ -75,6 +75,8 @@ fn routes(n: usize) -> RouteTable {
             upstreams: ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
                 .map(|u| Upstream::parse(u).expect("a valid upstream"))
                 .to_vec(),
+            balance: Balance::LeastRequest,
+            health_check: None,
             cost: 1.0,
             timeout: Duration::from_secs(30),
             cost_header: None,

@@ -64,6 +64,9 @@ pub enum ApiError {
     /// The gateway is overloaded and shed the request before deciding or forwarding it.
     #[error("the gateway is overloaded; retry after 1 s")]
     Overloaded,
+    /// The client's request body sent nothing for `upstream.body_timeout_ms` (ms).
+    #[error("the request body sent nothing for {0} ms")]
+    BodyTimeout(u64),
     #[error("an internal error occurred")]
     Internal(#[source] anyhow::Error),
 }
@@ -142,6 +145,7 @@ impl ApiError {
             ApiError::Validation(_) => "validation",
             ApiError::StoreUnavailable(_) => "store-unavailable",
             ApiError::Overloaded => "overloaded",
+            ApiError::BodyTimeout(_) => "request-timeout",
             ApiError::Internal(_) => "internal",
         }
     }
@@ -169,6 +173,7 @@ impl ResponseError for ApiError {
             ApiError::PreconditionFailed(_) => StatusCode::PRECONDITION_FAILED,
             ApiError::Validation(_) => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::StoreUnavailable(_) | ApiError::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }

@@ -125,12 +125,29 @@ struct Shard {
     limiter_buckets: [AtomicU64; BUCKETS.len()],
     limiter_count: AtomicU64,
     limiter_sum_ns: AtomicU64,
-    /// Service → responses by status class (1xx..5xx). Keyed by the route's own
-    /// `Arc<str>`, so counting a response allocates nothing.
-    upstream: DashMap<Arc<str>, [AtomicU64; 5], foldhash::fast::RandomState>,
+    /// Service → responses by status class and how long they took. Keyed by the route's
+    /// own `Arc<str>`, so counting a response allocates nothing.
+    upstream: DashMap<Arc<str>, Upstream, foldhash::fast::RandomState>,
     /// Service → cost reports by [`CostReport`], keyed like `upstream`.
     cost_reports: DashMap<Arc<str>, [AtomicU64; COST_REPORTS.len()], foldhash::fast::RandomState>,
 }
+
+/// One service's responses on one shard.
+#[derive(Default)]
+struct Upstream {
+    /// By status class, 1xx..5xx.
+    classes: [AtomicU64; 5],
+    /// `tollgate_upstream_seconds`: from the first try to the response head (or the
+    /// gateway's error), over every try.
+    buckets: [AtomicU64; UPSTREAM_BUCKETS.len()],
+    count: AtomicU64,
+    sum_ns: AtomicU64,
+}
+
+/// Upper bounds (seconds) of the upstream-time histogram.
+const UPSTREAM_BUCKETS: [f64; 12] = [
+    0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
+];
 
 pub struct Metrics {
     fail_open_reasons: [AtomicU64; REASONS.len()],
@@ -213,14 +230,24 @@ impl Metrics {
         self.sum(|s| &s.fail_open)
     }
 
-    pub fn record_upstream(&self, service: &Arc<str>, status: u16) {
-        let class = (status / 100).clamp(1, 5) as usize - 1;
+    /// Counts a service's answer (or the gateway's error for it) and how long it took.
+    pub fn record_upstream(&self, service: &Arc<str>, status: u16, took: Duration) {
+        let count = |u: &Upstream| {
+            let class = (status / 100).clamp(1, 5) as usize - 1;
+            u.classes[class].fetch_add(1, Relaxed);
+            let secs = took.as_secs_f64();
+            if let Some(i) = UPSTREAM_BUCKETS.iter().position(|b| secs <= *b) {
+                u.buckets[i].fetch_add(1, Relaxed);
+            }
+            u.count.fetch_add(1, Relaxed);
+            u.sum_ns.fetch_add(took.as_nanos() as u64, Relaxed);
+        };
         let upstream = &self.shard().upstream;
-        if let Some(c) = upstream.get(&**service) {
-            c[class].fetch_add(1, Relaxed);
+        if let Some(u) = upstream.get(&**service) {
+            count(&u);
             return;
         }
-        upstream.entry(Arc::clone(service)).or_default()[class].fetch_add(1, Relaxed);
+        count(&upstream.entry(Arc::clone(service)).or_default());
     }
 
     /// Counts a service's report of a request's real cost.
@@ -341,17 +368,24 @@ impl Metrics {
             "counter",
             "Responses from upstream services.",
         );
-        let mut merged: std::collections::BTreeMap<Arc<str>, [u64; 5]> = Default::default();
+        // service → (classes, buckets, count, sum_ns)
+        type Merged = ([u64; 5], [u64; UPSTREAM_BUCKETS.len()], u64, u64);
+        let mut merged: std::collections::BTreeMap<Arc<str>, Merged> = Default::default();
         for shard in self.shards.iter() {
             for e in shard.upstream.iter() {
                 let row = merged.entry(e.key().clone()).or_default();
-                for (total, c) in row.iter_mut().zip(e.value()) {
+                let u = e.value();
+                for (total, c) in row.0.iter_mut().zip(&u.classes) {
                     *total += c.load(Relaxed);
                 }
+                for (total, c) in row.1.iter_mut().zip(&u.buckets) {
+                    *total += c.load(Relaxed);
+                }
+                row.2 += u.count.load(Relaxed);
+                row.3 += u.sum_ns.load(Relaxed);
             }
         }
-        let rows = merged;
-        for (service, counts) in rows {
+        for (service, (counts, _, _, _)) in &merged {
             for (i, n) in counts.iter().enumerate().filter(|(_, n)| **n > 0) {
                 let _ = writeln!(
                     out,
@@ -359,6 +393,27 @@ impl Metrics {
                     i + 1
                 );
             }
+        }
+        family(
+            &mut out,
+            "tollgate_upstream_seconds",
+            "histogram",
+            "Time from a forwarded request's first try to its response head (or the gateway's error), every try included.",
+        );
+        for (service, (_, buckets, count, sum_ns)) in &merged {
+            let mut cumulative = 0;
+            for (b, n) in UPSTREAM_BUCKETS.iter().zip(buckets) {
+                cumulative += n;
+                let _ = writeln!(
+                    out,
+                    "tollgate_upstream_seconds_bucket{{service=\"{service}\",le=\"{b}\"}} {cumulative}"
+                );
+            }
+            let _ = writeln!(
+                out,
+                "tollgate_upstream_seconds_bucket{{service=\"{service}\",le=\"+Inf\"}} {count}\ntollgate_upstream_seconds_sum{{service=\"{service}\"}} {}\ntollgate_upstream_seconds_count{{service=\"{service}\"}} {count}",
+                *sum_ns as f64 / 1e9
+            );
         }
         family(
             &mut out,
@@ -435,7 +490,7 @@ mod tests {
                 s.spawn(|| {
                     for _ in 0..100 {
                         m.record_decision(Outcome::FailOpen, Duration::from_micros(300));
-                        m.record_upstream(&service, 200);
+                        m.record_upstream(&service, 200, Duration::from_millis(1));
                     }
                 });
             }

@@ -77,6 +77,7 @@ impl Application {
             api_key_header: settings.server.api_key_header.clone(),
             trusted_proxies: settings.server.trusted_proxies.clone(),
             max_body_bytes: settings.server.max_body_bytes.get(),
+            upstream: settings.upstream,
             safety_multiplier: settings.limits.safety_multiplier,
             traces: settings.telemetry.otlp_endpoint.as_ref().map(Tracer::start),
         });
@@ -90,6 +91,7 @@ impl Application {
 
         let mut servers = Vec::new();
         let (data, jwt_data) = (state.clone(), jwt.clone());
+        let upstream = settings.upstream;
         let main = HttpServer::new(move || {
             // This closure runs once on each worker's thread: keep that worker's
             // request-path connections open from now on, re-opened as soon as one dies,
@@ -111,7 +113,7 @@ impl Application {
                     }
                 });
             // Every path no other service claims: the limiter, then the forward.
-            let proxy = proxy::Guard;
+            let proxy = proxy::Guard(upstream);
             if traced {
                 // The request span around both, only when spans are exported.
                 app.service(

@@ -6,6 +6,7 @@ use actix_web::http::header::HeaderName;
 use ipnet::IpNet;
 
 use crate::catalog::Catalog;
+use crate::configuration::UpstreamSettings;
 use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 use crate::proxy::RouteTable;
@@ -21,6 +22,8 @@ pub struct AppState {
     pub api_key_header: HeaderName,
     pub trusted_proxies: Vec<IpNet>,
     pub max_body_bytes: u64,
+    /// `[upstream]`: how routes reach their replicas.
+    pub upstream: UpstreamSettings,
     /// `limits.safety_multiplier`, until the admin API stores safety settings.
     pub safety_multiplier: f64,
     /// The span exporter, when `telemetry.otlp_endpoint` is set.

@@ -13,6 +13,7 @@ pub use parse::{redact_url, Problem, SettingsError, MIN_HS256_SECRET};
 pub use periods::{BackOff, Periods};
 pub use raw::DEFAULT_TOML;
 pub use settings::{
-    AdminSettings, CatalogSettings, ClientSettings, LimitSettings, OverloadSettings, PlanSettings,
-    RedisSettings, RouteSettings, ServerSettings, Settings, TelemetrySettings,
+    AdminSettings, Balance, CatalogSettings, ClientSettings, HealthCheckSettings, LimitSettings,
+    OverloadSettings, PlanSettings, RedisSettings, RouteSettings, ServerSettings, Settings,
+    TelemetrySettings, UpstreamSettings,
 };

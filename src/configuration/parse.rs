@@ -13,12 +13,13 @@ use secrecy::{ExposeSecret, SecretString};
 
 use super::periods::{BackOff, Periods};
 use super::raw::{
-    RawAdmin, RawCatalog, RawLimits, RawOverload, RawPeriods, RawRedis, RawRoute, RawServer,
-    RawSettings, RawTelemetry,
+    RawAdmin, RawCatalog, RawHealthCheck, RawLimits, RawOverload, RawPeriods, RawRedis, RawRoute,
+    RawServer, RawSettings, RawTelemetry, RawUpstream,
 };
 use super::settings::{
-    AdminSettings, CatalogSettings, ClientSettings, LimitSettings, OverloadSettings, PlanSettings,
-    RedisSettings, RouteSettings, ServerSettings, Settings, TelemetrySettings,
+    AdminSettings, Balance, CatalogSettings, ClientSettings, HealthCheckSettings, LimitSettings,
+    OverloadSettings, PlanSettings, RedisSettings, RouteSettings, ServerSettings, Settings,
+    TelemetrySettings, UpstreamSettings,
 };
 use crate::domain::{
     ApiKey, Bucket, Capacity, ClientId, KeyHash, Limit, Limits, Mode, PlanName, Rate, Region,
@@ -129,10 +130,11 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
     let admin = admin(raw.admin, &mut p);
     let periods = periods(raw.periods, &mut p);
     let overload = overload(raw.overload, redis.as_ref(), &mut p);
+    let upstream = upstream(raw.upstream, &mut p);
     let telemetry = telemetry(raw.telemetry, &mut p);
     let routes = routes(raw.routes, &mut p);
     match (
-        server, redis, catalog, limits, admin, periods, overload, telemetry, routes,
+        server, redis, catalog, limits, admin, periods, overload, upstream, telemetry, routes,
     ) {
         (
             Some(server),
@@ -142,6 +144,7 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
             Some(admin),
             Some(periods),
             Some(overload),
+            Some(upstream),
             Some(telemetry),
             Some(routes),
         ) if p.0.is_empty() => Ok(Settings {
@@ -152,6 +155,7 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
             admin,
             periods,
             overload,
+            upstream,
             telemetry,
             routes,
         }),
@@ -160,6 +164,115 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
             Err(p.0)
         }
     }
+}
+
+/// `[upstream]`.
+fn upstream(raw: RawUpstream, p: &mut Problems) -> Option<UpstreamSettings> {
+    let mut ms = |key: &str, v: u64, range: std::ops::RangeInclusive<u64>| {
+        let message = format!("must be between {} and {}", range.start(), range.end());
+        p.take(format!("upstream.{key}"), within(v, range, &message))
+            .map(Duration::from_millis)
+    };
+    let connect_timeout = ms("connect_timeout_ms", raw.connect_timeout_ms, 1..=600_000);
+    let idle_timeout = ms("idle_timeout_ms", raw.idle_timeout_ms, 1..=3_600_000);
+    let ejection = ms("ejection_ms", raw.ejection_ms, 1..=86_400_000);
+    let max_ejection = ms("max_ejection_ms", raw.max_ejection_ms, 1..=86_400_000);
+    let body_timeout = ms("body_timeout_ms", raw.body_timeout_ms, 1..=3_600_000);
+    let mut count = |key: &str, v: u64, range: std::ops::RangeInclusive<u64>| {
+        let message = format!("must be between {} and {}", range.start(), range.end());
+        p.take(format!("upstream.{key}"), within(v, range, &message))
+            .and_then(|v| u32::try_from(v).ok())
+    };
+    let eject_after = count("eject_after", raw.eject_after, 0..=1_000);
+    let max_tries = count("max_tries", raw.max_tries, 1..=10);
+    let retry_budget_percent = count("retry_budget_percent", raw.retry_budget_percent, 0..=100);
+    let retry_min_concurrency = count(
+        "retry_min_concurrency",
+        raw.retry_min_concurrency,
+        0..=100_000,
+    );
+    let replay_body_bytes = p.take(
+        "upstream.replay_body_bytes",
+        within(
+            raw.replay_body_bytes,
+            0..=16 << 20,
+            "must be between 0 and 16777216",
+        ),
+    );
+    if let (Some(first), Some(max)) = (ejection, max_ejection) {
+        if max < first {
+            p.add("upstream.max_ejection_ms", "must be at least ejection_ms");
+            return None;
+        }
+    }
+    Some(UpstreamSettings {
+        connect_timeout: connect_timeout?,
+        idle_timeout: idle_timeout?,
+        eject_after: eject_after?,
+        ejection: ejection?,
+        max_ejection: max_ejection?,
+        max_tries: max_tries?,
+        retry_budget_percent: retry_budget_percent?,
+        retry_min_concurrency: retry_min_concurrency?,
+        replay_body_bytes: replay_body_bytes?,
+        body_timeout: body_timeout?,
+    })
+}
+
+/// A route's `balance`.
+fn balance(s: &str) -> Result<Balance, String> {
+    match s {
+        "least_request" => Ok(Balance::LeastRequest),
+        "round_robin" => Ok(Balance::RoundRobin),
+        _ => Err(format!(
+            "{s:?} is not a balance; use \"least_request\" or \"round_robin\""
+        )),
+    }
+}
+
+/// A route's `[routes.health_check]`; `key` names the table.
+fn health_check(raw: RawHealthCheck, key: &str, p: &mut Problems) -> Option<HealthCheckSettings> {
+    let path = if raw.path.starts_with('/')
+        && raw
+            .path
+            .parse::<actix_web::http::uri::PathAndQuery>()
+            .is_ok()
+    {
+        Some(raw.path)
+    } else {
+        p.add(
+            format!("{key}.path"),
+            "must be a path starting with '/', e.g. \"/healthz\"",
+        );
+        None
+    };
+    let interval = p.take(
+        format!("{key}.interval_ms"),
+        within(
+            raw.interval_ms,
+            10..=3_600_000,
+            "must be between 10 and 3600000",
+        ),
+    );
+    let timeout = p.take(
+        format!("{key}.timeout_ms"),
+        within(raw.timeout_ms, 1..=600_000, "must be between 1 and 600000"),
+    );
+    let unhealthy_after = p.take(
+        format!("{key}.unhealthy_after"),
+        within(raw.unhealthy_after, 1..=100, "must be between 1 and 100"),
+    );
+    let healthy_after = p.take(
+        format!("{key}.healthy_after"),
+        within(raw.healthy_after, 1..=100, "must be between 1 and 100"),
+    );
+    Some(HealthCheckSettings {
+        path: path?,
+        interval: Duration::from_millis(interval?),
+        timeout: Duration::from_millis(timeout?),
+        unhealthy_after: u32::try_from(unhealthy_after?).ok()?,
+        healthy_after: u32::try_from(healthy_after?).ok()?,
+    })
 }
 
 fn telemetry(raw: RawTelemetry, p: &mut Problems) -> Option<TelemetrySettings> {
@@ -595,10 +708,17 @@ fn routes(raw: Vec<RawRoute>, p: &mut Problems) -> Option<Vec<RouteSettings>> {
                 .take(format!("{key}.cost_header"), cost_header(&name))
                 .map(Some),
         };
+        let balance = p.take(format!("{key}.balance"), balance(&route.balance));
+        let health_check = match route.health_check {
+            None => Some(None),
+            Some(raw) => health_check(raw, &format!("{key}.health_check"), p).map(Some),
+        };
         Some(RouteSettings {
             service: service?,
             prefix: prefix?,
             upstreams: upstreams?,
+            balance: balance?,
+            health_check: health_check?,
             cost: cost?,
             timeout: Duration::from_millis(timeout?),
             cost_header: cost_header?,
@@ -737,6 +857,32 @@ mod tests {
         let wait = |toml: &str| load(toml, &[]).unwrap().overload.max_wait;
         assert_eq!(wait(""), Duration::from_millis(100));
         assert_eq!(wait("[redis]\ntimeout_ms = 2000\n"), Duration::from_secs(8));
+    }
+
+    #[test]
+    fn upstream_settings_are_bounded_and_bad_ones_are_named() {
+        let s = load(
+            "[upstream]\neject_after = 0\nmax_tries = 1\nconnect_timeout_ms = 250\n",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(s.upstream.eject_after, 0);
+        assert_eq!(s.upstream.max_tries, 1);
+        assert_eq!(s.upstream.connect_timeout, Duration::from_millis(250));
+        assert_eq!(
+            problems(
+                "[upstream]\nmax_tries = 0\nretry_budget_percent = 101\nidle_timeout_ms = 0\n"
+            ),
+            [
+                "upstream.idle_timeout_ms",
+                "upstream.max_tries",
+                "upstream.retry_budget_percent"
+            ]
+        );
+        assert_eq!(
+            problems("[upstream]\nejection_ms = 5000\nmax_ejection_ms = 1000\n"),
+            ["upstream.max_ejection_ms"]
+        );
     }
 
     #[test]

@@ -20,6 +20,7 @@ pub(super) struct RawSettings {
     pub(super) admin: RawAdmin,
     pub(super) periods: RawPeriods,
     pub(super) overload: RawOverload,
+    pub(super) upstream: RawUpstream,
     pub(super) telemetry: RawTelemetry,
     #[serde(default)]
     pub(super) routes: Vec<RawRoute>,
@@ -120,6 +121,21 @@ pub(super) struct RawOverload {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
+pub(super) struct RawUpstream {
+    pub(super) connect_timeout_ms: u64,
+    pub(super) idle_timeout_ms: u64,
+    pub(super) eject_after: u64,
+    pub(super) ejection_ms: u64,
+    pub(super) max_ejection_ms: u64,
+    pub(super) max_tries: u64,
+    pub(super) retry_budget_percent: u64,
+    pub(super) retry_min_concurrency: u64,
+    pub(super) replay_body_bytes: u64,
+    pub(super) body_timeout_ms: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub(super) struct RawTelemetry {
     pub(super) otlp_endpoint: String,
 }
@@ -145,6 +161,40 @@ pub(super) struct RawRoute {
     pub(super) timeout_ms: u64,
     #[serde(default)]
     pub(super) cost_header: Option<String>,
+    #[serde(default = "default_balance")]
+    pub(super) balance: String,
+    #[serde(default)]
+    pub(super) health_check: Option<RawHealthCheck>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawHealthCheck {
+    pub(super) path: String,
+    #[serde(default = "default_check_interval")]
+    pub(super) interval_ms: u64,
+    #[serde(default = "default_check_timeout")]
+    pub(super) timeout_ms: u64,
+    #[serde(default = "default_check_threshold")]
+    pub(super) unhealthy_after: u64,
+    #[serde(default = "default_check_threshold")]
+    pub(super) healthy_after: u64,
+}
+
+fn default_balance() -> String {
+    "least_request".into()
+}
+
+fn default_check_interval() -> u64 {
+    5_000
+}
+
+fn default_check_timeout() -> u64 {
+    1_000
+}
+
+fn default_check_threshold() -> u64 {
+    2
 }
 
 fn default_cost() -> f64 {

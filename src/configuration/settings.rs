@@ -25,6 +25,8 @@ pub struct Settings {
     pub periods: Periods,
     /// `overload`: when a worker sheds requests rather than decide them late.
     pub overload: OverloadSettings,
+    /// `upstream`: how routes reach their replicas.
+    pub upstream: UpstreamSettings,
     pub telemetry: TelemetrySettings,
     /// `routes`: upstream services, matched by longest path prefix.
     pub routes: Vec<RouteSettings>,
@@ -144,6 +146,62 @@ pub struct OverloadSettings {
     pub max_wait: Duration,
 }
 
+/// How routes reach their replicas: connections, ejection, retries (README, "Upstreams").
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct UpstreamSettings {
+    /// `upstream.connect_timeout_ms`: a replica that has not accepted a connection by then
+    /// has failed; the request is tried on another (nothing was sent).
+    pub connect_timeout: Duration,
+    /// `upstream.idle_timeout_ms`: a pooled connection idle this long is closed, before the
+    /// service closes it itself (the keep-alive race).
+    pub idle_timeout: Duration,
+    /// `upstream.eject_after` (`0`: never): failures in a row that set a replica aside.
+    pub eject_after: u32,
+    /// `upstream.ejection_ms`: how long a first ejection lasts; each further ejection of a
+    /// replica ejected recently lasts once more (2x, 3x, ...).
+    pub ejection: Duration,
+    /// `upstream.max_ejection_ms`: the longest an ejection lasts.
+    pub max_ejection: Duration,
+    /// `upstream.max_tries`: tries per request, the first included.
+    pub max_tries: u32,
+    /// `upstream.retry_budget_percent`: retries in flight on a route at most this share of
+    /// its requests in flight...
+    pub retry_budget_percent: u32,
+    /// `upstream.retry_min_concurrency`: ...or this many, whichever is more.
+    pub retry_min_concurrency: u32,
+    /// `upstream.replay_body_bytes`: request bodies up to this size are kept, so a request
+    /// can be tried again after its body was sent.
+    pub replay_body_bytes: u64,
+    /// `upstream.body_timeout_ms`: a request body that sends nothing for this long is cut
+    /// off, and its connection closed.
+    pub body_timeout: Duration,
+}
+
+/// How a route picks a replica (`routes[].balance`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Balance {
+    /// `"least_request"` (the default): the one with fewer requests in flight of two picked
+    /// at random (power of two choices), so a slow replica gets less traffic.
+    LeastRequest,
+    /// `"round_robin"`: each in turn.
+    RoundRobin,
+}
+
+/// A route's active health checks (`[routes.health_check]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HealthCheckSettings {
+    /// `path`: what is fetched (`GET`) from every replica; a `2xx` passes.
+    pub path: String,
+    /// `interval_ms`: how often.
+    pub interval: Duration,
+    /// `timeout_ms`: no answer by then fails the check.
+    pub timeout: Duration,
+    /// `unhealthy_after`: failed checks in a row that take a replica out.
+    pub unhealthy_after: u32,
+    /// `healthy_after`: passed checks in a row that bring it back.
+    pub healthy_after: u32,
+}
+
 #[derive(Debug, Clone)]
 pub struct TelemetrySettings {
     /// `telemetry.otlp_endpoint` (`""`: none): an OTLP/HTTP collector, `http://host[:port]`;
@@ -174,8 +232,12 @@ pub struct RouteSettings {
     /// `prefix`: path prefix starting with `/`; the longest matching prefix wins and is
     /// kept when forwarding.
     pub prefix: String,
-    /// `upstreams`: replicas (at least one), balanced round-robin.
+    /// `upstreams`: replicas (at least one).
     pub upstreams: Vec<Upstream>,
+    /// `balance`: how a replica is picked.
+    pub balance: Balance,
+    /// `health_check` (absent: none): active checks.
+    pub health_check: Option<HealthCheckSettings>,
     /// `cost`: tokens one request takes (default 1).
     pub cost: f64,
     /// `timeout_ms`: upstream response deadline (default 30 s); past it the gateway answers

@@ -1,25 +1,34 @@
-//! Forwarding an admitted request to one replica with awc, bodies streamed both ways.
+//! Forwarding an admitted request to a replica of its route with awc, bodies streamed both
+//! ways. A try that failed before the service could have acted on it is made again on
+//! another replica, within the route's retry budget; a replica that keeps failing is set
+//! aside (see [`super::replicas`]). However many tries, a request is one decision: the
+//! guard took its tokens once, before the first.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix_web::body::BoxBody;
 use actix_web::dev::{Payload, ServiceRequest, ServiceResponse};
+use actix_web::error::PayloadError;
 use actix_web::http::header::{self, HeaderValue};
 use actix_web::http::uri::PathAndQuery;
+use actix_web::http::{Method, StatusCode};
 use actix_web::{web, HttpMessage, HttpRequest, HttpResponse};
 use awc::error::{ConnectError, SendRequestError};
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 
 use super::headers::{
     connection_headers, forwardable, response_headers, Origin, RequestId, X_CLIENT_ID,
     X_FORWARDED_FOR, X_FORWARDED_HOST, X_FORWARDED_PROTO, X_REQUEST_ID,
 };
+use super::replicas::{now_ms, Replica, Verdict};
+use super::wire::{self, checked_body, Probe};
 use super::Route;
 use crate::catalog::ClientEntry;
+use crate::configuration::UpstreamSettings;
 use crate::error::ApiError;
 use crate::state::AppState;
 use crate::trace;
@@ -49,19 +58,91 @@ pub(super) async fn respond(
     ServiceResponse::new(req, res)
 }
 
-/// One awc client per worker: its connection pool keeps upstream connections alive.
-pub(super) fn upstream_client() -> awc::Client {
-    awc::Client::builder()
-        .no_default_headers()
-        .disable_redirects()
-        .timeout(Duration::from_secs(3600))
-        .connector(
-            awc::Connector::new()
-                .limit(4096)
-                .timeout(Duration::from_secs(5))
-                .conn_keep_alive(Duration::from_secs(30)),
-        )
-        .finish()
+/// One awc client per worker, over [`super::wire`]'s connections (responses held to RFC
+/// 9112): its pool keeps upstream connections alive, each for at most `idle_timeout`
+/// unused (before a service closes it itself), and a replica that does not accept a
+/// connection within `connect_timeout` has failed.
+pub(super) fn upstream_client(s: &UpstreamSettings) -> awc::Client {
+    wire::client(s.connect_timeout, s.idle_timeout)
+}
+
+/// What the client's own body did wrong: answered as the client's fault, never counted
+/// against the service.
+#[derive(Debug, Clone, Copy)]
+enum BodyFault {
+    /// Past `server.max_body_bytes`.
+    TooLarge,
+    /// Nothing for `upstream.body_timeout_ms`.
+    Stalled,
+    /// The client ended it early or broke it.
+    Broken,
+}
+
+/// The request's body, as each try sends it.
+enum Body {
+    None,
+    /// Read whole before the first try (it fits `upstream.replay_body_bytes`): every try
+    /// sends it again.
+    Kept(Bytes),
+    /// Streamed to the service as it arrives: only a try that never read from it can be
+    /// followed by another. `len`: the declared length, when there is one.
+    Streamed {
+        payload: Rc<RefCell<Option<Payload>>>,
+        len: Option<u64>,
+    },
+}
+
+/// What the body stream saw, for the forwarder.
+#[derive(Default)]
+struct BodyState {
+    fault: Cell<Option<BodyFault>>,
+    /// A try read from a streamed body: it cannot be sent again.
+    touched: Cell<bool>,
+}
+
+/// How a try failed, by what the service may have seen of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TryFailure {
+    /// No connection: nothing was sent (refused, connect timeout, no address).
+    NothingSent,
+    /// The connection broke before any response: the service may have seen the request.
+    NoResponse,
+    /// The route's timeout passed without a response head.
+    TimedOut,
+    /// The service answered something that is not HTTP.
+    Malformed,
+}
+
+impl TryFailure {
+    fn of(e: &SendRequestError) -> TryFailure {
+        match e {
+            SendRequestError::Connect(ConnectError::Disconnected) => TryFailure::NoResponse,
+            SendRequestError::Connect(_) => TryFailure::NothingSent,
+            SendRequestError::Timeout => TryFailure::TimedOut,
+            SendRequestError::Send(_)
+            | SendRequestError::Response(actix_http::error::ParseError::Io(_)) => {
+                TryFailure::NoResponse
+            }
+            _ => TryFailure::Malformed,
+        }
+    }
+
+    fn error(self, e: &SendRequestError) -> ApiError {
+        match (self, e) {
+            (TryFailure::TimedOut, _) | (_, SendRequestError::Connect(ConnectError::Timeout)) => {
+                ApiError::GatewayTimeout
+            }
+            _ => ApiError::BadGateway,
+        }
+    }
+}
+
+/// Methods a request of which may be sent twice (RFC 9110 §9.2.2).
+fn idempotent(m: &Method) -> bool {
+    matches!(
+        *m,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::PUT | Method::DELETE
+    )
 }
 
 /// Sends the request on to a replica of its route and streams the answer back.
@@ -78,11 +159,138 @@ async fn forward(
         .app_data::<web::Data<AppState>>()
         .ok_or_else(|| ApiError::Internal(anyhow::anyhow!("no AppState")))?;
     let route = &admitted.route;
-    let upstream = route.pick();
+    let settings = &state.upstream;
+    let started = Instant::now();
+    let deadline = started + route.timeout;
     let span = tracing::Span::current();
     span.record("service", &*route.service);
-    span.record("upstream", upstream.base());
 
+    let body_state = Rc::new(BodyState::default());
+    let body = match read_body(req, payload, state, &body_state).await {
+        Ok(body) => body,
+        Err(fault) => return Err(fault_error(fault, state)),
+    };
+
+    let _request = route.retries.request();
+    let mut retry = None;
+    let mut tried: Vec<usize> = Vec::new();
+    loop {
+        let now = now_ms();
+        let i = route
+            .replicas
+            .pick(&tried, now)
+            .ok_or_else(|| ApiError::Internal(anyhow::anyhow!("a route without replicas")))?;
+        tried.push(i);
+        let replica = route.replicas.get(i);
+        span.record("upstream", replica.upstream.base());
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let (out, upstream_span) = prepare(req, &admitted, replica, state, client, remaining)?;
+        let in_flight = replica.start();
+        let probe = Probe::new();
+        let result = match &body {
+            Body::None => probe.scope(out.send()).await,
+            Body::Kept(bytes) => probe.scope(out.send_body(bytes.clone())).await,
+            Body::Streamed { payload, len } => {
+                let stream = streamed(Rc::clone(payload), state, Rc::clone(&body_state));
+                match len {
+                    Some(len) => {
+                        probe
+                            .scope(out.send_body(actix_web::body::SizedStream::new(*len, stream)))
+                            .await
+                    }
+                    None => probe.scope(out.send_stream(stream)).await,
+                }
+            }
+        };
+        drop(in_flight);
+        let e = match result {
+            Ok(res) => {
+                let status = res.status();
+                let verdict = match status {
+                    StatusCode::BAD_GATEWAY
+                    | StatusCode::SERVICE_UNAVAILABLE
+                    | StatusCode::GATEWAY_TIMEOUT => Verdict::Failed,
+                    _ => Verdict::Answered,
+                };
+                record(route, replica, verdict, settings);
+                if let Some(span) = upstream_span {
+                    span.finish(status.as_u16(), true);
+                }
+                state
+                    .metrics
+                    .record_upstream(&route.service, status.as_u16(), started.elapsed());
+                drop(retry);
+                return response(req.method(), res, &probe);
+            }
+            Err(e) => e,
+        };
+        // The client's own body failed the try: its fault, not the service's.
+        if let Some(fault) = body_state.fault.get() {
+            if let Some(span) = upstream_span {
+                span.finish(0, false);
+            }
+            return Err(fault_error(fault, state));
+        }
+        let failure = TryFailure::of(&e);
+        record(route, replica, Verdict::Failed, settings);
+        let err = failure.error(&e);
+        if let Some(span) = upstream_span {
+            span.finish(err_status(&err), false);
+        }
+        tracing::warn!(service = %route.service, upstream = replica.upstream.base(), error = %e, "upstream try failed");
+        let replayable = match &body {
+            Body::None | Body::Kept(_) => true,
+            Body::Streamed { .. } => !body_state.touched.get(),
+        };
+        let may_retry = replayable
+            && tried.len() < settings.max_tries as usize
+            && Instant::now() < deadline
+            && match failure {
+                TryFailure::NothingSent => true,
+                TryFailure::NoResponse => idempotent(req.method()),
+                TryFailure::TimedOut | TryFailure::Malformed => false,
+            };
+        if may_retry {
+            // One retry in flight per request at most: the last one's room is reused.
+            if retry.is_some() {
+                continue;
+            }
+            if let Some(room) = route.retries.retry(settings) {
+                retry = Some(room);
+                continue;
+            }
+            tracing::warn!(service = %route.service, "retry refused: the route's retry budget is spent");
+        }
+        state
+            .metrics
+            .record_upstream(&route.service, err_status(&err), started.elapsed());
+        return Err(err);
+    }
+}
+
+/// Records a try's outcome on its replica, and says so when it ejected it.
+fn record(route: &Route, replica: &Replica, verdict: Verdict, s: &UpstreamSettings) {
+    if let Some(length) = replica.record(verdict, s, now_ms()) {
+        tracing::warn!(
+            service = %route.service,
+            upstream = replica.upstream.base(),
+            ejected_ms = length.as_millis() as u64,
+            "replica ejected after {} failures in a row",
+            s.eject_after
+        );
+    }
+}
+
+/// The request to one replica, with the forwarded headers, and its trace span.
+fn prepare(
+    req: &HttpRequest,
+    admitted: &Admitted,
+    replica: &Replica,
+    state: &AppState,
+    client: &awc::Client,
+    remaining: Duration,
+) -> Result<(awc::ClientRequest, Option<trace::UpstreamSpan>), ApiError> {
+    let upstream = &replica.upstream;
     // The path the request was routed on: the guard's normal form when it rewrote it.
     let path_and_query = admitted
         .path_and_query
@@ -93,7 +301,7 @@ async fn forward(
         .map_err(|e| ApiError::Internal(e.into()))?;
     let mut out = client
         .request(req.method().clone(), uri)
-        .timeout(route.timeout)
+        .timeout(remaining)
         .no_decompress();
 
     // The scheme of this hop: the listener's, never a header the client sent (those are
@@ -136,94 +344,149 @@ async fn forward(
     if let Some(id) = req.extensions().get::<RequestId>() {
         headers.insert(X_REQUEST_ID.clone(), id.0.clone());
     }
-    let upstream_span = trace::propagate(req, state.traces.as_ref(), out.headers_mut());
+    let span = trace::propagate(req, state.traces.as_ref(), out.headers_mut());
+    Ok((out, span))
+}
 
-    let declared_len = req
+/// The body as the tries will send it: none, kept whole (small enough to send again), or
+/// streamed. A `Content-Length` past `server.max_body_bytes` is refused before a byte is
+/// read.
+async fn read_body(
+    req: &HttpRequest,
+    mut payload: Payload,
+    state: &AppState,
+    body_state: &BodyState,
+) -> Result<Body, BodyFault> {
+    let declared = req
         .headers()
-        .get(actix_web::http::header::CONTENT_LENGTH)
+        .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    let chunked = req
-        .headers()
-        .contains_key(actix_web::http::header::TRANSFER_ENCODING);
-    let too_large = Rc::new(Cell::new(false));
-    let result = match (declared_len, chunked) {
-        (Some(len), _) if len > 0 => {
-            let body = limited(payload, state.max_body_bytes, too_large.clone());
-            out.send_body(actix_web::body::SizedStream::new(len, body))
-                .await
-        }
-        (_, true) => {
-            out.send_stream(limited(payload, state.max_body_bytes, too_large.clone()))
-                .await
-        }
-        _ => out.send().await,
-    };
-    let upstream_res = match result {
-        Ok(r) => r,
-        Err(e) => {
-            if too_large.get() {
-                return Err(ApiError::PayloadTooLarge(state.max_body_bytes));
-            }
-            let err = match e {
-                SendRequestError::Timeout | SendRequestError::Connect(ConnectError::Timeout) => {
-                    ApiError::GatewayTimeout
+    let chunked = req.headers().contains_key(header::TRANSFER_ENCODING);
+    match (declared, chunked) {
+        (_, true) => Ok(Body::Streamed {
+            payload: Rc::new(RefCell::new(Some(payload))),
+            len: None,
+        }),
+        (Some(len), _) if len > state.max_body_bytes => Err(BodyFault::TooLarge),
+        (Some(len), _) if len > 0 && len <= state.upstream.replay_body_bytes => {
+            let mut kept = BytesMut::with_capacity(len as usize);
+            while let Some(chunk) = next_chunk(&mut payload, state.upstream.body_timeout).await? {
+                kept.extend_from_slice(&chunk);
+                if kept.len() as u64 > len {
+                    body_state.fault.set(Some(BodyFault::Broken));
+                    return Err(BodyFault::Broken);
                 }
-                _ => ApiError::BadGateway,
-            };
-            if let Some(span) = upstream_span {
-                span.finish(err_status(&err), false);
             }
-            tracing::warn!(service = %route.service, upstream = upstream.base(), error = %e, "upstream failed");
-            state
-                .metrics
-                .record_upstream(&route.service, err_status(&err));
-            return Err(err);
+            Ok(Body::Kept(kept.freeze()))
         }
-    };
-
-    let status = upstream_res.status();
-    if let Some(span) = upstream_span {
-        span.finish(status.as_u16(), true);
+        (Some(len), _) if len > 0 => Ok(Body::Streamed {
+            payload: Rc::new(RefCell::new(Some(payload))),
+            len: Some(len),
+        }),
+        _ => Ok(Body::None),
     }
-    state
-        .metrics
-        .record_upstream(&route.service, status.as_u16());
+}
+
+/// The next chunk of the client's body, within `idle`.
+async fn next_chunk(payload: &mut Payload, idle: Duration) -> Result<Option<Bytes>, BodyFault> {
+    match tokio::time::timeout(idle, payload.next()).await {
+        Err(_) => Err(BodyFault::Stalled),
+        Ok(None) => Ok(None),
+        Ok(Some(Ok(chunk))) => Ok(Some(chunk)),
+        Ok(Some(Err(PayloadError::Overflow))) => Err(BodyFault::TooLarge),
+        Ok(Some(Err(_))) => Err(BodyFault::Broken),
+    }
+}
+
+/// A streamed body for one try: each chunk within `upstream.body_timeout_ms`, all of it
+/// within `server.max_body_bytes`; a fault is noted for the forwarder and ends the try.
+fn streamed(
+    payload: Rc<RefCell<Option<Payload>>>,
+    state: &AppState,
+    body_state: Rc<BodyState>,
+) -> impl futures_util::Stream<Item = Result<Bytes, PayloadError>> + 'static {
+    let (max, idle) = (state.max_body_bytes, state.upstream.body_timeout);
+    futures_util::stream::unfold((payload, 0u64), move |(payload, seen)| {
+        let body_state = Rc::clone(&body_state);
+        async move {
+            body_state.touched.set(true);
+            // Out of the cell while awaited (no borrow is held across the await), and back
+            // after, so a later try finds it where this one left it.
+            let mut taken = payload.borrow_mut().take()?;
+            let next = next_chunk(&mut taken, idle).await;
+            *payload.borrow_mut() = Some(taken);
+            let fault = match next {
+                Ok(None) => return None,
+                Ok(Some(chunk)) if seen + chunk.len() as u64 <= max => {
+                    let seen = seen + chunk.len() as u64;
+                    return Some((Ok(chunk), (payload, seen)));
+                }
+                Ok(Some(_)) => BodyFault::TooLarge,
+                Err(fault) => fault,
+            };
+            body_state.fault.set(Some(fault));
+            Some((Err(PayloadError::Incomplete(None)), (payload, seen)))
+        }
+    })
+}
+
+fn fault_error(fault: BodyFault, state: &AppState) -> ApiError {
+    match fault {
+        BodyFault::TooLarge => ApiError::PayloadTooLarge(state.max_body_bytes),
+        BodyFault::Stalled => ApiError::BodyTimeout(state.upstream.body_timeout.as_millis() as u64),
+        BodyFault::Broken => {
+            ApiError::BadRequest("the request body ended before its declared end".into())
+        }
+    }
+}
+
+/// The client's response from the service's: its status and end-to-end headers, and its
+/// body framed by RFC 9112 §6.3: none for `HEAD`, `204` and `304` (whatever their
+/// `Content-Length` says, which a `HEAD` or `304` keeps), a declared length kept, else
+/// streamed.
+fn response<S>(
+    method: &Method,
+    upstream: awc::ClientResponse<S>,
+    probe: &Probe,
+) -> Result<HttpResponse, ApiError>
+where
+    S: futures_util::Stream<Item = Result<Bytes, PayloadError>> + Unpin + 'static,
+{
+    let status = upstream.status();
     let mut resp = HttpResponse::build(status);
-    for (name, value) in response_headers(upstream_res.headers()) {
-        if name != actix_web::http::header::CONTENT_LENGTH {
+    for (name, value) in response_headers(upstream.headers()) {
+        if name != header::CONTENT_LENGTH {
             resp.append_header((name.clone(), value.clone()));
         }
     }
-    let len = upstream_res
+    let len = upstream
         .headers()
-        .get(actix_web::http::header::CONTENT_LENGTH)
+        .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    Ok(match len {
-        Some(len) => resp.body(actix_web::body::SizedStream::new(len, upstream_res)),
-        None => resp.streaming(upstream_res),
+    let chunked = upstream.headers().contains_key(header::TRANSFER_ENCODING);
+    let bodiless = *method == Method::HEAD
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
+        || status.is_informational();
+    // A body the upstream cuts short ends the client's response with an error, never as
+    // if it were whole.
+    let upstream = checked_body(upstream, probe);
+    Ok(match (bodiless, len) {
+        // The upstream body is dropped unread (its connection with it).
+        (true, Some(len)) if status != StatusCode::NO_CONTENT => resp
+            .no_chunking(len)
+            .streaming(futures_util::stream::empty::<Result<Bytes, actix_web::Error>>()),
+        (true, _) => resp.body(()),
+        // Chunked framing wins over a length beside it (RFC 9112 §6.3 rule 3).
+        (false, Some(len)) if !chunked => {
+            resp.body(actix_web::body::SizedStream::new(len, upstream))
+        }
+        (false, _) => resp.streaming(upstream),
     })
 }
 
 fn err_status(e: &ApiError) -> u16 {
     actix_web::ResponseError::status_code(e).as_u16()
-}
-
-/// The request body, cut off with an error once it passes `max` bytes.
-fn limited(
-    payload: Payload,
-    max: u64,
-    too_large: Rc<Cell<bool>>,
-) -> impl futures_util::Stream<Item = Result<Bytes, actix_web::error::PayloadError>> + 'static {
-    let mut seen: u64 = 0;
-    payload.map(move |chunk| {
-        let chunk = chunk?;
-        seen += chunk.len() as u64;
-        if seen > max {
-            too_large.set(true);
-            return Err(actix_web::error::PayloadError::Overflow);
-        }
-        Ok(chunk)
-    })
 }

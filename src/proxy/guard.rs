@@ -14,6 +14,7 @@ use futures_util::future::LocalBoxFuture;
 use super::forward::{self, Admitted};
 use super::{NormalPath, Route};
 use crate::catalog::ClientEntry;
+use crate::configuration::UpstreamSettings;
 use crate::domain::ratelimit::policy_name;
 use crate::domain::{Decision, Outcome, RateLimitHeaders};
 use crate::domain::{KeyHash, Mode};
@@ -27,7 +28,7 @@ use crate::trace::DecisionTimer;
 /// than a middleware over a forwarding service: the admission goes to the forward as an
 /// argument, not through the request's extensions (a boxed value and a map insert and
 /// removal per request), and one boxed future serves both.
-pub struct Guard;
+pub struct Guard(pub UpstreamSettings);
 
 impl ServiceFactory<ServiceRequest> for Guard {
     type Response = ServiceResponse<BoxBody>;
@@ -39,7 +40,7 @@ impl ServiceFactory<ServiceRequest> for Guard {
 
     fn new_service(&self, _: ()) -> Self::Future {
         ready(Ok(GuardService {
-            client: forward::upstream_client(),
+            client: forward::upstream_client(&self.0),
         }))
     }
 }

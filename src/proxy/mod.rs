@@ -8,11 +8,13 @@ mod forward;
 mod guard;
 mod headers;
 mod path;
+mod replicas;
 mod routes;
 mod wire;
 
 pub use guard::Guard;
 pub use headers::{request_id, RequestId};
 pub use path::{NormalPath, PathError, MAX_PATH_BYTES};
+pub use replicas::{Replica, Replicas, RetryBudget};
 pub use routes::{Route, RouteTable};
 pub use wire::{checked_body, client, connector, CheckedBody, Probe, Wire};

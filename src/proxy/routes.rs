@@ -1,34 +1,34 @@
-//! Routes: path prefix → service → replicas, longest prefix first, round-robin.
+//! Routes: path prefix → service → replicas, longest prefix first. A table is rebuilt
+//! whole when the configuration is reloaded; what the gateway learned of a replica (its
+//! ejections, requests in flight, check verdicts) and a route's retry counters carry over
+//! to the new table when the service and the replica's address are the same.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::http::header::HeaderName;
 
-use crate::configuration::RouteSettings;
-use crate::domain::Upstream;
+use super::replicas::{now_ms, Replica, Replicas, RetryBudget};
+use crate::configuration::{HealthCheckSettings, RouteSettings};
+use crate::metrics::family;
 
 /// A service and how to reach it.
 #[derive(Debug)]
 pub struct Route {
     pub service: Arc<str>,
     pub prefix: String,
-    pub upstreams: Vec<Upstream>,
+    pub replicas: Replicas,
     pub cost: f64,
     pub timeout: Duration,
     /// The response header in which the service reports a request's real cost, if any.
     pub cost_header: Option<HeaderName>,
-    next: AtomicUsize,
+    pub health_check: Option<HealthCheckSettings>,
+    /// Shared by every route of the service, and kept across reloads.
+    pub retries: Arc<RetryBudget>,
 }
 
 impl Route {
-    /// The next replica, round-robin.
-    pub fn pick(&self) -> &Upstream {
-        let i = self.next.fetch_add(1, Ordering::Relaxed);
-        &self.upstreams[i % self.upstreams.len()]
-    }
-
     fn matches(&self, path: &str) -> bool {
         match path.strip_prefix(self.prefix.as_str()) {
             Some(rest) => self.prefix.ends_with('/') || rest.is_empty() || rest.starts_with('/'),
@@ -47,20 +47,63 @@ impl RouteTable {
     /// From the settings' routes (a route without upstreams, which parsed settings never
     /// have, is left out rather than panic when picked).
     pub fn new(settings: &[RouteSettings]) -> RouteTable {
+        RouteTable::default().rebuilt(settings)
+    }
+
+    /// A table for `settings` that keeps this one's state of the replicas and services it
+    /// still has.
+    pub fn rebuilt(&self, settings: &[RouteSettings]) -> RouteTable {
+        let mut replicas: HashMap<(&str, &str), &Arc<Replica>> = HashMap::new();
+        let mut budgets: HashMap<&str, &Arc<RetryBudget>> = HashMap::new();
+        for route in &self.routes {
+            budgets.insert(&route.service, &route.retries);
+            for r in route.replicas.all() {
+                replicas.insert((&route.service, r.upstream.base()), r);
+            }
+        }
+        // Routes of one service share its replicas and its budget.
+        let mut fresh_replicas: HashMap<(String, String), Arc<Replica>> = HashMap::new();
+        let mut fresh_budgets: HashMap<String, Arc<RetryBudget>> = HashMap::new();
         let mut routes: Vec<Arc<Route>> = settings
             .iter()
+            .filter(|r| !r.upstreams.is_empty())
             .map(|r| {
+                let service = r.service.as_str();
+                let all = r
+                    .upstreams
+                    .iter()
+                    .map(|u| {
+                        fresh_replicas
+                            .entry((service.to_string(), u.base().to_string()))
+                            .or_insert_with(|| {
+                                replicas
+                                    .get(&(service, u.base()))
+                                    .map(|r| Arc::clone(r))
+                                    .unwrap_or_else(|| Arc::new(Replica::new(u.clone())))
+                            })
+                            .clone()
+                    })
+                    .collect();
+                let retries = fresh_budgets
+                    .entry(service.to_string())
+                    .or_insert_with(|| {
+                        budgets
+                            .get(service)
+                            .map(|b| Arc::clone(b))
+                            .unwrap_or_default()
+                    })
+                    .clone();
                 Arc::new(Route {
-                    service: Arc::from(r.service.as_str()),
+                    service: Arc::from(service),
                     prefix: r.prefix.clone(),
-                    upstreams: r.upstreams.clone(),
+                    replicas: Replicas::new(all, r.balance),
                     cost: r.cost,
                     timeout: r.timeout,
                     cost_header: r.cost_header.clone(),
-                    next: AtomicUsize::new(0),
+                    health_check: r.health_check.clone(),
+                    retries,
                 })
             })
-            .filter(|r| !r.upstreams.is_empty())
             .collect();
         routes.sort_by_key(|r| std::cmp::Reverse(r.prefix.len()));
         RouteTable { routes }
@@ -70,12 +113,102 @@ impl RouteTable {
     pub fn find(&self, path: &str) -> Option<&Arc<Route>> {
         self.routes.iter().find(|r| r.matches(path))
     }
+
+    pub fn routes(&self) -> &[Arc<Route>] {
+        &self.routes
+    }
+
+    /// The replicas' and retry budgets' metrics, each service and replica once.
+    pub fn render_metrics(&self, out: &mut String) {
+        use std::fmt::Write;
+        let now = now_ms();
+        let mut replicas: Vec<(&str, &Arc<Replica>)> = Vec::new();
+        let mut budgets: Vec<(&str, &Arc<RetryBudget>)> = Vec::new();
+        for route in &self.routes {
+            if !budgets.iter().any(|(s, _)| *s == &*route.service) {
+                budgets.push((&route.service, &route.retries));
+            }
+            for r in route.replicas.all() {
+                if !replicas.iter().any(|(_, seen)| Arc::ptr_eq(seen, r)) {
+                    replicas.push((&route.service, r));
+                }
+            }
+        }
+        let mut gauge = |name: &str, kind: &str, help: &str, value: &dyn Fn(&Replica) -> u64| {
+            family(out, name, kind, help);
+            for (service, r) in &replicas {
+                let _ = writeln!(
+                    out,
+                    "{name}{{service=\"{service}\",replica=\"{}\"}} {}",
+                    r.upstream.base(),
+                    value(r)
+                );
+            }
+        };
+        gauge(
+            "tollgate_upstream_replica_available",
+            "gauge",
+            "Whether a replica takes traffic (1): neither ejected nor failing its health checks.",
+            &|r| r.available(now) as u64,
+        );
+        gauge(
+            "tollgate_upstream_replica_ejected",
+            "gauge",
+            "Whether a replica is ejected now (1), after upstream.eject_after failures in a row.",
+            &|r| r.ejected(now) as u64,
+        );
+        gauge(
+            "tollgate_upstream_replica_healthy",
+            "gauge",
+            "The replica's active health checks pass (1; 1 without checks).",
+            &|r| r.checks_pass() as u64,
+        );
+        gauge(
+            "tollgate_upstream_in_flight",
+            "gauge",
+            "Requests in flight to a replica (until its response head).",
+            &|r| u64::from(r.in_flight()),
+        );
+        gauge(
+            "tollgate_upstream_ejections_total",
+            "counter",
+            "Times a replica was ejected.",
+            &|r| r.ejections(),
+        );
+        family(
+            out,
+            "tollgate_upstream_retries_total",
+            "counter",
+            "Tries made again on another replica after one failed before the service could have acted on it.",
+        );
+        for (service, b) in &budgets {
+            let _ = writeln!(
+                out,
+                "tollgate_upstream_retries_total{{service=\"{service}\"}} {}",
+                b.retried()
+            );
+        }
+        family(
+            out,
+            "tollgate_upstream_retries_refused_total",
+            "counter",
+            "Retries the service's retry budget refused (the request got the failed try's answer).",
+        );
+        for (service, b) in &budgets {
+            let _ = writeln!(
+                out,
+                "tollgate_upstream_retries_refused_total{{service=\"{service}\"}} {}",
+                b.refused()
+            );
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::ServiceName;
+    use crate::configuration::Balance;
+    use crate::domain::{ServiceName, Upstream};
 
     fn table(prefixes: &[&str]) -> RouteTable {
         RouteTable::new(
@@ -87,6 +220,8 @@ mod tests {
                     upstreams: ["http://127.0.0.1:1", "http://127.0.0.1:2"]
                         .map(|u| Upstream::parse(u).unwrap())
                         .to_vec(),
+                    balance: Balance::RoundRobin,
+                    health_check: None,
                     cost: 1.0,
                     timeout: Duration::from_secs(1),
                     cost_header: None,
@@ -115,11 +250,36 @@ mod tests {
     }
 
     #[test]
-    fn replicas_take_turns() {
-        let t = table(&["/a"]);
-        let r = t.find("/a").unwrap();
-        let picks: Vec<_> = (0..4).map(|_| r.pick().base().to_string()).collect();
-        assert_eq!(picks[0], picks[2]);
-        assert_ne!(picks[0], picks[1]);
+    fn a_rebuilt_table_keeps_what_it_knew_of_the_same_replicas() {
+        let t = table(&["/a", "/b"]);
+        let a = Arc::clone(t.find("/a").unwrap());
+        let _busy = a.replicas.get(0).start();
+        let mut settings = vec![RouteSettings {
+            service: ServiceName::parse("svc-a").unwrap(),
+            prefix: "/a".into(),
+            upstreams: ["http://127.0.0.1:2", "http://127.0.0.1:3"]
+                .map(|u| Upstream::parse(u).unwrap())
+                .to_vec(),
+            balance: Balance::RoundRobin,
+            health_check: None,
+            cost: 1.0,
+            timeout: Duration::from_secs(1),
+            cost_header: None,
+        }];
+        let t2 = t.rebuilt(&settings);
+        let a2 = t2.find("/a").unwrap();
+        assert!(t2.find("/b").is_none());
+        // :2 is the same replica of the same service; :3 is new.
+        assert!(Arc::ptr_eq(a2.replicas.get(0), a.replicas.get(1)));
+        assert_eq!(a2.replicas.get(1).in_flight(), 0);
+        assert!(Arc::ptr_eq(&a2.retries, &a.retries));
+        // Another service at the same address is another replica.
+        settings[0].service = ServiceName::parse("other").unwrap();
+        let t3 = t.rebuilt(&settings);
+        assert!(!Arc::ptr_eq(
+            t3.find("/a").unwrap().replicas.get(0),
+            a.replicas.get(1)
+        ));
+        assert_eq!(a.replicas.get(0).in_flight(), 1);
     }
 }

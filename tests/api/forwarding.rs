@@ -207,8 +207,15 @@ async fn replicas_share_the_load() {
     let a = Upstream::start(Behaviour::Echo).await;
     let b = Upstream::start(Behaviour::Echo).await;
     let gw = gateway_to(&[a.url(), b.url()], "").await;
-    for _ in 0..10 {
+    for _ in 0..40 {
         assert_eq!(gw.get("/orders", Some(&key("acme"))).await.status(), 200);
     }
-    assert_eq!((a.hits(), b.hits()), (5, 5));
+    // Least-request picks the less busy of two at random: both serve, neither all.
+    assert!(
+        a.hits() > 0 && b.hits() > 0,
+        "{} and {}",
+        a.hits(),
+        b.hits()
+    );
+    assert_eq!(a.hits() + b.hits(), 40);
 }

@@ -54,7 +54,12 @@ pub struct Upstream {
 
 impl Upstream {
     pub async fn start(behaviour: Behaviour) -> Upstream {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        Upstream::start_at(0, behaviour).await
+    }
+
+    /// On `port` (0: a free one), e.g. a replica coming back where it was.
+    pub async fn start_at(port: u16, behaviour: Behaviour) -> Upstream {
+        let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
         let port = listener.local_addr().unwrap().port();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let hits = Arc::new(AtomicUsize::new(0));

@@ -27,3 +27,4 @@ mod slow_redis;
 mod stores;
 mod swagger_ui;
 mod traces;
+mod upstreams;
