@@ -2,6 +2,7 @@
 //! admitted request, [`forward`] (one upstream replica, streamed both ways), in one service. [`NormalPath`] is the one form
 //! a path is routed and forwarded in.
 
+mod edge;
 mod forward;
 mod guard;
 mod headers;
