@@ -24,6 +24,9 @@ use crate::store::{Keys, Store};
 use crate::trace::{self, Tracer};
 use crate::{ops, telemetry};
 
+/// How long a connection lingers after an answer that left the request body unread.
+const LINGER: Duration = Duration::from_secs(1);
+
 pub struct Application {
     port: u16,
     admin_port: Option<u16>,
@@ -126,7 +129,16 @@ impl Application {
             }
         });
         let shutdown_timeout_s = settings.server.shutdown_timeout.as_secs();
-        let main = main.shutdown_timeout(shutdown_timeout_s).backlog(4096);
+        // A request the gateway answers without reading its body (a 401, a 429, ...) keeps
+        // that body's `Payload` until the answer is written (proxy::edge), so actix-http
+        // closes the connection after lingering, reading and discarding, for at most this
+        // long: nginx's lingering close, bounded, so that the client reads its answer
+        // rather than a reset, and a client that never stops sending is cut off. Set here,
+        // not left to actix-web's default (also 1 s today), because the bound is ours.
+        let main = main
+            .shutdown_timeout(shutdown_timeout_s)
+            .backlog(4096)
+            .client_disconnect_timeout(LINGER);
         let main = match settings.server.workers {
             Some(n) => main.workers(n.get()),
             None => main,

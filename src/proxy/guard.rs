@@ -11,7 +11,9 @@ use actix_web::http::uri::PathAndQuery;
 use actix_web::{web, ResponseError};
 use futures_util::future::LocalBoxFuture;
 
+use super::edge;
 use super::forward::{self, Admitted};
+use super::headers::{drop_client_ip_claims, has_client_ip_claims, peer_trusted};
 use super::{NormalPath, Route};
 use crate::catalog::ClientEntry;
 use crate::configuration::UpstreamSettings;
@@ -66,16 +68,18 @@ impl Service<ServiceRequest> for GuardService {
 /// The largest real cost a service may report (the largest `cost` a route may have).
 const MAX_REPORTED_COST: f64 = 1e9;
 
-/// Decides a request: `400`/`414` for a path it will not route (see [`NormalPath`]),
-/// `401` for a missing or unknown key (no store call), `404` without a route for the
-/// normal path, `413` for a declared body over the limit, `429` when the bucket is empty.
-/// All before a token is spent or a service is called. Admitted requests go on to the
-/// forwarder, and every answer carries the client's rate-limit headers. On a route with a
-/// `cost_header`, the real cost the service reports in its response is settled (see
-/// [`CostedRoute::settle`]) as soon as the response head is in, before its body streams.
+/// Decides a request: `405` for `TRACE` and `CONNECT`, `400` for a missing, repeated or
+/// invalid `Host` or a repeated key header (see [`edge::refusal`]), `400`/`414` for a path
+/// it will not route (see [`NormalPath`]), `401` for a missing or unknown key (no store
+/// call), `404` without a route for the normal path, `413` for a declared body over the
+/// limit, `429` when the bucket is empty. All before a token is spent or a service is
+/// called. Admitted requests go on to the forwarder, and every answer carries the
+/// client's rate-limit headers. On a route with a `cost_header`, the real cost the
+/// service reports in its response is settled (see [`CostedRoute::settle`]) as soon as
+/// the response head is in, before its body streams.
 #[tracing::instrument(name = "guard", level = "debug", skip_all, fields(client_id = tracing::field::Empty))]
 async fn guard(
-    req: ServiceRequest,
+    mut req: ServiceRequest,
     upstream: awc::Client,
 ) -> Result<ServiceResponse<BoxBody>, actix_web::Error> {
     // Borrowed, not cloned: every worker shares `AppState`, and an `Arc` count bumped by
@@ -85,13 +89,22 @@ async fn guard(
             req,
             ApiError::Internal(anyhow::anyhow!("no AppState")),
             None,
-        ));
+        )
+        .await);
     };
 
-    // First: it costs nothing, needs no key, and a bad path must never be charged.
+    // First: these cost nothing, need no key, and a bad request must never be charged.
+    if let Some(err) = edge::refusal(
+        req.method(),
+        req.version(),
+        req.headers(),
+        &state.api_key_header,
+    ) {
+        return Ok(reject(req, err, None).await);
+    }
     let path = match NormalPath::parse(req.path()) {
         Ok(path) => path,
-        Err(e) => return Ok(reject(req, e.into(), None)),
+        Err(e) => return Ok(reject(req, e.into(), None).await),
     };
 
     let client = req
@@ -102,17 +115,17 @@ async fn guard(
     let Some(client) = client else {
         state.metrics.count_outcome("unknown_key");
         let err = ApiError::MissingKey(state.api_key_header.to_string());
-        return Ok(reject(req, err, None));
+        return Ok(reject(req, err, None).await);
     };
     tracing::Span::current().record("client_id", client.id.as_str());
 
     let Some(route) = state.routes.find(path.as_str()).cloned() else {
-        return Ok(reject(req, ApiError::NoRoute, None));
+        return Ok(reject(req, ApiError::NoRoute, None).await);
     };
     // The service must see exactly the path that was routed.
     let path_and_query = match rewritten(&path, req.uri().query()) {
         Ok(pq) => pq,
-        Err(e) => return Ok(reject(req, e, None)),
+        Err(e) => return Ok(reject(req, e, None).await),
     };
     let declared_len = req
         .headers()
@@ -121,7 +134,7 @@ async fn guard(
         .and_then(|v| v.parse::<u64>().ok());
     if declared_len.is_some_and(|n| n > state.max_body_bytes) {
         let err = ApiError::PayloadTooLarge(state.max_body_bytes);
-        return Ok(reject(req, err, None));
+        return Ok(reject(req, err, None).await);
     }
 
     let timer = DecisionTimer::start(state.traces.as_ref());
@@ -137,7 +150,7 @@ async fn guard(
         &route.prefix,
     );
     if decision.outcome == Outcome::Shed {
-        return Ok(reject(req, ApiError::Overloaded, None));
+        return Ok(reject(req, ApiError::Overloaded, None).await);
     }
     let mut rl =
         RateLimitHeaders::with_policy(&client.plan.name, &decision, client.plan.policy(&decision));
@@ -164,7 +177,7 @@ async fn guard(
             },
             None => ApiError::CostExceedsCapacity { limit },
         };
-        return Ok(reject(req, err, Some(rl)));
+        return Ok(reject(req, err, Some(rl)).await);
     }
 
     // Only shadow-mode answers are compared with the service's; only they need the
@@ -177,6 +190,14 @@ async fn guard(
         client: Arc::clone(&client),
         state: state.clone(),
     });
+    // Addresses a client claims for itself are believed only from a trusted proxy.
+    // (`headers_mut` requires the request unshared: nothing before the guard keeps a
+    // clone of it, neither the logger, nor `request_id`, nor `trace::request`.)
+    if has_client_ip_claims(req.headers())
+        && !peer_trusted(req.peer_addr().map(|a| a.ip()), &state.trusted_proxies)
+    {
+        drop_client_ip_claims(req.headers_mut());
+    }
     let admitted = Admitted {
         client,
         route,
@@ -282,7 +303,11 @@ fn rewritten(path: &NormalPath, query: Option<&str>) -> Result<Option<PathAndQue
         .map_err(|e| ApiError::Internal(e.into()))
 }
 
-fn reject(
+/// Answers without forwarding. Of the request's body, what has already arrived is read
+/// (so a client that sent all of it keeps its connection); the rest is held until the
+/// answer is written, so the connection is closed after at most a bounded linger rather
+/// than drained for as long as the client cares to send ([`edge::keep_payload`]).
+async fn reject(
     req: ServiceRequest,
     err: ApiError,
     rl: Option<RateLimitHeaders>,
@@ -291,7 +316,9 @@ fn reject(
     if let Some(rl) = rl {
         rl.apply(resp.headers_mut());
     }
-    req.into_response(resp)
+    let (req, mut payload) = req.into_parts();
+    edge::read_arrived(&mut payload).await;
+    ServiceResponse::new(req, edge::keep_payload(resp, payload))
 }
 
 #[cfg(test)]

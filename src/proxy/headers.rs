@@ -1,6 +1,7 @@
-//! Request ids, hop-by-hop headers and the `X-Forwarded-*` / `Forwarded` fields.
+//! Request ids, hop-by-hop headers, the `X-Forwarded-*` / `Forwarded` fields, the client-IP
+//! claims believed only from trusted proxies, and what a valid `Host` is.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv6Addr};
 
 use actix_web::body::MessageBody;
 use actix_web::dev::{ServiceRequest, ServiceResponse};
@@ -88,6 +89,96 @@ pub fn response_headers<'a>(
         .filter(move |(n, _)| !is_hop_by_hop(n) && !listed.contains(n))
 }
 
+/// Headers in which a client states its own address, as CDNs and load balancers write them
+/// (the list of the `request-ip` package, less `X-Forwarded-For` and `Forwarded`, which
+/// the gateway always rewrites). A service may believe them, so only a trusted proxy may
+/// pass them on: [`drop_client_ip_claims`].
+fn is_client_ip_claim(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "x-real-ip"
+            | "true-client-ip"
+            | "x-client-ip"
+            | "cf-connecting-ip"
+            | "cf-pseudo-ipv4"
+            | "fastly-client-ip"
+            | "x-cluster-client-ip"
+            | "x-appengine-user-ip"
+            | "x-forwarded"
+            | "forwarded-for"
+    )
+}
+
+/// Whether the peer is one of `server.trusted_proxies`.
+pub fn peer_trusted(peer: Option<IpAddr>, trusted: &[IpNet]) -> bool {
+    peer.is_some_and(|ip| trusted.iter().any(|n| n.contains(&ip)))
+}
+
+/// Whether the request claims a client address in a header [`drop_client_ip_claims`]
+/// removes. Nearly every request has none, so the map is only changed when it does.
+pub fn has_client_ip_claims(headers: &HeaderMap) -> bool {
+    headers.keys().any(is_client_ip_claim)
+}
+
+/// Removes every client-IP claim (see [`is_client_ip_claim`]) from a request of an
+/// untrusted peer.
+pub fn drop_client_ip_claims(headers: &mut HeaderMap) {
+    let claimed: Vec<HeaderName> = headers
+        .keys()
+        .filter(|n| is_client_ip_claim(n))
+        .cloned()
+        .collect();
+    for name in claimed {
+        headers.remove(&name);
+    }
+}
+
+/// Whether `value` is a valid `Host` (RFC 9112 §3.2, RFC 3986 §3.2.2): `uri-host [":" port]`,
+/// where the host is an IPv6 literal in brackets or a non-empty reg-name (letters, digits,
+/// `-._~`, sub-delims and `%XX` escapes; so also an IPv4 address), and the port at most
+/// five digits. Like nginx, `..` is refused too.
+pub fn valid_host(value: &[u8]) -> bool {
+    let (host_ok, port) = match value.strip_prefix(b"[") {
+        Some(rest) => {
+            let Some(end) = rest.iter().position(|&b| b == b']') else {
+                return false;
+            };
+            let literal = std::str::from_utf8(&rest[..end])
+                .ok()
+                .is_some_and(|s| s.parse::<Ipv6Addr>().is_ok());
+            match &rest[end + 1..] {
+                [] => (literal, None),
+                [b':', port @ ..] => (literal, Some(port)),
+                _ => return false,
+            }
+        }
+        None => match value.iter().position(|&b| b == b':') {
+            Some(i) => (reg_name(&value[..i]), Some(&value[i + 1..])),
+            None => (reg_name(value), None),
+        },
+    };
+    host_ok && port.is_none_or(|p| p.len() <= 5 && p.iter().all(u8::is_ascii_digit))
+}
+
+fn reg_name(name: &[u8]) -> bool {
+    let mut i = 0;
+    while i < name.len() {
+        let b = name[i];
+        if b == b'%' {
+            match name.get(i + 1..i + 3) {
+                Some([h, l]) if h.is_ascii_hexdigit() && l.is_ascii_hexdigit() => i += 3,
+                _ => return false,
+            }
+            continue;
+        }
+        if !(b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=".contains(&b)) {
+            return false;
+        }
+        i += 1;
+    }
+    !name.is_empty() && !name.windows(2).any(|w| w == b"..")
+}
+
 /// Who sent the request, as far as the gateway can trust it.
 pub struct Origin {
     /// The client's address: the peer, or the nearest untrusted hop in `X-Forwarded-For`
@@ -131,12 +222,15 @@ impl Origin {
         trusted: &[IpNet],
     ) -> Origin {
         let is_trusted = |ip: &IpAddr| trusted.iter().any(|n| n.contains(ip));
-        let peer_trusted = peer.as_ref().is_some_and(is_trusted);
+        let peer_trusted = peer_trusted(peer, trusted);
         let push_peer = |out: &mut String| match peer {
             Some(p) => push_ip(out, p),
             None => out.push_str("unknown"),
         };
-        let host = headers.get(header::HOST).cloned();
+        // Only a valid host is passed on (the guard refuses a request with an invalid one;
+        // this keeps anything else out of `X-Forwarded-Host` and `Forwarded` regardless).
+        let valid = |v: &&HeaderValue| valid_host(v.as_bytes());
+        let host = headers.get(header::HOST).filter(valid).cloned();
         if !peer_trusted {
             let mut x_forwarded_for = String::with_capacity(16);
             push_peer(&mut x_forwarded_for);
@@ -166,7 +260,11 @@ impl Origin {
             Some(b"https") => "https",
             _ => scheme,
         };
-        let host = headers.get(&X_FORWARDED_HOST).cloned().or(host);
+        let host = headers
+            .get(&X_FORWARDED_HOST)
+            .filter(valid)
+            .cloned()
+            .or(host);
         let mut xff = prior.join(", ");
         if !xff.is_empty() {
             xff.push_str(", ");
@@ -212,9 +310,13 @@ impl Origin {
     }
 }
 
-/// Whether a request header is passed on to the upstream unchanged.
+/// Whether a request header is passed on to the upstream unchanged. `Expect` is this hop's
+/// business: actix-http has already answered `100 Continue` to the client, and awc, given
+/// `Expect`, would wait for a `100` the service need not send (a route timeout later, `504`),
+/// or refuse a request without a body outright (`502`).
 pub fn forwardable(name: &HeaderName, api_key_header: &HeaderName, listed: &[HeaderName]) -> bool {
     !(is_hop_by_hop(name)
+        || name == header::EXPECT
         || listed.contains(name)
         || name == api_key_header
         || name == header::HOST
@@ -298,6 +400,58 @@ mod tests {
             .map(|(n, _)| n.as_str().to_string())
             .collect();
         assert_eq!(names, vec!["x-keep"]);
+    }
+
+    #[test]
+    fn a_host_is_a_host_and_an_optional_port() {
+        for ok in [
+            "example.com",
+            "api.example.com:8443",
+            "127.0.0.1:80",
+            "[::1]",
+            "[2001:db8::7]:443",
+            "a-b_c~d",
+            "caf%C3%A9.example",
+            "host:",
+        ] {
+            assert!(valid_host(ok.as_bytes()), "{ok:?}");
+        }
+        for bad in [
+            "", ":80", "a b", "a/b", "a\\b", "u@a", "a\"b", "a<b", "a..b", "a:8x", "a:123456",
+            "a:1:2", "[::1", "[zz]", "[::1]x", "%zz", "a%4", "a\tb",
+        ] {
+            assert!(!valid_host(bad.as_bytes()), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn an_invalid_host_is_not_passed_on_even_from_a_trusted_proxy() {
+        let h = headers(&[("host", "gw.example"), ("x-forwarded-host", "a b")]);
+        let trusted = ["10.0.0.0/8".parse().unwrap()];
+        let o = Origin::of(&h, Some("10.0.0.9".parse().unwrap()), "http", &trusted);
+        assert_eq!(o.host.unwrap(), "gw.example");
+        let h = headers(&[("host", "a/b")]);
+        assert!(Origin::of(&h, None, "http", &[]).host.is_none());
+    }
+
+    #[test]
+    fn client_ip_claims_are_dropped_and_nothing_else() {
+        let mut h = headers(&[
+            ("x-real-ip", "6.6.6.6"),
+            ("true-client-ip", "6.6.6.6"),
+            ("cf-connecting-ip", "6.6.6.6"),
+            ("x-keep", "1"),
+        ]);
+        drop_client_ip_claims(&mut h);
+        let names: Vec<_> = h.keys().map(|n| n.as_str().to_string()).collect();
+        assert_eq!(names, vec!["x-keep"]);
+    }
+
+    #[test]
+    fn expect_is_never_forwarded() {
+        let key = HeaderName::from_static("x-api-key");
+        assert!(!forwardable(&header::EXPECT, &key, &[]));
+        assert!(forwardable(&header::ACCEPT, &key, &[]));
     }
 
     #[test]

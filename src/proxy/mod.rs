@@ -4,6 +4,7 @@
 //! holding its responses to RFC 9112 (interim responses, bodiless and close-delimited
 //! bodies, truncation).
 
+mod edge;
 mod forward;
 mod guard;
 mod headers;

@@ -11,6 +11,7 @@ mod cluster;
 mod configuration;
 mod costs;
 mod durability;
+mod edge_http;
 mod faults;
 mod forwarding;
 mod limiting;

@@ -1,0 +1,519 @@
+//! The HTTP/1.1 edge against hostile clients: bodies that never end after a refusal,
+//! `Expect`, a key or a `Host` sent twice, addresses a client claims for itself, `TRACE`
+//! and `CONNECT`.
+//!
+//! Requests are written byte for byte on a TCP stream: client libraries would not send most
+//! of them, and the connection's fate after the answer is part of what is tested.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::helpers::*;
+
+/// A response head (and body, when it has a `content-length`) as read off the wire.
+#[derive(Debug)]
+struct Raw {
+    status: u16,
+    /// Lower-case names; a repeated header keeps its last value.
+    headers: HashMap<String, String>,
+    body: String,
+}
+
+/// A gateway routing `/orders` to `upstream`, one client `acme` on a plan of `capacity`
+/// tokens refilled very slowly, and `extra` configuration.
+async fn gateway(upstream: &str, capacity: f64, extra: &str) -> TestGateway {
+    let toml = format!(
+        "{}{}{extra}",
+        catalog_toml(("gold", capacity, 0.001), &["acme"]),
+        route_toml("orders", "/orders", &[upstream.to_string()]),
+    );
+    TestGateway::spawn(settings(&toml)).await
+}
+
+fn authority(gw: &TestGateway) -> &str {
+    gw.address.trim_start_matches("http://")
+}
+
+async fn connect(gw: &TestGateway) -> TcpStream {
+    TcpStream::connect(authority(gw)).await.unwrap()
+}
+
+/// The reading side of a connection, with what was read past the last response.
+struct Wire<R> {
+    rx: R,
+    buf: Vec<u8>,
+}
+
+impl<R: AsyncRead + Unpin> Wire<R> {
+    fn new(rx: R) -> Wire<R> {
+        Wire {
+            rx,
+            buf: Vec::new(),
+        }
+    }
+
+    /// Reads one more piece into the buffer by `deadline`; panics if the connection ends.
+    async fn fill(&mut self, deadline: tokio::time::Instant) {
+        let mut chunk = [0u8; 4096];
+        let n = tokio::time::timeout_at(deadline, self.rx.read(&mut chunk))
+            .await
+            .unwrap_or_else(|_| panic!("no response within 5 s; read {:?}", self.buf))
+            .unwrap_or_else(|e| panic!("connection failed ({e}); read {:?}", self.buf));
+        assert!(n > 0, "connection closed early; read {:?}", self.buf);
+        self.buf.extend_from_slice(&chunk[..n]);
+    }
+
+    /// Reads one response: its head, then its body when it declares a length (a `100
+    /// Continue` is a response too). Panics if none arrives within 5 s.
+    async fn response(&mut self) -> Raw {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        let head_end = loop {
+            if let Some(i) = self.buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break i + 4;
+            }
+            self.fill(deadline).await;
+        };
+        let head = String::from_utf8_lossy(&self.buf[..head_end]).to_string();
+        let mut lines = head.lines();
+        let status = lines
+            .next()
+            .and_then(|l| l.split(' ').nth(1))
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no status line: {head:?}"));
+        let headers: HashMap<String, String> = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+            .collect();
+        let len: usize = headers
+            .get("content-length")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        while self.buf.len() < head_end + len {
+            self.fill(deadline).await;
+        }
+        let body = String::from_utf8_lossy(&self.buf[head_end..head_end + len]).to_string();
+        self.buf.drain(..head_end + len);
+        Raw {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    /// The next final (not 1xx) response.
+    async fn final_response(&mut self) -> Raw {
+        loop {
+            let r = self.response().await;
+            if r.status >= 200 {
+                return r;
+            }
+        }
+    }
+
+    /// How long after now the gateway closes the connection (EOF or reset), ignoring
+    /// whatever else it sends; `None` if it is still open after `patience`.
+    async fn closed_after(&mut self, patience: Duration) -> Option<Duration> {
+        let start = Instant::now();
+        let mut sink = [0u8; 4096];
+        let closed = tokio::time::timeout(patience, async {
+            loop {
+                match self.rx.read(&mut sink).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await;
+        closed.ok().map(|()| start.elapsed())
+    }
+}
+
+/// Writes `request` on a new connection and reads the final answer.
+async fn exchange(gw: &TestGateway, request: &str) -> Raw {
+    let mut stream = connect(gw).await;
+    stream.write_all(request.as_bytes()).await.unwrap();
+    Wire::new(stream).final_response().await
+}
+
+// A refused request's body is not drained for as long as the client cares to send it.
+
+#[tokio::test]
+async fn a_chunked_body_trickled_after_a_401_does_not_hold_the_connection() {
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway(&up.url(), 100.0, "").await;
+    let (rx, mut tx) = connect(&gw).await.into_split();
+    let mut wire = Wire::new(rx);
+    let head = format!(
+        "POST /orders HTTP/1.1\r\nhost: {}\r\nx-api-key: not-a-key\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n",
+        authority(&gw)
+    );
+    tx.write_all(head.as_bytes()).await.unwrap();
+
+    let r = wire.response().await;
+    assert_eq!(r.status, 401);
+    // The client keeps sending a chunk every 100 ms, for up to 10 s.
+    let trickle = tokio::spawn(async move {
+        for _ in 0..100 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if tx.write_all(b"5\r\nhello\r\n").await.is_err() {
+                return;
+            }
+        }
+    });
+
+    let closed = wire.closed_after(Duration::from_secs(6)).await;
+    trickle.abort();
+    let closed = closed.expect("the gateway still drains the body after 6 s");
+    // The linger is 1 s; the rest is slack for a loaded debug build.
+    assert!(
+        closed < Duration::from_millis(2500),
+        "closed after {closed:?}"
+    );
+    // and said so in its answer.
+    assert_eq!(
+        r.headers.get("connection").map(String::as_str),
+        Some("close")
+    );
+    assert_eq!(up.hits(), 0);
+}
+
+#[tokio::test]
+async fn a_declared_body_never_sent_after_a_401_does_not_hold_the_connection() {
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway(&up.url(), 100.0, "").await;
+    let (rx, mut tx) = connect(&gw).await.into_split();
+    let mut wire = Wire::new(rx);
+    let head = format!(
+        "POST /orders HTTP/1.1\r\nhost: {}\r\nx-api-key: not-a-key\r\ncontent-length: 100000\r\n\r\n",
+        authority(&gw)
+    );
+    tx.write_all(head.as_bytes()).await.unwrap();
+
+    let r = wire.response().await;
+    assert_eq!(r.status, 401);
+    let closed = wire
+        .closed_after(Duration::from_secs(6))
+        .await
+        .expect("the gateway still waits for the body after 6 s");
+    assert!(
+        closed < Duration::from_millis(2500),
+        "closed after {closed:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_client_that_sent_its_whole_body_gets_its_answer_and_keeps_its_connection() {
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway(&up.url(), 100.0, "").await;
+    let (rx, mut tx) = connect(&gw).await.into_split();
+    let mut wire = Wire::new(rx);
+    let host = authority(&gw);
+
+    let sized = format!(
+        "POST /orders HTTP/1.1\r\nhost: {host}\r\nx-api-key: not-a-key\r\ncontent-length: 5\r\n\r\nhello"
+    );
+    tx.write_all(sized.as_bytes()).await.unwrap();
+    let r = wire.response().await;
+    assert_eq!(r.status, 401);
+    assert!(r.body.contains("x-api-key"), "{}", r.body);
+    assert_ne!(
+        r.headers.get("connection").map(String::as_str),
+        Some("close")
+    );
+
+    // The same connection, a whole chunked body, and then an admitted request.
+    let chunked = format!(
+        "POST /orders HTTP/1.1\r\nhost: {host}\r\nx-api-key: not-a-key\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+    );
+    tx.write_all(chunked.as_bytes()).await.unwrap();
+    assert_eq!(wire.response().await.status, 401);
+    let admitted = format!(
+        "POST /orders HTTP/1.1\r\nhost: {host}\r\nx-api-key: {}\r\ncontent-length: 5\r\n\r\nhello",
+        key("acme")
+    );
+    tx.write_all(admitted.as_bytes()).await.unwrap();
+    let r = wire.response().await;
+    assert_eq!((r.status, r.body.as_str()), (200, "hello"));
+}
+
+// `Expect` is answered by the gateway's own HTTP server, never passed on.
+
+#[tokio::test]
+async fn expect_never_reaches_the_service() {
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway(&up.url(), 100.0, "").await;
+    let (rx, mut tx) = connect(&gw).await.into_split();
+    let mut wire = Wire::new(rx);
+    let head = format!(
+        "POST /orders HTTP/1.1\r\nhost: {}\r\nx-api-key: {}\r\nexpect: 100-continue\r\ncontent-length: 5\r\n\r\n",
+        authority(&gw),
+        key("acme")
+    );
+    tx.write_all(head.as_bytes()).await.unwrap();
+    // actix-http answers 100 as soon as the head is parsed, before the guard runs.
+    assert_eq!(wire.response().await.status, 100);
+    tx.write_all(b"hello").await.unwrap();
+    let r = wire.response().await;
+    assert_eq!((r.status, r.body.as_str()), (200, "hello"));
+
+    // Without a body, awc given `Expect` would refuse to send at all (502).
+    let get = format!(
+        "GET /orders HTTP/1.1\r\nhost: {}\r\nx-api-key: {}\r\nexpect: 100-continue\r\n\r\n",
+        authority(&gw),
+        key("acme")
+    );
+    assert_eq!(exchange(&gw, &get).await.status, 200);
+
+    let seen = up.seen();
+    assert_eq!(seen.len(), 2);
+    for s in seen {
+        assert!(!s.headers.contains_key("expect"), "{:?}", s.headers);
+    }
+}
+
+/// A service on a raw socket that never sends `100 Continue` (as many do not): it reads a
+/// head and the body it declares, then answers `200 ok` and closes. It keeps each head.
+async fn service_without_continue() -> (String, Arc<Mutex<Vec<String>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let heads = Arc::new(Mutex::new(Vec::new()));
+    let seen = heads.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut conn, _)) = listener.accept().await else {
+                return;
+            };
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                let head_end = loop {
+                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break i + 4;
+                    }
+                    match conn.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                };
+                let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+                let len: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(0);
+                seen.lock().unwrap().push(head);
+                while buf.len() < head_end + len {
+                    match conn.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let _ = conn
+                    .write_all(
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok",
+                    )
+                    .await;
+            });
+        }
+    });
+    (url, heads)
+}
+
+#[tokio::test]
+async fn a_curl_like_expect_with_a_body_is_answered_promptly_by_a_service_that_never_says_continue()
+{
+    let (url, heads) = service_without_continue().await;
+    let gw = gateway(&url, 100.0, "").await;
+    let (rx, mut tx) = connect(&gw).await.into_split();
+    let mut wire = Wire::new(rx);
+    let start = Instant::now();
+    let head = format!(
+        "PUT /orders/7 HTTP/1.1\r\nhost: {}\r\nx-api-key: {}\r\nexpect: 100-continue\r\ncontent-length: 11\r\n\r\n",
+        authority(&gw),
+        key("acme")
+    );
+    tx.write_all(head.as_bytes()).await.unwrap();
+    assert_eq!(wire.response().await.status, 100);
+    tx.write_all(b"hello world").await.unwrap();
+
+    let r = wire.response().await;
+    assert_eq!((r.status, r.body.as_str()), (200, "ok"));
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        start.elapsed()
+    );
+    let heads = heads.lock().unwrap();
+    assert!(!heads[0].contains("expect"), "{}", heads[0]);
+}
+
+// One key, one host.
+
+#[tokio::test]
+async fn the_configured_key_header_sent_twice_is_refused_before_a_token_is_spent() {
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway(
+        &up.url(),
+        1.0,
+        "[server]\napi_key_header = \"x-tollgate-key\"\n",
+    )
+    .await;
+    let host = authority(&gw);
+    let acme = key("acme");
+
+    let twice = format!(
+        "GET /orders HTTP/1.1\r\nhost: {host}\r\nx-tollgate-key: {acme}\r\nx-tollgate-key: {acme}\r\nconnection: close\r\n\r\n"
+    );
+    let r = exchange(&gw, &twice).await;
+    assert_eq!(r.status, 400);
+    assert_eq!(r.headers["content-type"], "application/problem+json");
+    assert!(r.body.contains("x-tollgate-key"), "{}", r.body);
+    assert!(!r.headers.contains_key("ratelimit"), "{:?}", r.headers);
+    assert_eq!(up.hits(), 0);
+
+    // The plan's one token is still there.
+    let once = format!(
+        "GET /orders HTTP/1.1\r\nhost: {host}\r\nx-tollgate-key: {acme}\r\nconnection: close\r\n\r\n"
+    );
+    assert_eq!(exchange(&gw, &once).await.status, 200);
+    assert_eq!(up.hits(), 1);
+}
+
+#[tokio::test]
+async fn a_malformed_repeated_or_missing_host_is_refused_and_a_valid_one_forwarded() {
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway(&up.url(), 100.0, "").await;
+    let acme = key("acme");
+
+    // actix-http's parser refuses these itself, with a bare 400, before the guard runs.
+    for hosts in ["host: api.example\r\nhost: evil.example\r\n", ""] {
+        let request = format!(
+            "GET /orders HTTP/1.1\r\n{hosts}x-api-key: {acme}\r\nconnection: close\r\n\r\n"
+        );
+        assert_eq!(exchange(&gw, &request).await.status, 400, "{hosts:?}");
+    }
+    for host in [
+        "evil.example/<script>",
+        "a b",
+        "u@evil.example",
+        "api.example:80x",
+        "a..b",
+        "",
+    ] {
+        let request = format!(
+            "GET /orders HTTP/1.1\r\nhost: {host}\r\nx-api-key: {acme}\r\nconnection: close\r\n\r\n"
+        );
+        let r = exchange(&gw, &request).await;
+        assert_eq!(r.status, 400, "{host:?}: {}", r.body);
+        assert_eq!(
+            r.headers.get("content-type").map(String::as_str),
+            Some("application/problem+json"),
+            "{host:?}: {r:?}"
+        );
+        assert!(r.body.contains("Host"), "{}", r.body);
+    }
+    assert_eq!(up.hits(), 0);
+
+    for (host, forwarded) in [
+        ("api.example:8443", "host=\"api.example:8443\""),
+        ("[::1]:8080", "host=\"[::1]:8080\""),
+    ] {
+        let request = format!(
+            "GET /orders HTTP/1.1\r\nhost: {host}\r\nx-api-key: {acme}\r\nconnection: close\r\n\r\n"
+        );
+        assert_eq!(exchange(&gw, &request).await.status, 200, "{host}");
+        let seen = up.seen().pop().unwrap();
+        assert_eq!(seen.headers["x-forwarded-host"], host);
+        assert!(
+            seen.headers["forwarded"].contains(forwarded),
+            "{:?}",
+            seen.headers
+        );
+    }
+    // HTTP/1.0 needs no Host.
+    let old = format!("GET /orders HTTP/1.0\r\nx-api-key: {acme}\r\n\r\n");
+    assert_eq!(exchange(&gw, &old).await.status, 200);
+    assert!(!up
+        .seen()
+        .pop()
+        .unwrap()
+        .headers
+        .contains_key("x-forwarded-host"));
+}
+
+// Addresses a client claims for itself.
+
+const CLAIMS: [&str; 5] = [
+    "x-real-ip",
+    "true-client-ip",
+    "x-client-ip",
+    "cf-connecting-ip",
+    "fastly-client-ip",
+];
+
+async fn claim_addresses(gw: &TestGateway) {
+    let claims: String = CLAIMS.iter().map(|h| format!("{h}: 6.6.6.6\r\n")).collect();
+    let request = format!(
+        "GET /orders HTTP/1.1\r\nhost: {}\r\nx-api-key: {}\r\n{claims}x-custom: kept\r\nconnection: close\r\n\r\n",
+        authority(gw),
+        key("acme")
+    );
+    assert_eq!(exchange(gw, &request).await.status, 200);
+}
+
+#[tokio::test]
+async fn client_ip_claims_of_an_untrusted_client_are_removed() {
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway(&up.url(), 100.0, "").await;
+    claim_addresses(&gw).await;
+    let h = &up.seen()[0].headers;
+    for claim in CLAIMS {
+        assert!(!h.contains_key(claim), "{claim} was forwarded: {h:?}");
+    }
+    assert_eq!(h["x-custom"], "kept");
+    assert_eq!(h["x-forwarded-for"], "127.0.0.1");
+}
+
+#[tokio::test]
+async fn client_ip_claims_of_a_trusted_proxy_pass() {
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway(
+        &up.url(),
+        100.0,
+        "[server]\ntrusted_proxies = [\"127.0.0.0/8\"]\n",
+    )
+    .await;
+    claim_addresses(&gw).await;
+    let h = &up.seen()[0].headers;
+    for claim in CLAIMS {
+        assert_eq!(h.get(claim).map(String::as_str), Some("6.6.6.6"), "{claim}");
+    }
+}
+
+// Methods the gateway never forwards.
+
+#[tokio::test]
+async fn trace_and_connect_are_405_with_allow_before_the_key_is_checked() {
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway(&up.url(), 100.0, "").await;
+    let host = authority(&gw).to_string();
+    let acme = key("acme");
+
+    for request in [
+        format!("TRACE /orders HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n"),
+        format!("TRACE /orders HTTP/1.1\r\nhost: {host}\r\nx-api-key: {acme}\r\nconnection: close\r\n\r\n"),
+        format!("CONNECT {host} HTTP/1.1\r\nhost: {host}\r\nx-api-key: {acme}\r\n\r\n"),
+    ] {
+        let r = exchange(&gw, &request).await;
+        assert_eq!(r.status, 405, "{request:?}: {}", r.body);
+        assert!(r.headers["allow"].contains("GET"), "{:?}", r.headers);
+        assert!(!r.headers["allow"].contains("TRACE"));
+        assert_eq!(r.headers["content-type"], "application/problem+json");
+    }
+    assert_eq!(up.hits(), 0);
+}
