@@ -20,6 +20,7 @@ use awc::error::{ConnectError, SendRequestError};
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 
+use super::edge;
 use super::headers::{
     connection_headers, forwardable, response_headers, Origin, RequestId, X_CLIENT_ID,
     X_FORWARDED_FOR, X_FORWARDED_HOST, X_FORWARDED_PROTO, X_REQUEST_ID,
@@ -51,9 +52,18 @@ pub(super) async fn respond(
     client: &awc::Client,
 ) -> ServiceResponse<BoxBody> {
     let (req, payload) = req.into_parts();
-    let res = match forward(&req, payload, admitted, client).await {
+    let payload = Rc::new(RefCell::new(Some(payload)));
+    let res = match forward(&req, Rc::clone(&payload), admitted, client).await {
         Ok(res) => res,
         Err(e) => HttpResponse::from_error(e),
+    };
+    // A body not read to its end (a failed try, a fault, a service that answered before
+    // it had all of it) is held until the answer is written, so the connection closes
+    // after a bounded linger rather than drain it with no timer (see `edge`); a finished
+    // one keeps the connection alive.
+    let res = match payload.borrow_mut().take() {
+        Some(body) => edge::keep_payload(res, body),
+        None => res,
     };
     ServiceResponse::new(req, res)
 }
@@ -149,7 +159,7 @@ fn idempotent(m: &Method) -> bool {
 #[tracing::instrument(name = "forward", level = "debug", skip_all, fields(service, upstream))]
 async fn forward(
     req: &HttpRequest,
-    payload: Payload,
+    payload: Rc<RefCell<Option<Payload>>>,
     admitted: Admitted,
     client: &awc::Client,
 ) -> Result<HttpResponse, ApiError> {
@@ -166,7 +176,7 @@ async fn forward(
     span.record("service", &*route.service);
 
     let body_state = Rc::new(BodyState::default());
-    let body = match read_body(req, payload, state, &body_state).await {
+    let body = match read_body(req, payload, state).await {
         Ok(body) => body,
         Err(fault) => return Err(fault_error(fault, state)),
     };
@@ -251,8 +261,12 @@ async fn forward(
                 TryFailure::TimedOut | TryFailure::Malformed => false,
             };
         if may_retry {
-            // One retry in flight per request at most: the last one's room is reused.
-            if retry.is_some() {
+            // A try that sent nothing is made again outside the budget: it is the
+            // request's first to reach a service, and `max_tries` and ejection bound it.
+            // The budget keeps retries of tries a service may have worked on from
+            // becoming a storm; one retry in flight per request at most.
+            if failure == TryFailure::NothingSent || retry.is_some() {
+                route.retries.count_free();
                 continue;
             }
             if let Some(room) = route.retries.retry(settings) {
@@ -353,9 +367,8 @@ fn prepare(
 /// read.
 async fn read_body(
     req: &HttpRequest,
-    mut payload: Payload,
+    payload: Rc<RefCell<Option<Payload>>>,
     state: &AppState,
-    body_state: &BodyState,
 ) -> Result<Body, BodyFault> {
     let declared = req
         .headers()
@@ -364,24 +377,27 @@ async fn read_body(
         .and_then(|v| v.parse::<u64>().ok());
     let chunked = req.headers().contains_key(header::TRANSFER_ENCODING);
     match (declared, chunked) {
-        (_, true) => Ok(Body::Streamed {
-            payload: Rc::new(RefCell::new(Some(payload))),
-            len: None,
-        }),
+        (_, true) => Ok(Body::Streamed { payload, len: None }),
         (Some(len), _) if len > state.max_body_bytes => Err(BodyFault::TooLarge),
         (Some(len), _) if len > 0 && len <= state.upstream.replay_body_bytes => {
+            // Out of the cell while awaited, and back after, read whole or not: an
+            // unfinished one is held by the answer (see `respond`).
+            let Some(mut taken) = payload.borrow_mut().take() else {
+                return Ok(Body::None);
+            };
             let mut kept = BytesMut::with_capacity(len as usize);
-            while let Some(chunk) = next_chunk(&mut payload, state.upstream.body_timeout).await? {
-                kept.extend_from_slice(&chunk);
-                if kept.len() as u64 > len {
-                    body_state.fault.set(Some(BodyFault::Broken));
-                    return Err(BodyFault::Broken);
+            let read = async {
+                while let Some(chunk) = next_chunk(&mut taken, state.upstream.body_timeout).await? {
+                    kept.extend_from_slice(&chunk);
                 }
+                Ok(())
             }
-            Ok(Body::Kept(kept.freeze()))
+            .await;
+            *payload.borrow_mut() = Some(taken);
+            read.map(|()| Body::Kept(kept.freeze()))
         }
         (Some(len), _) if len > 0 => Ok(Body::Streamed {
-            payload: Rc::new(RefCell::new(Some(payload))),
+            payload,
             len: Some(len),
         }),
         _ => Ok(Body::None),

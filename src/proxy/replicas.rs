@@ -103,6 +103,12 @@ impl Replica {
                 if self.failures.load(Relaxed) != 0 {
                     self.failures.store(0, Relaxed);
                 }
+                // An ejected replica that answered (a try sent to it with every replica
+                // out) is back now, not when its ejection ends: a replica restarted in a
+                // rolling restart takes traffic again at its first answer.
+                if self.ejected(now) {
+                    self.ejected_until.store(now, Relaxed);
+                }
                 None
             }
             Verdict::Failed => {
@@ -255,6 +261,11 @@ impl RetryBudget {
         Some(InFlight(&self.retries))
     }
 
+    /// Counts a retry the budget does not bound (see the forwarder).
+    pub fn count_free(&self) {
+        self.retried.fetch_add(1, Relaxed);
+    }
+
     pub fn retried(&self) -> u64 {
         self.retried.load(Relaxed)
     }
@@ -314,6 +325,23 @@ mod tests {
         );
         assert!(!r.available(1000) && !r.available(1099) && r.available(1100));
         assert_eq!(r.ejections(), 1);
+    }
+
+    #[test]
+    fn an_ejected_replica_that_answers_is_back_at_once() {
+        let (r, s) = (
+            Replica::new(Upstream::parse("http://a").unwrap()),
+            settings(),
+        );
+        while r.record(Verdict::Failed, &s, 1000).is_none() {}
+        assert!(!r.available(1010));
+        r.record(Verdict::Answered, &s, 1010);
+        assert!(r.available(1010));
+        // It came back at 1010: ejected again soon, twice as long.
+        assert_eq!(
+            (0..3).find_map(|_| r.record(Verdict::Failed, &s, 1020)),
+            Some(Duration::from_millis(200))
+        );
     }
 
     #[test]

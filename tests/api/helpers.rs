@@ -50,6 +50,7 @@ pub struct Upstream {
     pub port: u16,
     seen: Arc<Mutex<Vec<Seen>>>,
     hits: Arc<AtomicUsize>,
+    handle: actix_web::dev::ServerHandle,
 }
 
 impl Upstream {
@@ -120,8 +121,19 @@ impl Upstream {
         .listen(listener)
         .unwrap()
         .run();
+        let handle = server.handle();
         tokio::spawn(server);
-        Upstream { port, seen, hits }
+        Upstream {
+            port,
+            seen,
+            hits,
+            handle,
+        }
+    }
+
+    /// Stops at once, as a killed replica does: its connections close, its port refuses.
+    pub async fn stop(self) {
+        self.handle.stop(false).await;
     }
 
     pub fn url(&self) -> String {
