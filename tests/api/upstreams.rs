@@ -458,3 +458,89 @@ async fn interim_and_oddly_framed_answers_reach_the_client_by_the_book() {
     assert_eq!(r.text().await.unwrap(), "hello");
     assert_eq!(get("/orders/plain").await.text().await.unwrap(), "ok");
 }
+
+#[tokio::test]
+async fn a_hanging_replica_gets_few_of_many_concurrent_requests() {
+    let (a, b) = (
+        Upstream::start(Behaviour::Echo).await,
+        Upstream::start(Behaviour::Echo).await,
+    );
+    let hung = Upstream::start(Behaviour::Slow(Duration::from_secs(30))).await;
+    let toml = format!(
+        "{}[[routes]]\nservice = \"orders\"\nprefix = \"/orders\"\nupstreams = [{:?}, {:?}, {:?}]\ntimeout_ms = 500\n[upstream]\neject_after = 0\n",
+        catalog_toml(("gold", 100_000.0, 100_000.0), &["acme"]),
+        a.url(),
+        hung.url(),
+        b.url()
+    );
+    let gw = Arc::new(TestGateway::spawn(settings(&toml)).await);
+    // Eight clients for 1.5 s, without ejection: only least-request keeps the hanging
+    // replica's share down (round-robin would send it a third of everything).
+    let until = Instant::now() + Duration::from_millis(1500);
+    let clients: Vec<_> = (0..8)
+        .map(|_| {
+            let gw = Arc::clone(&gw);
+            tokio::spawn(async move {
+                let mut statuses = Vec::new();
+                while Instant::now() < until {
+                    statuses.push(
+                        gw.get("/orders", Some(&key("acme")))
+                            .await
+                            .status()
+                            .as_u16(),
+                    );
+                }
+                statuses
+            })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for c in clients {
+        statuses.extend(c.await.unwrap());
+    }
+    let waited = statuses.iter().filter(|s| **s == 504).count();
+    assert!(statuses.len() > 200, "{} requests", statuses.len());
+    // Each request sent to it waits 500 ms. Least-request compares it with another replica
+    // on every pick, and while it holds a request it loses every comparison: it gets one
+    // request at a time, not a third of them.
+    assert!(
+        waited * 20 < statuses.len(),
+        "{waited} of {} waited",
+        statuses.len()
+    );
+}
+
+/// Sends `bytes` on a fresh connection to the gateway, then reads until it closes or
+/// `within` passes.
+async fn raw_exchange(gw: &TestGateway, bytes: &[u8], half_close: bool) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = gw.address.trim_start_matches("http://");
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(bytes).await.unwrap();
+    if half_close {
+        conn.shutdown().await.unwrap();
+    }
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(3), conn.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).to_string()
+}
+
+#[tokio::test]
+async fn a_client_that_breaks_its_own_body_gets_400_and_the_service_is_not_blamed() {
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway(&[up.url()], "").await;
+    let k = key("acme");
+    for declared in [1000, 200_000] {
+        // Declares `declared` bytes, sends ten, and ends its side of the connection.
+        let head = format!(
+            "POST /orders HTTP/1.1\r\nHost: gw\r\nx-api-key: {k}\r\nContent-Length: {declared}\r\n\r\n0123456789"
+        );
+        let answer = raw_exchange(&gw, head.as_bytes(), true).await;
+        assert!(answer.starts_with("HTTP/1.1 400"), "{declared}: {answer}");
+    }
+    assert_eq!(
+        total(&gw, "tollgate_upstream_requests_total").await,
+        0.0,
+        "a client's broken body counted as the service's answer"
+    );
+}
