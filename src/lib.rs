@@ -10,11 +10,12 @@
 //!   one replica with awc, in the same service.
 //! - [`trace`] propagates W3C Trace Context to the upstream and, when configured,
 //!   exports the request's spans over OTLP.
-//! - [`startup::Application`] wires it together from [`configuration::Settings`].
+//! - [`startup::Application`] wires it together from [`configuration::Settings`];
+//!   [`reload`] swaps the routes when `SIGHUP` asks for the configuration to be read again.
 //!
 //! The modules are floors (README, "Architecture"; checked by `.ci/layers`): [`domain`] <-
 //! [`metrics`] <- [`configuration`] <- [`store`] <- `catalog` <- `limiter` <- [`proxy`] /
-//! [`admin`] / [`ops`] <- [`startup`]. Only what the binary, the tests and the load tool use
+//! [`admin`] / [`ops`] <- [`startup`] / [`reload`]. Only what the binary, the tests and the load tool use
 //! is public.
 
 pub mod admin;
@@ -27,6 +28,7 @@ mod limiter;
 pub mod metrics;
 pub mod ops;
 pub mod proxy;
+pub mod reload;
 pub mod startup;
 pub mod state;
 pub mod store;

@@ -49,6 +49,11 @@ async fn main() {
                     std::process::exit(BAD_CONFIG);
                 }
             };
+            // SIGHUP reads the same files again and swaps the routes.
+            if let Err(e) = app.reload_on_sighup(cli.config.clone()) {
+                eprintln!("tollgate: cannot listen for SIGHUP: {e}");
+                std::process::exit(1);
+            }
             if let Err(e) = app.run_until_stopped().await {
                 eprintln!("tollgate: {e}");
                 std::process::exit(1);

@@ -156,6 +156,8 @@ pub struct Metrics {
     /// [gateway deny][service deny]
     shadow: [[AtomicU64; 2]; 2],
     shards: Box<[Shard]>,
+    /// Configuration reloads (`SIGHUP`).
+    pub reloads: Reloads,
 }
 
 impl Default for Metrics {
@@ -166,6 +168,7 @@ impl Default for Metrics {
             store_errors: Default::default(),
             shadow: Default::default(),
             shards: (0..SHARDS).map(|_| Shard::default()).collect(),
+            reloads: Reloads::default(),
         }
     }
 }
@@ -441,7 +444,65 @@ impl Metrics {
                 );
             }
         }
+        self.reloads.render(&mut out);
         out
+    }
+}
+
+/// Configuration reloads: how many were applied or refused, and when the configuration
+/// served now was last loaded.
+#[derive(Debug, Default)]
+pub struct Reloads {
+    ok: AtomicU64,
+    rejected: AtomicU64,
+    /// Unix ms of the last successful load (start-up's, until a reload succeeds).
+    last_success_ms: AtomicU64,
+}
+
+impl Reloads {
+    /// The configuration was loaded at `unix_ms` (at start: not counted as a reload).
+    pub fn loaded(&self, unix_ms: u64) {
+        self.last_success_ms.store(unix_ms, Relaxed);
+    }
+
+    /// A reload was applied at `unix_ms`.
+    pub fn succeeded(&self, unix_ms: u64) {
+        self.ok.fetch_add(1, Relaxed);
+        self.loaded(unix_ms);
+    }
+
+    /// A reload was refused.
+    pub fn rejected(&self) {
+        self.rejected.fetch_add(1, Relaxed);
+    }
+
+    fn render(&self, out: &mut String) {
+        family(
+            out,
+            "tollgate_config_reloads_total",
+            "counter",
+            "Configuration reloads (SIGHUP): applied (ok) or refused because the configuration did not load (rejected).",
+        );
+        for (result, n) in [("ok", &self.ok), ("rejected", &self.rejected)] {
+            let _ = writeln!(
+                out,
+                "tollgate_config_reloads_total{{result=\"{result}\"}} {}",
+                n.load(Relaxed)
+            );
+        }
+        family(
+            out,
+            "tollgate_config_reload_last_success_timestamp_seconds",
+            "gauge",
+            "When the configuration served now was loaded (start-up, or the last reload applied), Unix seconds.",
+        );
+        let ms = self.last_success_ms.load(Relaxed);
+        let _ = writeln!(
+            out,
+            "tollgate_config_reload_last_success_timestamp_seconds {}.{:03}",
+            ms / 1000,
+            ms % 1000
+        );
     }
 }
 

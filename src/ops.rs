@@ -122,7 +122,7 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
         "Times the circuit breaker opened.",
     );
     let _ = writeln!(out, "tollgate_breaker_opened_total {opened}");
-    state.routes.render_metrics(&mut out);
+    state.routes.load().render_metrics(&mut out);
     let loads = state.limiter.worker_loads();
     family(
         &mut out,

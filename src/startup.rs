@@ -1,9 +1,11 @@
 //! The one entry point: [`Application::build`] binds, seeds and mirrors the catalog,
-//! spawns background tasks, and [`Application::run_until_stopped`] serves until SIGTERM.
+//! spawns background tasks (the health checker among them), and
+//! [`Application::run_until_stopped`] serves until SIGTERM. [`Application::reload_on_sighup`]
+//! swaps the routes when the configuration is read again ([`crate::reload`]).
 //! `main` and the integration tests use the same path.
 
 use std::net::{SocketAddr, TcpListener};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,6 +13,7 @@ use actix_web::dev::{Server, ServerHandle};
 use actix_web::middleware::from_fn;
 use actix_web::{web, App, HttpServer};
 use anyhow::Context;
+use arc_swap::ArcSwap;
 use tracing_actix_web::TracingLogger;
 
 use crate::admin::{self, JwtVerifier};
@@ -19,6 +22,7 @@ use crate::configuration::Settings;
 use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 use crate::proxy::{self, RouteTable};
+use crate::reload::{self, Reloader};
 use crate::state::AppState;
 use crate::store::{Keys, Store};
 use crate::trace::{self, Tracer};
@@ -32,11 +36,14 @@ pub struct Application {
     admin_port: Option<u16>,
     servers: Vec<Server>,
     state: web::Data<AppState>,
+    /// What it started with: a reload applies its routes, and compares the rest with this.
+    settings: Settings,
 }
 
 impl Application {
     pub async fn build(settings: Settings) -> anyhow::Result<Application> {
         let metrics = Arc::new(Metrics::default());
+        metrics.reloads.loaded(reload::unix_ms());
         let keys = Keys::new(&settings.redis.key_prefix);
         let store = open_store(&settings, &keys)?;
         let region = &settings.server.region;
@@ -75,7 +82,7 @@ impl Application {
             catalog,
             limiter,
             store: store.clone(),
-            routes: RouteTable::new(&settings.routes),
+            routes: ArcSwap::from_pointee(RouteTable::new(&settings.routes)),
             metrics,
             api_key_header: settings.server.api_key_header.clone(),
             trusted_proxies: settings.server.trusted_proxies.clone(),
@@ -85,6 +92,13 @@ impl Application {
             traces: settings.telemetry.otlp_endpoint.as_ref().map(Tracer::start),
         });
         let traced = state.traces.is_some();
+        // One checker for the process, reading whichever table is served now; it ends
+        // when the state does.
+        let served = Arc::downgrade(&state.clone().into_inner());
+        proxy::spawn_health_checker(
+            move || served.upgrade().map(|s| s.routes.load_full()),
+            &settings.upstream,
+        );
         let jwt = web::Data::new(JwtVerifier::from_settings(&settings.admin)?);
 
         let listener = TcpListener::bind(settings.server.listen)
@@ -188,7 +202,20 @@ impl Application {
             admin_port,
             servers,
             state,
+            settings,
         })
+    }
+
+    /// From now on, every `SIGHUP` reads the configuration again from the compiled-in
+    /// defaults, `files` (the `--config` files it started with) and the environment, and
+    /// applies its routes, or refuses it and keeps serving the routes it has (README,
+    /// "Upstreams"). Call it on a Tokio runtime.
+    pub fn reload_on_sighup(&self, files: Vec<PathBuf>) -> std::io::Result<()> {
+        reload::on_sighup(Reloader::new(
+            files,
+            self.settings.clone(),
+            self.state.clone(),
+        ))
     }
 
     /// The port the proxy listens on (useful with port 0).

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use actix_web::http::header::HeaderName;
+use arc_swap::ArcSwap;
 use ipnet::IpNet;
 
 use crate::catalog::Catalog;
@@ -17,7 +18,8 @@ pub struct AppState {
     pub catalog: Arc<Catalog>,
     pub limiter: Arc<Limiter>,
     pub store: Store,
-    pub routes: RouteTable,
+    /// Swapped whole by a reload (`SIGHUP`); a request keeps the `Arc<Route>` it found.
+    pub routes: ArcSwap<RouteTable>,
     pub metrics: Arc<Metrics>,
     pub api_key_header: HeaderName,
     pub trusted_proxies: Vec<IpNet>,

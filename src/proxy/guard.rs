@@ -119,7 +119,7 @@ async fn guard(
     };
     tracing::Span::current().record("client_id", client.id.as_str());
 
-    let Some(route) = state.routes.find(path.as_str()).cloned() else {
+    let Some(route) = state.routes.load().find(path.as_str()).cloned() else {
         return Ok(reject(req, ApiError::NoRoute, None).await);
     };
     // The service must see exactly the path that was routed.

@@ -2,12 +2,14 @@
 //! admitted request, [`forward`] (one upstream replica, streamed both ways), in one service. [`NormalPath`] is the one form
 //! a path is routed and forwarded in. [`wire`] sits under awc on every upstream connection,
 //! holding its responses to RFC 9112 (interim responses, bodiless and close-delimited
-//! bodies, truncation).
+//! bodies, truncation). [`health`] runs the routes' active health checks, one checker per
+//! process.
 
 mod edge;
 mod forward;
 mod guard;
 mod headers;
+mod health;
 mod path;
 mod replicas;
 mod routes;
@@ -15,6 +17,7 @@ mod wire;
 
 pub use guard::Guard;
 pub use headers::{request_id, RequestId};
+pub use health::spawn_health_checker;
 pub use path::{NormalPath, PathError, MAX_PATH_BYTES};
 pub use replicas::{Replica, Replicas, RetryBudget};
 pub use routes::{Route, RouteTable};

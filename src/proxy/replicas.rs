@@ -197,7 +197,12 @@ impl Replicas {
         match self.balance {
             Balance::RoundRobin => {
                 let start = self.next.fetch_add(1, Relaxed);
-                (0..n).map(|k| (start + k) % n).find(|&i| ok(i))
+                let found = (0..n).map(|k| (start + k) % n).find(|&i| ok(i));
+                if found.is_none() {
+                    // Not a turn: `pick` asks again, and two replicas would not alternate.
+                    self.next.fetch_sub(1, Relaxed);
+                }
+                found
             }
             Balance::LeastRequest => {
                 // Two distinct candidates at random (power of two choices); the one with

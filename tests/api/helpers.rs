@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::net::TcpListener;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -43,6 +43,15 @@ pub enum Behaviour {
     /// 200, echoing the request body, with this response header (name, value): e.g. the
     /// real cost of the request, reported in a route's `cost_header`.
     Header(&'static str, &'static str),
+    /// 200, echoing the request body, except `/healthz`: `200` while the flag (see
+    /// [`health_flag`]) is true, `503` while it is false: a replica whose active health
+    /// checks pass or fail, as the test tells it.
+    Checked(&'static AtomicBool),
+}
+
+/// A flag for [`Behaviour::Checked`], set to `healthy` (it lives as long as the tests).
+pub fn health_flag(healthy: bool) -> &'static AtomicBool {
+    Box::leak(Box::new(AtomicBool::new(healthy)))
 }
 
 /// An HTTP service that records what reaches it.
@@ -86,6 +95,11 @@ impl Upstream {
                                 .collect(),
                             body_len: body.len(),
                         });
+                        if let Behaviour::Checked(healthy) = behaviour {
+                            if req.path() == "/healthz" && !healthy.load(Ordering::SeqCst) {
+                                return HttpResponse::ServiceUnavailable().finish();
+                            }
+                        }
                         if let Behaviour::Slow(d) = behaviour {
                             tokio::time::sleep(d).await;
                         }
@@ -146,6 +160,17 @@ impl Upstream {
 
     pub fn seen(&self) -> Vec<Seen> {
         self.seen.lock().unwrap().clone()
+    }
+
+    /// Requests seen whose path starts with `prefix` (e.g. client traffic on a route, not
+    /// the gateway's health checks).
+    pub fn hits_on(&self, prefix: &str) -> usize {
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.path.starts_with(prefix))
+            .count()
     }
 }
 

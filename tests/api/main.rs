@@ -22,6 +22,7 @@ mod paths;
 mod plans;
 mod quotas;
 mod regions;
+mod reload;
 mod resilience;
 mod shadow;
 mod slow_redis;
