@@ -17,7 +17,7 @@
 //!   forwards), nginx and the floor proxy; `redis-server`, the config builder and the
 //!   process plumbing come from `tollgate-testkit`, shared with the tests.
 //! - [`scenarios`]: latency, throughput, accuracy, plans, redis, failopen, slowredis,
-//!   overload, replay.
+//!   overload, replay, upstreams.
 //! - [`report`] and [`svg`]: the table, the JSON and the charts.
 
 mod floor;
@@ -35,7 +35,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 /// Measures tollgate: added latency, throughput, accuracy, plans of several limits,
-/// fail-open, a slow Redis, overload and the incident replay.
+/// fail-open, a slow Redis, overload, failing replicas and the incident replay.
 #[derive(Debug, Parser)]
 #[command(name = "tollgate-bench", version)]
 struct Cli {
@@ -87,6 +87,9 @@ enum Scenario {
     /// mix per class, the others' admitted count against their buckets, fail-opens,
     /// breaker openings and the gateway's memory.
     Overload(scenarios::overload::Args),
+    /// Replicas that die, hang, close idle connections and restart, behind tollgate and
+    /// nginx side by side: the 5xx, the waits and the latency each passes on (issue 32).
+    Upstreams(scenarios::upstreams::Args),
     /// (Internal) the bare actix-web + awc proxy `throughput` measures as the stack's floor.
     #[command(hide = true)]
     Floor(floor::Args),
@@ -124,6 +127,7 @@ fn main() -> ExitCode {
         Scenario::Replay(a) => scenarios::replay::run(&a),
         Scenario::Slowredis(a) => scenarios::slowredis::run(&a),
         Scenario::Overload(a) => scenarios::overload::run(&a),
+        Scenario::Upstreams(a) => scenarios::upstreams::run(&a),
         Scenario::Floor(_) => unreachable!("handled above"),
     };
     let mut outcome = match result {

@@ -577,7 +577,7 @@ impl Deref for Gateway {
 pub struct Nginx {
     child: Child,
     pub addr: SocketAddr,
-    _dir: TempDir,
+    dir: TempDir,
 }
 
 impl Nginx {
@@ -629,6 +629,72 @@ http {{
 }}
 "#
         );
+        Nginx::launch(bin, dir, port, &conf, pin).map(Some)
+    }
+
+    /// nginx in front of `replicas` configured the usual way for replicas that fail: a
+    /// failed try (`error`, `timeout`: `proxy_next_upstream`'s default) goes to the next
+    /// replica, and one failure sets a replica aside for 10 s (`max_fails=1
+    /// fail_timeout=10s`); 1 s to connect, `timeout` for the response
+    /// (`proxy_read_timeout`); round robin; 32 keep-alive connections to the replicas
+    /// per worker; no access log. `workers` worker processes.
+    pub fn start_replicas(
+        replicas: &[SocketAddr],
+        workers: usize,
+        timeout: Duration,
+    ) -> anyhow::Result<Option<Nginx>> {
+        let Some(bin) = Nginx::binary() else {
+            return Ok(None);
+        };
+        let dir = temp_dir("nginx")?;
+        let port = free_port()?;
+        let d = dir.path().to_string_lossy().into_owned();
+        let servers: String = replicas
+            .iter()
+            .map(|r| format!("        server {r} max_fails=1 fail_timeout=10s;\n"))
+            .collect();
+        let read_timeout_ms = timeout.as_millis();
+        let conf = format!(
+            r#"worker_processes {workers};
+daemon off;
+master_process on;
+pid {d}/nginx.pid;
+error_log {d}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {d}/body;
+    proxy_temp_path {d}/proxy;
+    fastcgi_temp_path {d}/fastcgi;
+    uwsgi_temp_path {d}/uwsgi;
+    scgi_temp_path {d}/scgi;
+    upstream backend {{
+{servers}        keepalive 32;
+    }}
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        location / {{
+            proxy_pass http://backend;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_connect_timeout 1s;
+            proxy_read_timeout {read_timeout_ms}ms;
+            proxy_next_upstream error timeout;
+        }}
+    }}
+}}
+"#
+        );
+        Nginx::launch(bin, dir, port, &conf, None).map(Some)
+    }
+
+    fn launch(
+        bin: PathBuf,
+        dir: TempDir,
+        port: u16,
+        conf: &str,
+        pin: Option<Pin>,
+    ) -> anyhow::Result<Nginx> {
         let file = dir.path().join("nginx.conf");
         std::fs::write(&file, conf)?;
         let log = dir.path().join("error.log");
@@ -641,11 +707,12 @@ http {{
         let mut child = cmd.spawn().context("starting nginx")?;
         let addr = SocketAddr::from(([127, 0, 0, 1], port));
         wait_for_port(addr, &mut child, "nginx", &[&log], Duration::from_secs(60))?;
-        Ok(Some(Nginx {
-            child,
-            addr,
-            _dir: dir,
-        }))
+        Ok(Nginx { child, addr, dir })
+    }
+
+    /// nginx's error log so far (what it says of the replicas it gave up on).
+    pub fn error_log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("error.log")).unwrap_or_default()
     }
 }
 

@@ -11,6 +11,7 @@ pub mod replay;
 pub mod slowredis;
 mod takes;
 pub mod throughput;
+pub mod upstreams;
 
 use std::collections::HashMap;
 
