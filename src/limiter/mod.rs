@@ -182,7 +182,12 @@ impl Limiter {
 
     /// Decides one request for `client` to `service`, costing `cost` tokens from every
     /// limit that applies to it.
-    pub async fn decide(&self, client: &ClientEntry, service: &Arc<str>, cost: f64) -> Decision {
+    pub async fn decide(
+        self: &Arc<Self>,
+        client: &Arc<ClientEntry>,
+        service: &Arc<str>,
+        cost: f64,
+    ) -> Decision {
         // The one clock read the decision's steps share (the safety bucket's time, the
         // store's budget, the bound on the whole); each read costs tens of nanoseconds.
         let started = Instant::now();
@@ -193,10 +198,28 @@ impl Limiter {
         let decision = match self.overload.admit(client) {
             Some(_pending) => {
                 let bound = tokio::time::Instant::from_std(started) + self.overload.max_wait();
-                let decided = self.decide_inner(client, service, cost, &limits, started);
-                match tokio::time::timeout_at(bound, decided).await {
+                // Owned, so that it can outlive a shed request (below).
+                let (this, owner, to) = (Arc::clone(self), Arc::clone(client), Arc::clone(service));
+                let held = Arc::clone(&limits);
+                let mut decided =
+                    Box::pin(
+                        async move { this.decide_inner(&owner, &to, cost, &held, started).await },
+                    );
+                match tokio::time::timeout_at(bound, decided.as_mut()).await {
                     Ok(decision) => decision,
-                    Err(_) => self.shed(client, &limits, cost, ShedReason::DecisionWait),
+                    Err(_) => {
+                        // Its store call may be on its way and take the tokens after all:
+                        // it is seen through off the request path, and what it took is
+                        // given back, so a shed request spends nothing.
+                        let (this, owner) = (Arc::clone(self), Arc::clone(client));
+                        tokio::task::spawn_local(async move {
+                            let late = decided.await;
+                            if late.outcome == Outcome::Allowed {
+                                this.settle(&owner, &late, 0.0);
+                            }
+                        });
+                        self.shed(client, &limits, cost, ShedReason::DecisionWait)
+                    }
                 }
             }
             None => self.shed(client, &limits, cost, ShedReason::Overloaded),

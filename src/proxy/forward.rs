@@ -121,6 +121,9 @@ enum TryFailure {
     TimedOut,
     /// The service answered something that is not HTTP.
     Malformed,
+    /// A pooled connection the replica had closed (the keep-alive race): reused, and not a
+    /// byte came back on it. Not the replica's failure, and made again outside the budget.
+    Stale,
 }
 
 impl TryFailure {
@@ -146,6 +149,9 @@ impl TryFailure {
         }
     }
 }
+
+/// The most stale pooled connections one request is tried on before it gives up.
+const MAX_STALE: u32 = 8;
 
 /// Methods a request of which may be sent twice (RFC 9110 §9.2.2).
 fn idempotent(m: &Method) -> bool {
@@ -184,6 +190,7 @@ async fn forward(
     let _request = route.retries.request();
     let mut retry = None;
     let mut tried: Vec<usize> = Vec::new();
+    let mut stale = 0;
     loop {
         let now = now_ms();
         let i = route
@@ -241,8 +248,21 @@ async fn forward(
             }
             return Err(fault_error(fault, state));
         }
-        let failure = TryFailure::of(&e);
-        record(route, replica, Verdict::Failed, settings);
+        let mut failure = TryFailure::of(&e);
+        if failure == TryFailure::NoResponse
+            && probe.reused() == Some(true)
+            && probe.received() == 0
+        {
+            failure = TryFailure::Stale;
+        }
+        if failure == TryFailure::Stale {
+            // Does not count as a try either (nginx's rule for a cached connection): the
+            // pool drops each stale connection it meets, so this ends.
+            stale += 1;
+            tried.pop();
+        } else {
+            record(route, replica, Verdict::Failed, settings);
+        }
         let err = failure.error(&e);
         if let Some(span) = upstream_span {
             span.finish(err_status(&err), false);
@@ -254,18 +274,24 @@ async fn forward(
         };
         let may_retry = replayable
             && tried.len() < settings.max_tries as usize
+            && stale <= MAX_STALE
             && Instant::now() < deadline
             && match failure {
                 TryFailure::NothingSent => true,
+                // A write that failed sent nothing the service can have read.
+                TryFailure::Stale => {
+                    idempotent(req.method()) || matches!(e, SendRequestError::Send(_))
+                }
                 TryFailure::NoResponse => idempotent(req.method()),
                 TryFailure::TimedOut | TryFailure::Malformed => false,
             };
         if may_retry {
-            // A try that sent nothing is made again outside the budget: it is the
-            // request's first to reach a service, and `max_tries` and ejection bound it.
-            // The budget keeps retries of tries a service may have worked on from
-            // becoming a storm; one retry in flight per request at most.
-            if failure == TryFailure::NothingSent || retry.is_some() {
+            // A try that sent nothing, or met a stale pooled connection, is made again
+            // outside the budget: it is the request's first to reach a service, and
+            // `max_tries`, ejection and the pool bound it. The budget keeps retries of
+            // tries a service may have worked on from becoming a storm; one retry in
+            // flight per request at most.
+            if matches!(failure, TryFailure::NothingSent | TryFailure::Stale) || retry.is_some() {
                 route.retries.count_free();
                 continue;
             }

@@ -292,12 +292,13 @@ async fn a_replica_closing_idle_connections_costs_no_request() {
 #[tokio::test]
 async fn a_request_that_crosses_a_closing_connection_is_tried_again() {
     // The same race when the gateway keeps connections longer than one replica does: the
-    // try on the closed connection got no response byte, so the GET goes elsewhere.
+    // try on the reused connection got no response byte, so the GET is made again, even
+    // with no retry budget at all, and the replica is not blamed for it.
     let closing = RawService::start(Some(Duration::from_millis(50)), ok());
     let steady = RawService::start(None, ok());
     let gw = gateway(
         &[closing.url(), steady.url()],
-        "[upstream]\neject_after = 0\n",
+        "[upstream]\neject_after = 1\nretry_budget_percent = 0\nretry_min_concurrency = 0\n",
     )
     .await;
     for _ in 0..30 {
@@ -311,6 +312,7 @@ async fn a_request_that_crosses_a_closing_connection_is_tried_again() {
             > 0.0,
         "no request crossed a close"
     );
+    assert_eq!(total(&gw, "tollgate_upstream_ejections_total").await, 0.0);
 }
 
 #[tokio::test]
