@@ -546,3 +546,25 @@ async fn a_client_that_breaks_its_own_body_gets_400_and_the_service_is_not_blame
         "a client's broken body counted as the service's answer"
     );
 }
+
+#[tokio::test]
+async fn a_body_that_stalls_gets_408_and_holds_nothing_for_long() {
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway(&[up.url()], "[upstream]\nbody_timeout_ms = 300\n").await;
+    let k = key("acme");
+    for declared in [1000, 200_000] {
+        // Declares `declared` bytes, sends ten, then nothing, keeping its side open.
+        let head = format!(
+            "POST /orders HTTP/1.1\r\nHost: gw\r\nx-api-key: {k}\r\nContent-Length: {declared}\r\n\r\n0123456789"
+        );
+        let started = Instant::now();
+        let answer = raw_exchange(&gw, head.as_bytes(), false).await;
+        assert!(answer.starts_with("HTTP/1.1 408"), "{declared}: {answer}");
+        // Answered at the body timeout, and the connection closed within the linger.
+        assert!(
+            started.elapsed() < Duration::from_millis(2500),
+            "{declared}"
+        );
+    }
+    assert_eq!(total(&gw, "tollgate_upstream_requests_total").await, 0.0);
+}
