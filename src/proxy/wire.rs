@@ -241,6 +241,9 @@ pub struct Wire<Io> {
     expects_continue: bool,
     /// The probe of the current exchange, when its sender entered one.
     exchange: Option<Rc<Exchange>>,
+    /// Where a head is read into, zeroed once per connection (not per read: zeroing
+    /// `HEAD_READ` bytes on every poll was a third of a request's instructions).
+    scratch: Option<Box<[u8]>>,
 }
 
 impl<Io> Wire<Io> {
@@ -257,6 +260,7 @@ impl<Io> Wire<Io> {
             head_request: false,
             expects_continue: false,
             exchange: None,
+            scratch: None,
         }
     }
 
@@ -403,11 +407,13 @@ impl<Io: AsyncRead + Unpin> AsyncRead for Wire<Io> {
                     }
                     let start = this.buf.len();
                     let want = (MAX_HEAD_BYTES - start).min(HEAD_READ);
-                    this.buf.resize(start + want, 0);
-                    let mut into = ReadBuf::new(&mut this.buf[start..]);
+                    let scratch = this
+                        .scratch
+                        .get_or_insert_with(|| vec![0; HEAD_READ].into_boxed_slice());
+                    let mut into = ReadBuf::new(&mut scratch[..want]);
                     let polled = Pin::new(&mut this.io).poll_read(cx, &mut into);
                     let n = into.filled().len();
-                    this.buf.truncate(start + n);
+                    this.buf.extend_from_slice(&scratch[..n]);
                     ready!(polled)?;
                     if n == 0 {
                         // EOF before a complete head: awc gets what there is, then EOF,
@@ -588,13 +594,23 @@ fn without_length_fields(head: &[u8]) -> BytesMut {
     kept
 }
 
-/// Whether a request's head (at the front of `request`) asks for `100-continue`.
+/// Whether a request's head (at the front of `request`) asks for `100-continue`. Most
+/// heads have no `Expect` (the forwarder drops it): only a line starting with `e` is
+/// looked at.
 fn expects_continue(request: &[u8]) -> bool {
     let end = head_end(request).unwrap_or(request.len());
-    lines(&request[..end]).skip(1).any(|(_, line)| {
-        field(line).is_some_and(|(name, value)| {
-            name.eq_ignore_ascii_case(b"expect") && value.eq_ignore_ascii_case(b"100-continue")
-        })
+    let head = &request[..end];
+    head.iter().enumerate().any(|(i, &b)| {
+        b == b'\n' && head.get(i + 1).is_some_and(|&c| c | 0x20 == b'e') && {
+            let rest = &head[i + 1..];
+            let line = &rest[..rest
+                .iter()
+                .position(|&c| c == b'\r' || c == b'\n')
+                .unwrap_or(rest.len())];
+            field(line).is_some_and(|(name, value)| {
+                name.eq_ignore_ascii_case(b"expect") && value.eq_ignore_ascii_case(b"100-continue")
+            })
+        }
     })
 }
 
