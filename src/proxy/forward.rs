@@ -203,7 +203,7 @@ async fn forward(
         let remaining = deadline.saturating_duration_since(Instant::now());
         let (out, upstream_span) = prepare(req, &admitted, replica, state, client, remaining)?;
         let in_flight = replica.start();
-        let probe = Probe::new();
+        let probe = Probe::sending(out.headers().contains_key(header::EXPECT));
         let result = match &body {
             Body::None => probe.scope(out.send()).await,
             Body::Kept(bytes) => probe.scope(out.send_body(bytes.clone())).await,

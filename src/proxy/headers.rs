@@ -160,8 +160,39 @@ pub fn valid_host(value: &[u8]) -> bool {
     host_ok && port.is_none_or(|p| p.len() <= 5 && p.iter().all(u8::is_ascii_digit))
 }
 
+/// The bytes a `reg-name` may hold besides percent-encodings (RFC 3986 §3.2.2: unreserved
+/// and sub-delims), one lookup a byte.
+const REG_NAME: [bool; 256] = {
+    let mut table = [false; 256];
+    let mut b = 0;
+    while b < 256 {
+        let c = b as u8;
+        table[b] = c.is_ascii_alphanumeric()
+            || matches!(
+                c,
+                b'-' | b'.'
+                    | b'_'
+                    | b'~'
+                    | b'!'
+                    | b'$'
+                    | b'&'
+                    | b'\''
+                    | b'('
+                    | b')'
+                    | b'*'
+                    | b'+'
+                    | b','
+                    | b';'
+                    | b'='
+            );
+        b += 1;
+    }
+    table
+};
+
 fn reg_name(name: &[u8]) -> bool {
     let mut i = 0;
+    let mut dot = false;
     while i < name.len() {
         let b = name[i];
         if b == b'%' {
@@ -169,14 +200,16 @@ fn reg_name(name: &[u8]) -> bool {
                 Some([h, l]) if h.is_ascii_hexdigit() && l.is_ascii_hexdigit() => i += 3,
                 _ => return false,
             }
+            dot = false;
             continue;
         }
-        if !(b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=".contains(&b)) {
+        if !REG_NAME[usize::from(b)] || (b == b'.' && dot) {
             return false;
         }
+        dot = b == b'.';
         i += 1;
     }
-    !name.is_empty() && !name.windows(2).any(|w| w == b"..")
+    !name.is_empty()
 }
 
 /// Who sent the request, as far as the gateway can trust it.
