@@ -1,4 +1,4 @@
-use std::{fmt, io};
+use std::{collections::VecDeque, fmt, io};
 
 use bitflags::bitflags;
 use bytes::BytesMut;
@@ -17,7 +17,18 @@ bitflags! {
         const HEAD               = 0b0000_0001;
         const KEEP_ALIVE_ENABLED = 0b0000_0010;
         const STREAM             = 0b0000_0100;
+        /// A response closed the connection: every later response closes it too.
+        const CLOSE              = 0b0000_1000;
     }
+}
+
+/// How the response to one decoded request is framed: by that request's method, version and
+/// connection type.
+#[derive(Debug, Clone, Copy)]
+struct Framing {
+    head: bool,
+    version: Version,
+    conn_type: ConnectionType,
 }
 
 /// HTTP/1 Codec
@@ -31,6 +42,13 @@ pub struct Codec {
     // encoder part
     flags: Flags,
     encoder: encoder::MessageEncoder<Response<()>>,
+
+    /// The framing of each decoded request not answered yet, oldest first. The dispatcher
+    /// decodes the requests pipelined behind one before it answers it, and `decode` leaves
+    /// `flags`, `version` and `conn_type` as the latest request's: a response head takes its
+    /// own request's framing from here. One entry per request the dispatcher holds (being
+    /// answered or queued), so bounded as its queue is.
+    unanswered: VecDeque<Framing>,
 }
 
 impl Default for Codec {
@@ -66,6 +84,7 @@ impl Codec {
             version: Version::HTTP_11,
             conn_type: ConnectionType::Close,
             encoder: encoder::MessageEncoder::default(),
+            unanswered: VecDeque::new(),
         }
     }
 
@@ -131,6 +150,12 @@ impl Decoder for Codec {
                 self.conn_type = ConnectionType::Close
             }
 
+            self.unanswered.push_back(Framing {
+                head: self.flags.contains(Flags::HEAD),
+                version: self.version,
+                conn_type: self.conn_type,
+            });
+
             match payload {
                 PayloadType::None => self.payload = None,
                 PayloadType::Payload(pl) => self.payload = Some(pl),
@@ -156,6 +181,18 @@ impl Encoder<Message<(Response<()>, BodySize)>> for Codec {
     ) -> Result<(), Self::Error> {
         match item {
             Message::Item((mut res, length)) => {
+                // frame the response by its own request, not by one pipelined after it; a
+                // response with no request (to a malformed one) keeps the latest state
+                if let Some(framing) = self.unanswered.pop_front() {
+                    self.flags.set(Flags::HEAD, framing.head);
+                    self.version = framing.version;
+                    self.conn_type = if self.flags.contains(Flags::CLOSE) {
+                        ConnectionType::Close
+                    } else {
+                        framing.conn_type
+                    };
+                }
+
                 // set response version
                 res.head_mut().version = self.version;
 
@@ -169,6 +206,9 @@ impl Encoder<Message<(Response<()>, BodySize)>> for Codec {
                 } else {
                     self.conn_type
                 };
+                if self.conn_type == ConnectionType::Close {
+                    self.flags.insert(Flags::CLOSE);
+                }
 
                 // encode message
                 self.encoder.encode(
@@ -237,6 +277,135 @@ mod tests {
             );
             assert!(codec.keep_alive());
         }
+    }
+
+    /// Encodes a `200 OK` with a 5-byte body (`hello`) and returns what went on the wire, with
+    /// the date header left out.
+    fn encode_response(codec: &mut Codec, conn_type: Option<ConnectionType>) -> String {
+        let mut response = Response::with_body(StatusCode::OK, ());
+        if let Some(conn_type) = conn_type {
+            response.head_mut().set_connection_type(conn_type);
+        }
+        let mut output = BytesMut::new();
+        codec
+            .encode(Message::Item((response, BodySize::Sized(5))), &mut output)
+            .unwrap();
+        codec
+            .encode(Message::Chunk(Some("hello".into())), &mut output)
+            .unwrap();
+        codec.encode(Message::Chunk(None), &mut output).unwrap();
+        std::str::from_utf8(&output)
+            .unwrap()
+            .split("\r\n")
+            .filter(|line| !line.starts_with("date: "))
+            .collect::<Vec<_>>()
+            .join("\r\n")
+    }
+
+    fn decode_all(codec: &mut Codec, requests: &str) {
+        let mut buf = BytesMut::from(requests);
+        while !buf.is_empty() {
+            codec.decode(&mut buf).unwrap().unwrap();
+        }
+    }
+
+    #[actix_rt::test]
+    async fn pipelined_responses_are_framed_by_their_own_requests() {
+        let mut codec = Codec::default();
+        decode_all(
+            &mut codec,
+            "HEAD /a HTTP/1.1\r\nHost: localhost\r\n\r\n\
+             GET /b HTTP/1.1\r\nHost: localhost\r\n\r\n\
+             HEAD /c HTTP/1.1\r\nHost: localhost\r\n\r\n\
+             GET /d HTTP/1.0\r\n\r\n",
+        );
+
+        // no body for the HEAD, though a GET was decoded after it
+        assert_eq!(
+            encode_response(&mut codec, None),
+            "HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n"
+        );
+        assert!(codec.keep_alive());
+        // the GET's body, though a HEAD was decoded after it
+        assert_eq!(
+            encode_response(&mut codec, None),
+            "HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello"
+        );
+        assert!(codec.keep_alive());
+        // HTTP/1.1 and keep-alive, though an HTTP/1.0 request was decoded after it
+        assert_eq!(
+            encode_response(&mut codec, None),
+            "HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n"
+        );
+        assert!(codec.keep_alive());
+        assert_eq!(
+            encode_response(&mut codec, None),
+            "HTTP/1.0 200 OK\r\ncontent-length: 5\r\n\r\nhello"
+        );
+        assert!(!codec.keep_alive());
+    }
+
+    #[actix_rt::test]
+    async fn pipelined_close_applies_to_its_own_response() {
+        let mut codec = Codec::default();
+        decode_all(
+            &mut codec,
+            "GET /a HTTP/1.1\r\nHost: localhost\r\n\r\n\
+             GET /b HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+        );
+
+        assert_eq!(
+            encode_response(&mut codec, None),
+            "HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello"
+        );
+        assert!(codec.keep_alive());
+        assert_eq!(
+            encode_response(&mut codec, None),
+            "HTTP/1.1 200 OK\r\ncontent-length: 5\r\nconnection: close\r\n\r\nhello"
+        );
+        assert!(!codec.keep_alive());
+    }
+
+    #[actix_rt::test]
+    async fn a_response_that_closes_the_connection_closes_it_for_later_responses_too() {
+        for (first, closed_by) in [
+            (
+                "GET /a HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+                None,
+            ),
+            (
+                "GET /a HTTP/1.1\r\nHost: localhost\r\n\r\n",
+                Some(ConnectionType::Close),
+            ),
+        ] {
+            let mut codec = Codec::default();
+            decode_all(
+                &mut codec,
+                &format!("{first}GET /b HTTP/1.1\r\nHost: localhost\r\n\r\n"),
+            );
+
+            let close = "HTTP/1.1 200 OK\r\ncontent-length: 5\r\nconnection: close\r\n\r\nhello";
+            assert_eq!(encode_response(&mut codec, closed_by), close);
+            assert_eq!(encode_response(&mut codec, None), close);
+            assert!(!codec.keep_alive());
+        }
+    }
+
+    #[actix_rt::test]
+    async fn a_response_to_no_request_is_framed_by_the_latest_one() {
+        // e.g. the `400` to a malformed request that follows a HEAD
+        let mut codec = Codec::default();
+        decode_all(&mut codec, "HEAD /a HTTP/1.1\r\nHost: localhost\r\n\r\n");
+        let head = "HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n";
+        assert_eq!(encode_response(&mut codec, None), head);
+        assert_eq!(encode_response(&mut codec, None), head);
+
+        // and before any request, as a new codec always did
+        let mut codec = Codec::default();
+        assert_eq!(
+            encode_response(&mut codec, None),
+            "HTTP/1.1 200 OK\r\ncontent-length: 5\r\nconnection: close\r\n\r\nhello"
+        );
     }
 
     #[actix_rt::test]

@@ -543,6 +543,164 @@ async fn pipelining_ok_then_ok() {
     .await;
 }
 
+/// Echoes the request path after yielding, so that the dispatcher decodes the requests
+/// pipelined behind a request before it answers it.
+fn yield_echo_path_service(
+) -> impl Service<Request, Response = Response<impl MessageBody>, Error = Error> {
+    fn_service(|req: Request| async move {
+        let path = bytes::Bytes::copy_from_slice(req.path().as_bytes());
+        tokio::task::yield_now().await;
+        tokio::task::yield_now().await;
+        Ok::<_, Error>(Response::ok().set_body(path))
+    })
+}
+
+/// Runs a dispatcher over `requests`, all in one read, with keep-alive on: returns what it
+/// wrote (dates stabilized) and whether it closed the connection.
+async fn pipelined<U>(requests: &str, upgrade: Option<U>) -> (String, bool)
+where
+    U: Service<(Request, Framed<TestBuffer, Codec>), Response = ()>,
+    U::Error: fmt::Display,
+{
+    let buf = TestBuffer::new(requests);
+    let cfg = ServiceConfig::new(
+        KeepAlive::Timeout(Duration::from_secs(60)),
+        Duration::ZERO,
+        Duration::ZERO,
+        false,
+        None,
+    );
+    let services = HttpFlow::new(yield_echo_path_service(), ExpectHandler, upgrade);
+    let h1 = Dispatcher::new(buf.clone(), services, cfg, None, OnConnectData::default());
+    let mut h1 = pin!(h1);
+
+    // a connection kept alive is still open after this
+    let closed = match timeout(Duration::from_millis(500), h1.as_mut()).await {
+        Ok(res) => {
+            res.unwrap();
+            true
+        }
+        Err(_) => false,
+    };
+
+    let mut res = buf.take_write_buf().to_vec();
+    stabilize_date_header(&mut res);
+    (String::from_utf8(res).unwrap(), closed)
+}
+
+#[actix_rt::test]
+async fn pipelined_head_and_get_are_each_framed_by_their_own_method() {
+    let head = "HEAD /head HTTP/1.1\r\nHost: localhost\r\n\r\n";
+    let get = "GET /get HTTP/1.1\r\nHost: localhost\r\n\r\n";
+    let head_res = "HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\
+                    date: Thu, 01 Jan 1970 12:34:56 UTC\r\n\r\n";
+    let get_res = "HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\
+                   date: Thu, 01 Jan 1970 12:34:56 UTC\r\n\r\n/get";
+
+    for (requests, expected) in [
+        ([head, get].concat(), [head_res, get_res].concat()),
+        ([get, head].concat(), [get_res, head_res].concat()),
+        (
+            [head, head, get].concat(),
+            [head_res, head_res, get_res].concat(),
+        ),
+    ] {
+        let (res, closed) = pipelined(&requests, None::<UpgradeHandler>).await;
+        assert_eq!(res, expected, "{requests:?}");
+        assert!(!closed, "{requests:?}");
+    }
+}
+
+#[actix_rt::test]
+async fn pipelined_close_and_http_1_0_apply_to_their_own_responses() {
+    let (res, closed) = pipelined(
+        "GET /a HTTP/1.1\r\nHost: localhost\r\n\r\n\
+         GET /b HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+        None::<UpgradeHandler>,
+    )
+    .await;
+    assert_eq!(
+        res,
+        "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\
+         date: Thu, 01 Jan 1970 12:34:56 UTC\r\n\r\n/a\
+         HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\
+         date: Thu, 01 Jan 1970 12:34:56 UTC\r\n\r\n/b"
+    );
+    assert!(closed);
+
+    let (res, closed) = pipelined(
+        "GET /a HTTP/1.1\r\nHost: localhost\r\n\r\nGET /b HTTP/1.0\r\n\r\n",
+        None::<UpgradeHandler>,
+    )
+    .await;
+    assert_eq!(
+        res,
+        "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\
+         date: Thu, 01 Jan 1970 12:34:56 UTC\r\n\r\n/a\
+         HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\
+         date: Thu, 01 Jan 1970 12:34:56 UTC\r\n\r\n/b"
+    );
+    assert!(closed);
+
+    // a response that closes the connection: later ones close it too
+    let (res, closed) = pipelined(
+        "GET /a HTTP/1.0\r\n\r\nGET /b HTTP/1.1\r\nHost: localhost\r\n\r\n",
+        None::<UpgradeHandler>,
+    )
+    .await;
+    assert_eq!(
+        res,
+        "HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\
+         date: Thu, 01 Jan 1970 12:34:56 UTC\r\n\r\n/a\
+         HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\
+         date: Thu, 01 Jan 1970 12:34:56 UTC\r\n\r\n/b"
+    );
+    assert!(closed);
+}
+
+#[actix_rt::test]
+async fn upgrade_pipelined_behind_a_head_gets_its_own_framing() {
+    /// Answers `101 Switching Protocols` on the connection it is handed.
+    struct SwitchProtocols;
+
+    impl Service<(Request, Framed<TestBuffer, Codec>)> for SwitchProtocols {
+        type Response = ();
+        type Error = io::Error;
+        type Future = Pin<Box<dyn Future<Output = io::Result<()>>>>;
+
+        actix_service::always_ready!();
+
+        fn call(&self, (_req, mut framed): (Request, Framed<TestBuffer, Codec>)) -> Self::Future {
+            Box::pin(async move {
+                let res = Response::build(StatusCode::SWITCHING_PROTOCOLS)
+                    .upgrade("websocket")
+                    .finish()
+                    .drop_body();
+                Pin::new(&mut framed).write(Message::Item((res, BodySize::None)))?;
+                std::future::poll_fn(|cx| {
+                    Pin::new(&mut framed).flush::<Message<(Response<()>, BodySize)>>(cx)
+                })
+                .await?;
+                Ok(())
+            })
+        }
+    }
+
+    let (res, _) = pipelined(
+        "HEAD /head HTTP/1.1\r\nHost: localhost\r\n\r\n\
+         GET /ws HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+        Some(SwitchProtocols),
+    )
+    .await;
+    assert_eq!(
+        res,
+        "HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\
+         date: Thu, 01 Jan 1970 12:34:56 UTC\r\n\r\n\
+         HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: websocket\r\n\
+         date: Thu, 01 Jan 1970 12:34:56 UTC\r\n\r\n"
+    );
+}
+
 #[actix_rt::test]
 async fn early_response_with_payload_lingers_before_closing() {
     lazy(|cx| {
