@@ -16,10 +16,14 @@ FROM chef AS planner
 COPY . .
 RUN cargo chef prepare --recipe-path recipe.json
 
-# Dependencies from the recipe alone: this layer stays cached while no manifest changes.
+# Dependencies from the recipe and vendor/: this layer stays cached while neither changes.
 # Then the gateway itself, from the full tree.
 FROM chef AS build
 COPY --from=planner /src/recipe.json recipe.json
+# vendor/: patched copies of dependencies (the root Cargo.toml's [patch.crates-io]; see
+# vendor/actix-http/PATCHES.md). Not workspace members, so not in the recipe: cook builds
+# them from their sources like any other dependency.
+COPY vendor vendor
 RUN cargo chef cook --release --locked --bin tollgate --recipe-path recipe.json
 COPY . .
 RUN cargo build --release --locked --bin tollgate && mkdir -p /out/data

@@ -1,6 +1,6 @@
 //! The HTTP/1.1 edge against hostile clients: bodies that never end after a refusal,
 //! `Expect`, a key or a `Host` sent twice, addresses a client claims for itself, `TRACE`
-//! and `CONNECT`.
+//! and `CONNECT`; and pipelined requests, each answered in order and framed by its own.
 //!
 //! Requests are written byte for byte on a TCP stream: client libraries would not send most
 //! of them, and the connection's fate after the answer is part of what is tested.
@@ -70,6 +70,16 @@ impl<R: AsyncRead + Unpin> Wire<R> {
     /// Reads one response: its head, then its body when it declares a length (a `100
     /// Continue` is a response too). Panics if none arrives within 5 s.
     async fn response(&mut self) -> Raw {
+        self.read_response(true).await
+    }
+
+    /// Reads one response to a `HEAD`: its head alone, whatever length it declares (RFC
+    /// 9110 §9.3.2: no content). Bytes after the head are left for the next response.
+    async fn head_response(&mut self) -> Raw {
+        self.read_response(false).await
+    }
+
+    async fn read_response(&mut self, with_body: bool) -> Raw {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         let head_end = loop {
             if let Some(i) = self.buf.windows(4).position(|w| w == b"\r\n\r\n") {
@@ -88,10 +98,10 @@ impl<R: AsyncRead + Unpin> Wire<R> {
             .filter_map(|l| l.split_once(':'))
             .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
             .collect();
-        let len: usize = headers
-            .get("content-length")
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
+        let len: usize = match headers.get("content-length") {
+            Some(v) if with_body => v.parse().unwrap_or(0),
+            _ => 0,
+        };
         while self.buf.len() < head_end + len {
             self.fill(deadline).await;
         }
@@ -516,4 +526,130 @@ async fn trace_and_connect_are_405_with_allow_before_the_key_is_checked() {
         assert_eq!(r.headers["content-type"], "application/problem+json");
     }
     assert_eq!(up.hits(), 0);
+}
+
+// Pipelined requests, written in one piece: answered in order, each framed by its own
+// request, not by the one decoded after it (actix-http 3.20.0 did that; tollgate carries a
+// patched copy: vendor/actix-http/PATCHES.md).
+
+/// What the service behind [`pipeline_gateway`] answers: 11 bytes.
+const BODY: &str = "eleven byte";
+
+/// A gateway in front of a service answering [`BODY`] to every request.
+async fn pipeline_gateway() -> (Upstream, TestGateway) {
+    let up = Upstream::start(Behaviour::Body(BODY)).await;
+    let gw = gateway(&up.url(), 100.0, "").await;
+    (up, gw)
+}
+
+/// `method path` for the route, with acme's key and `extra` header lines.
+fn request(gw: &TestGateway, method: &str, path: &str, extra: &str) -> String {
+    format!(
+        "{method} {path} HTTP/1.1\r\nhost: {}\r\nx-api-key: {}\r\n{extra}\r\n",
+        authority(gw),
+        key("acme")
+    )
+}
+
+/// Reads the answer to `method path` and checks it is the service's to that request: its
+/// length, and its body unless it answers a `HEAD`.
+async fn answer<R: AsyncRead + Unpin>(wire: &mut Wire<R>, method: &str, path: &str) -> Raw {
+    let head = method == "HEAD";
+    let r = if head {
+        wire.head_response().await
+    } else {
+        wire.response().await
+    };
+    let what = format!("{method} {path}");
+    assert_eq!(r.status, 200, "{what}: {r:?}");
+    assert_eq!(
+        r.headers.get("x-request"),
+        Some(&what),
+        "not the answer to {what}: {r:?}"
+    );
+    assert_eq!(
+        r.headers.get("content-length").map(String::as_str),
+        Some("11"),
+        "{what}: {r:?}"
+    );
+    assert_eq!(r.body, if head { "" } else { BODY }, "{what}");
+    r
+}
+
+/// Writes one request per method in one write, reads their answers in order (each keeps
+/// the connection), then asks once more on the same connection.
+async fn pipelined(methods: &[&str]) {
+    let (up, gw) = pipeline_gateway().await;
+    let (rx, mut tx) = connect(&gw).await.into_split();
+    let mut wire = Wire::new(rx);
+    let requests: Vec<(&str, String)> = methods
+        .iter()
+        .enumerate()
+        .map(|(i, m)| (*m, format!("/orders/{}", i + 1)))
+        .collect();
+    let batch: String = requests
+        .iter()
+        .map(|(m, p)| request(&gw, m, p, ""))
+        .collect();
+    tx.write_all(batch.as_bytes()).await.unwrap();
+
+    for (m, p) in &requests {
+        let r = answer(&mut wire, m, p).await;
+        assert_ne!(
+            r.headers.get("connection").map(String::as_str),
+            Some("close"),
+            "{m} {p}: {r:?}"
+        );
+    }
+    // The connection still serves, and nothing came before this answer: no answer to a
+    // `HEAD` carried a body.
+    tx.write_all(request(&gw, "GET", "/orders/last", "").as_bytes())
+        .await
+        .unwrap();
+    answer(&mut wire, "GET", "/orders/last").await;
+    assert!(wire.buf.is_empty(), "more than the answers: {:?}", wire.buf);
+    assert_eq!(up.hits(), methods.len() + 1);
+}
+
+#[tokio::test]
+async fn a_pipelined_head_then_get_are_both_answered_each_framed_by_its_own_method() {
+    pipelined(&["HEAD", "GET"]).await;
+}
+
+#[tokio::test]
+async fn a_pipelined_get_then_head_are_both_answered_each_framed_by_its_own_method() {
+    pipelined(&["GET", "HEAD"]).await;
+}
+
+#[tokio::test]
+async fn pipelined_head_head_get_are_answered_in_order() {
+    pipelined(&["HEAD", "HEAD", "GET"]).await;
+}
+
+#[tokio::test]
+async fn a_pipelined_connection_close_closes_after_its_own_answer_not_the_one_before() {
+    let (up, gw) = pipeline_gateway().await;
+    let (rx, mut tx) = connect(&gw).await.into_split();
+    let mut wire = Wire::new(rx);
+    let batch = request(&gw, "GET", "/orders/1", "")
+        + &request(&gw, "GET", "/orders/2", "connection: close\r\n");
+    tx.write_all(batch.as_bytes()).await.unwrap();
+
+    let first = answer(&mut wire, "GET", "/orders/1").await;
+    assert_ne!(
+        first.headers.get("connection").map(String::as_str),
+        Some("close"),
+        "the keep-alive request's answer: {first:?}"
+    );
+    let second = answer(&mut wire, "GET", "/orders/2").await;
+    assert_eq!(
+        second.headers.get("connection").map(String::as_str),
+        Some("close"),
+        "{second:?}"
+    );
+    assert!(wire.buf.is_empty(), "more than the answers: {:?}", wire.buf);
+    wire.closed_after(Duration::from_secs(5))
+        .await
+        .expect("the connection is still open 5 s after the answer to `connection: close`");
+    assert_eq!(up.hits(), 2);
 }

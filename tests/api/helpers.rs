@@ -47,6 +47,9 @@ pub enum Behaviour {
     /// [`health_flag`]) is true, `503` while it is false: a replica whose active health
     /// checks pass or fail, as the test tells it.
     Checked(&'static AtomicBool),
+    /// 200 with this body whatever the request (a `HEAD` gets the head alone, with the
+    /// body's `Content-Length`), and `x-request` naming the request: `METHOD path`.
+    Body(&'static str),
 }
 
 /// A flag for [`Behaviour::Checked`], set to `healthy` (it lives as long as the tests).
@@ -124,6 +127,10 @@ impl Upstream {
                         let mut ok = HttpResponse::Ok();
                         if let Behaviour::Header(name, value) = behaviour {
                             ok.insert_header((name, value));
+                        }
+                        if let Behaviour::Body(fixed) = behaviour {
+                            let request = format!("{} {}", req.method(), req.path());
+                            return ok.insert_header(("x-request", request)).body(fixed);
                         }
                         ok.insert_header(("x-upstream-port", port.to_string()))
                             .body(body)
