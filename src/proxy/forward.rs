@@ -25,7 +25,7 @@ use super::headers::{
     connection_headers, forwardable, response_headers, Origin, RequestId, X_CLIENT_ID,
     X_FORWARDED_FOR, X_FORWARDED_HOST, X_FORWARDED_PROTO, X_REQUEST_ID,
 };
-use super::replicas::{now_ms, Replica, Verdict};
+use super::replicas::{now_ms, Replica, TryResult};
 use super::wire::{self, checked_body, Probe};
 use super::Route;
 use crate::catalog::ClientEntry;
@@ -223,13 +223,13 @@ async fn forward(
         let e = match result {
             Ok(res) => {
                 let status = res.status();
-                let verdict = match status {
+                let result = match status {
                     StatusCode::BAD_GATEWAY
                     | StatusCode::SERVICE_UNAVAILABLE
-                    | StatusCode::GATEWAY_TIMEOUT => Verdict::Failed,
-                    _ => Verdict::Answered,
+                    | StatusCode::GATEWAY_TIMEOUT => TryResult::Failed,
+                    _ => TryResult::Answered,
                 };
-                record(route, replica, verdict, settings);
+                record(route, replica, result, settings);
                 if let Some(span) = upstream_span {
                     span.finish(status.as_u16(), true);
                 }
@@ -261,7 +261,7 @@ async fn forward(
             stale += 1;
             tried.pop();
         } else {
-            record(route, replica, Verdict::Failed, settings);
+            record(route, replica, TryResult::Failed, settings);
         }
         let err = failure.error(&e);
         if let Some(span) = upstream_span {
@@ -309,8 +309,8 @@ async fn forward(
 }
 
 /// Records a try's outcome on its replica, and says so when it ejected it.
-fn record(route: &Route, replica: &Replica, verdict: Verdict, s: &UpstreamSettings) {
-    if let Some(length) = replica.record(verdict, s, now_ms()) {
+fn record(route: &Route, replica: &Replica, result: TryResult, s: &UpstreamSettings) {
+    if let Some(length) = replica.record(result, s, now_ms()) {
         tracing::warn!(
             service = %route.service,
             upstream = replica.upstream.base(),

@@ -24,7 +24,7 @@ pub fn now_ms() -> u64 {
 
 /// What a try's outcome says about the replica.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
+pub enum TryResult {
     /// It answered (any status but 502, 503, 504).
     Answered,
     /// It failed: refused, reset, timed out, or answered 502, 503 or 504.
@@ -45,7 +45,7 @@ pub struct Replica {
     streak: AtomicU32,
     /// Times ejected (the metric's counter).
     ejections: AtomicU64,
-    /// The active checks' verdict (true without checks).
+    /// The active checks' result (true without checks).
     checks_pass: AtomicBool,
 }
 
@@ -84,7 +84,7 @@ impl Replica {
         self.checks_pass.load(Relaxed)
     }
 
-    /// Sets the active checks' verdict; true when it changed.
+    /// Sets the active checks' result; true when it changed.
     pub fn set_checks_pass(&self, pass: bool) -> bool {
         self.checks_pass.swap(pass, Relaxed) != pass
     }
@@ -96,9 +96,9 @@ impl Replica {
     }
 
     /// Records a try's outcome; `Some(length)` when this failure ejected it.
-    pub fn record(&self, verdict: Verdict, s: &UpstreamSettings, now: u64) -> Option<Duration> {
-        match verdict {
-            Verdict::Answered => {
+    pub fn record(&self, result: TryResult, s: &UpstreamSettings, now: u64) -> Option<Duration> {
+        match result {
+            TryResult::Answered => {
                 // A load before the store: the healthy path writes nothing shared.
                 if self.failures.load(Relaxed) != 0 {
                     self.failures.store(0, Relaxed);
@@ -111,7 +111,7 @@ impl Replica {
                 }
                 None
             }
-            Verdict::Failed => {
+            TryResult::Failed => {
                 let failures = self.failures.fetch_add(1, Relaxed) + 1;
                 if s.eject_after == 0 || failures < s.eject_after || self.ejected(now) {
                     return None;
@@ -318,14 +318,14 @@ mod tests {
             Replica::new(Upstream::parse("http://a").unwrap()),
             settings(),
         );
-        assert_eq!(r.record(Verdict::Failed, &s, 1000), None);
-        assert_eq!(r.record(Verdict::Failed, &s, 1000), None);
-        assert_eq!(r.record(Verdict::Answered, &s, 1000), None);
-        assert_eq!(r.record(Verdict::Failed, &s, 1000), None);
-        assert_eq!(r.record(Verdict::Failed, &s, 1000), None);
+        assert_eq!(r.record(TryResult::Failed, &s, 1000), None);
+        assert_eq!(r.record(TryResult::Failed, &s, 1000), None);
+        assert_eq!(r.record(TryResult::Answered, &s, 1000), None);
+        assert_eq!(r.record(TryResult::Failed, &s, 1000), None);
+        assert_eq!(r.record(TryResult::Failed, &s, 1000), None);
         assert!(r.available(1000));
         assert_eq!(
-            r.record(Verdict::Failed, &s, 1000),
+            r.record(TryResult::Failed, &s, 1000),
             Some(Duration::from_millis(100))
         );
         assert!(!r.available(1000) && !r.available(1099) && r.available(1100));
@@ -338,13 +338,13 @@ mod tests {
             Replica::new(Upstream::parse("http://a").unwrap()),
             settings(),
         );
-        while r.record(Verdict::Failed, &s, 1000).is_none() {}
+        while r.record(TryResult::Failed, &s, 1000).is_none() {}
         assert!(!r.available(1010));
-        r.record(Verdict::Answered, &s, 1010);
+        r.record(TryResult::Answered, &s, 1010);
         assert!(r.available(1010));
         // It came back at 1010: ejected again soon, twice as long.
         assert_eq!(
-            (0..3).find_map(|_| r.record(Verdict::Failed, &s, 1020)),
+            (0..3).find_map(|_| r.record(TryResult::Failed, &s, 1020)),
             Some(Duration::from_millis(200))
         );
     }
@@ -357,7 +357,7 @@ mod tests {
         );
         let eject = |now| {
             (0..3)
-                .filter_map(|_| r.record(Verdict::Failed, &s, now))
+                .filter_map(|_| r.record(TryResult::Failed, &s, now))
                 .next()
         };
         assert_eq!(eject(1000), Some(Duration::from_millis(100)));
@@ -375,7 +375,7 @@ mod tests {
             ..settings()
         };
         let r = Replica::new(Upstream::parse("http://a").unwrap());
-        assert!((0..100).all(|_| r.record(Verdict::Failed, &s, 1).is_none()));
+        assert!((0..100).all(|_| r.record(TryResult::Failed, &s, 1).is_none()));
         assert!(r.available(1));
     }
 
@@ -384,7 +384,7 @@ mod tests {
         for balance in [Balance::RoundRobin, Balance::LeastRequest] {
             let rs = replicas(3, balance);
             let s = settings();
-            while rs.get(1).record(Verdict::Failed, &s, 10).is_none() {}
+            while rs.get(1).record(TryResult::Failed, &s, 10).is_none() {}
             for _ in 0..50 {
                 let i = rs.pick(&[], 10).unwrap();
                 assert_ne!(i, 1, "{balance:?}");
@@ -394,7 +394,7 @@ mod tests {
             assert_eq!(rs.pick(&[0, 2], 10), Some(1));
             // All ejected: spread over all.
             for i in [0, 2] {
-                while rs.get(i).record(Verdict::Failed, &s, 10).is_none() {}
+                while rs.get(i).record(TryResult::Failed, &s, 10).is_none() {}
             }
             let mut seen = [0; 3];
             for _ in 0..300 {

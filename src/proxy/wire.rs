@@ -311,31 +311,31 @@ impl<Io> Wire<Io> {
     }
 
     /// What to do with a complete head (`None`: not a status line awc can parse either).
-    fn judge(&self, head: Option<&Head>) -> Verdict {
+    fn judge(&self, head: Option<&Head>) -> HeadAction {
         let Some(head) = head else {
             // awc will say what is wrong with it.
-            return Verdict::Final(Framing::Unchecked);
+            return HeadAction::Final(Framing::Unchecked);
         };
         match head.status {
             // The connection becomes something else (RFC 9110 §15.2.2).
-            101 => Verdict::Upgrade,
+            101 => HeadAction::Upgrade,
             // awc asked for it: hand it on, the request body follows, then the final head.
-            100 if self.expects_continue => Verdict::Continue,
-            100..=199 => Verdict::Interim,
+            100 if self.expects_continue => HeadAction::Continue,
+            100..=199 => HeadAction::Interim,
             // RFC 9112 §6.3 ¶2: ends at its head, whatever these say.
             204 | 304 if head.content_length || head.transfer_encoding.is_some() => {
-                Verdict::StripLength
+                HeadAction::StripLength
             }
-            204 | 304 => Verdict::Final(Framing::Unchecked),
-            _ if self.head_request => Verdict::Final(Framing::Unchecked),
+            204 | 304 => HeadAction::Final(Framing::Unchecked),
+            _ if self.head_request => HeadAction::Final(Framing::Unchecked),
             _ => match head.transfer_encoding {
-                Some(true) => Verdict::Final(Framing::Framed),
-                Some(false) => Verdict::Final(Framing::Unchecked),
-                None if head.content_length => Verdict::Final(Framing::Framed),
+                Some(true) => HeadAction::Final(Framing::Framed),
+                Some(false) => HeadAction::Final(Framing::Unchecked),
+                None if head.content_length => HeadAction::Final(Framing::Framed),
                 // RFC 9112 §6.3 ¶8: read until the connection closes. awc does that for
                 // HTTP/1.0 only: `HTTP/1.1` → `HTTP/1.0`, same length.
-                None if head.http11 => Verdict::CloseDelimited11,
-                None => Verdict::Final(Framing::Close),
+                None if head.http11 => HeadAction::CloseDelimited11,
+                None => HeadAction::Final(Framing::Close),
             },
         }
     }
@@ -352,16 +352,16 @@ impl<Io> Wire<Io> {
             return false;
         };
         let framing = match self.judge(head.as_ref()) {
-            Verdict::Final(framing) => framing,
-            Verdict::Upgrade => {
+            HeadAction::Final(framing) => framing,
+            HeadAction::Upgrade => {
                 self.inspect = false;
                 Framing::Unchecked
             }
-            Verdict::CloseDelimited11 => {
+            HeadAction::CloseDelimited11 => {
                 fresh[7] = b'0';
                 Framing::Close
             }
-            Verdict::Continue | Verdict::Interim | Verdict::StripLength => return false,
+            HeadAction::Continue | HeadAction::Interim | HeadAction::StripLength => return false,
         };
         self.read = ReadState::Body(framing);
         self.next_write_starts = true;
@@ -388,23 +388,23 @@ impl<Io> Wire<Io> {
             return Ok(false);
         };
         match self.judge(head.as_ref()) {
-            Verdict::Final(framing) => self.finish_head(framing),
-            Verdict::Upgrade => {
+            HeadAction::Final(framing) => self.finish_head(framing),
+            HeadAction::Upgrade => {
                 self.inspect = false;
                 self.finish_head(Framing::Unchecked);
             }
-            Verdict::Continue => {
+            HeadAction::Continue => {
                 self.expects_continue = false;
                 self.hand_on(end);
             }
-            Verdict::Interim => self.buf.advance(end),
-            Verdict::StripLength => {
+            HeadAction::Interim => self.buf.advance(end),
+            HeadAction::StripLength => {
                 let kept = without_length_fields(&self.buf[..end]);
                 self.buf.advance(end);
                 self.pending.extend_from_slice(&kept);
                 self.finish_head(Framing::Unchecked);
             }
-            Verdict::CloseDelimited11 => {
+            HeadAction::CloseDelimited11 => {
                 self.buf[7] = b'0';
                 self.finish_head(Framing::Close);
             }
@@ -434,7 +434,7 @@ impl<Io> Wire<Io> {
 
 /// What a complete response head calls for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Verdict {
+enum HeadAction {
     /// The final head, handed on as it is; its body is framed so.
     Final(Framing),
     /// `101`: the connection is no longer HTTP; everything passes through.
