@@ -103,7 +103,7 @@ fn ratelimit_headers(c: &mut Criterion) {
     let dir = tempfile::tempdir().expect("a temp dir");
     let store = Store::embedded(&dir.path().join("catalog.json")).expect("an embedded store");
     let applied = applied(false, 100.0);
-    let ruling = at_once(store.take("k", &applied, 1.0, None)).expect("a ruling");
+    let ruling = at_once(store.buckets.take("k", &applied, 1.0, None)).expect("a ruling");
     let d = Decision {
         outcome: Outcome::Allowed,
         applied,
@@ -136,20 +136,32 @@ fn embedded_take(c: &mut Criterion) {
     let p = Bucket::new(1e9, 1e9).expect("a valid plan");
     let one = applied(false, 1e9);
     let three = applied(true, 1e9);
-    c.bench_function("Store::take, embedded (one hot key)", |b| {
-        b.iter(|| at_once(store.take(black_box("tollgate:b:{acme}"), &one, 1.0, None)))
+    c.bench_function("Buckets::take, embedded (one hot key)", |b| {
+        b.iter(|| {
+            at_once(
+                store
+                    .buckets
+                    .take(black_box("tollgate:b:{acme}"), &one, 1.0, None),
+            )
+        })
     });
-    c.bench_function("Store::take, embedded (one hot key, 3 limits)", |b| {
-        b.iter(|| at_once(store.take(black_box("tollgate:b:{acme3}"), &three, 1.0, None)))
+    c.bench_function("Buckets::take, embedded (one hot key, 3 limits)", |b| {
+        b.iter(|| {
+            at_once(
+                store
+                    .buckets
+                    .take(black_box("tollgate:b:{acme3}"), &three, 1.0, None),
+            )
+        })
     });
     let keys: Vec<String> = (0..10_000)
         .map(|i| format!("tollgate:b:{{c{i}}}"))
         .collect();
     let mut i = 0;
-    c.bench_function("Store::take, embedded (10,000 keys in turn)", |b| {
+    c.bench_function("Buckets::take, embedded (10,000 keys in turn)", |b| {
         b.iter(|| {
             i = (i + 1) % keys.len();
-            at_once(store.take(black_box(&keys[i]), &one, 1.0, None))
+            at_once(store.buckets.take(black_box(&keys[i]), &one, 1.0, None))
         })
     });
     let buckets: LocalBuckets<Box<str>> = LocalBuckets::default();
@@ -181,8 +193,8 @@ fn decision_path(c: &mut Criterion) {
         b.iter(|| {
             let hash = KeyHash::of(black_box("tg_3f9a0c1d2b4e5f60718293a4b5c6d7e8f9"));
             let route = table.find(black_box("/svc1/v1/orders/42"));
-            let ruling =
-                at_once(store.take("tollgate:b:{acme}", &one, 1.0, None)).expect("a ruling");
+            let ruling = at_once(store.buckets.take("tollgate:b:{acme}", &one, 1.0, None))
+                .expect("a ruling");
             let d = Decision {
                 outcome: Outcome::Allowed,
                 applied: one.clone(),

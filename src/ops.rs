@@ -12,6 +12,7 @@ use serde_json::json;
 
 use crate::metrics::family;
 use crate::state::AppState;
+use crate::store::{BucketCalls, PoolState};
 use crate::trace::DROP_REASONS;
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
@@ -34,14 +35,16 @@ async fn healthz() -> HttpResponse {
 /// `/readyz` is served on the public listener, so it names no Redis host, user or error
 /// text: the store's error goes to the log (a `WARN` per failed probe), for operators.
 async fn readyz(state: web::Data<AppState>) -> HttpResponse {
-    let reason = match tokio::time::timeout(Duration::from_secs(1), state.store.ping()).await {
+    let reason = match tokio::time::timeout(Duration::from_secs(1), state.store.lifecycle.ping())
+        .await
+    {
         Ok(Ok(())) => None,
         Ok(Err(e)) => {
-            tracing::warn!(error = %e, store = %state.store.describe(), "not ready: the store failed");
+            tracing::warn!(error = %e, store = %state.store.lifecycle.describe(), "not ready: the store failed");
             Some("the store failed; the gateway's log has the error")
         }
         Err(_) => {
-            tracing::warn!(store = %state.store.describe(), "not ready: the store did not answer within 1 s");
+            tracing::warn!(store = %state.store.lifecycle.describe(), "not ready: the store did not answer within 1 s");
             Some("the store did not answer within 1 s")
         }
     };
@@ -169,7 +172,7 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
             );
         }
     }
-    if let Some((conns, idle)) = state.store.pool_state() {
+    if let Some(PoolState { open: conns, idle }) = state.store.lifecycle.pool() {
         family(
             &mut out,
             "tollgate_redis_pool_connections",
@@ -186,7 +189,7 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
             conns - idle.min(conns)
         );
     }
-    if let Some((calls, takes)) = state.limiter.bucket_calls() {
+    if let Some(BucketCalls { calls, takes }) = state.limiter.bucket_calls() {
         family(
             &mut out,
             "tollgate_store_bucket_calls_total",

@@ -24,7 +24,7 @@ use crate::metrics::Metrics;
 use crate::proxy::{self, RouteTable};
 use crate::reload::{self, Reloader};
 use crate::state::AppState;
-use crate::store::{Keys, Store};
+use crate::store::{Keys, Store, StoreKind};
 use crate::trace::{self, Tracer};
 use crate::{ops, telemetry};
 
@@ -58,11 +58,13 @@ impl Application {
         );
         prepare_store(&store, &catalog, &settings).await?;
         catalog.spawn_refresh(store.clone(), settings.catalog.refresh);
-        store.spawn_evictor();
+        if let Some(chore) = Arc::clone(&store.lifecycle).housekeeping() {
+            tokio::spawn(chore);
+        }
 
         let regional = open_regional_store(&settings, &keys, &store)?;
         if settings.redis.regional_url.is_some() && !settings.uses_embedded_store() {
-            if let Err(e) = regional.load_scripts().await {
+            if let Err(e) = regional.lifecycle.load_scripts().await {
                 tracing::warn!(error = %e, "regional store unavailable at start; its shards fail open until it answers");
             }
         }
@@ -186,11 +188,11 @@ impl Application {
         tracing::info!(
             listen = %SocketAddr::new(settings.server.listen.ip(), port),
             admin_port = ?admin_port,
-            store = %store.describe(),
+            store = %store.lifecycle.describe(),
             region = %settings.server.region,
             "tollgate started"
         );
-        if store.is_embedded() {
+        if store.lifecycle.kind() == StoreKind::Embedded {
             tracing::info!(
                 file = %settings.catalog.file.display(),
                 "embedded store: buckets live in this process, so limits hold for this single instance only"
@@ -281,14 +283,14 @@ async fn prepare_store(
     settings: &Settings,
 ) -> anyhow::Result<()> {
     async fn attempt(store: &Store, catalog: &Catalog, settings: &Settings) -> anyhow::Result<()> {
-        store.load_scripts().await?;
+        store.lifecycle.load_scripts().await?;
         catalog::seed(store, settings).await?;
         catalog.refresh(store).await?;
         Ok(())
     }
     match attempt(store, catalog, settings).await {
         Ok(()) => Ok(()),
-        Err(e) if store.is_embedded() => Err(e),
+        Err(e) if store.lifecycle.kind() == StoreKind::Embedded => Err(e),
         Err(e) if e.downcast_ref::<crate::store::StoreError>().is_none() => Err(e),
         Err(e) => {
             tracing::warn!(error = %e, "store unavailable at start; failing open and retrying");
@@ -325,7 +327,7 @@ async fn prepare_store(
 fn warn_unless_persistent(store: Store, catalog: Arc<Catalog>) {
     tokio::spawn(async move {
         loop {
-            match store.persistence().await {
+            match store.lifecycle.persistence().await {
                 Ok(p) => {
                     // The warning first: once "store persistence" is in the log, so is it.
                     if catalog.has_quotas() && !p.keeps_quotas() {

@@ -499,7 +499,7 @@ impl Gateway {
         let store = tollgate::store::Store::embedded(&self.0.catalog)
             .map_err(|e| anyhow::anyhow!("opening {}: {e}", self.0.catalog.display()))?;
         block_on(async {
-            let mut dump = store.catalog_dump().await?;
+            let mut dump = store.catalog.dump().await?;
             let seen = (dump.epoch.clone(), dump.version);
             for c in clients {
                 let id = ClientId::parse(&c.id)?;
@@ -520,7 +520,14 @@ impl Gateway {
                 });
             }
             let written = store
-                .catalog_restore((seen.0.as_deref(), seen.1), &dump)
+                .catalog
+                .restore(
+                    tollgate::store::CatalogAt {
+                        epoch: seen.0.as_deref(),
+                        version: seen.1,
+                    },
+                    &dump,
+                )
                 .await?;
             anyhow::ensure!(written, "the catalog file changed while clients were added");
             anyhow::Ok(())

@@ -33,6 +33,6 @@ pub async fn list(
 ) -> Result<HttpResponse, ApiError> {
     let limit = super::body::page_limit(q.limit.as_deref())?;
     Ok(HttpResponse::Ok().json(AuditList {
-        items: state.store.audit(limit).await?,
+        items: state.store.audit.recent(limit).await?,
     }))
 }

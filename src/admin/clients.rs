@@ -249,6 +249,7 @@ pub async fn list(
     }
     let page = state
         .store
+        .catalog
         .clients_page(page.cursor.as_deref(), limit)
         .await?;
     Ok(HttpResponse::Ok().json(ClientList {
@@ -323,7 +324,7 @@ pub async fn put(
     let (plan, mode, shards) = parse_client(input, f, &id)?;
     let wanted = if_match(req.headers())?;
     for _ in 0..WRITE_TRIES {
-        let existing = state.store.client(id.as_str()).await?;
+        let existing = state.store.catalog.client(id.as_str()).await?;
         if let Some(wanted) = &wanted {
             precondition(wanted, existing.as_ref().map(|c| c.rev), "client")?;
         }
@@ -344,7 +345,8 @@ pub async fn put(
         };
         match state
             .store
-            .catalog_write(
+            .catalog
+            .write(
                 &CatalogWrite::PutClient(rec.clone(), cond),
                 &Audit::new(&actor.sub, "client.put"),
             )
@@ -389,12 +391,18 @@ pub async fn delete(
 ) -> Result<HttpResponse, ApiError> {
     let id = client_id(&id)?;
     let cond = super::shared::condition(&req, "client", || async {
-        Ok(state.store.client(id.as_str()).await?.map(|c| c.rev))
+        Ok(state
+            .store
+            .catalog
+            .client(id.as_str())
+            .await?
+            .map(|c| c.rev))
     })
     .await?;
     match state
         .store
-        .catalog_write(
+        .catalog
+        .write(
             &CatalogWrite::DeleteClient(id.clone(), cond),
             &Audit::new(&actor.sub, "client.delete"),
         )
@@ -520,11 +528,14 @@ pub async fn bucket(
         ))
     })?;
     let key = state.catalog.key_names().bucket(&id);
-    let tokens = state.store.tokens_now(&key, &field, plan).await?;
+    let tokens = state.store.buckets.tokens_now(&key, &field, plan).await?;
     let shards = match client.shards {
         Some(_) => {
-            let (current, history) = state.store.shard_view(&id).await?;
-            Some(ShardsBucketView { current, history })
+            let view = state.store.shards.view(&id).await?;
+            Some(ShardsBucketView {
+                current: view.state,
+                history: view.history,
+            })
         }
         None => None,
     };
@@ -565,11 +576,13 @@ pub async fn refill(
         .collect();
     state
         .store
+        .buckets
         .refill(&state.catalog.key_names().bucket(&id), &buckets)
         .await?;
     state
         .store
-        .record_audit(AuditEntry {
+        .audit
+        .record(AuditEntry {
             at_ms: super::shared::now_ms(),
             actor: actor.sub,
             action: "bucket.refill".into(),

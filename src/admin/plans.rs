@@ -534,6 +534,7 @@ fn one(rec: Versioned<PlanRecord>, status: actix_web::http::StatusCode) -> HttpR
 pub async fn list(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let items = state
         .store
+        .catalog
         .plans()
         .await?
         .into_iter()
@@ -556,7 +557,7 @@ pub async fn get(
     name: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     let name = path_id(&name, PlanName::parse, "plan")?;
-    match state.store.plan(name.as_str()).await? {
+    match state.store.catalog.plan(name.as_str()).await? {
         Some(rec) => Ok(one(rec, actix_web::http::StatusCode::OK)),
         None => Err(ApiError::NotFound(format!("no plan {name}"))),
     }
@@ -598,12 +599,18 @@ pub async fn put(
         description.map(String::from),
     );
     let cond = condition(&req, "plan", || async {
-        Ok(state.store.plan(name.as_str()).await?.map(|p| p.rev))
+        Ok(state
+            .store
+            .catalog
+            .plan(name.as_str())
+            .await?
+            .map(|p| p.rev))
     })
     .await?;
     let outcome = state
         .store
-        .catalog_write(
+        .catalog
+        .write(
             &CatalogWrite::PutPlan(rec.clone(), cond),
             &Audit::new(&actor.sub, "plan.put"),
         )
@@ -640,12 +647,18 @@ pub async fn delete(
 ) -> Result<HttpResponse, ApiError> {
     let name = path_id(&name, PlanName::parse, "plan")?;
     let cond = condition(&req, "plan", || async {
-        Ok(state.store.plan(name.as_str()).await?.map(|p| p.rev))
+        Ok(state
+            .store
+            .catalog
+            .plan(name.as_str())
+            .await?
+            .map(|p| p.rev))
     })
     .await?;
     match state
         .store
-        .catalog_write(
+        .catalog
+        .write(
             &CatalogWrite::DeletePlan(name.clone(), cond),
             &Audit::new(&actor.sub, "plan.delete"),
         )

@@ -90,7 +90,7 @@ fn service_name_ok(name: &str) -> bool {
     responses((status = 200, description = "The safety limits", body = SafetyView)),
     security(("bearer" = [])))]
 pub async fn get(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    Ok(match state.store.safety().await? {
+    Ok(match state.store.catalog.safety().await? {
         Some(rec) => HttpResponse::Ok()
             .insert_header((header::ETAG, etag(rec.rev)))
             .json(SafetyView {
@@ -145,12 +145,13 @@ pub async fn put(
         services,
     };
     let cond = condition(&req, "safety settings", || async {
-        Ok(state.store.safety().await?.map(|s| s.rev))
+        Ok(state.store.catalog.safety().await?.map(|s| s.rev))
     })
     .await?;
     match state
         .store
-        .catalog_write(
+        .catalog
+        .write(
             &CatalogWrite::PutSafety(rec.clone(), cond),
             &Audit::new(&actor.sub, "safety.put"),
         )

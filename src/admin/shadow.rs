@@ -55,16 +55,16 @@ fn rate(compared: u64, disagreements: u64) -> f64 {
     ),
     security(("bearer" = [])))]
 pub async fn get(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    let counts = state.store.shadow_counts().await?;
-    let compared: u64 = counts.iter().map(|c| c.1).sum();
-    let disagreements: u64 = counts.iter().map(|c| c.2).sum();
+    let counts = state.store.shadow.counts().await?;
+    let compared: u64 = counts.iter().map(|c| c.compared).sum();
+    let disagreements: u64 = counts.iter().map(|c| c.disagreed).sum();
     let mut clients: Vec<ShadowClient> = counts
         .into_iter()
-        .map(|(id, c, d)| ShadowClient {
-            id,
-            compared: c,
-            disagreements: d,
-            rate: rate(c, d),
+        .map(|c| ShadowClient {
+            rate: rate(c.compared, c.disagreed),
+            id: c.client,
+            compared: c.compared,
+            disagreements: c.disagreed,
         })
         .collect();
     clients.sort_by(|a, b| {
@@ -88,10 +88,11 @@ pub async fn get(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     responses((status = 204, description = "Counters reset")),
     security(("bearer" = [])))]
 pub async fn reset(state: web::Data<AppState>, actor: Actor) -> Result<HttpResponse, ApiError> {
-    state.store.shadow_reset().await?;
+    state.store.shadow.reset().await?;
     state
         .store
-        .record_audit(AuditEntry {
+        .audit
+        .record(AuditEntry {
             at_ms: super::shared::now_ms(),
             actor: actor.sub,
             action: "shadow.reset".into(),

@@ -35,6 +35,7 @@ pub(super) fn rfc3339(unix_us: u64) -> String {
 pub(super) async fn plan_limits(state: &AppState, plan: &PlanName) -> Result<Limits, ApiError> {
     state
         .store
+        .catalog
         .plan(plan.as_str())
         .await?
         .ok_or_else(|| ApiError::NotFound(format!("no plan {plan}")))?
@@ -124,6 +125,7 @@ pub(super) async fn current(
 ) -> Result<Versioned<ClientRecord>, ApiError> {
     state
         .store
+        .catalog
         .client(id.as_str())
         .await?
         .ok_or_else(|| ApiError::NotFound(format!("no client {id}")))
@@ -148,7 +150,8 @@ pub(super) async fn update_client<T>(
         let out = edit(&mut rec).await?;
         match state
             .store
-            .catalog_write(
+            .catalog
+            .write(
                 &CatalogWrite::PutClient(rec, Condition::Rev(cur.rev)),
                 &audit,
             )

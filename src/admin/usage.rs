@@ -120,7 +120,7 @@ pub async fn get(
         .overridden(&client.overrides, now_s);
     let applied = limits.every();
     let key = state.catalog.key_names().bucket(&id);
-    let ruling = state.store.peek(&key, &applied).await?;
+    let ruling = state.store.buckets.peek(&key, &applied).await?;
     let now_us = ruling.now_us;
     let items = limits
         .items()

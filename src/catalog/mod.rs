@@ -20,7 +20,7 @@ use actix_web::http::header::HeaderValue;
 
 use crate::configuration::Settings;
 use crate::domain::{ClientId, Decision, KeyHash, Limits, Mode, PlanName, Region};
-use crate::store::{Keys, Store, StoreError};
+use crate::store::{CatalogAt, Keys, Store, StoreError};
 
 /// A plan's current limits, shared by every client on it so a plan edit is one store.
 pub struct PlanSlot {
@@ -310,7 +310,8 @@ impl Catalog {
         loop {
             let epoch = self.epoch();
             match store
-                .catalog_changes(self.version(), epoch.as_deref())
+                .catalog
+                .changes(self.version(), epoch.as_deref())
                 .await?
             {
                 CatalogChanges::Unchanged => return Ok(()),
@@ -320,8 +321,11 @@ impl Catalog {
                         store = dump.version,
                         "the store's catalog went back; restoring it from this gateway's copy"
                     );
-                    let seen = (dump.epoch.as_deref(), dump.version);
-                    if store.catalog_restore(seen, &self.dump()).await? {
+                    let seen = CatalogAt {
+                        epoch: dump.epoch.as_deref(),
+                        version: dump.version,
+                    };
+                    if store.catalog.restore(seen, &self.dump()).await? {
                         return Ok(());
                     }
                     // The store moved meanwhile (another gateway restored it, or a write
@@ -595,7 +599,8 @@ pub async fn seed(store: &Store, settings: &Settings) -> anyhow::Result<()> {
     let (plans, clients) = declared(settings);
     for rec in plans {
         store
-            .catalog_write(
+            .catalog
+            .write(
                 &CatalogWrite::PutPlan(rec, Condition::Absent),
                 &Audit::seed("plan.seed"),
             )
@@ -604,7 +609,8 @@ pub async fn seed(store: &Store, settings: &Settings) -> anyhow::Result<()> {
     for rec in clients {
         let (id, plan) = (rec.id.to_string(), rec.plan.to_string());
         match store
-            .catalog_write(
+            .catalog
+            .write(
                 &CatalogWrite::PutClient(rec, Condition::Absent),
                 &Audit::seed("client.seed"),
             )

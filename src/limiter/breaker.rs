@@ -150,7 +150,12 @@ impl Breaker {
                 // The probe takes the path requests take (a connection, a round trip to
                 // the right node), within the same budget, so the breaker closes only
                 // when requests would succeed.
-                if store.probe(probe_key.as_deref(), budget).await.is_ok() {
+                if store
+                    .lifecycle
+                    .probe(probe_key.as_deref(), budget)
+                    .await
+                    .is_ok()
+                {
                     breaker.close();
                 }
             }

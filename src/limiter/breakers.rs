@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 
 use super::Breaker;
 use crate::configuration::BackOff;
-use crate::store::{key_in_slot, key_slot, Store};
+use crate::store::{key_in_slot, key_slot, SlotRange, Store, StoreKind};
 
 const SLOTS: usize = 16384;
 /// How often the slot map is read again (failovers and resharding move slots).
@@ -33,7 +33,7 @@ pub struct NodeBreakers {
 
 impl Breakers {
     pub fn new(store: &Store, budget: Duration, backoff: BackOff) -> Breakers {
-        if store.is_cluster() {
+        if store.lifecycle.kind() == StoreKind::Cluster {
             // Until the slot map is known, one breaker stands for the whole cluster.
             let unknown = Arc::new(Breaker::new(budget, backoff));
             unknown.spawn_prober(store.clone(), None, budget);
@@ -91,7 +91,8 @@ impl Breakers {
 impl NodeBreakers {
     async fn refresh(&self) {
         let Ok(Ok(ranges)) =
-            tokio::time::timeout(Duration::from_secs(1), self.store.cluster_slots()).await
+            tokio::time::timeout(Duration::from_secs(1), self.store.lifecycle.cluster_slots())
+                .await
         else {
             return;
         };
@@ -100,16 +101,16 @@ impl NodeBreakers {
         }
         let mut table = (**self.by_slot.load()).clone();
         let mut nodes = self.by_node.lock();
-        for (start, end, node) in ranges {
+        for SlotRange { first, last, node } in ranges {
             let breaker = nodes
                 .entry(node)
                 .or_insert_with(|| {
                     let b = Arc::new(Breaker::new(self.budget, self.backoff));
-                    b.spawn_prober(self.store.clone(), Some(key_in_slot(start)), self.budget);
+                    b.spawn_prober(self.store.clone(), Some(key_in_slot(first)), self.budget);
                     b
                 })
                 .clone();
-            for slot in start..=end.min(SLOTS as u16 - 1) {
+            for slot in first..=last.min(SLOTS as u16 - 1) {
                 table[slot as usize] = Arc::clone(&breaker);
             }
         }

@@ -13,10 +13,11 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::domain::{Applied, Ruling};
-use crate::store::Store;
+use crate::store::Buckets;
 
 /// Called with the levels after a debit.
 pub type OnReply = Rc<dyn Fn(&Ruling)>;
@@ -27,24 +28,24 @@ pub type OnReply = Rc<dyn Fn(&Ruling)>;
 pub const ANSWER_WITHIN: Duration = Duration::from_secs(1);
 
 struct Pending {
-    store: Store,
+    buckets: Arc<dyn Buckets>,
     applied: Vec<Applied>,
     delta: f64,
     on_reply: Option<OnReply>,
 }
 
-/// (store, state key, limit fields) → the sum to send.
+/// (buckets, state key, limit fields) → the sum to send.
 type Queue = HashMap<(usize, Box<str>, Box<str>), Pending>;
 
 thread_local! {
     static QUEUE: RefCell<Option<Queue>> = const { RefCell::new(None) };
 }
 
-/// Queues `delta` (a refund when negative) on the limits `applied` at `key` in `store`,
+/// Queues `delta` (a refund when negative) on the limits `applied` at `key` in `buckets`,
 /// to be sent within `period`, summed with the others for the same state and limits.
 /// Must run on a worker thread (a `LocalSet`).
 pub fn queue(
-    store: &Store,
+    buckets: &Arc<dyn Buckets>,
     key: &str,
     applied: &[Applied],
     delta: f64,
@@ -59,14 +60,18 @@ pub fn queue(
         let mut q = q.borrow_mut();
         let first = q.is_none();
         let map = q.get_or_insert_with(HashMap::new);
-        map.entry((store.id(), key.into(), fields.into()))
-            .and_modify(|p| p.delta += delta)
-            .or_insert_with(|| Pending {
-                store: store.clone(),
-                applied: applied.to_vec(),
-                delta,
-                on_reply,
-            });
+        map.entry((
+            Arc::as_ptr(buckets).cast::<()>() as usize,
+            key.into(),
+            fields.into(),
+        ))
+        .and_modify(|p| p.delta += delta)
+        .or_insert_with(|| Pending {
+            buckets: Arc::clone(buckets),
+            applied: applied.to_vec(),
+            delta,
+            on_reply,
+        });
         first
     });
     if first {
@@ -88,7 +93,7 @@ async fn flush() {
         .map(|((_, key, _), p)| async move {
             let answer = tokio::time::timeout(
                 ANSWER_WITHIN,
-                p.store.adjust(&key, &p.applied, p.delta),
+                p.buckets.adjust(&key, &p.applied, p.delta),
             )
             .await;
             match answer {

@@ -38,7 +38,7 @@ use crate::configuration::{OverloadSettings, Periods};
 use crate::domain::limits::Level;
 use crate::domain::{Applied, AppliedKind, ClientId, Decision, Limits, Mode, Outcome, Ruling};
 use crate::metrics::{FailOpenReason, Metrics, ShedReason};
-use crate::store::{Budget, Every, Store, StoreError};
+use crate::store::{BucketCalls, Budget, Every, Store, StoreError};
 
 /// Decides requests: safety limit, breaker, store, mode.
 pub struct Limiter {
@@ -162,10 +162,13 @@ impl Limiter {
     /// runs until the worker ends).
     pub async fn keep_connected(&self) {
         if self.regional.same_as(&self.store) {
-            self.store.keep_connected().await;
+            self.store.buckets.keep_connected().await;
         } else {
-            futures_util::future::join(self.store.keep_connected(), self.regional.keep_connected())
-                .await;
+            futures_util::future::join(
+                self.store.buckets.keep_connected(),
+                self.regional.buckets.keep_connected(),
+            )
+            .await;
         }
     }
 
@@ -326,10 +329,10 @@ impl Limiter {
         let answer = if breakers.with(key, Breaker::is_open) {
             Err(FailOpenReason::BreakerOpen)
         } else {
-            // The store's budget runs from when the call is written (`Store::take`), so
+            // The store's budget runs from when the call is written (`Buckets::take`), so
             // time this request waits for its worker is never read as a slow store.
             let budget = Budget::starting(tokio::time::Instant::from_std(started), self.timeout);
-            let answer = store.take(key, &applied, cost, Some(budget)).await;
+            let answer = store.buckets.take(key, &applied, cost, Some(budget)).await;
             // The breaker judges the store: see `Breaker::observe`.
             breakers.with(key, |b| b.observe(&answer));
             answer.map_err(|e| match e {
@@ -441,7 +444,7 @@ impl Limiter {
             }
         });
         debits::queue(
-            &self.store,
+            &self.store.buckets,
             &client.bucket_key,
             quotas,
             cost,
@@ -471,11 +474,11 @@ impl Limiter {
                     .iter()
                     .cloned()
                     .partition(|a| matches!(a.kind, AppliedKind::Quota { .. }));
-                debits::queue(&self.regional, local, &buckets, delta, period, None);
+                debits::queue(&self.regional.buckets, local, &buckets, delta, period, None);
                 self.debit_global_quotas(client, &quotas, delta);
             }
             _ => debits::queue(
-                &self.store,
+                &self.store.buckets,
                 &client.bucket_key,
                 &decision.applied,
                 delta,
@@ -506,13 +509,16 @@ impl Limiter {
 
     /// Bucket script calls and the takes they decided, over the global store and (when
     /// it is another one) the regional store; `None` on the embedded store.
-    pub fn bucket_calls(&self) -> Option<(u64, u64)> {
-        let global = self.store.bucket_calls();
+    pub fn bucket_calls(&self) -> Option<BucketCalls> {
+        let global = self.store.buckets.calls();
         if self.regional.same_as(&self.store) {
             return global;
         }
-        match (global, self.regional.bucket_calls()) {
-            (Some((c, t)), Some((rc, rt))) => Some((c + rc, t + rt)),
+        match (global, self.regional.buckets.calls()) {
+            (Some(g), Some(r)) => Some(BucketCalls {
+                calls: g.calls + r.calls,
+                takes: g.takes + r.takes,
+            }),
             (g, r) => g.or(r),
         }
     }

@@ -11,7 +11,7 @@ use dashmap::DashMap;
 
 use crate::domain::ClientId;
 use crate::metrics::Metrics;
-use crate::store::Store;
+use crate::store::{ShadowCount, Store};
 
 #[derive(Default)]
 struct Counts {
@@ -46,13 +46,17 @@ impl ShadowStats {
     }
 
     /// Takes the counts gathered so far, leaving zeros.
-    fn drain(&self) -> Vec<(String, u64, u64)> {
+    fn drain(&self) -> Vec<ShadowCount> {
         let mut out = Vec::new();
         self.pending.retain(|client, c| {
             let compared = c.compared.swap(0, Relaxed);
             let disagreed = c.disagreed.swap(0, Relaxed);
             if compared > 0 {
-                out.push((client.to_string(), compared, disagreed));
+                out.push(ShadowCount {
+                    client: client.to_string(),
+                    compared,
+                    disagreed,
+                });
             }
             // Keep recently active clients' entries; drop the idle ones.
             compared > 0
@@ -66,14 +70,14 @@ impl ShadowStats {
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(period);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let mut unsent: Vec<(String, u64, u64)> = Vec::new();
+            let mut unsent: Vec<ShadowCount> = Vec::new();
             loop {
                 tick.tick().await;
                 unsent.extend(stats.drain());
                 if unsent.is_empty() {
                     continue;
                 }
-                match tokio::time::timeout(Duration::from_secs(2), store.shadow_add(&unsent)).await
+                match tokio::time::timeout(Duration::from_secs(2), store.shadow.add(&unsent)).await
                 {
                     Ok(Ok(())) => unsent.clear(),
                     _ => {

@@ -179,7 +179,7 @@ impl ShareBook {
             let portion = plan.portion(share, 1.0);
             match tokio::time::timeout(
                 Duration::from_millis(200),
-                regional.tokens_now(local_key, &field, portion),
+                regional.buckets.tokens_now(local_key, &field, portion),
             )
             .await
             {
@@ -202,7 +202,7 @@ impl ShareBook {
             period_ms: (self.periods.share.as_millis() as u64).saturating_sub(50),
             floor: FLOOR,
         };
-        match tokio::time::timeout(Duration::from_millis(500), global.reconcile(&r)).await {
+        match tokio::time::timeout(Duration::from_millis(500), global.shards.reconcile(&r)).await {
             Ok(Ok(state)) => {
                 let now_ms = std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)

@@ -38,10 +38,10 @@ async fn spend_then_read(store: &Store, cost: Option<f64>) -> (f64, f64) {
     let applied = limits.applied(None);
     let key = "t:b:{acme}";
     if let Some(cost) = cost {
-        let ruling = store.take(key, &applied, cost, None).await.unwrap();
+        let ruling = store.buckets.take(key, &applied, cost, None).await.unwrap();
         assert!(ruling.allowed, "{ruling:?}");
     }
-    let now = store.peek(key, &applied).await.unwrap();
+    let now = store.buckets.peek(key, &applied).await.unwrap();
     let left = |i: usize| now.levels[i].remaining(&applied[i].kind);
     (left(0), left(1))
 }
@@ -54,9 +54,9 @@ async fn redis_says_whether_it_appends_every_write_snapshots_or_keeps_nothing() 
     let nothing = RedisServer::start_with(NOTHING).unwrap();
 
     // Act
-    let aof = store_on(&aof).persistence().await.unwrap();
-    let snapshots = store_on(&snapshots).persistence().await.unwrap();
-    let nothing = store_on(&nothing).persistence().await.unwrap();
+    let aof = store_on(&aof).lifecycle.persistence().await.unwrap();
+    let snapshots = store_on(&snapshots).lifecycle.persistence().await.unwrap();
+    let nothing = store_on(&nothing).lifecycle.persistence().await.unwrap();
 
     // Assert
     assert_eq!(aof, Persistence::Aof);
@@ -86,8 +86,8 @@ async fn a_redis_without_config_still_says_it_appends_and_otherwise_that_it_does
     let nothing = RedisServer::start_with(&[NOTHING, NO_CONFIG].concat()).unwrap();
 
     // Act
-    let aof = store_on(&aof).persistence().await.unwrap();
-    let nothing = store_on(&nothing).persistence().await.unwrap();
+    let aof = store_on(&aof).lifecycle.persistence().await.unwrap();
+    let nothing = store_on(&nothing).lifecycle.persistence().await.unwrap();
 
     // Assert: INFO tells the append-only file; the snapshot rules are not guessed.
     assert_eq!(aof, Persistence::Aof);
@@ -103,7 +103,7 @@ async fn the_embedded_store_says_its_buckets_live_in_the_gateway() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::embedded(&dir.path().join("catalog.json")).unwrap();
 
-    let p = store.persistence().await.unwrap();
+    let p = store.lifecycle.persistence().await.unwrap();
 
     assert_eq!(p, Persistence::Embedded);
     assert!(!p.keeps_quotas());
@@ -164,13 +164,22 @@ async fn a_cluster_keeps_what_its_weakest_master_keeps() {
 
     // Act + Assert: nothing; then an append-only file on every master; then one master
     // turns it off.
-    assert_eq!(store.persistence().await.unwrap(), Persistence::None);
+    assert_eq!(
+        store.lifecycle.persistence().await.unwrap(),
+        Persistence::None
+    );
     for node in &cluster.nodes {
         appendonly(node, "yes");
     }
-    assert_eq!(store.persistence().await.unwrap(), Persistence::Aof);
+    assert_eq!(
+        store.lifecycle.persistence().await.unwrap(),
+        Persistence::Aof
+    );
     appendonly(&cluster.nodes[1], "no");
-    assert_eq!(store.persistence().await.unwrap(), Persistence::None);
+    assert_eq!(
+        store.lifecycle.persistence().await.unwrap(),
+        Persistence::None
+    );
 }
 
 /// The gateway's log once it has said what its store keeps (`store persistence`).

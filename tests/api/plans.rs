@@ -20,6 +20,7 @@ const C_TIGHTEST: &str = r#"[{ name = "a", capacity = 30, rate = 0.001 },
 async fn left(redis: &RedisServer, client: &str, limits: &Limits) -> Vec<f64> {
     let every = limits.every();
     let now = redis_store(redis)
+        .buckets
         .peek(&format!("tollgate:b:{{{client}}}"), &every)
         .await
         .unwrap();

@@ -38,10 +38,15 @@ async fn the_embedded_store_decides_like_the_redis_script_on_the_same_timeline()
     for (pause, cost) in &timeline {
         tokio::time::sleep(Duration::from_millis(*pause)).await;
         let e = embedded
+            .buckets
             .take("t:b:{acme}", &plan, *cost, None)
             .await
             .unwrap();
-        let r = remote.take("t:b:{acme}", &plan, *cost, None).await.unwrap();
+        let r = remote
+            .buckets
+            .take("t:b:{acme}", &plan, *cost, None)
+            .await
+            .unwrap();
         decisions.push((e, r));
     }
 
@@ -100,10 +105,12 @@ async fn the_embedded_store_and_redis_agree_on_a_timeline_of_three_limits() {
     for (pause, cost, ..) in &timeline {
         tokio::time::sleep(Duration::from_millis(*pause)).await;
         let e = embedded
+            .buckets
             .take("t:b:{acme}", &applied, *cost, None)
             .await
             .unwrap();
         let r = remote
+            .buckets
             .take("t:b:{acme}", &applied, *cost, None)
             .await
             .unwrap();
@@ -145,7 +152,7 @@ async fn the_embedded_store_and_redis_agree_on_a_timeline_of_three_limits() {
         Some(e.levels[2].reset_us(&applied[2].kind, e.now_us))
     );
     for store in [&embedded, &remote] {
-        let now = store.peek("t:b:{acme}", &applied).await.unwrap();
+        let now = store.buckets.peek("t:b:{acme}", &applied).await.unwrap();
         assert_eq!(now.levels[2].remaining(&applied[2].kind), 0.0);
     }
 }

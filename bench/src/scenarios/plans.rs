@@ -9,7 +9,7 @@
 //!   its own, so Redis' counters (`INFO commandstats`, `INFO cpu`) belong to one plan:
 //!   Redis calls per request, the time inside the script per call, and Redis' CPU per
 //!   decision.
-//! - **redis**: Redis alone, kept busy by the gateway's own store code (`Store::take`)
+//! - **redis**: Redis alone, kept busy by the gateway's own store code (`Buckets::take`)
 //!   with many takes in flight for distinct clients: the same two figures when Redis is
 //!   saturated rather than woken once per request.
 //! - **accuracy**: one client offers 9x the rate of the limit meant to bind, through N
@@ -592,7 +592,7 @@ fn cost(a: &Args) -> anyhow::Result<CostResult> {
 // ---------------------------------------------------------------------------------------
 // Redis alone, saturated: what a decision costs Redis when it is busy.
 
-/// Redis kept busy by the gateway's own store code (`Store::take`, as the limiter calls
+/// Redis kept busy by the gateway's own store code (`Buckets::take`, as the limiter calls
 /// it: one multiplexed connection, `EVALSHA`), from one thread, with
 /// `--redis-concurrency` takes in flight, each for a client of its own so none coalesce:
 /// Redis reads many calls per wake-up, so its per-call cost is the script's and the
@@ -677,7 +677,7 @@ fn saturated(a: &Args) -> anyhow::Result<(String, Value)> {
         }));
     }
     let markdown = format!(
-        "### plans, Redis alone: {} takes in flight through `Store::take`, {} s per plan x 2 \
+        "### plans, Redis alone: {} takes in flight through `Buckets::take`, {} s per plan x 2 \
          rounds\n\n{}\n\
          Redis CPU per decision: `used_cpu_sys + used_cpu_user` over the rounds / takes (no \
          idle to subtract: Redis is busy throughout); µs inside EVALSHA: `INFO \

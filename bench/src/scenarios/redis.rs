@@ -1,6 +1,6 @@
 //! `redis`: what a decision costs Redis with 1, 1,000 and 10,000 active clients (issue 14).
 //!
-//! Redis alone, kept busy by the gateway's own store code (`Store::take` through the
+//! Redis alone, kept busy by the gateway's own store code (`Buckets::take` through the
 //! coalescer, one multiplexed connection, `EVALSHA`) from one thread with `--concurrency`
 //! takes in flight, on a one-bucket plan that never refuses. Every take draws its client
 //! anew from N clients, uniformly (and, with `--zipf S`, Zipf-skewed as a second row per
@@ -215,7 +215,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     }
     let markdown = format!(
         "### redis: Redis CPU per decision by active clients{}, {} takes in flight through \
-         `Store::take`, one bucket that never refuses, {} s per row x {} rounds\n\n{}\n\
+         `Buckets::take`, one bucket that never refuses, {} s per row x {} rounds\n\n{}\n\
          Redis CPU per decision: `used_cpu_sys + used_cpu_user` over the rounds, minus an \
          idle Redis' {:.2} ms/s over the same wall time, / decisions; µs inside EVALSHA: \
          `INFO commandstats`; Redis CPU s/s: how busy Redis was (1.00: one full core, what \

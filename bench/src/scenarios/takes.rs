@@ -1,4 +1,4 @@
-//! Redis kept busy by the gateway's own store code, without a gateway: `Store::take` (as
+//! Redis kept busy by the gateway's own store code, without a gateway: `Buckets::take` (as
 //! the limiter calls it: one multiplexed connection, `EVALSHA`, the coalescer) from one
 //! thread with many takes in flight, and what Redis spent on them by its own counters.
 //! Shared by `plans --only redis` (one client per take in flight) and `redis` (keys drawn
@@ -144,7 +144,7 @@ impl Draw {
     }
 }
 
-/// One thread driving `Store::take` against one Redis.
+/// One thread driving `Buckets::take` against one Redis.
 pub struct Driver {
     rt: tokio::runtime::Runtime,
     local: tokio::task::LocalSet,
@@ -198,7 +198,7 @@ impl Driver {
             for chunk in keys.chunks(concurrency.max(1)) {
                 let takes: Vec<_> = chunk
                     .iter()
-                    .map(|key| self.store.take(key, applied, 1.0, None))
+                    .map(|key| self.store.buckets.take(key, applied, 1.0, None))
                     .collect();
                 for t in takes {
                     let _ = t.await;
@@ -229,7 +229,7 @@ impl Driver {
                         let (mut ok, mut failed) = (0u64, 0u64);
                         while tokio::time::Instant::now() < until {
                             let key = &keys[draw.pick(i, keys.len(), &mut rng)];
-                            match store.take(key, &applied, 1.0, None).await {
+                            match store.buckets.take(key, &applied, 1.0, None).await {
                                 Ok(_) => ok += 1,
                                 Err(_) => failed += 1,
                             }

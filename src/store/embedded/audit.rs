@@ -1,14 +1,18 @@
 //! The audit log, kept in the catalog file (the newest entries): reads, and entries for
 //! changes made outside the catalog.
 
+use async_trait::async_trait;
+
 use super::backend::{persist, push_audit, EmbeddedStore};
 use crate::store::records::AuditEntry;
-use crate::store::StoreError;
+use crate::store::{AuditLog, StoreError};
 
-impl EmbeddedStore {
-    /// The newest `limit` audit entries, newest first.
-    pub fn audit(&self, limit: usize) -> Vec<AuditEntry> {
-        self.catalog
+#[async_trait]
+impl AuditLog for EmbeddedStore {
+    async fn recent(&self, limit: usize) -> Result<Vec<AuditEntry>, StoreError> {
+        Ok(self
+            .file
+            .catalog
             .lock()
             .data
             .audit
@@ -16,16 +20,19 @@ impl EmbeddedStore {
             .rev()
             .take(limit)
             .cloned()
-            .collect()
+            .collect())
     }
 
-    /// Appends an audit entry for a change outside the catalog (a bucket refill).
-    pub fn record_audit(&self, entry: AuditEntry) -> Result<(), StoreError> {
-        let _one = self.writer.lock();
-        let mut next = self.catalog.lock().data.clone();
-        push_audit(&mut next.audit, entry);
-        persist(&self.path, &next)?;
-        self.catalog.lock().data = next;
-        Ok(())
+    async fn record(&self, entry: AuditEntry) -> Result<(), StoreError> {
+        self.file
+            .off_worker(move |file| {
+                let _one = file.writer.lock();
+                let mut next = file.catalog.lock().data.clone();
+                push_audit(&mut next.audit, entry);
+                persist(&file.path, &next)?;
+                file.catalog.lock().data = next;
+                Ok(())
+            })
+            .await
     }
 }

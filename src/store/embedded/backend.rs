@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
@@ -16,22 +17,42 @@ use crate::store::{LocalLimits, StoreError};
 const AUDIT_LEN: usize = 10_000;
 
 /// Buckets and catalog of a single instance.
-///
-/// Writes to the catalog file are made off the async workers (`Store` runs them with
-/// `spawn_blocking`), one at a time (`writer`), and without holding the catalog's lock
-/// while the file is written and synced: a write is staged under the lock, written to disk
-/// without it, then committed under it again, so readers never wait for the disk.
 pub struct EmbeddedStore {
     pub(super) limits: LocalLimits,
     pub(super) shards: Mutex<HashMap<ClientId, EmbeddedShard>>,
-    pub(super) catalog: Mutex<FileCatalog>,
-    /// Held for a whole write (stage, persist, commit); only in blocking threads.
-    pub(super) writer: Mutex<()>,
-    pub(super) path: PathBuf,
+    pub(super) file: Arc<FileStore>,
     pub(super) shadow: Mutex<HashMap<String, (u64, u64)>>,
     /// An exclusive lock on `<catalog file>.lock`, held while the store is open: a second
     /// process on the same file is refused (the embedded store is for one instance).
     _lock: std::sync::Arc<std::fs::File>,
+}
+
+/// The catalog and the file it lives in.
+///
+/// Writes to the file are made off the async workers (the ports run them with
+/// `spawn_blocking`, see [`FileStore::off_worker`]), one at a time (`writer`), and without
+/// holding the catalog's lock while the file is written and synced: a write is staged under
+/// the lock, written to disk without it, then committed under it again, so readers never
+/// wait for the disk.
+pub(super) struct FileStore {
+    pub(super) catalog: Mutex<FileCatalog>,
+    /// Held for a whole write (stage, persist, commit); only in blocking threads.
+    pub(super) writer: Mutex<()>,
+    pub(super) path: PathBuf,
+}
+
+impl FileStore {
+    /// Runs `f`, which writes the file, on a blocking thread, so an fsync never stalls an
+    /// async worker.
+    pub(super) async fn off_worker<T: Send + 'static>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&FileStore) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let file = Arc::clone(self);
+        tokio::task::spawn_blocking(move || f(&file))
+            .await
+            .map_err(|e| StoreError::File(format!("catalog file writer: {e}")))?
+    }
 }
 
 /// The catalog-file locks this process holds, by lock path. A gateway rebuilt in the same
@@ -88,9 +109,11 @@ impl EmbeddedStore {
         Ok(EmbeddedStore {
             limits: LocalLimits::default(),
             shards: Mutex::new(HashMap::new()),
-            catalog: Mutex::new(FileCatalog::open(file)?),
-            writer: Mutex::new(()),
-            path: file.to_path_buf(),
+            file: Arc::new(FileStore {
+                catalog: Mutex::new(FileCatalog::open(file)?),
+                writer: Mutex::new(()),
+                path: file.to_path_buf(),
+            }),
             shadow: Mutex::new(HashMap::new()),
             _lock: lock,
         })

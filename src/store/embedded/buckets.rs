@@ -1,35 +1,74 @@
 //! In-process limits: takes, adjustments, inspection, refills, and forgetting idle state.
 
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use futures_util::future::BoxFuture;
+
 use super::backend::EmbeddedStore;
 use crate::domain::{bucket, Applied, Bucket, Ruling};
-use crate::store::{LocalLimits, LocalOp};
+use crate::store::{BucketCalls, Buckets, Budget, LocalLimits, LocalOp, StoreError};
 
-impl EmbeddedStore {
-    /// Takes `cost` from every limit in `applied` at `key`, or from none.
-    pub fn take(&self, key: &str, applied: &[Applied], cost: f64) -> Ruling {
-        self.limits
-            .run(key, applied, LocalOp::Take { cost }, LocalLimits::now_us())
+/// Every call answers at once: the arithmetic on this process's own map.
+#[async_trait(?Send)]
+impl Buckets for EmbeddedStore {
+    async fn take(
+        &self,
+        key: &str,
+        applied: &[Applied],
+        cost: f64,
+        _budget: Option<Budget>,
+    ) -> Result<Ruling, StoreError> {
+        Ok(self
+            .limits
+            .run(key, applied, LocalOp::Take { cost }, LocalLimits::now_us()))
     }
 
-    /// Debits `delta` from every limit in `applied` (a refund when negative).
-    pub fn adjust(&self, key: &str, applied: &[Applied], delta: f64) -> Ruling {
-        self.limits.run(
+    async fn adjust(
+        &self,
+        key: &str,
+        applied: &[Applied],
+        delta: f64,
+    ) -> Result<Ruling, StoreError> {
+        Ok(self.limits.run(
             key,
             applied,
             LocalOp::Adjust { delta },
             LocalLimits::now_us(),
-        )
+        ))
     }
 
-    /// Every limit's level now; changes nothing.
-    pub fn peek(&self, key: &str, applied: &[Applied]) -> Ruling {
-        self.limits
-            .run(key, applied, LocalOp::Peek, LocalLimits::now_us())
+    async fn peek(&self, key: &str, applied: &[Applied]) -> Result<Ruling, StoreError> {
+        Ok(self
+            .limits
+            .run(key, applied, LocalOp::Peek, LocalLimits::now_us()))
     }
 
+    fn tokens_now<'a>(
+        &'a self,
+        key: &'a str,
+        field: &'a str,
+        plan: Bucket,
+    ) -> BoxFuture<'a, Result<Option<f64>, StoreError>> {
+        Box::pin(std::future::ready(Ok(self.bucket_tokens(key, field, plan))))
+    }
+
+    async fn refill(&self, key: &str, buckets: &[Arc<str>]) -> Result<(), StoreError> {
+        self.limits.forget(key, buckets);
+        Ok(())
+    }
+
+    async fn keep_connected(&self) {}
+
+    fn calls(&self) -> Option<BucketCalls> {
+        None
+    }
+}
+
+impl EmbeddedStore {
     /// The tokens now of the bucket under `field`, or `None` if it has no state (a
     /// missing bucket is full).
-    pub fn tokens_now(&self, key: &str, field: &str, plan: Bucket) -> Option<f64> {
+    pub(super) fn bucket_tokens(&self, key: &str, field: &str, plan: Bucket) -> Option<f64> {
         let state = self.limits.bucket_state(key, field)?;
         Some(
             bucket::take(Some(state), LocalLimits::now_us(), plan, 0.0)
@@ -38,13 +77,8 @@ impl EmbeddedStore {
         )
     }
 
-    /// Forgets the state of the buckets under `buckets` (field prefixes) at `key`.
-    pub fn refill(&self, key: &str, buckets: &[std::sync::Arc<str>]) {
-        self.limits.forget(key, buckets);
-    }
-
     /// Forgets clients whose limits would all be whole by now; returns how many remain.
-    pub fn evict_idle(&self) -> usize {
+    pub(super) fn evict_idle(&self) -> usize {
         self.limits.evict_idle()
     }
 }
@@ -62,11 +96,16 @@ mod tests {
             0,
             &Limit::default_bucket(Bucket::new(1.0, 1000.0).unwrap()),
         )];
-        s.take("k", &applied, 1.0);
-        assert!(s.tokens_now("k", "", applied_bucket(&applied)).is_some());
+        s.limits.run(
+            "k",
+            &applied,
+            LocalOp::Take { cost: 1.0 },
+            LocalLimits::now_us(),
+        );
+        assert!(s.bucket_tokens("k", "", applied_bucket(&applied)).is_some());
         std::thread::sleep(std::time::Duration::from_millis(1100));
         assert_eq!(s.evict_idle(), 0);
-        assert!(s.tokens_now("k", "", applied_bucket(&applied)).is_none());
+        assert!(s.bucket_tokens("k", "", applied_bucket(&applied)).is_none());
     }
 
     fn applied_bucket(a: &[Applied]) -> Bucket {

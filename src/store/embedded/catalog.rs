@@ -4,38 +4,118 @@
 
 use std::collections::HashMap;
 
+use async_trait::async_trait;
 use serde::Serialize;
 
-use super::backend::{now_ms, persist, push_audit, CatalogFile, EmbeddedStore, FileCatalog};
+use super::backend::{
+    now_ms, persist, push_audit, CatalogFile, EmbeddedStore, FileCatalog, FileStore,
+};
 use crate::domain::{ClientId, KeyHash, PlanName};
 use crate::store::records::{
     Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, ClientsPage,
     Condition, PlanRecord, SafetyRecord, Versioned, WriteOutcome,
 };
-use crate::store::StoreError;
+use crate::store::{CatalogAt, CatalogRecords, StoreError};
 
 const FEED_LEN: usize = 10_000;
 
-impl EmbeddedStore {
-    pub fn catalog_dump(&self) -> CatalogDump {
-        self.catalog.lock().dump()
+#[async_trait]
+impl CatalogRecords for EmbeddedStore {
+    async fn dump(&self) -> Result<CatalogDump, StoreError> {
+        Ok(self.file.catalog.lock().dump())
     }
 
-    pub fn catalog_changes(&self, since: u64, epoch: Option<&str>) -> CatalogChanges {
-        self.catalog.lock().changes(since, epoch)
+    async fn changes(&self, since: u64, epoch: Option<&str>) -> Result<CatalogChanges, StoreError> {
+        Ok(self.file.catalog.lock().changes(since, epoch))
     }
 
+    async fn restore(&self, seen: CatalogAt<'_>, mirror: &CatalogDump) -> Result<bool, StoreError> {
+        let (epoch, version) = (seen.epoch.map(str::to_string), seen.version);
+        let mirror = mirror.clone();
+        self.file
+            .off_worker(move |file| {
+                let seen = CatalogAt {
+                    epoch: epoch.as_deref(),
+                    version,
+                };
+                file.restore(seen, &mirror)
+            })
+            .await
+    }
+
+    async fn write(&self, write: &CatalogWrite, audit: &Audit) -> Result<WriteOutcome, StoreError> {
+        let (write, audit) = (write.clone(), audit.clone());
+        self.file
+            .off_worker(move |file| file.write(&write, &audit))
+            .await
+    }
+
+    async fn plan(&self, name: &str) -> Result<Option<Versioned<PlanRecord>>, StoreError> {
+        let Ok(name) = PlanName::parse(name) else {
+            return Ok(None);
+        };
+        Ok(self.file.catalog.lock().data.plans.get(&name).cloned())
+    }
+
+    async fn client(&self, id: &str) -> Result<Option<Versioned<ClientRecord>>, StoreError> {
+        let Ok(id) = ClientId::parse(id) else {
+            return Ok(None);
+        };
+        Ok(self.file.catalog.lock().data.clients.get(&id).cloned())
+    }
+
+    async fn safety(&self) -> Result<Option<Versioned<SafetyRecord>>, StoreError> {
+        Ok(self.file.catalog.lock().data.safety.clone())
+    }
+
+    async fn plans(&self) -> Result<Vec<Versioned<PlanRecord>>, StoreError> {
+        Ok(self
+            .file
+            .catalog
+            .lock()
+            .data
+            .plans
+            .values()
+            .cloned()
+            .collect())
+    }
+
+    async fn clients_page(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<ClientsPage, StoreError> {
+        let cat = self.file.catalog.lock();
+        let after = after.and_then(|a| ClientId::parse(a).ok());
+        let range = match &after {
+            Some(a) => cat.data.clients.range((
+                std::ops::Bound::Excluded(a.clone()),
+                std::ops::Bound::Unbounded,
+            )),
+            None => cat.data.clients.range(..),
+        };
+        let items: Vec<_> = range.take(limit).map(|(_, v)| v.clone()).collect();
+        Ok(ClientsPage {
+            next: (items.len() == limit)
+                .then(|| items.last().map(|c| c.value.id.to_string()))
+                .flatten(),
+            items,
+        })
+    }
+}
+
+impl FileStore {
     /// Replaces the catalog with `mirror` if it is still at `seen` (as the Redis side's
     /// `lua/catalog_restore.lua`); the audit log stays.
-    pub fn catalog_restore(
+    pub(super) fn restore(
         &self,
-        seen: (Option<&str>, u64),
+        seen: CatalogAt<'_>,
         mirror: &CatalogDump,
     ) -> Result<bool, StoreError> {
         let _one = self.writer.lock();
         let audit = {
             let cat = self.catalog.lock();
-            if cat.data.epoch.as_deref() != seen.0 || cat.data.version != seen.1 {
+            if cat.data.epoch.as_deref() != seen.epoch || cat.data.version != seen.version {
                 return Ok(false);
             }
             cat.data.audit.clone()
@@ -65,7 +145,7 @@ impl EmbeddedStore {
                 kind: "catalog".into(),
                 id: mirror.epoch.clone().unwrap_or_default(),
                 rev: mirror.version,
-                before: Some(serde_json::json!({"epoch": seen.0, "version": seen.1})),
+                before: Some(serde_json::json!({"epoch": seen.epoch, "version": seen.version})),
                 after: Some(serde_json::json!({"epoch": mirror.epoch, "version": mirror.version})),
             },
         );
@@ -74,7 +154,8 @@ impl EmbeddedStore {
         Ok(true)
     }
 
-    pub fn catalog_write(
+    /// One write with its audit entry, staged, put on disk, then committed.
+    pub(super) fn write(
         &self,
         write: &CatalogWrite,
         audit: &Audit,
@@ -86,44 +167,6 @@ impl EmbeddedStore {
         };
         persist(&self.path, &staged.data)?;
         Ok(self.catalog.lock().commit(staged))
-    }
-
-    pub fn plan(&self, name: &str) -> Option<Versioned<PlanRecord>> {
-        let name = PlanName::parse(name).ok()?;
-        self.catalog.lock().data.plans.get(&name).cloned()
-    }
-
-    pub fn client(&self, id: &str) -> Option<Versioned<ClientRecord>> {
-        let id = ClientId::parse(id).ok()?;
-        self.catalog.lock().data.clients.get(&id).cloned()
-    }
-
-    pub fn safety(&self) -> Option<Versioned<SafetyRecord>> {
-        self.catalog.lock().data.safety.clone()
-    }
-
-    pub fn plans(&self) -> Vec<Versioned<PlanRecord>> {
-        self.catalog.lock().data.plans.values().cloned().collect()
-    }
-
-    /// Up to `limit` clients in id order, after the id `after`.
-    pub fn clients_page(&self, after: Option<&str>, limit: usize) -> ClientsPage {
-        let cat = self.catalog.lock();
-        let after = after.and_then(|a| ClientId::parse(a).ok());
-        let range = match &after {
-            Some(a) => cat.data.clients.range((
-                std::ops::Bound::Excluded(a.clone()),
-                std::ops::Bound::Unbounded,
-            )),
-            None => cat.data.clients.range(..),
-        };
-        let items: Vec<_> = range.take(limit).map(|(_, v)| v.clone()).collect();
-        ClientsPage {
-            next: (items.len() == limit)
-                .then(|| items.last().map(|c| c.value.id.to_string()))
-                .flatten(),
-            items,
-        }
     }
 }
 
@@ -371,24 +414,26 @@ mod tests {
         let path = dir.path().join("c.json");
         {
             let s = EmbeddedStore::open(&path).unwrap();
-            s.catalog_write(
-                &CatalogWrite::PutPlan(plan("gold"), Condition::Absent),
-                &by(),
-            )
-            .unwrap();
-            s.catalog_write(
-                &CatalogWrite::PutClient(
-                    client("acme", "gold", "plaintext-key-1"),
-                    Condition::Absent,
-                ),
-                &by(),
-            )
-            .unwrap();
+            s.file
+                .write(
+                    &CatalogWrite::PutPlan(plan("gold"), Condition::Absent),
+                    &by(),
+                )
+                .unwrap();
+            s.file
+                .write(
+                    &CatalogWrite::PutClient(
+                        client("acme", "gold", "plaintext-key-1"),
+                        Condition::Absent,
+                    ),
+                    &by(),
+                )
+                .unwrap();
         }
         let text = std::fs::read_to_string(&path).unwrap();
         assert!(!text.contains("plaintext-key-1"));
         let s = EmbeddedStore::open(&path).unwrap();
-        let dump = s.catalog_dump();
+        let dump = s.file.catalog.lock().dump();
         assert_eq!(dump.version, 2);
         assert_eq!(dump.clients.len(), 1);
     }
@@ -396,7 +441,7 @@ mod tests {
     #[test]
     fn refused_writes_change_nothing() {
         let (_d, s) = store();
-        let w = |w: CatalogWrite| s.catalog_write(&w, &by()).unwrap();
+        let w = |w: CatalogWrite| s.file.write(&w, &by()).unwrap();
         assert_eq!(
             w(CatalogWrite::PutClient(
                 client("acme", "gold", "key-aaaaaaa"),
@@ -427,22 +472,24 @@ mod tests {
             w(CatalogWrite::PutPlan(plan("gold"), Condition::Rev(1_000))),
             WriteOutcome::Stale { current: 1 }
         );
-        assert_eq!(s.catalog_dump().version, 2);
+        assert_eq!(s.file.catalog.lock().dump().version, 2);
     }
 
     #[test]
     fn the_change_feed_names_what_changed() {
         let (_d, s) = store();
-        s.catalog_write(&CatalogWrite::PutPlan(plan("gold"), Condition::Any), &by())
+        s.file
+            .write(&CatalogWrite::PutPlan(plan("gold"), Condition::Any), &by())
             .unwrap();
-        s.catalog_write(
-            &CatalogWrite::PutPlan(plan("silver"), Condition::Any),
-            &by(),
-        )
-        .unwrap();
-        let epoch = s.catalog_dump().epoch;
+        s.file
+            .write(
+                &CatalogWrite::PutPlan(plan("silver"), Condition::Any),
+                &by(),
+            )
+            .unwrap();
+        let epoch = s.file.catalog.lock().dump().epoch;
         assert!(epoch.is_some(), "the first write names the catalog");
-        match s.catalog_changes(1, epoch.as_deref()) {
+        match s.file.catalog.lock().changes(1, epoch.as_deref()) {
             CatalogChanges::Delta { version, plans, .. } => {
                 assert_eq!(version, 2);
                 assert_eq!(plans.len(), 1);
@@ -451,12 +498,12 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(matches!(
-            s.catalog_changes(2, epoch.as_deref()),
+            s.file.catalog.lock().changes(2, epoch.as_deref()),
             CatalogChanges::Unchanged
         ));
         assert!(
             matches!(
-                s.catalog_changes(2, Some("another")),
+                s.file.catalog.lock().changes(2, Some("another")),
                 CatalogChanges::Reload(_)
             ),
             "another catalog's versions mean nothing here"

@@ -2,13 +2,14 @@
 //! gateway instance only (buckets are not shared), and the zero-dependency default.
 //!
 //! `backend.rs` holds [`EmbeddedStore`], its catalog-file lock and the file's persistence;
-//! each concern adds its own `impl EmbeddedStore` block: `buckets.rs`, `catalog.rs`,
-//! `audit.rs`, `shadow.rs` and `shards.rs`.
+//! each of the store's ports is implemented in a file of its own: `buckets.rs`, `catalog.rs`,
+//! `audit.rs`, `shadow.rs`, `shards.rs` and `lifecycle.rs`.
 
 mod audit;
 mod backend;
 mod buckets;
 mod catalog;
+mod lifecycle;
 mod shadow;
 mod shards;
 

@@ -1,28 +1,37 @@
 //! Shadow-mode comparison counts, in memory (one instance: nobody else to sum with).
 
-use super::backend::EmbeddedStore;
+use async_trait::async_trait;
 
-impl EmbeddedStore {
-    /// Adds shadow-mode comparison counts (compared, disagreed) per client.
-    pub fn shadow_add(&self, counts: &[(String, u64, u64)]) {
+use super::backend::EmbeddedStore;
+use crate::store::{ShadowCount, ShadowCounts, StoreError};
+
+#[async_trait]
+impl ShadowCounts for EmbeddedStore {
+    async fn add(&self, counts: &[ShadowCount]) -> Result<(), StoreError> {
         let mut m = self.shadow.lock();
-        for (client, compared, disagreed) in counts {
-            let e = m.entry(client.clone()).or_default();
-            e.0 += compared;
-            e.1 += disagreed;
+        for c in counts {
+            let e = m.entry(c.client.clone()).or_default();
+            e.0 += c.compared;
+            e.1 += c.disagreed;
         }
+        Ok(())
     }
 
-    /// Shadow-mode counts per client.
-    pub fn shadow_counts(&self) -> Vec<(String, u64, u64)> {
-        self.shadow
+    async fn counts(&self) -> Result<Vec<ShadowCount>, StoreError> {
+        Ok(self
+            .shadow
             .lock()
             .iter()
-            .map(|(k, (c, d))| (k.clone(), *c, *d))
-            .collect()
+            .map(|(client, (compared, disagreed))| ShadowCount {
+                client: client.clone(),
+                compared: *compared,
+                disagreed: *disagreed,
+            })
+            .collect())
     }
 
-    pub fn shadow_reset(&self) {
+    async fn reset(&self) -> Result<(), StoreError> {
         self.shadow.lock().clear();
+        Ok(())
     }
 }

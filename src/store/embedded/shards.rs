@@ -2,17 +2,20 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use async_trait::async_trait;
+
 use super::backend::{now_ms, EmbeddedShard, EmbeddedStore};
 use crate::domain::{ClientId, Region};
-use crate::store::{Reconcile, RegionShare, ShardState};
+use crate::store::{Reconcile, RegionShare, ShardState, ShardView, Shards, StoreError};
 
-impl EmbeddedStore {
-    /// The same reconciliation as `lua/reconcile.lua`, for one instance.
-    pub fn reconcile(&self, r: &Reconcile<'_>) -> ShardState {
+/// The same reconciliation as `lua/reconcile.lua`, for one instance.
+#[async_trait]
+impl Shards for EmbeddedStore {
+    async fn reconcile(&self, r: &Reconcile<'_>) -> Result<ShardState, StoreError> {
         let now = now_ms();
         let mut shards = self.shards.lock();
         let seed = || {
-            self.tokens_now(r.global_key, r.field, r.plan)
+            self.bucket_tokens(r.global_key, r.field, r.plan)
                 .map_or(1.0, |t| t / r.plan.capacity())
         };
         let s = shards
@@ -59,10 +62,10 @@ impl EmbeddedStore {
             );
             s.history.truncate(60);
         }
-        s.state(r.regions)
+        Ok(s.state(r.regions))
     }
 
-    pub fn shard_view(&self, client: &ClientId) -> (Option<ShardState>, Vec<serde_json::Value>) {
+    async fn view(&self, client: &ClientId) -> Result<ShardView, StoreError> {
         let shards = self.shards.lock();
         match shards.get(client) {
             Some(s) => {
@@ -72,9 +75,12 @@ impl EmbeddedStore {
                     .filter_map(|r| Region::parse(r).ok())
                     .collect();
                 regions.sort();
-                (Some(s.state(&regions)), s.history.iter().cloned().collect())
+                Ok(ShardView {
+                    state: Some(s.state(&regions)),
+                    history: s.history.iter().cloned().collect(),
+                })
             }
-            None => (None, vec![]),
+            None => Ok(ShardView::default()),
         }
     }
 }

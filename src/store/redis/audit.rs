@@ -1,13 +1,16 @@
 //! The audit log: a capped stream beside the catalog, read newest first. Catalog writes
 //! append to it in their script; this appends what happens outside the catalog.
 
+use async_trait::async_trait;
+
 use super::backend::{retrying, FeedEntry, RedisStore};
 use crate::store::records::AuditEntry;
-use crate::store::StoreError;
+use crate::store::{AuditLog, StoreError};
 
-impl RedisStore {
+#[async_trait]
+impl AuditLog for RedisStore {
     /// The newest `limit` audit entries, newest first.
-    pub async fn audit(&self, limit: usize) -> Result<Vec<AuditEntry>, StoreError> {
+    async fn recent(&self, limit: usize) -> Result<Vec<AuditEntry>, StoreError> {
         retrying!(self, |c| async {
             let entries: Vec<FeedEntry> = redis::cmd("XREVRANGE")
                 .arg(self.keys.catalog("audit"))
@@ -45,7 +48,7 @@ impl RedisStore {
     }
 
     /// Appends an audit entry for a change outside the catalog (a bucket refill).
-    pub async fn record_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
+    async fn record(&self, entry: AuditEntry) -> Result<(), StoreError> {
         let mut c = self.conn().await?;
         let _: String = redis::cmd("XADD")
             .arg(self.keys.catalog("audit"))

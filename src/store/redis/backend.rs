@@ -16,7 +16,7 @@ use super::gather::Gatherer;
 use super::pool::{tcp_settings, Dialer, PerThread, RedisManager};
 use crate::configuration::redact_url;
 use crate::store::keys::{StateGroups, CLUSTER_STATE_GROUPS};
-use crate::store::{Every, Keys, StoreError};
+use crate::store::{Every, Keys, SlotRange, StoreError};
 
 /// One stream entry (the change feed, the audit log): its id and fields.
 pub(super) type FeedEntry = (String, Vec<(String, String)>);
@@ -85,7 +85,7 @@ impl ClusterBackend {
 
     /// A fresh cluster connection (seed nodes, slot map, node connections), within the
     /// control timeout. It replaces the shared one when `check` passes on it.
-    async fn renew<F, Fut>(&self, check: F) -> Result<(), StoreError>
+    pub(super) async fn renew<F, Fut>(&self, check: F) -> Result<(), StoreError>
     where
         F: FnOnce(ClusterConnection) -> Fut,
         Fut: std::future::Future<Output = Result<(), StoreError>>,
@@ -193,7 +193,7 @@ pub struct RedisStore {
     pub(super) catalog_write: Script,
     pub(super) catalog_restore: Script,
     pub(super) reconcile: Script,
-    url: String,
+    pub(super) url: String,
     /// Bounds every call off the request path (`redis.control_timeout_ms`).
     pub(super) control_timeout: Duration,
     pub(super) coalescer: Coalescer,
@@ -298,34 +298,6 @@ impl RedisStore {
         Ok(RedisStore::new(backend, keys, url, control_timeout))
     }
 
-    pub fn describe(&self) -> String {
-        format!("redis {}", self.url)
-    }
-
-    pub fn is_cluster(&self) -> bool {
-        matches!(self.backend, Backend::Cluster(_))
-    }
-
-    /// Connections open and idle, for the pool saturation metrics (one server only).
-    pub fn pool_state(&self) -> Option<(u32, u32)> {
-        match &self.backend {
-            Backend::Single { pool, .. } => {
-                let s = pool.state();
-                Some((s.connections, s.idle_connections))
-            }
-            Backend::Cluster(_) => None,
-        }
-    }
-
-    /// Which node serves which slots: (first slot, last slot, "host:port") per range.
-    pub async fn cluster_slots(&self) -> Result<Vec<(u16, u16, String)>, StoreError> {
-        let ranges: Vec<Value> = retrying!(self, |c| async {
-            Ok(redis::cmd("CLUSTER").arg("SLOTS").query_async(c).await?)
-        }
-        .await)?;
-        parse_slots(ranges)
-    }
-
     pub(super) async fn conn(&self) -> Result<Conn<'_>, StoreError> {
         match &self.backend {
             Backend::Single { pool, dialer, .. } => {
@@ -350,53 +322,6 @@ impl RedisStore {
         }
     }
 
-    /// `SCRIPT LOAD`s both scripts, so the first requests already hit `EVALSHA`.
-    pub async fn load_scripts(&self) -> Result<(), StoreError> {
-        retrying!(self, |c| async {
-            self.bucket.load_async(c).await?;
-            self.catalog_write.load_async(c).await?;
-            Ok(())
-        }
-        .await)
-    }
-
-    /// Keeps this worker thread's request-path connection open, from before the first
-    /// request until the thread ends (one server; a cluster connection keeps itself).
-    pub async fn keep_connected(&self) {
-        if let Backend::Single { per_thread, .. } = &self.backend {
-            per_thread.keep().await;
-        }
-    }
-
-    /// Whether Redis answers a round trip within `budget` on a *fresh* connection (the
-    /// breaker's probe; `key`: a key on the node the breaker guards, in a cluster). When
-    /// it does, the connections opened before are retired: the breaker opened because
-    /// they failed, and a fresh one works, so they may be dead (a partition, a failover
-    /// behind the name) even though Redis is not.
-    pub async fn probe(&self, key: Option<&str>, budget: Duration) -> Result<(), StoreError> {
-        match &self.backend {
-            Backend::Single { dialer, .. } => {
-                dialer.answers_fresh(budget).await?;
-                dialer.retire_all();
-                Ok(())
-            }
-            Backend::Cluster(cluster) => {
-                let check = async |mut c: ClusterConnection| {
-                    let mut cmd = redis::cmd("EXISTS");
-                    cmd.arg(key.unwrap_or("tollgate:probe"));
-                    tokio::time::timeout(budget, cmd.query_async::<i64>(&mut c))
-                        .await
-                        .map_err(|_| StoreError::Pool("probe timed out".into()))??;
-                    Ok(())
-                };
-                if check(cluster.conn()).await.is_ok() {
-                    return Ok(());
-                }
-                cluster.renew(check).await
-            }
-        }
-    }
-
     /// After a control-plane call timed out: a cluster gets a fresh connection (a single
     /// server's connections were already retired by the one that timed out).
     pub(super) async fn after_timeout(&self) {
@@ -405,17 +330,6 @@ impl RedisStore {
                 tracing::debug!(error = %e, "cluster reconnection after a timeout failed");
             }
         }
-    }
-
-    /// A round trip on a pooled connection (readiness). Dead connections are dropped at
-    /// checkout, and one found dead on the way is retried on a fresh one, so the answer is
-    /// about Redis, not about a stale socket.
-    pub async fn ping(&self) -> Result<(), StoreError> {
-        retrying!(self, |c| async {
-            redis::cmd("PING").query_async::<String>(c).await?;
-            Ok(())
-        }
-        .await)
     }
 }
 
@@ -442,8 +356,8 @@ pub(super) async fn scan_hash(
     }
 }
 
-/// `CLUSTER SLOTS` as (first slot, last slot, "host:port") per range.
-fn parse_slots(ranges: Vec<Value>) -> Result<Vec<(u16, u16, String)>, StoreError> {
+/// `CLUSTER SLOTS` as slot ranges and the node serving each.
+pub(super) fn parse_slots(ranges: Vec<Value>) -> Result<Vec<SlotRange>, StoreError> {
     let mut out = Vec::new();
     for r in ranges {
         let Value::Array(parts) = r else { continue };
@@ -463,7 +377,11 @@ fn parse_slots(ranges: Vec<Value>) -> Result<Vec<(u16, u16, String)>, StoreError
             .first()
             .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
             .unwrap_or_default();
-        out.push((start as u16, end as u16, format!("{host}:{port}")));
+        out.push(SlotRange {
+            first: start as u16,
+            last: end as u16,
+            node: format!("{host}:{port}"),
+        });
     }
     Ok(out)
 }
@@ -475,13 +393,13 @@ async fn read_masters(mut conn: ClusterConnection) -> Result<Vec<u16>, StoreErro
         .query_async(&mut conn)
         .await?;
     let ranges = parse_slots(ranges)?;
-    let mut addrs: Vec<&str> = ranges.iter().map(|(_, _, a)| a.as_str()).collect();
+    let mut addrs: Vec<&str> = ranges.iter().map(|r| r.node.as_str()).collect();
     addrs.sort_unstable();
     addrs.dedup();
     let mut masters = vec![u16::MAX; 16_384];
-    for (start, end, addr) in &ranges {
-        let m = addrs.binary_search(&addr.as_str()).unwrap_or(0) as u16;
-        for slot in *start..=(*end).min(16_383) {
+    for r in &ranges {
+        let m = addrs.binary_search(&r.node.as_str()).unwrap_or(0) as u16;
+        for slot in r.first..=r.last.min(16_383) {
             masters[usize::from(slot)] = m;
         }
     }

@@ -2,8 +2,11 @@
 //! path's part of the Redis store, one `EVALSHA` per decision (or per batch of queued
 //! decisions), whatever the number of limits.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use async_trait::async_trait;
+use futures_util::future::BoxFuture;
 use redis::AsyncCommands;
 
 use super::backend::{retrying, Backend, RedisStore};
@@ -12,15 +15,16 @@ use super::gather::{one_bucket, Conn, Entry, Group, Op};
 use crate::domain::limits::{spend_takes, take_many, Level};
 use crate::domain::{bucket, Applied, AppliedKind, Bucket, BucketState, Ruling};
 use crate::store::keys::{key_slot, state_field};
-use crate::store::{Budget, StoreError};
+use crate::store::{BucketCalls, Buckets, Budget, StoreError};
 
-impl RedisStore {
+#[async_trait(?Send)]
+impl Buckets for RedisStore {
     /// Takes `cost` from every limit in `applied` at `key`, or from none; a call Redis
     /// does not answer within `budget.store` answers [`StoreError::Deadline`]. Takes for
     /// the same limits that arrive on this worker while a call for them is in flight go
     /// to Redis together, in time for their `due` (see `coalesce`); each still gets the
     /// answer one-by-one calls would have given it.
-    pub async fn take(
+    async fn take(
         &self,
         key: &str,
         applied: &[Applied],
@@ -38,36 +42,22 @@ impl RedisStore {
             .await
     }
 
-    /// Script calls sent for takes, and the takes they decided, since start.
-    pub fn bucket_calls(&self) -> (u64, u64) {
-        self.takes.counts()
+    fn calls(&self) -> Option<BucketCalls> {
+        let (calls, takes) = self.takes.counts();
+        Some(BucketCalls { calls, takes })
     }
 
-    /// One `EVALSHA` deciding `batch.n` takes, in order. Several may be in flight for one
-    /// key: they go out on this worker's one connection, which Redis serves in order, and
-    /// each reply carries the levels at its own start.
-    async fn take_batch(
-        &self,
-        key: &str,
-        batch: Batch<'_>,
-        budget: Option<Duration>,
-    ) -> Result<Vec<Ruling>, StoreError> {
-        let (mut levels, now_us, takes, skip) = self
-            .call(key, Op::Take, batch.applied, batch.cost, batch.n, budget)
-            .await?;
-        // The script did the same arithmetic from the same levels, for the takes of this
-        // client that joined the entry before these (`skip`), then these.
-        spend_takes(batch.applied, &mut levels, batch.cost, skip);
-        let mut rulings = take_many(batch.applied, levels, batch.cost, batch.n, now_us);
-        for r in &mut rulings {
-            r.batch = u32::try_from(takes).unwrap_or(u32::MAX);
+    /// Keeps this worker thread's request-path connection open, from before the first
+    /// request until the thread ends (one server; a cluster connection keeps itself).
+    async fn keep_connected(&self) {
+        if let Backend::Single { per_thread, .. } = &self.backend {
+            per_thread.keep().await;
         }
-        Ok(rulings)
     }
 
     /// Debits `delta` from every limit in `applied` (a refund when negative), whatever the
     /// balance; returns the levels after it.
-    pub async fn adjust(
+    async fn adjust(
         &self,
         key: &str,
         applied: &[Applied],
@@ -90,7 +80,7 @@ impl RedisStore {
 
     /// Every limit's level now, on Redis' clock; writes nothing. Within the control
     /// timeout: past it, [`StoreError::Deadline`].
-    pub async fn peek(&self, key: &str, applied: &[Applied]) -> Result<Ruling, StoreError> {
+    async fn peek(&self, key: &str, applied: &[Applied]) -> Result<Ruling, StoreError> {
         let (levels, now_us, _, _) = tokio::time::timeout(
             self.control_timeout,
             self.call(key, Op::Peek, applied, 0.0, 0, None),
@@ -105,6 +95,53 @@ impl RedisStore {
             now_us,
             batch: 0,
         })
+    }
+
+    /// Deletes the state of the buckets under `buckets` (field prefixes) at `key`.
+    async fn refill(&self, key: &str, buckets: &[Arc<str>]) -> Result<(), StoreError> {
+        if buckets.is_empty() {
+            return Ok(());
+        }
+        let (g, tag) = self.groups.locate(key);
+        let fields: Vec<String> = buckets.iter().map(|f| state_field(tag, f)).collect();
+        retrying!(self, |c| async {
+            let _: i64 = c.hdel(self.groups.key(g), &fields).await?;
+            Ok(())
+        }
+        .await)
+    }
+
+    fn tokens_now<'a>(
+        &'a self,
+        key: &'a str,
+        field: &'a str,
+        plan: Bucket,
+    ) -> BoxFuture<'a, Result<Option<f64>, StoreError>> {
+        Box::pin(self.bucket_tokens(key, field, plan))
+    }
+}
+
+impl RedisStore {
+    /// One `EVALSHA` deciding `batch.n` takes, in order. Several may be in flight for one
+    /// key: they go out on this worker's one connection, which Redis serves in order, and
+    /// each reply carries the levels at its own start.
+    async fn take_batch(
+        &self,
+        key: &str,
+        batch: Batch<'_>,
+        budget: Option<Duration>,
+    ) -> Result<Vec<Ruling>, StoreError> {
+        let (mut levels, now_us, takes, skip) = self
+            .call(key, Op::Take, batch.applied, batch.cost, batch.n, budget)
+            .await?;
+        // The script did the same arithmetic from the same levels, for the takes of this
+        // client that joined the entry before these (`skip`), then these.
+        spend_takes(batch.applied, &mut levels, batch.cost, skip);
+        let mut rulings = take_many(batch.applied, levels, batch.cost, batch.n, now_us);
+        for r in &mut rulings {
+            r.batch = u32::try_from(takes).unwrap_or(u32::MAX);
+        }
+        Ok(rulings)
     }
 
     /// One entry of a script call: (each limit's level before the op, Redis' clock, the
@@ -164,27 +201,9 @@ impl RedisStore {
         Ok((levels, answer.now_us, answer.takes, answer.skip))
     }
 
-    /// Deletes the state of the buckets under `buckets` (field prefixes) at `key`.
-    pub async fn refill(
-        &self,
-        key: &str,
-        buckets: &[std::sync::Arc<str>],
-    ) -> Result<(), StoreError> {
-        if buckets.is_empty() {
-            return Ok(());
-        }
-        let (g, tag) = self.groups.locate(key);
-        let fields: Vec<String> = buckets.iter().map(|f| state_field(tag, f)).collect();
-        retrying!(self, |c| async {
-            let _: i64 = c.hdel(self.groups.key(g), &fields).await?;
-            Ok(())
-        }
-        .await)
-    }
-
     /// The tokens now (refilled on Redis' clock) of the bucket whose state is under
     /// `field`, or `None` if it has none (a missing bucket is full).
-    pub async fn tokens_now(
+    pub(super) async fn bucket_tokens(
         &self,
         key: &str,
         field: &str,
@@ -254,6 +273,7 @@ mod tests {
 
     use crate::store::redis::coalesce::Batch;
     use crate::store::redis::gather::tests::{bucket_of_five, store_at, tokens_in};
+    use crate::store::Buckets;
 
     /// A worker so busy that every take of a hot client leads a call of its own (see
     /// `coalesce`): the takes it makes in one turn still cost Redis one entry of one call,
@@ -267,7 +287,7 @@ mod tests {
         local
             .run_until(async {
                 store.peek("tollgate:b:{w}", &applied).await.unwrap();
-                let calls_before = store.bucket_calls().0;
+                let calls_before = store.calls().unwrap_or_default().calls;
 
                 // Act: eight takes of one request each, in one turn, none queued behind
                 // another's call.
@@ -294,7 +314,7 @@ mod tests {
 
                 // Assert: one call; the first five in arrival order took the five tokens,
                 // the last three were refused, and the bucket is empty.
-                assert_eq!(store.bucket_calls().0 - calls_before, 1);
+                assert_eq!(store.calls().unwrap_or_default().calls - calls_before, 1);
                 assert_eq!(
                     verdicts,
                     [true, true, true, true, true, false, false, false]

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeSet;
 
+use async_trait::async_trait;
 use redis::{AsyncCommands, Value};
 
 use super::backend::{retrying, scan_hash, Conn, FeedEntry, RedisStore};
@@ -12,16 +13,210 @@ use crate::store::records::{
     Audit, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, ClientsPage, Condition,
     PlanRecord, SafetyRecord, Versioned, WriteOutcome, SAFETY,
 };
-use crate::store::StoreError;
+use crate::store::{CatalogAt, CatalogRecords, StoreError};
 
 /// How many change-feed entries one poll reads.
 const FEED_PAGE: usize = 1000;
 
-impl RedisStore {
-    pub async fn catalog_dump(&self) -> Result<CatalogDump, StoreError> {
+#[async_trait]
+impl CatalogRecords for RedisStore {
+    async fn dump(&self) -> Result<CatalogDump, StoreError> {
         retrying!(self, |c| self.catalog_dump_on(c).await)
     }
 
+    async fn changes(&self, since: u64, epoch: Option<&str>) -> Result<CatalogChanges, StoreError> {
+        match retrying!(self, |c| self.catalog_changes_on(c, since, epoch).await)? {
+            Some(changes) => Ok(changes),
+            None => Ok(CatalogChanges::Reload(self.dump().await?)),
+        }
+    }
+
+    async fn write(&self, write: &CatalogWrite, audit: &Audit) -> Result<WriteOutcome, StoreError> {
+        let mut inv = self.catalog_write.prepare_invoke();
+        for part in [
+            "plans", "clients", "keys", "users", "version", "changes", "settings", "index", "audit",
+        ] {
+            inv.key(self.keys.catalog(part));
+        }
+        // This write's own id: a resend of a write that Redis already ran (its reply lost
+        // with the connection) answers the first run's reply and changes nothing.
+        inv.key(
+            self.keys
+                .catalog(&format!("write:{}", uuid::Uuid::new_v4().simple())),
+        )
+        .key(self.keys.catalog("epoch"));
+        let (op, plan, hashes) = match write {
+            CatalogWrite::PutClient(c, _) => (
+                "put",
+                c.plan.to_string(),
+                c.keys.iter().map(|k| k.hash.to_string()).collect(),
+            ),
+            CatalogWrite::PutPlan(..) | CatalogWrite::PutSafety(..) => {
+                ("put", String::new(), vec![])
+            }
+            CatalogWrite::DeletePlan(..) | CatalogWrite::DeleteClient(..) => {
+                ("delete", String::new(), vec![])
+            }
+        };
+        let cond = match write.condition() {
+            Condition::Any => "any".to_string(),
+            Condition::Absent => "absent".to_string(),
+            Condition::Rev(r) => r.to_string(),
+        };
+        inv.arg(write.kind())
+            .arg(op)
+            .arg(write.id())
+            .arg(cond)
+            .arg(write.json().unwrap_or_default())
+            .arg(plan)
+            .arg(&audit.actor)
+            .arg(&audit.action)
+            .arg(if audit.names_catalog {
+                uuid::Uuid::new_v4().simple().to_string()
+            } else {
+                String::new()
+            })
+            .arg(hashes);
+        let (status, rev, detail): (String, u64, Value) =
+            retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
+        Ok(match status.as_str() {
+            "ok" => WriteOutcome::Written {
+                rev,
+                before: redis::from_redis_value::<Option<String>>(detail).unwrap_or(None),
+            },
+            "exists" => WriteOutcome::Exists,
+            "stale" => WriteOutcome::Stale { current: rev },
+            "missing" => WriteOutcome::Missing,
+            "unknown_plan" => WriteOutcome::UnknownPlan,
+            "plan_in_use" => WriteOutcome::PlanInUse,
+            "key_conflict" => WriteOutcome::KeyConflict,
+            other => return Err(StoreError::Protocol(format!("catalog write: {other}"))),
+        })
+    }
+
+    /// Puts `mirror` in place of the store's catalog if the store is still at `seen`
+    /// (`lua/catalog_restore.lua`). Retried on a fresh connection like any write: a resend
+    /// after a lost reply finds the store moved (to the mirror) and writes nothing.
+    async fn restore(&self, seen: CatalogAt<'_>, mirror: &CatalogDump) -> Result<bool, StoreError> {
+        let record = |kind: &str, id: &str, rev: u64, json: Option<String>| {
+            json.map(|json| serde_json::json!({"kind": kind, "id": id, "rev": rev, "json": json}))
+        };
+        let mut records = Vec::new();
+        for p in &mirror.plans {
+            records.extend(record(
+                "plan",
+                p.value.name.as_str(),
+                p.rev,
+                serde_json::to_string(&p.value).ok(),
+            ));
+        }
+        for c in &mirror.clients {
+            if let Some(mut r) = record(
+                "client",
+                c.value.id.as_str(),
+                c.rev,
+                serde_json::to_string(&c.value).ok(),
+            ) {
+                r["plan"] = c.value.plan.as_str().into();
+                r["hashes"] = c
+                    .value
+                    .keys
+                    .iter()
+                    .map(|k| serde_json::Value::from(k.hash.to_string()))
+                    .collect();
+                records.push(r);
+            }
+        }
+        if let Some(s) = &mirror.safety {
+            records.extend(record(
+                "setting",
+                SAFETY,
+                s.rev,
+                serde_json::to_string(&s.value).ok(),
+            ));
+        }
+        let mut inv = self.catalog_restore.prepare_invoke();
+        for part in [
+            "plans", "clients", "keys", "users", "version", "changes", "settings", "index",
+            "audit", "epoch",
+        ] {
+            inv.key(self.keys.catalog(part));
+        }
+        inv.arg(seen.epoch.unwrap_or(""))
+            .arg(seen.version)
+            .arg(mirror.epoch.as_deref().unwrap_or(""))
+            .arg(mirror.version)
+            .arg(serde_json::Value::Array(records).to_string());
+        let status: String = retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
+        Ok(status == "restored")
+    }
+
+    async fn plan(&self, name: &str) -> Result<Option<Versioned<PlanRecord>>, StoreError> {
+        self.entity("plans", name).await
+    }
+
+    async fn client(&self, id: &str) -> Result<Option<Versioned<ClientRecord>>, StoreError> {
+        self.entity("clients", id).await
+    }
+
+    async fn safety(&self) -> Result<Option<Versioned<SafetyRecord>>, StoreError> {
+        self.entity("settings", SAFETY).await
+    }
+
+    async fn plans(&self) -> Result<Vec<Versioned<PlanRecord>>, StoreError> {
+        let mut out: Vec<Versioned<PlanRecord>> = retrying!(self, |c| async {
+            scan_hash(c, &self.keys.catalog("plans")).await
+        }
+        .await)?
+        .into_iter()
+        .filter_map(|(_, raw)| parse_entity(&raw))
+        .collect();
+        out.sort_by(|a, b| a.value.name.cmp(&b.value.name));
+        Ok(out)
+    }
+
+    /// Up to `limit` clients in id order, after the id `after`.
+    async fn clients_page(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<ClientsPage, StoreError> {
+        retrying!(self, |c| async {
+            let start = after.map_or_else(|| "-".to_string(), |a| format!("({a}"));
+            let ids: Vec<String> = redis::cmd("ZRANGE")
+                .arg(self.keys.catalog("index"))
+                .arg(start)
+                .arg("+")
+                .arg("BYLEX")
+                .arg("LIMIT")
+                .arg(0)
+                .arg(limit)
+                .query_async(c)
+                .await?;
+            if ids.is_empty() {
+                return Ok(ClientsPage::default());
+            }
+            let raws: Vec<Option<String>> = redis::cmd("HMGET")
+                .arg(self.keys.catalog("clients"))
+                .arg(&ids)
+                .query_async(c)
+                .await?;
+            // The cursor is the last id the index gave, whether or not its client was
+            // deleted between the two reads: a page thinned by deletes is not the last.
+            Ok(ClientsPage {
+                next: (ids.len() == limit).then(|| ids[ids.len() - 1].clone()),
+                items: raws
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|r| parse_entity(&r))
+                    .collect(),
+            })
+        }
+        .await)
+    }
+}
+
+impl RedisStore {
     async fn catalog_dump_on(&self, c: &mut Conn<'_>) -> Result<CatalogDump, StoreError> {
         // The version first: anything written during the scan is in the feed after it.
         let (version, epoch): (Option<u64>, Option<String>) = redis::pipe()
@@ -49,17 +244,6 @@ impl RedisStore {
         let safety: Option<String> = c.hget(self.keys.catalog("settings"), SAFETY).await?;
         dump.safety = safety.and_then(|r| parse_entity(&r));
         Ok(dump)
-    }
-
-    pub async fn catalog_changes(
-        &self,
-        since: u64,
-        epoch: Option<&str>,
-    ) -> Result<CatalogChanges, StoreError> {
-        match retrying!(self, |c| self.catalog_changes_on(c, since, epoch).await)? {
-            Some(changes) => Ok(changes),
-            None => Ok(CatalogChanges::Reload(self.catalog_dump().await?)),
-        }
     }
 
     /// What changed after `since`; `None` when the feed cannot say (reload everything).
@@ -164,146 +348,6 @@ impl RedisStore {
         }))
     }
 
-    pub async fn catalog_write(
-        &self,
-        write: &CatalogWrite,
-        audit: &Audit,
-    ) -> Result<WriteOutcome, StoreError> {
-        let mut inv = self.catalog_write.prepare_invoke();
-        for part in [
-            "plans", "clients", "keys", "users", "version", "changes", "settings", "index", "audit",
-        ] {
-            inv.key(self.keys.catalog(part));
-        }
-        // This write's own id: a resend of a write that Redis already ran (its reply lost
-        // with the connection) answers the first run's reply and changes nothing.
-        inv.key(
-            self.keys
-                .catalog(&format!("write:{}", uuid::Uuid::new_v4().simple())),
-        )
-        .key(self.keys.catalog("epoch"));
-        let (op, plan, hashes) = match write {
-            CatalogWrite::PutClient(c, _) => (
-                "put",
-                c.plan.to_string(),
-                c.keys.iter().map(|k| k.hash.to_string()).collect(),
-            ),
-            CatalogWrite::PutPlan(..) | CatalogWrite::PutSafety(..) => {
-                ("put", String::new(), vec![])
-            }
-            CatalogWrite::DeletePlan(..) | CatalogWrite::DeleteClient(..) => {
-                ("delete", String::new(), vec![])
-            }
-        };
-        let cond = match write.condition() {
-            Condition::Any => "any".to_string(),
-            Condition::Absent => "absent".to_string(),
-            Condition::Rev(r) => r.to_string(),
-        };
-        inv.arg(write.kind())
-            .arg(op)
-            .arg(write.id())
-            .arg(cond)
-            .arg(write.json().unwrap_or_default())
-            .arg(plan)
-            .arg(&audit.actor)
-            .arg(&audit.action)
-            .arg(if audit.names_catalog {
-                uuid::Uuid::new_v4().simple().to_string()
-            } else {
-                String::new()
-            })
-            .arg(hashes);
-        let (status, rev, detail): (String, u64, Value) =
-            retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
-        Ok(match status.as_str() {
-            "ok" => WriteOutcome::Written {
-                rev,
-                before: redis::from_redis_value::<Option<String>>(detail).unwrap_or(None),
-            },
-            "exists" => WriteOutcome::Exists,
-            "stale" => WriteOutcome::Stale { current: rev },
-            "missing" => WriteOutcome::Missing,
-            "unknown_plan" => WriteOutcome::UnknownPlan,
-            "plan_in_use" => WriteOutcome::PlanInUse,
-            "key_conflict" => WriteOutcome::KeyConflict,
-            other => return Err(StoreError::Protocol(format!("catalog write: {other}"))),
-        })
-    }
-
-    /// Puts `mirror` in place of the store's catalog if the store is still at `seen`
-    /// (`lua/catalog_restore.lua`). Retried on a fresh connection like any write: a resend
-    /// after a lost reply finds the store moved (to the mirror) and writes nothing.
-    pub async fn catalog_restore(
-        &self,
-        seen: (Option<&str>, u64),
-        mirror: &CatalogDump,
-    ) -> Result<bool, StoreError> {
-        let record = |kind: &str, id: &str, rev: u64, json: Option<String>| {
-            json.map(|json| serde_json::json!({"kind": kind, "id": id, "rev": rev, "json": json}))
-        };
-        let mut records = Vec::new();
-        for p in &mirror.plans {
-            records.extend(record(
-                "plan",
-                p.value.name.as_str(),
-                p.rev,
-                serde_json::to_string(&p.value).ok(),
-            ));
-        }
-        for c in &mirror.clients {
-            if let Some(mut r) = record(
-                "client",
-                c.value.id.as_str(),
-                c.rev,
-                serde_json::to_string(&c.value).ok(),
-            ) {
-                r["plan"] = c.value.plan.as_str().into();
-                r["hashes"] = c
-                    .value
-                    .keys
-                    .iter()
-                    .map(|k| serde_json::Value::from(k.hash.to_string()))
-                    .collect();
-                records.push(r);
-            }
-        }
-        if let Some(s) = &mirror.safety {
-            records.extend(record(
-                "setting",
-                SAFETY,
-                s.rev,
-                serde_json::to_string(&s.value).ok(),
-            ));
-        }
-        let mut inv = self.catalog_restore.prepare_invoke();
-        for part in [
-            "plans", "clients", "keys", "users", "version", "changes", "settings", "index",
-            "audit", "epoch",
-        ] {
-            inv.key(self.keys.catalog(part));
-        }
-        inv.arg(seen.0.unwrap_or(""))
-            .arg(seen.1)
-            .arg(mirror.epoch.as_deref().unwrap_or(""))
-            .arg(mirror.version)
-            .arg(serde_json::Value::Array(records).to_string());
-        let status: String = retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
-        Ok(status == "restored")
-    }
-
-    pub async fn plan(&self, name: &str) -> Result<Option<Versioned<PlanRecord>>, StoreError> {
-        self.entity("plans", name).await
-    }
-
-    pub async fn client(&self, id: &str) -> Result<Option<Versioned<ClientRecord>>, StoreError> {
-        self.entity("clients", id).await
-    }
-
-    pub async fn safety(&self) -> Result<Option<Versioned<SafetyRecord>>, StoreError> {
-        self.entity("settings", SAFETY).await
-    }
-
     async fn entity<T: serde::de::DeserializeOwned>(
         &self,
         hash: &str,
@@ -314,58 +358,6 @@ impl RedisStore {
         }
         .await)?;
         Ok(raw.and_then(|r| parse_entity(&r)))
-    }
-
-    pub async fn plans(&self) -> Result<Vec<Versioned<PlanRecord>>, StoreError> {
-        let mut out: Vec<Versioned<PlanRecord>> = retrying!(self, |c| async {
-            scan_hash(c, &self.keys.catalog("plans")).await
-        }
-        .await)?
-        .into_iter()
-        .filter_map(|(_, raw)| parse_entity(&raw))
-        .collect();
-        out.sort_by(|a, b| a.value.name.cmp(&b.value.name));
-        Ok(out)
-    }
-
-    /// Up to `limit` clients in id order, after the id `after`.
-    pub async fn clients_page(
-        &self,
-        after: Option<&str>,
-        limit: usize,
-    ) -> Result<ClientsPage, StoreError> {
-        retrying!(self, |c| async {
-            let start = after.map_or_else(|| "-".to_string(), |a| format!("({a}"));
-            let ids: Vec<String> = redis::cmd("ZRANGE")
-                .arg(self.keys.catalog("index"))
-                .arg(start)
-                .arg("+")
-                .arg("BYLEX")
-                .arg("LIMIT")
-                .arg(0)
-                .arg(limit)
-                .query_async(c)
-                .await?;
-            if ids.is_empty() {
-                return Ok(ClientsPage::default());
-            }
-            let raws: Vec<Option<String>> = redis::cmd("HMGET")
-                .arg(self.keys.catalog("clients"))
-                .arg(&ids)
-                .query_async(c)
-                .await?;
-            // The cursor is the last id the index gave, whether or not its client was
-            // deleted between the two reads: a page thinned by deletes is not the last.
-            Ok(ClientsPage {
-                next: (ids.len() == limit).then(|| ids[ids.len() - 1].clone()),
-                items: raws
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|r| parse_entity(&r))
-                    .collect(),
-            })
-        }
-        .await)
     }
 }
 

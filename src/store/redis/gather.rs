@@ -770,7 +770,7 @@ pub(super) mod tests {
     use crate::domain::limits::{Level, Limit, Limits};
     use crate::domain::Bucket;
     use crate::store::redis::RedisStore;
-    use crate::store::{Budget, Keys, StoreError};
+    use crate::store::{Buckets, Budget, Keys, StoreError};
 
     use super::ABANDON_CHECK;
 
@@ -920,7 +920,7 @@ pub(super) mod tests {
         local
             .run_until(async {
                 store.peek("tollgate:b:{w}", &applied).await.unwrap();
-                let calls_before = store.bucket_calls().0;
+                let calls_before = store.calls().unwrap_or_default().calls;
 
                 // Act: in one turn, a take of 1 and a take of 2 (apart in the coalescer,
                 // which keeps takes of different costs apart).
@@ -939,7 +939,7 @@ pub(super) mod tests {
 
                 // Assert: two calls, and the bucket holds 5 - 1 - 2: the second saw the
                 // first's write (in one call, both would have read 5).
-                assert_eq!(store.bucket_calls().0 - calls_before, 2);
+                assert_eq!(store.calls().unwrap_or_default().calls - calls_before, 2);
                 let tokens = tokens_in(&store, "tollgate:b:{c}", &applied).await;
                 assert!((tokens - 2.0).abs() < 0.01, "{tokens}");
             })
@@ -959,7 +959,7 @@ pub(super) mod tests {
                     .await
                     .unwrap();
                 proxy.delay(Duration::from_millis(30));
-                let calls_before = store.bucket_calls().0;
+                let calls_before = store.calls().unwrap_or_default().calls;
 
                 // Act: ten clients' takes in one turn (one call); the even ones' requests
                 // give up while it is on its way.
@@ -984,7 +984,7 @@ pub(super) mod tests {
                     assert!(ruling.allowed);
                 }
                 assert_eq!(
-                    store.bucket_calls().0 - calls_before,
+                    store.calls().unwrap_or_default().calls - calls_before,
                     1,
                     "one call for all ten"
                 );

@@ -2,10 +2,10 @@
 //! a change feed that gateways poll instead of reloading the catalog.
 //!
 //! `backend.rs` holds [`RedisStore`] and how it reaches Redis (`pool.rs`: connections to
-//! one server, `pipe.rs`: the request path's); each concern adds its own
-//! `impl RedisStore` block: `buckets.rs` (takes, through `coalesce.rs`), `catalog.rs`,
-//! `audit.rs`, `shadow.rs`, `shards.rs` and `persistence.rs` (what Redis keeps across its
-//! restart).
+//! one server, `pipe.rs`: the request path's); each of the store's ports is implemented
+//! in a file of its own: `buckets.rs` (takes, through `coalesce.rs`), `catalog.rs`,
+//! `audit.rs`, `shadow.rs`, `shards.rs` and `lifecycle.rs` (with `persistence.rs`: what
+//! Redis keeps across its restart).
 
 mod audit;
 mod backend;
@@ -13,6 +13,7 @@ mod buckets;
 mod catalog;
 mod coalesce;
 mod gather;
+mod lifecycle;
 mod persistence;
 mod pipe;
 mod pool;
@@ -22,4 +23,3 @@ mod shadow;
 mod shards;
 
 pub(super) use self::backend::RedisStore;
-pub use self::persistence::Persistence;

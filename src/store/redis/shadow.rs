@@ -1,17 +1,20 @@
 //! Shadow-mode comparison counts: one hash per count, summed over every gateway.
 
-use super::backend::{retrying, scan_hash, RedisStore};
-use crate::store::StoreError;
+use async_trait::async_trait;
 
-impl RedisStore {
+use super::backend::{retrying, scan_hash, RedisStore};
+use crate::store::{ShadowCount, ShadowCounts, StoreError};
+
+#[async_trait]
+impl ShadowCounts for RedisStore {
     /// Adds shadow-mode comparison counts (compared, disagreed) per client.
-    pub async fn shadow_add(&self, counts: &[(String, u64, u64)]) -> Result<(), StoreError> {
+    async fn add(&self, counts: &[ShadowCount]) -> Result<(), StoreError> {
         let mut pipe = redis::pipe();
-        for (client, compared, disagreed) in counts {
-            pipe.hincr(self.keys.shadow("compared"), client, *compared)
+        for c in counts {
+            pipe.hincr(self.keys.shadow("compared"), &c.client, c.compared)
                 .ignore();
-            if *disagreed > 0 {
-                pipe.hincr(self.keys.shadow("disagreed"), client, *disagreed)
+            if c.disagreed > 0 {
+                pipe.hincr(self.keys.shadow("disagreed"), &c.client, c.disagreed)
                     .ignore();
             }
         }
@@ -21,7 +24,7 @@ impl RedisStore {
     }
 
     /// Shadow-mode counts per client, summed over every gateway sharing this store.
-    pub async fn shadow_counts(&self) -> Result<Vec<(String, u64, u64)>, StoreError> {
+    async fn counts(&self) -> Result<Vec<ShadowCount>, StoreError> {
         let (compared, disagreed) = retrying!(self, |c| async {
             Ok((
                 scan_hash(c, &self.keys.shadow("compared")).await?,
@@ -33,16 +36,20 @@ impl RedisStore {
         Ok(compared
             .into_iter()
             .map(|(client, n)| {
-                let d = disagreed
+                let disagreed = disagreed
                     .get(&client)
                     .and_then(|d| d.parse().ok())
                     .unwrap_or(0);
-                (client, n.parse().unwrap_or(0), d)
+                ShadowCount {
+                    compared: n.parse().unwrap_or(0),
+                    client,
+                    disagreed,
+                }
             })
             .collect())
     }
 
-    pub async fn shadow_reset(&self) -> Result<(), StoreError> {
+    async fn reset(&self) -> Result<(), StoreError> {
         retrying!(self, |c| async {
             let _: () = redis::pipe()
                 .del(self.keys.shadow("compared"))

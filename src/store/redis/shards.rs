@@ -1,15 +1,18 @@
 //! Regional reconciliation of sharded clients (`lua/reconcile.lua`), and reading a
 //! client's shares and their history.
 
+use async_trait::async_trait;
+
 use super::backend::{retrying, RedisStore};
 use crate::domain::ClientId;
-use crate::store::{Reconcile, RegionShare, ShardState, StoreError};
+use crate::store::{Reconcile, RegionShare, ShardState, ShardView, Shards, StoreError};
 
-impl RedisStore {
-    pub async fn reconcile(&self, r: &Reconcile<'_>) -> Result<ShardState, StoreError> {
+#[async_trait]
+impl Shards for RedisStore {
+    async fn reconcile(&self, r: &Reconcile<'_>) -> Result<ShardState, StoreError> {
         // Used only when sharding begins: the regional buckets start as full as this.
         let seed = self
-            .tokens_now(r.global_key, r.field, r.plan)
+            .bucket_tokens(r.global_key, r.field, r.plan)
             .await?
             .map_or(1.0, |t| t / r.plan.capacity());
         let mut inv = self.reconcile.prepare_invoke();
@@ -29,10 +32,7 @@ impl RedisStore {
         parse_shard_state(&out).ok_or_else(|| StoreError::Protocol("reconcile reply".into()))
     }
 
-    pub async fn shard_view(
-        &self,
-        client: &ClientId,
-    ) -> Result<(Option<ShardState>, Vec<serde_json::Value>), StoreError> {
+    async fn view(&self, client: &ClientId) -> Result<ShardView, StoreError> {
         let (fields, history): (std::collections::HashMap<String, String>, Vec<String>) =
             retrying!(self, |c| async {
                 Ok(redis::pipe()
@@ -47,7 +47,10 @@ impl RedisStore {
             .filter_map(|h| serde_json::from_str(h).ok())
             .collect();
         if fields.is_empty() {
-            return Ok((None, history));
+            return Ok(ShardView {
+                state: None,
+                history,
+            });
         }
         let num = |k: &str| fields.get(k).and_then(|v| v.parse::<f64>().ok());
         let mut regions: Vec<RegionShare> = fields
@@ -62,15 +65,15 @@ impl RedisStore {
             })
             .collect();
         regions.sort_by(|a, b| a.region.cmp(&b.region));
-        Ok((
-            Some(ShardState {
+        Ok(ShardView {
+            state: Some(ShardState {
                 updated_at_ms: num("ts").unwrap_or(0.0) as u64,
                 since_ms: num("since").unwrap_or(0.0) as u64,
                 seed: num("seed").unwrap_or(1.0),
                 regions,
             }),
             history,
-        ))
+        })
     }
 }
 

@@ -1,0 +1,82 @@
+//! [`Store`]: the ports of one store, opened together. Each field is the port of one
+//! concern; callers take the ones they need and never learn which backend answers.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use secrecy::SecretString;
+
+use super::embedded::EmbeddedStore;
+use super::ports::{AuditLog, Buckets, CatalogRecords, Lifecycle, ShadowCounts, Shards};
+use super::redis::RedisStore;
+use super::{Keys, StoreError};
+
+/// One store's ports; cheap to clone.
+#[derive(Clone)]
+pub struct Store {
+    pub buckets: Arc<dyn Buckets>,
+    pub shards: Arc<dyn Shards>,
+    pub catalog: Arc<dyn CatalogRecords>,
+    pub audit: Arc<dyn AuditLog>,
+    pub shadow: Arc<dyn ShadowCounts>,
+    pub lifecycle: Arc<dyn Lifecycle>,
+}
+
+impl Store {
+    /// The embedded store over the catalog file at `file` (created when missing), which it
+    /// locks: a second process on the same file is refused.
+    pub fn embedded(file: &Path) -> Result<Store, StoreError> {
+        Ok(Store::of(Arc::new(EmbeddedStore::open(file)?)))
+    }
+
+    /// One Redis server at `url`, with a pool of `pool_size` connections for the calls off
+    /// the request path, each bounded by `control_timeout`. Connects lazily: a gateway
+    /// starts (and fails open) while Redis is down.
+    pub fn redis(
+        url: &SecretString,
+        pool_size: u32,
+        control_timeout: Duration,
+        keys: Keys,
+    ) -> Result<Store, StoreError> {
+        Ok(Store::of(Arc::new(RedisStore::connect(
+            url,
+            pool_size,
+            control_timeout,
+            keys,
+        )?)))
+    }
+
+    /// Redis Cluster from its seed `nodes`; connects in the background, like
+    /// [`Store::redis`].
+    pub fn cluster(
+        nodes: &[SecretString],
+        control_timeout: Duration,
+        keys: Keys,
+    ) -> Result<Store, StoreError> {
+        Ok(Store::of(Arc::new(RedisStore::connect_cluster(
+            nodes,
+            control_timeout,
+            keys,
+        )?)))
+    }
+
+    fn of<S>(s: Arc<S>) -> Store
+    where
+        S: Buckets + Shards + CatalogRecords + AuditLog + ShadowCounts + Lifecycle + 'static,
+    {
+        Store {
+            buckets: s.clone(),
+            shards: s.clone(),
+            catalog: s.clone(),
+            audit: s.clone(),
+            shadow: s.clone(),
+            lifecycle: s,
+        }
+    }
+
+    /// Whether both are the same store (clones of one).
+    pub fn same_as(&self, other: &Store) -> bool {
+        Arc::ptr_eq(&self.lifecycle, &other.lifecycle)
+    }
+}

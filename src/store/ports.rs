@@ -1,0 +1,250 @@
+//! The store's ports: one small trait per concern, each implemented by the embedded store
+//! and by Redis. Callers name the port they need (the limiter holds [`Buckets`], the admin
+//! API [`CatalogRecords`] and [`AuditLog`], ...) and never which backend answers.
+//!
+//! | port               | what it keeps                                      | request path |
+//! |--------------------|----------------------------------------------------|--------------|
+//! | [`Buckets`]        | every client's limits: take, adjust, peek, refill   | yes          |
+//! | [`Shards`]         | a hot client's regional shares, reconciled         | no           |
+//! | [`CatalogRecords`] | plans, clients and safety settings, versioned      | no           |
+//! | [`AuditLog`]       | who changed what                                   | no           |
+//! | [`ShadowCounts`]   | shadow mode's comparisons, from every gateway      | no           |
+//! | [`Lifecycle`]      | start-up, health, readiness, what the store is      | no           |
+//!
+//! The request path's port is not `Send`: a take joins the calling worker's batch and
+//! connection (thread-local), so its future stays on that worker. The others are, so
+//! background tasks may run them anywhere.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures_util::future::BoxFuture;
+
+use super::records::{
+    Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, ClientsPage,
+    PlanRecord, SafetyRecord, Versioned, WriteOutcome,
+};
+use super::shards::{Reconcile, ShardState};
+use super::{Budget, Persistence, StoreError};
+use crate::domain::{Applied, Bucket, ClientId, Ruling};
+
+/// Every client's limits, taken from once per request.
+#[async_trait(?Send)]
+pub trait Buckets: Send + Sync {
+    /// Takes `cost` from every limit in `applied` at `key`, or from none, atomically, on
+    /// the store's clock. With a `budget`, a call the store does not answer within it
+    /// answers [`StoreError::Deadline`] (the embedded store always answers at once).
+    async fn take(
+        &self,
+        key: &str,
+        applied: &[Applied],
+        cost: f64,
+        budget: Option<Budget>,
+    ) -> Result<Ruling, StoreError>;
+
+    /// Debits `delta` from every limit in `applied` at `key` (a refund when negative),
+    /// whatever the balance: a bucket may go below zero and waits it off. Returns the
+    /// levels after it.
+    async fn adjust(
+        &self,
+        key: &str,
+        applied: &[Applied],
+        delta: f64,
+    ) -> Result<Ruling, StoreError>;
+
+    /// Every limit's level now, on the store's clock. For inspection; changes nothing.
+    async fn peek(&self, key: &str, applied: &[Applied]) -> Result<Ruling, StoreError>;
+
+    /// The tokens now of the bucket whose state is under `field` at `key`, refilled on the
+    /// store's clock; `None` when it has no state (it is full). Takes nothing. Its future
+    /// is `Send`: shards' reconciliation asks it from a background task.
+    fn tokens_now<'a>(
+        &'a self,
+        key: &'a str,
+        field: &'a str,
+        bucket: Bucket,
+    ) -> BoxFuture<'a, Result<Option<f64>, StoreError>>;
+
+    /// Forgets the state of the buckets whose fields are `buckets` at `key`, so they start
+    /// full; the client's other limits (its quotas' counts) stay.
+    async fn refill(&self, key: &str, buckets: &[Arc<str>]) -> Result<(), StoreError>;
+
+    /// Keeps the calling worker thread's request-path connection open: opens it now and
+    /// re-opens it whenever it dies. Runs until the thread ends (at once when the store
+    /// has no connection to keep).
+    async fn keep_connected(&self);
+
+    /// Bucket script calls sent and the takes they decided (`None`: the store makes no
+    /// calls, its buckets are in this process).
+    fn calls(&self) -> Option<BucketCalls>;
+}
+
+/// Script calls sent for takes, and the takes they decided, since start: takes / calls is
+/// the average batch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BucketCalls {
+    pub calls: u64,
+    pub takes: u64,
+}
+
+/// A hot client's regional shares of its bucket, recomputed from every region's demand.
+#[async_trait]
+pub trait Shards: Send + Sync {
+    /// Flushes a region's demand for a sharded client and returns the current shares,
+    /// recomputed from every region's demand once per period.
+    async fn reconcile(&self, r: &Reconcile<'_>) -> Result<ShardState, StoreError>;
+
+    /// A sharded client's shares without changing anything, and its recent history.
+    async fn view(&self, client: &ClientId) -> Result<ShardView, StoreError>;
+}
+
+/// A sharded client's shares as they stand, and how they moved.
+#[derive(Debug, Default)]
+pub struct ShardView {
+    /// `None`: the client has not been reconciled yet.
+    pub state: Option<ShardState>,
+    /// The recent reconciliations, newest last.
+    pub history: Vec<serde_json::Value>,
+}
+
+/// The catalog's records: plans, clients, safety settings, each with its revision, and
+/// the change feed gateways follow.
+#[async_trait]
+pub trait CatalogRecords: Send + Sync {
+    /// Every plan and client, with the catalog version they were read at (or after).
+    async fn dump(&self) -> Result<CatalogDump, StoreError>;
+
+    /// What changed after version `since` of the catalog `epoch`; a catalog of another
+    /// epoch is answered with all of it.
+    async fn changes(&self, since: u64, epoch: Option<&str>) -> Result<CatalogChanges, StoreError>;
+
+    /// Replaces the store's catalog with `mirror` (its epoch, version and records), in one
+    /// atomic step, only if the store is still at `seen`. `false`: it moved (another
+    /// gateway restored it, or it was written), and nothing was written.
+    async fn restore(&self, seen: CatalogAt<'_>, mirror: &CatalogDump) -> Result<bool, StoreError>;
+
+    /// One atomic catalog write with its audit entry: all of it happens, or none of it.
+    async fn write(&self, write: &CatalogWrite, audit: &Audit) -> Result<WriteOutcome, StoreError>;
+
+    async fn plan(&self, name: &str) -> Result<Option<Versioned<PlanRecord>>, StoreError>;
+
+    async fn plans(&self) -> Result<Vec<Versioned<PlanRecord>>, StoreError>;
+
+    async fn client(&self, id: &str) -> Result<Option<Versioned<ClientRecord>>, StoreError>;
+
+    /// Up to `limit` clients in id order, after the id `after` (cursor pagination).
+    async fn clients_page(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<ClientsPage, StoreError>;
+
+    async fn safety(&self) -> Result<Option<Versioned<SafetyRecord>>, StoreError>;
+}
+
+/// Where a catalog stood when it was read: its epoch (`None`: it has never been written)
+/// and its version.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CatalogAt<'a> {
+    pub epoch: Option<&'a str>,
+    pub version: u64,
+}
+
+/// Who changed what, newest first.
+#[async_trait]
+pub trait AuditLog: Send + Sync {
+    /// The newest `limit` entries, newest first.
+    async fn recent(&self, limit: usize) -> Result<Vec<AuditEntry>, StoreError>;
+
+    /// Records a change made outside the catalog (a bucket refill).
+    async fn record(&self, entry: AuditEntry) -> Result<(), StoreError>;
+}
+
+/// Shadow mode's comparisons per client, added up from every gateway.
+#[async_trait]
+pub trait ShadowCounts: Send + Sync {
+    /// Adds comparison counts.
+    async fn add(&self, counts: &[ShadowCount]) -> Result<(), StoreError>;
+
+    /// Every client's counts.
+    async fn counts(&self) -> Result<Vec<ShadowCount>, StoreError>;
+
+    /// Forgets every count.
+    async fn reset(&self) -> Result<(), StoreError>;
+}
+
+/// How often the gateway and a client's service agreed, for one client.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ShadowCount {
+    pub client: String,
+    /// Requests both judged.
+    pub compared: u64,
+    /// Of those, the ones they judged apart.
+    pub disagreed: u64,
+}
+
+/// The store as a whole: what it is, whether it answers, and its start-up chores.
+#[async_trait]
+pub trait Lifecycle: Send + Sync {
+    /// What kind of store this is.
+    fn kind(&self) -> StoreKind;
+
+    /// What the start-up log says about the store.
+    fn describe(&self) -> String;
+
+    /// Whether the store answers a round trip within `budget` (the breaker's probe): on the
+    /// node owning `key` (Redis Cluster), else on a fresh connection, whose success retires
+    /// the connections opened before it (they may be dead while Redis is not).
+    async fn probe(&self, key: Option<&str>, budget: Duration) -> Result<(), StoreError>;
+
+    /// Whether the store answers (readiness).
+    async fn ping(&self) -> Result<(), StoreError>;
+
+    /// Loads the scripts, so the first requests already hit `EVALSHA` (none to load in
+    /// the embedded store).
+    async fn load_scripts(&self) -> Result<(), StoreError>;
+
+    /// Which node serves which slots (Redis Cluster; none otherwise).
+    async fn cluster_slots(&self) -> Result<Vec<SlotRange>, StoreError>;
+
+    /// Connections open and idle, for the pool saturation metrics (one Redis server only).
+    fn pool(&self) -> Option<PoolState>;
+
+    /// What the store keeps across its own restart, for the start-up log: the embedded
+    /// store's buckets live in this process's memory, so a gateway restart forgets them
+    /// ([`Persistence::Embedded`]); Redis is asked (every master of a cluster: the weakest
+    /// answer is the cluster's). An error: Redis could not be reached, so nothing is known.
+    async fn persistence(&self) -> Result<Persistence, StoreError>;
+
+    /// The store's own long-lived chore, if it has one (the embedded store forgets idle
+    /// buckets, so memory tracks active clients; Redis expires them itself).
+    fn housekeeping(self: Arc<Self>) -> Option<BoxFuture<'static, ()>>;
+}
+
+/// What kind of store answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreKind {
+    /// Buckets in this process: limits for this one instance only.
+    Embedded,
+    /// One Redis server.
+    Redis,
+    /// A Redis Cluster, whose nodes fail apart (a breaker per node).
+    Cluster,
+}
+
+/// A range of hash slots and the node serving it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotRange {
+    pub first: u16,
+    pub last: u16,
+    /// `host:port`.
+    pub node: String,
+}
+
+/// A connection pool's size now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolState {
+    pub open: u32,
+    pub idle: u32,
+}
