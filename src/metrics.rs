@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use dashmap::DashMap;
 
+pub use crate::domain::FailOpenReason;
 use crate::domain::Outcome;
 
 /// Upper bounds (seconds) of the decision-time histogram.
@@ -24,26 +25,6 @@ const OUTCOMES: [&str; 7] = [
     "shed",
     "unknown_key",
 ];
-
-/// Why a request failed open.
-#[derive(Debug, Clone, Copy)]
-pub enum FailOpenReason {
-    /// The store did not answer within `redis.timeout_ms`.
-    Timeout,
-    /// The store answered with an error (or the connection failed).
-    Error,
-    /// The circuit breaker is open: the store was not asked.
-    BreakerOpen,
-}
-
-const REASONS: [&str; 3] = ["timeout", "error", "breaker_open"];
-
-impl FailOpenReason {
-    /// The `reason` label of `tollgate_fail_open_reasons_total`.
-    pub fn label(self) -> &'static str {
-        REASONS[self as usize]
-    }
-}
 
 /// Why a request was shed (answered `503` by an overloaded gateway, see
 /// `limiter::overload`).
@@ -150,7 +131,7 @@ const UPSTREAM_BUCKETS: [f64; 12] = [
 ];
 
 pub struct Metrics {
-    fail_open_reasons: [AtomicU64; REASONS.len()],
+    fail_open_reasons: [AtomicU64; FailOpenReason::ALL.len()],
     shed: [AtomicU64; SHED_REASONS.len()],
     store_errors: [AtomicU64; ERROR_KINDS.len()],
     /// [gateway deny][service deny]
@@ -292,11 +273,12 @@ impl Metrics {
             "counter",
             "Requests admitted without a store decision, by reason.",
         );
-        for (i, r) in REASONS.iter().enumerate() {
+        for r in FailOpenReason::ALL {
             let _ = writeln!(
                 out,
-                "tollgate_fail_open_reasons_total{{reason=\"{r}\"}} {}",
-                self.fail_open_reasons[i].load(Relaxed)
+                "tollgate_fail_open_reasons_total{{reason=\"{}\"}} {}",
+                r.label(),
+                self.fail_open_reasons[r as usize].load(Relaxed)
             );
         }
         family(

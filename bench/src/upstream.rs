@@ -94,9 +94,9 @@ impl Replica {
             // bucket, only enforced here, per replica.
             let now = self.epoch.elapsed().as_micros() as u64;
             let mut b = buckets.lock();
-            let (state, verdict) = bucket::take(b.get(&client).copied(), now, *plan, 1.0);
+            let (state, wait_us) = bucket::take(b.get(&client).copied(), now, *plan, 1.0);
             b.insert(client, state);
-            if !verdict.allowed {
+            if wait_us != bucket::TAKEN {
                 self.limited.fetch_add(1, Relaxed);
                 return LIMITED;
             }

@@ -1,5 +1,9 @@
 //! The token bucket arithmetic, once. `lua/bucket.lua` performs the same operations in
 //! the same order, so the embedded store and Redis decide identically.
+//!
+//! A take answers with the wait until its cost exists: `Some(0)` when it did and was
+//! taken ([`TAKEN`]), a later time when it will, `None` when it never can (the cost is
+//! more than the bucket holds). What is left is the bucket's state, returned beside it.
 
 use super::plan::Bucket;
 
@@ -12,16 +16,8 @@ pub struct BucketState {
     pub ts_us: u64,
 }
 
-/// The answer to one take.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Verdict {
-    pub allowed: bool,
-    /// Tokens left after this take (or, if denied, after refilling).
-    pub tokens: f64,
-    /// Until `cost` tokens exist: zero when allowed, `None` when the cost can never be
-    /// met (it exceeds the bucket's capacity).
-    pub wait_us: Option<u64>,
-}
+/// The wait of a take that was admitted: its cost existed, and was taken.
+pub const TAKEN: Option<u64> = Some(0);
 
 /// Refills the bucket up to `now_us`, then takes `cost` tokens if it holds that many.
 /// A bucket seen for the first time (`state == None`) starts full.
@@ -30,7 +26,7 @@ pub fn take(
     now_us: u64,
     plan: Bucket,
     cost: f64,
-) -> (BucketState, Verdict) {
+) -> (BucketState, Option<u64>) {
     take_seeded(state, now_us, plan, cost, None)
 }
 
@@ -42,15 +38,15 @@ pub fn take_seeded(
     plan: Bucket,
     cost: f64,
     initial: Option<f64>,
-) -> (BucketState, Verdict) {
+) -> (BucketState, Option<u64>) {
     let mut tokens = refill(state, now_us, plan, initial);
-    let verdict = take_from(&mut tokens, plan, cost);
+    let wait_us = take_from(&mut tokens, plan, cost);
     (
         BucketState {
             tokens,
             ts_us: now_us,
         },
-        verdict,
+        wait_us,
     )
 }
 
@@ -66,36 +62,28 @@ pub fn refill(state: Option<BucketState>, now_us: u64, plan: Bucket, initial: Op
     cap.min(tokens + elapsed * plan.rate() / 1_000_000.0)
 }
 
-/// Takes `cost` from already refilled `tokens` if they hold that much.
-pub fn take_from(tokens: &mut f64, plan: Bucket, cost: f64) -> Verdict {
+/// Takes `cost` from already refilled `tokens` if they hold that much; returns the wait
+/// until they would ([`TAKEN`] when they did).
+pub fn take_from(tokens: &mut f64, plan: Bucket, cost: f64) -> Option<u64> {
     if *tokens >= cost {
         *tokens -= cost;
-        Verdict {
-            allowed: true,
-            tokens: *tokens,
-            wait_us: Some(0),
-        }
+        TAKEN
     } else if cost > plan.capacity() {
-        Verdict {
-            allowed: false,
-            tokens: *tokens,
-            wait_us: None,
-        }
+        None
     } else {
-        Verdict {
-            allowed: false,
-            tokens: *tokens,
-            wait_us: Some(((cost - *tokens) / plan.rate() * 1_000_000.0).ceil() as u64),
-        }
+        Some(((cost - *tokens) / plan.rate() * 1_000_000.0).ceil() as u64)
     }
 }
 
 /// `n` takes of `cost` at one instant, in order, from `refilled` tokens: what `n` calls of
 /// [`take`] at the same time decide. The batched script does the same subtractions in the
-/// same order, so replaying them here gives each request its exact verdict.
-pub fn take_many(refilled: f64, plan: Bucket, cost: f64, n: usize) -> Vec<Verdict> {
+/// same order, so replaying them here gives each request its exact answer: its wait, and
+/// the tokens left after it.
+pub fn take_many(refilled: f64, plan: Bucket, cost: f64, n: usize) -> Vec<(Option<u64>, f64)> {
     let mut tokens = refilled;
-    (0..n).map(|_| take_from(&mut tokens, plan, cost)).collect()
+    (0..n)
+        .map(|_| (take_from(&mut tokens, plan, cost), tokens))
+        .collect()
 }
 
 /// How long an untouched bucket needs to be full again: after that it can be forgotten,
@@ -118,9 +106,9 @@ mod tests {
         let mut state = None;
         let mut admitted = 0;
         for _ in 0..10 {
-            let (s, v) = take(state, 1_000, p, 1.0);
+            let (s, wait) = take(state, 1_000, p, 1.0);
             state = Some(s);
-            admitted += v.allowed as u32;
+            admitted += u32::from(wait == TAKEN);
         }
         assert_eq!(admitted, 5);
     }
@@ -130,37 +118,35 @@ mod tests {
         let p = plan(10.0, 2.0);
         let (s, _) = take(None, 0, p, 10.0);
         assert_eq!(s.tokens, 0.0);
-        let (s, v) = take(Some(s), 1_500_000, p, 0.0);
-        assert_eq!(v.tokens, 3.0);
-        let (_, v) = take(Some(s), 1_000_000_000, p, 0.0);
-        assert_eq!(v.tokens, 10.0);
+        let (s, _) = take(Some(s), 1_500_000, p, 0.0);
+        assert_eq!(s.tokens, 3.0);
+        let (s, _) = take(Some(s), 1_000_000_000, p, 0.0);
+        assert_eq!(s.tokens, 10.0);
     }
 
     #[test]
     fn a_denied_take_says_exactly_how_long_to_wait() {
         let p = plan(2.0, 4.0);
         let (s, _) = take(None, 0, p, 2.0);
-        let (s, v) = take(Some(s), 0, p, 1.0);
-        assert!(!v.allowed);
-        assert_eq!(v.wait_us, Some(250_000));
+        let (s, wait) = take(Some(s), 0, p, 1.0);
+        assert_eq!(wait, Some(250_000));
         // Waiting exactly that long is enough.
-        let (_, v) = take(Some(s), 250_000, p, 1.0);
-        assert!(v.allowed);
+        let (_, wait) = take(Some(s), 250_000, p, 1.0);
+        assert_eq!(wait, TAKEN);
     }
 
     #[test]
     fn a_cost_above_capacity_can_never_be_met() {
-        let (_, v) = take(None, 0, plan(2.0, 1.0), 3.0);
-        assert!(!v.allowed);
-        assert_eq!(v.wait_us, None);
+        let (_, wait) = take(None, 0, plan(2.0, 1.0), 3.0);
+        assert_eq!(wait, None);
     }
 
     #[test]
     fn a_clock_that_goes_backwards_refills_nothing() {
         let p = plan(2.0, 1.0);
         let (s, _) = take(None, 10_000_000, p, 2.0);
-        let (_, v) = take(Some(s), 5_000_000, p, 1.0);
-        assert!(!v.allowed);
+        let (_, wait) = take(Some(s), 5_000_000, p, 1.0);
+        assert_ne!(wait, TAKEN);
     }
 
     #[test]
@@ -168,17 +154,20 @@ mod tests {
         let p = plan(5.0, 1.0);
         let (s, _) = take(None, 0, p, 2.5);
         let mut state = Some(s);
-        let one_by_one: Vec<Verdict> = (0..4)
+        let one_by_one: Vec<(Option<u64>, f64)> = (0..4)
             .map(|_| {
-                let (s, v) = take(state, 400_000, p, 1.0);
+                let (s, wait) = take(state, 400_000, p, 1.0);
                 state = Some(s);
-                v
+                (wait, s.tokens)
             })
             .collect();
         let refilled = refill(Some(s), 400_000, p, None);
         assert_eq!(take_many(refilled, p, 1.0, 4), one_by_one);
         assert_eq!(
-            one_by_one.iter().map(|v| v.allowed).collect::<Vec<_>>(),
+            one_by_one
+                .iter()
+                .map(|(wait, _)| *wait == TAKEN)
+                .collect::<Vec<_>>(),
             [true, true, false, false]
         );
     }
@@ -196,9 +185,9 @@ mod tests {
         let mut state = None;
         let mut admitted = 0;
         for i in 0..=10_000u64 {
-            let (s, v) = take(state, i * 1_000, p, 1.0);
+            let (s, wait) = take(state, i * 1_000, p, 1.0);
             state = Some(s);
-            admitted += v.allowed as u32;
+            admitted += u32::from(wait == TAKEN);
         }
         assert_eq!(admitted, 600);
     }

@@ -1,4 +1,10 @@
 //! What the limiter decides about one request, and what the response needs from it.
+//!
+//! Two nouns name an answer in tollgate, each defined once: a [`Ruling`] is what the
+//! limits answer (may this cost be taken from all of them, and what each has left; the
+//! stores answer with one), and a [`Decision`] is what the limiter answers (what happens
+//! to the request, its [`Outcome`], and what the response needs). One bucket's arithmetic
+//! answers with a wait (`bucket::TAKEN` when the cost was taken), not a type of its own.
 
 use super::limits::{Applied, Ruling};
 
@@ -41,6 +47,35 @@ impl Outcome {
     }
 }
 
+/// Why a request failed open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailOpenReason {
+    /// The store did not answer within `redis.timeout_ms`.
+    Timeout,
+    /// The store answered with an error (or the connection failed).
+    Error,
+    /// The circuit breaker is open: the store was not asked.
+    BreakerOpen,
+}
+
+impl FailOpenReason {
+    /// Every reason, in the order of their labels.
+    pub const ALL: [FailOpenReason; 3] = [
+        FailOpenReason::Timeout,
+        FailOpenReason::Error,
+        FailOpenReason::BreakerOpen,
+    ];
+
+    /// Its name in metrics (`reason` of `tollgate_fail_open_reasons_total`) and spans.
+    pub fn label(self) -> &'static str {
+        match self {
+            FailOpenReason::Timeout => "timeout",
+            FailOpenReason::Error => "error",
+            FailOpenReason::BreakerOpen => "breaker_open",
+        }
+    }
+}
+
 /// A decision and what the response headers need from it.
 #[derive(Debug, Clone)]
 pub struct Decision {
@@ -59,6 +94,6 @@ pub struct Decision {
     pub sharded: bool,
     /// For `SafetyDenied`: the wait until the safety bucket has the tokens.
     pub safety_wait_us: Option<u64>,
-    /// For `FailOpen`: why (`timeout`, `error`, `breaker_open`), for the decision's span.
-    pub fail_open_reason: Option<&'static str>,
+    /// For `FailOpen`: why, for the decision's span.
+    pub fail_open_reason: Option<FailOpenReason>,
 }

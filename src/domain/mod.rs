@@ -15,8 +15,8 @@ pub mod ratelimit;
 mod upstream;
 
 pub use api_key::{ApiKey, KeyHash};
-pub use bucket::{BucketState, Verdict};
-pub use decision::{Decision, Outcome};
+pub use bucket::BucketState;
+pub use decision::{Decision, FailOpenReason, Outcome};
 pub use ids::{ClientId, IdError, LimitName, PlanName, Region, ServiceName, ID_PATTERN};
 pub use limits::{
     Applied, AppliedKind, Level, Limit, LimitError, LimitKind, LimitSpec, LimitState, Limits,

@@ -36,7 +36,9 @@ pub use shares::ShareBook;
 use crate::catalog::{Catalog, ClientEntry};
 use crate::configuration::{OverloadSettings, Periods};
 use crate::domain::limits::Level;
-use crate::domain::{Applied, AppliedKind, ClientId, Decision, Limits, Mode, Outcome, Ruling};
+use crate::domain::{
+    bucket, Applied, AppliedKind, ClientId, Decision, Limits, Mode, Outcome, Ruling,
+};
 use crate::metrics::{FailOpenReason, Metrics, ShedReason};
 use crate::store::{BucketCalls, Budget, Every, Store, StoreError};
 
@@ -262,12 +264,12 @@ impl Limiter {
             let multiplier = self
                 .safety
                 .multiplier(&self.catalog.safety_guard(), service);
-            let safety = self
+            let wait_us = self
                 .safety
                 .take(client, service, bucket, multiplier, cost, started);
-            if !safety.allowed {
+            if wait_us != bucket::TAKEN {
                 decision.outcome = Outcome::SafetyDenied;
-                decision.safety_wait_us = safety.wait_us;
+                decision.safety_wait_us = wait_us;
                 decision.applied = applied;
                 return decision;
             }
@@ -354,7 +356,7 @@ impl Limiter {
             Err(_) if never && client.mode == Mode::Enforce => Outcome::Denied,
             Err(reason) => {
                 self.metrics.fail_open(*reason);
-                decision.fail_open_reason = Some(reason.label());
+                decision.fail_open_reason = Some(*reason);
                 Outcome::FailOpen
             }
         };

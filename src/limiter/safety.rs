@@ -7,7 +7,6 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use crate::catalog::{ClientEntry, SafetyRecord};
-use crate::domain::Verdict;
 use crate::domain::{Bucket, ClientId};
 use crate::store::{LocalBuckets, Probe};
 
@@ -61,7 +60,8 @@ impl SafetyLimit {
         }
     }
 
-    /// Takes `cost` from the client's safety bucket for `service`, at `now`.
+    /// Takes `cost` from the client's safety bucket for `service`, at `now`; returns the
+    /// wait until it holds the cost (`bucket::TAKEN`: it did).
     pub fn take(
         &self,
         client: &ClientEntry,
@@ -70,7 +70,7 @@ impl SafetyLimit {
         multiplier: f64,
         cost: f64,
         now: std::time::Instant,
-    ) -> Verdict {
+    ) -> Option<u64> {
         let key = SafetyProbe(&client.id, service);
         self.buckets
             .take_at(&key, plan.scaled(multiplier), cost, self.buckets.us_at(now))
@@ -97,9 +97,7 @@ mod tests {
             .map(|i| ClientId::parse(&format!("client-{i}")).unwrap())
             .collect();
         let take = |id: &ClientId, service: &Arc<str>| {
-            buckets
-                .take_at(&SafetyProbe(id, service), plan, 1.0, 0)
-                .allowed
+            buckets.take_at(&SafetyProbe(id, service), plan, 1.0, 0) == crate::domain::bucket::TAKEN
         };
         for id in &ids {
             for service in &services {

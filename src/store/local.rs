@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use crate::domain::limits::{levels_at, take_many};
 use crate::domain::Bucket;
-use crate::domain::{bucket, Applied, BucketState, LimitState, Ruling, Verdict};
+use crate::domain::{bucket, Applied, BucketState, LimitState, Ruling};
 
 const SHARDS: usize = 64;
 
@@ -90,38 +90,38 @@ impl<K: Hash> LocalBuckets<K> {
         (hash, &self.shards[(hash >> 32) as usize % SHARDS])
     }
 
-    /// Refills and takes `cost` tokens at `now_us`, hashing the key once; the key is built
-    /// only for a new bucket.
+    /// Refills and takes `cost` tokens at `now_us`, hashing the key once (the key is built
+    /// only for a new bucket); returns the wait until they exist, as `bucket::take` does.
     pub fn take_at(
         &self,
         key: &(impl Probe<K> + ?Sized),
         plan: Bucket,
         cost: f64,
         now_us: u64,
-    ) -> Verdict {
+    ) -> Option<u64> {
         let (hash, shard) = self.shard(key);
         let mut shard = shard.lock();
         let expiry =
             |state: BucketState| now_us + bucket::idle_expiry_ms(plan, state.tokens) * 1000;
         match shard.find_mut(hash, |(k, _)| key.is(k)) {
             Some((_, slot)) => {
-                let (state, verdict) =
+                let (state, wait_us) =
                     bucket::take_seeded(Some(slot.state), now_us, plan, cost, None);
                 *slot = Slot {
                     state,
                     expires_us: expiry(state),
                 };
-                verdict
+                wait_us
             }
             None => {
-                let (state, verdict) = bucket::take_seeded(None, now_us, plan, cost, None);
+                let (state, wait_us) = bucket::take_seeded(None, now_us, plan, cost, None);
                 let slot = Slot {
                     state,
                     expires_us: expiry(state),
                 };
                 let hasher = &self.hasher;
                 shard.insert_unique(hash, (key.key(), slot), |(k, _)| hasher.hash_one(k));
-                verdict
+                wait_us
             }
         }
     }

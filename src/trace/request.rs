@@ -140,7 +140,10 @@ impl<'a> DecisionTimer<'a> {
         }
         if decision.outcome == Outcome::FailOpen {
             if let Some(reason) = decision.fail_open_reason {
-                attributes.push(("tollgate.fail_open_reason", Attr::Str(reason.into())));
+                attributes.push((
+                    "tollgate.fail_open_reason",
+                    Attr::Str(reason.label().into()),
+                ));
             }
         }
         tracer.record(SpanRecord {

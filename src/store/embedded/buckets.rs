@@ -70,11 +70,12 @@ impl EmbeddedStore {
     /// missing bucket is full).
     pub(super) fn bucket_tokens(&self, key: &str, field: &str, plan: Bucket) -> Option<f64> {
         let state = self.limits.bucket_state(key, field)?;
-        Some(
-            bucket::take(Some(state), LocalLimits::now_us(), plan, 0.0)
-                .1
-                .tokens,
-        )
+        Some(bucket::refill(
+            Some(state),
+            LocalLimits::now_us(),
+            plan,
+            None,
+        ))
     }
 
     /// Forgets clients whose limits would all be whole by now; returns how many remain.

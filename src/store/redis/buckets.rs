@@ -220,8 +220,8 @@ impl RedisStore {
             let Some(state) = value.as_deref().and_then(decode_state) else {
                 return Ok(None);
             };
-            let (_, v) = bucket::take(Some(state), secs * 1_000_000 + micros, plan, 0.0);
-            Ok(Some(v.tokens))
+            let now_us = secs * 1_000_000 + micros;
+            Ok(Some(bucket::refill(Some(state), now_us, plan, None)))
         }
         .await)
     }
@@ -277,7 +277,7 @@ mod tests {
 
     /// A worker so busy that every take of a hot client leads a call of its own (see
     /// `coalesce`): the takes it makes in one turn still cost Redis one entry of one call,
-    /// and each gets the verdict one call per take would have given it.
+    /// and each gets the ruling one call per take would have given it.
     #[tokio::test]
     async fn one_clients_takes_in_one_turn_share_an_entry_and_keep_their_order() {
         // Arrange: one client, a bucket of 5 with next to no refill.
@@ -304,19 +304,19 @@ mod tests {
                         })
                     })
                     .collect();
-                let mut verdicts = Vec::new();
+                let mut admitted = Vec::new();
                 for t in takes {
                     let rulings = t.await.unwrap().unwrap();
                     assert_eq!(rulings.len(), 1);
                     assert_eq!(rulings[0].batch, 8, "the call decided all eight");
-                    verdicts.push(rulings[0].allowed);
+                    admitted.push(rulings[0].allowed);
                 }
 
                 // Assert: one call; the first five in arrival order took the five tokens,
                 // the last three were refused, and the bucket is empty.
                 assert_eq!(store.calls().unwrap_or_default().calls - calls_before, 1);
                 assert_eq!(
-                    verdicts,
+                    admitted,
                     [true, true, true, true, true, false, false, false]
                 );
                 let tokens = tokens_in(&store, "tollgate:b:{c}", &applied).await;

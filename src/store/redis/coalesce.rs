@@ -27,11 +27,11 @@
 //! whatever the round trip, and still coalesces as much as the budget allows: a fixed depth
 //! of pipelining would be too shallow for a slow Redis and needlessly deep for a fast one.
 //!
-//! **Why verdicts stay exact with several calls for one bucket in flight.** Redis runs each
+//! **Why rulings stay exact with several calls for one bucket in flight.** Redis runs each
 //! script atomically, and the calls of one connection in the order they were written. Each
 //! call returns the tokens at its own start, after every earlier call's subtractions, and
 //! the gateway replays its `n` takes from there (`bucket::take_many`): each request gets
-//! the verdict that one-by-one calls in Redis' order would have given it. Admissions never
+//! the ruling that one-by-one calls in Redis' order would have given it. Admissions never
 //! exceed what the bucket held, because the bucket itself, not the gateway, does the
 //! counting.
 //!
@@ -431,7 +431,7 @@ impl Drop for Queued<'_> {
 
 impl Coalescer {
     /// Decides `take` on the bucket `key` with `call`, alone or with other takes queued
-    /// for the same bucket. `call` must return one verdict per request, in order, and
+    /// for the same bucket. `call` must return one ruling per request, in order, and
     /// bounds its own wait for the store.
     pub async fn take<'a, F, Fut>(
         &self,
@@ -582,10 +582,10 @@ impl Coalescer {
         self.rtt.observe(leading.sent_at.elapsed());
         let riders = std::mem::take(&mut leading.riders);
         let mine = match reply {
-            Ok(verdicts) if verdicts.len() == n => {
+            Ok(rulings) if rulings.len() == n => {
                 let mut riders = riders.iter();
                 let mut own = None;
-                for (i, v) in verdicts.into_iter().enumerate() {
+                for (i, v) in rulings.into_iter().enumerate() {
                     if i == mine {
                         own = Some(v);
                     } else if let Some(w) = riders.next() {
@@ -594,9 +594,8 @@ impl Coalescer {
                 }
                 own.ok_or(StoreError::Abandoned)
             }
-            Ok(verdicts) => {
-                let e =
-                    StoreError::Protocol(format!("{} verdicts for {n} requests", verdicts.len()));
+            Ok(rulings) => {
+                let e = StoreError::Protocol(format!("{} rulings for {n} requests", rulings.len()));
                 for w in &riders {
                     w.settle(State::Done(Err(e.clone())));
                 }
@@ -663,10 +662,10 @@ mod tests {
         async fn call(&self, b: Batch<'_>) -> Result<Vec<Ruling>, StoreError> {
             self.batches.borrow_mut().push(b.n);
             self.go.notified().await;
-            let verdicts = rulings(self.tokens.get(), b);
-            let spent = verdicts.iter().filter(|v| v.allowed).count() as f64 * b.cost;
+            let answers = rulings(self.tokens.get(), b);
+            let spent = answers.iter().filter(|v| v.allowed).count() as f64 * b.cost;
             self.tokens.set(self.tokens.get() - spent);
-            Ok(verdicts)
+            Ok(answers)
         }
     }
 
@@ -884,11 +883,11 @@ mod tests {
         async fn call(&self, b: Batch<'_>) -> Result<Vec<Ruling>, StoreError> {
             let start = self.tokens.get();
             self.calls.borrow_mut().push((b.n, start));
-            let verdicts = rulings(start, b);
-            let spent = verdicts.iter().filter(|v| v.allowed).count() as f64 * b.cost;
+            let answers = rulings(start, b);
+            let spent = answers.iter().filter(|v| v.allowed).count() as f64 * b.cost;
             self.tokens.set(start - spent);
             self.go.notified().await;
-            Ok(verdicts)
+            Ok(answers)
         }
 
         fn sizes(&self) -> Vec<usize> {
@@ -935,7 +934,7 @@ mod tests {
                 store.go.notify_waiters();
 
                 // Exact: each call started from the tokens the one before it left, and the
-                // verdicts follow arrival order.
+                // rulings follow arrival order.
                 assert_eq!(*store.calls.borrow(), [(1, 2.0), (2, 1.0)]);
                 assert!(first.await.unwrap().unwrap().allowed);
                 assert!(second.await.unwrap().unwrap().allowed);

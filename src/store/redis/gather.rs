@@ -158,7 +158,7 @@ pub struct Answer {
     /// The requests the whole call decided (the takes of all its entries).
     pub takes: u64,
     /// The takes of the entry's client decided before this caller's, in the same entry
-    /// (see [`Pending::add`]): the caller's verdicts follow theirs.
+    /// (see [`Pending::add`]): the caller's rulings follow theirs.
     pub skip: usize,
     reply: Arc<Reply>,
     at: usize,
@@ -642,7 +642,7 @@ async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
                 // No reply. If the gateway looked late, it was not running while the
                 // budget ran out (a busy worker, a stopped process, a paused host, which
                 // stops the store on the same host too): the store gets that time back,
-                // up to one budget, at most twice. A punctual look is the store's verdict.
+                // up to one budget, at most twice. A punctual look is the store's answer.
                 let late = tokio::time::Instant::now().saturating_duration_since(end);
                 if late <= LATE_LOOK || graces == MAX_GRACES {
                     for (tx, _, _) in waiters {
