@@ -110,7 +110,8 @@ pub fn probe(listen: SocketAddr, path: &str, timeout: Duration) -> anyhow::Resul
 async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     use std::fmt::Write;
     let mut out = state.metrics.render();
-    let (open, opened) = state.limiter.breakers().summary();
+    let breakers = state.limiter.breakers().summary();
+    let (open, opened) = (breakers.open, breakers.times_opened);
     family(
         &mut out,
         "tollgate_breaker_open",

@@ -198,7 +198,7 @@ pub async fn put(
         let limits = plan_limits(&state, &c.plan).await?;
         limits
             .check_override(&o)
-            .map_err(|(field, message)| ApiError::field(field, message))?;
+            .map_err(|e| ApiError::field(e.field, e.message))?;
         let held = c.overrides.len();
         match c.overrides.iter_mut().find(|x| x.limit == o.limit) {
             Some(existing) => {

@@ -75,17 +75,6 @@ pub fn take_from(tokens: &mut f64, plan: Bucket, cost: f64) -> Option<u64> {
     }
 }
 
-/// `n` takes of `cost` at one instant, in order, from `refilled` tokens: what `n` calls of
-/// [`take`] at the same time decide. The batched script does the same subtractions in the
-/// same order, so replaying them here gives each request its exact answer: its wait, and
-/// the tokens left after it.
-pub fn take_many(refilled: f64, plan: Bucket, cost: f64, n: usize) -> Vec<(Option<u64>, f64)> {
-    let mut tokens = refilled;
-    (0..n)
-        .map(|_| (take_from(&mut tokens, plan, cost), tokens))
-        .collect()
-}
-
 /// How long an untouched bucket needs to be full again: after that it can be forgotten,
 /// since a missing bucket starts full. One second of slack, as in the script.
 pub fn idle_expiry_ms(plan: Bucket, tokens: f64) -> u64 {
@@ -147,29 +136,6 @@ mod tests {
         let (s, _) = take(None, 10_000_000, p, 2.0);
         let (_, wait) = take(Some(s), 5_000_000, p, 1.0);
         assert_ne!(wait, TAKEN);
-    }
-
-    #[test]
-    fn many_takes_at_once_decide_like_one_take_after_another() {
-        let p = plan(5.0, 1.0);
-        let (s, _) = take(None, 0, p, 2.5);
-        let mut state = Some(s);
-        let one_by_one: Vec<(Option<u64>, f64)> = (0..4)
-            .map(|_| {
-                let (s, wait) = take(state, 400_000, p, 1.0);
-                state = Some(s);
-                (wait, s.tokens)
-            })
-            .collect();
-        let refilled = refill(Some(s), 400_000, p, None);
-        assert_eq!(take_many(refilled, p, 1.0, 4), one_by_one);
-        assert_eq!(
-            one_by_one
-                .iter()
-                .map(|(wait, _)| *wait == TAKEN)
-                .collect::<Vec<_>>(),
-            [true, true, false, false]
-        );
     }
 
     #[test]

@@ -290,15 +290,6 @@ impl Limit {
         })
     }
 
-    /// The `q` and `w` of its `RateLimit-Policy` item: the most it holds, and the seconds
-    /// an empty bucket takes to fill (or a quota's nominal window).
-    pub fn quota_and_window(&self) -> (u64, u64) {
-        match &self.kind {
-            LimitKind::Bucket(b) => (b.capacity().floor() as u64, b.window_secs().ceil() as u64),
-            LimitKind::Quota(q) => (q.amount.floor() as u64, q.clock.nominal_secs()),
-        }
-    }
-
     /// Whether a request costing `cost` can ever be admitted.
     pub fn can_hold(&self, cost: f64) -> bool {
         match &self.kind {
@@ -453,19 +444,20 @@ impl Limits {
 
     /// Checks an override against these limits: the limit exists, and the values fit its
     /// kind and bounds. The error names the field.
-    pub fn check_override(&self, o: &Override) -> Result<(), (&'static str, String)> {
+    pub fn check_override(&self, o: &Override) -> Result<(), OverrideError> {
+        let refuse = |field: &'static str, message: String| Err(OverrideError { field, message });
         let Some(limit) = self.get(o.limit.as_str()) else {
-            return Err((
+            return refuse(
                 "limit",
                 format!("the plan has no limit {:?}", o.limit.as_str()),
-            ));
+            );
         };
         match (&limit.kind, o.quota, o.capacity.or(o.rate)) {
             (LimitKind::Bucket(_), Some(_), _) => {
-                return Err((
+                return refuse(
                     "quota",
                     "this limit is a bucket: give capacity or rate".into(),
-                ))
+                )
             }
             (LimitKind::Quota(_), _, Some(_)) => {
                 let f = if o.capacity.is_some() {
@@ -473,18 +465,28 @@ impl Limits {
                 } else {
                     "rate"
                 };
-                return Err((f, "this limit is a quota: give quota".into()));
+                return refuse(f, "this limit is a quota: give quota".into());
             }
             _ => {}
         }
         if o.capacity.is_none() && o.rate.is_none() && o.quota.is_none() {
-            return Err(("limit", "an override changes at least one value".into()));
+            return refuse("limit", "an override changes at least one value".into());
         }
         limit
             .with_values(o.capacity, o.rate, o.quota)
             .map(|_| ())
-            .map_err(|e| (e.field(), e.to_string()))
+            .map_err(|e| OverrideError {
+                field: e.field(),
+                message: e.to_string(),
+            })
     }
+}
+
+/// Why an override does not fit its plan's limits, naming the field at fault.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OverrideError {
+    pub field: &'static str,
+    pub message: String,
 }
 
 /// One limit as one request sees it: its state's place and the values it is decided with
@@ -538,16 +540,27 @@ impl Applied {
         }
     }
 
-    /// `q` and `w` of its `RateLimit-Policy` item.
-    pub fn quota_and_window(&self) -> (u64, u64) {
+    /// Its `RateLimit-Policy` item's values.
+    pub fn policy(&self) -> PolicyItem {
         match &self.kind {
-            AppliedKind::Bucket { bucket, .. } => (
-                bucket.capacity().floor() as u64,
-                bucket.window_secs().ceil() as u64,
-            ),
-            AppliedKind::Quota { amount, clock } => (amount.floor() as u64, clock.nominal_secs()),
+            AppliedKind::Bucket { bucket, .. } => PolicyItem {
+                quota: bucket.capacity().floor() as u64,
+                window_secs: bucket.window_secs().ceil() as u64,
+            },
+            AppliedKind::Quota { amount, clock } => PolicyItem {
+                quota: amount.floor() as u64,
+                window_secs: clock.nominal_secs(),
+            },
         }
     }
+}
+
+/// A limit's `RateLimit-Policy` item: `q`, the most it holds, and `w`, the seconds an empty
+/// bucket takes to fill (or a quota's nominal window).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PolicyItem {
+    pub quota: u64,
+    pub window_secs: u64,
 }
 
 /// A limit's stored state.

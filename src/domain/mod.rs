@@ -20,7 +20,7 @@ pub use decision::{Decision, FailOpenReason, Outcome};
 pub use ids::{ClientId, IdError, LimitName, PlanName, Region, ServiceName, ID_PATTERN};
 pub use limits::{
     Applied, AppliedKind, Level, Limit, LimitError, LimitKind, LimitSpec, LimitState, Limits,
-    Override, Quota, Ruling,
+    Override, OverrideError, PolicyItem, Quota, Ruling,
 };
 pub use plan::{
     Bucket, Capacity, Mode, PlanError, Rate, MAX_CAPACITY, MAX_RATE, MAX_REFILL_SECS, MIN_CAPACITY,

@@ -39,9 +39,15 @@ pub fn policy_name(plan: &PlanName, applied: &Applied) -> String {
 pub fn policy_header(plan: &PlanName, applied: &[Applied]) -> HeaderValue {
     let mut policy = String::new();
     for (i, a) in applied.iter().enumerate() {
-        let (q, w) = a.quota_and_window();
+        let item = a.policy();
         let sep = if i == 0 { "" } else { ", " };
-        let _ = write!(policy, "{sep}\"{}\";q={q};w={w}", policy_name(plan, a));
+        let _ = write!(
+            policy,
+            "{sep}\"{}\";q={};w={}",
+            policy_name(plan, a),
+            item.quota,
+            item.window_secs
+        );
     }
     // Plan and limit names are of a header-safe charset, so this cannot fail.
     HeaderValue::from_str(&policy).unwrap_or(HeaderValue::from_static(""))

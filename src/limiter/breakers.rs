@@ -60,15 +60,18 @@ impl Breakers {
     }
 
     /// Whether any breaker is open, and how many times any opened (for metrics).
-    pub fn summary(&self) -> (bool, u64) {
+    pub fn summary(&self) -> BreakersSummary {
         match self {
-            Breakers::One(b) => (b.is_open(), b.times_opened()),
+            Breakers::One(b) => BreakersSummary {
+                open: b.is_open(),
+                times_opened: b.times_opened(),
+            },
             Breakers::PerNode(n) => {
                 let nodes = n.by_node.lock();
-                (
-                    nodes.values().any(|b| b.is_open()),
-                    nodes.values().map(|b| b.times_opened()).sum(),
-                )
+                BreakersSummary {
+                    open: nodes.values().any(|b| b.is_open()),
+                    times_opened: nodes.values().map(|b| b.times_opened()).sum(),
+                }
             }
         }
     }
@@ -86,6 +89,15 @@ impl Breakers {
             });
         }
     }
+}
+
+/// The breakers at a glance, for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BreakersSummary {
+    /// Whether any is open now.
+    pub open: bool,
+    /// How many times any opened, since start.
+    pub times_opened: u64,
 }
 
 impl NodeBreakers {

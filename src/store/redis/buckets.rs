@@ -43,8 +43,7 @@ impl Buckets for RedisStore {
     }
 
     fn calls(&self) -> Option<BucketCalls> {
-        let (calls, takes) = self.takes.counts();
-        Some(BucketCalls { calls, takes })
+        Some(self.takes.counts())
     }
 
     /// Keeps this worker thread's request-path connection open, from before the first
@@ -63,8 +62,9 @@ impl Buckets for RedisStore {
         applied: &[Applied],
         delta: f64,
     ) -> Result<Ruling, StoreError> {
-        let (mut levels, now_us, _, _) =
-            self.call(key, Op::Adjust, applied, delta, 0, None).await?;
+        let EntryReply {
+            mut levels, now_us, ..
+        } = self.call(key, Op::Adjust, applied, delta, 0, None).await?;
         for (l, a) in levels.iter_mut().zip(applied) {
             l.adjust(&a.kind, delta);
         }
@@ -81,7 +81,7 @@ impl Buckets for RedisStore {
     /// Every limit's level now, on Redis' clock; writes nothing. Within the control
     /// timeout: past it, [`StoreError::Deadline`].
     async fn peek(&self, key: &str, applied: &[Applied]) -> Result<Ruling, StoreError> {
-        let (levels, now_us, _, _) = tokio::time::timeout(
+        let EntryReply { levels, now_us, .. } = tokio::time::timeout(
             self.control_timeout,
             self.call(key, Op::Peek, applied, 0.0, 0, None),
         )
@@ -131,7 +131,12 @@ impl RedisStore {
         batch: Batch<'_>,
         budget: Option<Duration>,
     ) -> Result<Vec<Ruling>, StoreError> {
-        let (mut levels, now_us, takes, skip) = self
+        let EntryReply {
+            mut levels,
+            now_us,
+            takes,
+            skip,
+        } = self
             .call(key, Op::Take, batch.applied, batch.cost, batch.n, budget)
             .await?;
         // The script did the same arithmetic from the same levels, for the takes of this
@@ -144,9 +149,7 @@ impl RedisStore {
         Ok(rulings)
     }
 
-    /// One entry of a script call: (each limit's level before the op, Redis' clock, the
-    /// requests the whole call decided, and how many takes of the same client the entry
-    /// decided before these: see `gather`). Takes are gathered with the other takes this
+    /// One entry of a script call. Takes are gathered with the other takes this
     /// worker makes in the same turn (`gather`); adjustments and peeks with each other, so
     /// the take calls stay countable. `budget`: how long Redis has to answer the call,
     /// from when it is written (`None`: the caller bounds the wait).
@@ -158,7 +161,7 @@ impl RedisStore {
         cost: f64,
         n: usize,
         budget: Option<Duration>,
-    ) -> Result<(Vec<Level>, u64, u64, usize), StoreError> {
+    ) -> Result<EntryReply, StoreError> {
         let (g, tag) = self.groups.locate(key);
         let group = self.groups.key(g);
         let entry = Entry {
@@ -197,8 +200,12 @@ impl RedisStore {
                 .await?;
         }
         let bytes = answer.bytes().map_err(StoreError::Refused)?;
-        let levels = parse_reply(bytes, applied)?;
-        Ok((levels, answer.now_us, answer.takes, answer.skip))
+        Ok(EntryReply {
+            levels: parse_reply(bytes, applied)?,
+            now_us: answer.now_us,
+            takes: answer.takes,
+            skip: answer.skip,
+        })
     }
 
     /// The tokens now (refilled on Redis' clock) of the bucket whose state is under
@@ -225,6 +232,18 @@ impl RedisStore {
         }
         .await)
     }
+}
+
+/// What the script answered for one entry.
+struct EntryReply {
+    /// Each limit's level before the entry's operation.
+    levels: Vec<Level>,
+    /// Redis' clock when it ran the call, in unix microseconds.
+    now_us: u64,
+    /// The requests the whole call decided.
+    takes: u64,
+    /// How many takes of the same client the entry decided before these (see `gather`).
+    skip: usize,
 }
 
 /// A bucket's stored state: struct `<ddd` (tokens, when, and when it may be swept).

@@ -30,7 +30,7 @@
 //! **Why rulings stay exact with several calls for one bucket in flight.** Redis runs each
 //! script atomically, and the calls of one connection in the order they were written. Each
 //! call returns the tokens at its own start, after every earlier call's subtractions, and
-//! the gateway replays its `n` takes from there (`bucket::take_many`): each request gets
+//! the gateway replays its `n` takes from there (`limits::take_many`): each request gets
 //! the ruling that one-by-one calls in Redis' order would have given it. Admissions never
 //! exceed what the bucket held, because the bucket itself, not the gateway, does the
 //! counting.

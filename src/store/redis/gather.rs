@@ -41,7 +41,7 @@ use tokio::sync::oneshot;
 use super::pool::Link;
 use crate::domain::quota::Bounds;
 use crate::domain::{Applied, AppliedKind};
-use crate::store::{Every, StoreError};
+use crate::store::{BucketCalls, Every, StoreError};
 
 /// Most entries one call carries; more open the next batch.
 pub const MAX_ENTRIES: usize = 128;
@@ -302,11 +302,11 @@ impl Gatherer {
     }
 
     /// Calls sent and the takes they decided, since start.
-    pub fn counts(&self) -> (u64, u64) {
-        (
-            self.counts.calls.load(Ordering::Relaxed),
-            self.counts.takes.load(Ordering::Relaxed),
-        )
+    pub fn counts(&self) -> BucketCalls {
+        BucketCalls {
+            calls: self.counts.calls.load(Ordering::Relaxed),
+            takes: self.counts.takes.load(Ordering::Relaxed),
+        }
     }
 
     /// Decides `entry` in the batch open for `group` on this worker, or in a new one sent
