@@ -13,10 +13,10 @@ use secrecy::{ExposeSecret, SecretString};
 
 use super::coalesce::Coalescer;
 use super::gather::Gatherer;
-use super::pool::{tcp_settings, Dialer, PerThread, RedisManager};
 use crate::configuration::redact_url;
 use crate::store::keys::{StateGroups, CLUSTER_STATE_GROUPS};
 use crate::store::{Every, Keys, SlotRange, StoreError};
+use tollgate_engine::pool::{tcp_settings, Dialer, PerThread, RedisManager};
 
 /// One stream entry (the change feed, the audit log): its id and fields.
 pub(super) type FeedEntry = (String, Vec<(String, String)>);
@@ -164,7 +164,7 @@ macro_rules! retrying {
         };
         match first {
             Err($crate::store::StoreError::Redis(e))
-                if $crate::store::redis::pool::is_transport_error(&e) || e.is_timeout() =>
+                if tollgate_engine::pool::is_transport_error(&e) || e.is_timeout() =>
             {
                 tracing::debug!(error = %e, "store call failed on its connection; once more on a fresh one");
                 if e.is_timeout() {

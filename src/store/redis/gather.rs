@@ -38,10 +38,10 @@ use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, RedisWrite, Script, ToRedisArgs};
 use tokio::sync::oneshot;
 
-use super::pool::Link;
 use crate::domain::quota::Bounds;
 use crate::domain::{Applied, AppliedKind};
 use crate::store::{BucketCalls, Every, StoreError};
+use tollgate_engine::pool::Link;
 
 /// Most entries one call carries; more open the next batch.
 pub const MAX_ENTRIES: usize = 128;

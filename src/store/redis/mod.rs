@@ -15,8 +15,6 @@ mod coalesce;
 mod gather;
 mod lifecycle;
 mod persistence;
-mod pipe;
-mod pool;
 #[cfg(test)]
 mod script_paths;
 mod shadow;

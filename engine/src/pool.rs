@@ -40,7 +40,7 @@ use redis::{
 };
 use tokio::sync::{watch, Notify};
 
-use super::pipe::{Pipe, Stream};
+use crate::pipe::{Pipe, Stream};
 
 /// Keepalive probes on an idle socket: a dead peer is noticed within ~11 s.
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(5);
