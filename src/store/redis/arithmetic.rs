@@ -95,7 +95,7 @@ const CASES: u32 = 128;
 const MAX_STEPS: usize = 24;
 /// Set (to the Redis URL) in the child process that runs the property.
 const CHILD: &str = "TOLLGATE_ARITHMETIC_REDIS";
-/// The offset file of the clock the child runs under (see [`FakeClock::env`]).
+/// Names the file of the clock the child runs under (see [`FakeClock::env`]).
 const CLOCK_FILE: &str = "TOLLGATE_FAKE_CLOCK";
 const SECOND_US: u64 = 1_000_000;
 const DAY_S: u64 = 86_400;
@@ -140,8 +140,10 @@ fn redis_and_the_rust_arithmetic_answer_alike_and_leave_the_same_state() {
 /// under the same name as the other kind. The script reads the field it finds whatever
 /// the kind: a quota's count and window end become a bucket's tokens and their time (in
 /// the window's future, so nothing refills until then); the Rust side reads a quota's
-/// state as no bucket state, and the bucket starts full. (A bucket turned quota reads
-/// alike on both sides: the bucket's time is past, so the window is over.)
+/// state as no bucket state, and the bucket starts full. Here, a quota of 5 an hour counts
+/// one request, then becomes a bucket of 10 (1/s): Redis admits the next request from 1
+/// token and leaves 0, the embedded store from 10 and leaves 9. (A bucket turned quota
+/// reads alike on both sides: the bucket's time is past, so the window is over.)
 #[test]
 #[ignore = "a known difference between the script and the Rust arithmetic (issue 33)"]
 fn a_quota_redefined_as_a_bucket_starts_alike_on_both_sides() {
@@ -213,14 +215,17 @@ fn under_one_clock(name: &str, body: impl FnOnce(&World)) {
         .output()
         .expect("the test binary runs");
 
-    // Assert: it passed; if not, its output says where the two sides differ.
-    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    // Assert: it passed (and said what it compared); if not, its output says where the
+    // two sides differ.
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
     assert!(
         out.status.success(),
-        "{name} failed in the child process:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+        "{name} failed in the child process:\n{stdout}{stderr}"
     );
+    eprint!("{stderr}");
 }
 
 impl World {
@@ -641,11 +646,13 @@ struct Kept {
     sweep_after: f64,
 }
 
+/// A history that failed, and why.
 fn fail(why: String) -> TestCaseError {
     TestCaseError::fail(why)
 }
 
 impl World {
+    /// Replays `h` on both sides, from an empty Redis and the clock at its start.
     fn replay(&self, h: &History) -> Result<(), TestCaseError> {
         redis::cmd("FLUSHALL")
             .exec(&mut self.conn.borrow_mut())
@@ -711,6 +718,7 @@ fn build_limit(i: usize, d: &LimitDef, default_first: bool) -> Limit {
 }
 
 impl Replay<'_> {
+    /// Runs `step` on both sides and compares what they answer and keep.
     fn step(&mut self, step: &Step) -> Result<(), String> {
         if matches!(
             step,
