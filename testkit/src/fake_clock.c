@@ -3,8 +3,10 @@
  * realtime clock (clock_gettime(CLOCK_REALTIME*), gettimeofday(), time()) reads the real
  * time plus an offset in seconds, "+N" or "-N" (fractions allowed), read from the file
  * named by $TOLLGATE_FAKE_CLOCK at every call, so a test moves the clock of every process
- * reading that file at once, and they all agree. Other clocks (monotonic, CPU) are left
- * alone: timers and timeouts run in real time.
+ * reading that file at once, and they all agree. "@N" instead stops the clock at N
+ * seconds since the epoch (fractions allowed): every read gives that instant until the
+ * file changes. Other clocks (monotonic, CPU) are left alone: timers and timeouts run in
+ * real time.
  *
  * Why not libfaketime: Debian's redis-server is linked with jemalloc, whose start-up reads
  * the clock before libfaketime's own start-up (which allocates) can finish; libfaketime
@@ -21,7 +23,9 @@
 
 #define NS 1000000000LL
 
-static long long offset_ns(void) {
+/* The offset in ns; or, when *still is set, the instant the clock stands at. */
+static long long offset_ns(int *still) {
+    *still = 0;
     const char *path = getenv("TOLLGATE_FAKE_CLOCK");
     if (path == NULL) return 0;
     int fd = (int)syscall(SYS_openat, AT_FDCWD, path, O_RDONLY | O_CLOEXEC);
@@ -33,7 +37,12 @@ static long long offset_ns(void) {
     buf[n] = '\0';
     const char *p = buf;
     int negative = 0;
-    if (*p == '+' || *p == '-') negative = *p++ == '-';
+    if (*p == '@') {
+        *still = 1;
+        p++;
+    } else if (*p == '+' || *p == '-') {
+        negative = *p++ == '-';
+    }
     long long secs = 0, frac = 0, scale = NS;
     while (*p >= '0' && *p <= '9') secs = secs * 10 + (*p++ - '0');
     if (*p == '.') {
@@ -51,7 +60,9 @@ static long long offset_ns(void) {
 int clock_gettime(clockid_t clock, struct timespec *ts) {
     int r = (int)syscall(SYS_clock_gettime, clock, ts);
     if (r == 0 && (clock == CLOCK_REALTIME || clock == CLOCK_REALTIME_COARSE)) {
-        long long t = (long long)ts->tv_sec * NS + ts->tv_nsec + offset_ns();
+        int still;
+        long long offset = offset_ns(&still);
+        long long t = still ? offset : (long long)ts->tv_sec * NS + ts->tv_nsec + offset;
         ts->tv_sec = (time_t)(t / NS);
         ts->tv_nsec = (long)(t % NS);
         if (ts->tv_nsec < 0) {

@@ -14,9 +14,10 @@ use crate::process::temp_dir;
 const SOURCE: &str = include_str!("fake_clock.c");
 
 /// A wall clock for child processes: every process started with [`FakeClock::env`] reads
-/// the realtime clock as the real time plus this clock's offset, kept in one file that it
-/// reads at every call. So the gateway and Redis agree on the time (the script's `TIME`
-/// and the gateway's quota windows), and [`FakeClock::set`] moves all of them at once.
+/// the realtime clock as the real time plus this clock's offset (or, once frozen, as one
+/// instant), kept in one file that it reads at every call. So the gateway and Redis agree
+/// on the time (the script's `TIME` and the gateway's quota windows), and
+/// [`FakeClock::set`] moves all of them at once.
 /// Monotonic clocks are left alone: timers and timeouts run in real time.
 ///
 /// The library is compiled with `cc` when the clock is made (a C compiler is there
@@ -59,9 +60,22 @@ impl FakeClock {
     pub fn set(&self, unix_s: f64) -> anyhow::Result<()> {
         let real = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs_f64();
         let offset = unix_s - real;
-        // Renamed into place: a process reading the file sees the old offset or the new.
+        self.write(&format!("{offset:+.6}"))
+    }
+
+    /// Stops the clock at `unix_s` (to the microsecond): every read gives that instant
+    /// until the clock is moved again, so a test decides each instant exactly.
+    pub fn freeze(&self, unix_s: f64) -> anyhow::Result<()> {
+        self.write(&format!("@{unix_s:.6}"))
+    }
+
+    /// Replaces the file's contents. A process running under the clock may do the same
+    /// itself: the file is [`FakeClock::env`]'s `TOLLGATE_FAKE_CLOCK`, its format
+    /// `fake_clock.c`'s.
+    fn write(&self, contents: &str) -> anyhow::Result<()> {
+        // Renamed into place: a process reading the file sees the old contents or the new.
         let next = self.dir.path().join("offset.next");
-        std::fs::write(&next, format!("{offset:+.6}"))?;
+        std::fs::write(&next, contents)?;
         std::fs::rename(&next, &self.file)?;
         Ok(())
     }
@@ -103,6 +117,19 @@ mod tests {
         let clock = FakeClock::at(1_798_761_597.0).unwrap();
         let t = date(&clock);
         assert!((1_798_761_597.0..1_798_761_599.0).contains(&t), "{t}");
+
+        clock.set(1_000_000_000.5).unwrap();
+        let t = date(&clock);
+        assert!((1_000_000_000.5..1_000_000_002.0).contains(&t), "{t}");
+    }
+
+    #[test]
+    fn a_frozen_clock_reads_one_instant_until_it_is_moved() {
+        let clock = FakeClock::at(1_798_761_597.0).unwrap();
+        clock.freeze(1_798_761_597.123456).unwrap();
+        assert_eq!(date(&clock), 1_798_761_597.123456);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert_eq!(date(&clock), 1_798_761_597.123456);
 
         clock.set(1_000_000_000.5).unwrap();
         let t = date(&clock);

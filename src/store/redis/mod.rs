@@ -7,6 +7,8 @@
 //! `audit.rs`, `shadow.rs`, `shards.rs` and `lifecycle.rs` (with `persistence.rs`: what
 //! Redis keeps across its restart).
 
+#[cfg(test)]
+mod arithmetic;
 mod audit;
 mod backend;
 mod buckets;
