@@ -71,7 +71,9 @@ pub fn take_from(tokens: &mut f64, plan: Bucket, cost: f64) -> Option<u64> {
     } else if cost > plan.capacity() {
         None
     } else {
-        Some(((cost - *tokens) / plan.rate() * 1_000_000.0).ceil() as u64)
+        // At least a microsecond: a refused take never reads as taken, even when the
+        // tokens it lacks are too few to count.
+        Some((((cost - *tokens) / plan.rate() * 1_000_000.0).ceil() as u64).max(1))
     }
 }
 

@@ -87,7 +87,7 @@ use crate::domain::{
     bucket, Applied, AppliedKind, Bounds, Bucket, BucketState, Level, Limit, LimitKind, LimitName,
     LimitState, Limits, Override, Period, Quota, QuotaClock, Reset, Ruling, ServiceName,
 };
-use crate::store::{Budget, Keys, LocalLimits, LocalOp, StoreError};
+use crate::store::{Buckets, Budget, Keys, LocalLimits, LocalOp, StoreError};
 
 /// Histories per run, unless `PROPTEST_CASES` says otherwise.
 const CASES: u32 = 128;
@@ -950,13 +950,16 @@ impl Replay<'_> {
         };
         self.world.seen.borrow_mut().one_bucket += 1;
         let state = self.kept_bucket(client, a);
-        let (_, v) = bucket::take_seeded(state, Clock::now_us(), bucket, cost, initial);
+        let (after, wait_us) = bucket::take_seeded(state, Clock::now_us(), bucket, cost, initial);
         let level = redis.levels.first().copied();
-        if (v.allowed, Some(Level::Tokens(v.tokens)), v.wait_us)
-            != (redis.allowed, level, redis.wait_us)
+        if (
+            wait_us == bucket::TAKEN,
+            Some(Level::Tokens(after.tokens)),
+            wait_us,
+        ) != (redis.allowed, level, redis.wait_us)
         {
             return Err(format!(
-                "domain::bucket decides {v:?} from {state:?}, Redis {redis:?}"
+                "domain::bucket decides a wait of {wait_us:?} leaving {after:?} from {state:?}, Redis {redis:?}"
             ));
         }
         Ok(())
