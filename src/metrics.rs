@@ -542,6 +542,32 @@ mod tests {
         }
     }
 
+    /// Every family `Metrics` writes, with counts in each, exactly as scrapers have read it
+    /// so far.
+    #[test]
+    fn the_exposition_is_written_as_before() {
+        let m = Metrics::default();
+        let orders: Arc<str> = Arc::from("orders");
+        let llm: Arc<str> = Arc::from("llm");
+        m.record_decision(Outcome::Allowed, Duration::from_micros(80));
+        m.record_decision(Outcome::Denied, Duration::from_micros(700));
+        m.record_decision(Outcome::FailOpen, Duration::from_millis(6));
+        m.fail_open(FailOpenReason::Timeout);
+        m.shed(ShedReason::DecisionWait);
+        m.count_outcome("unknown_key");
+        m.store_error(StoreErrorKind::Pool);
+        m.record_shadow(true, false);
+        m.record_upstream(&orders, 200, Duration::from_micros(1500));
+        m.record_upstream(&orders, 503, Duration::from_secs(2));
+        m.record_upstream(&llm, 429, Duration::from_millis(30));
+        m.record_cost_report(&llm, CostReport::Refund);
+        m.reloads.succeeded(1_712_345_678_042);
+        m.reloads.rejected();
+        let text = m.render();
+        let expected = include_str!("../tests/golden/metrics.txt");
+        assert_eq!(text, expected);
+    }
+
     #[test]
     fn counts_from_every_thread_add_up() {
         let m = Arc::new(Metrics::default());

@@ -243,6 +243,15 @@ mod tests {
     }
 
     #[test]
+    fn replica_and_retry_metrics_are_written_as_before() {
+        let t = table(&["/a"]);
+        let _busy = t.find("/a").unwrap().replicas.get(0).start();
+        let mut out = String::new();
+        t.render_metrics(&mut out);
+        assert_eq!(out, include_str!("../../tests/golden/routes.txt"));
+    }
+
+    #[test]
     fn no_match_without_a_root_route() {
         let t = table(&["/orders"]);
         assert!(t.find("/billing").is_none());
