@@ -1,6 +1,7 @@
 //! The OTLP exporter of `opentelemetry-otlp`, built from the `telemetry` settings: the
 //! protocol, gzip, its retries (the crate's recommended policy: up to 3, backing off from
-//! 100 ms, honouring `Retry-After`), all within [`EXPORT_TIMEOUT`]; and its HTTP client,
+//! 100 ms, honouring `Retry-After`; none starts past [`EXPORT_TIMEOUT`] after the first try,
+//! and each try is given as long); and its HTTP client,
 //! hyper over rustls (ring), trusting the public roots and `telemetry.otlp_ca_file`, which
 //! adds `telemetry.otlp_headers` to every post. The header values are kept marked
 //! sensitive and only the client holds them: neither they nor the client's `Debug` show up
@@ -30,7 +31,8 @@ use secrecy::ExposeSecret;
 
 use crate::configuration::{OtlpCompression, OtlpEndpoint, OtlpProtocol, TelemetrySettings};
 
-/// The longest one export may take, retries included; each try is also bounded by it.
+/// How long one try may take, and after how long since the first no retry starts: an
+/// export takes at most about twice this.
 pub const EXPORT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The exporter posting to `endpoint` as `settings` say. Fails when the CA file holds no
