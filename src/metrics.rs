@@ -1,6 +1,9 @@
-//! Prometheus metrics: plain atomics on the request path, rendered as text on scrape.
-//! No label carries a client id or an API key.
+//! Prometheus metrics: plain atomics on the request path, summed and written as text on
+//! scrape by [`Exposition`], the one writer of the `/metrics` text (this module's
+//! families, and those `ops` and the route table add). No label carries a client id or an
+//! API key.
 
+use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
@@ -80,11 +83,6 @@ pub enum CostReport {
 
 /// The `outcome` label of `tollgate_cost_reports_total`, in [`CostReport`] order.
 const COST_REPORTS: [&str; 4] = ["debit", "refund", "same", "invalid"];
-
-/// Writes a metric family's `# HELP` and `# TYPE` lines.
-pub fn family(out: &mut String, name: &str, kind: &str, help: &str) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-}
 
 /// How many sets of per-request counters there are; each thread writes one of them.
 const SHARDS: usize = 16;
@@ -244,170 +242,151 @@ impl Metrics {
         reports.entry(Arc::clone(service)).or_default()[report as usize].fetch_add(1, Relaxed);
     }
 
-    /// The Prometheus text exposition.
+    /// The Prometheus text exposition of these counters alone (`/metrics` adds the rest).
     pub fn render(&self) -> String {
-        let mut out = String::with_capacity(4096);
-        family(
-            &mut out,
+        let mut out = Exposition::new();
+        self.write(&mut out);
+        out.finish()
+    }
+
+    /// Writes every family these counters make.
+    pub fn write(&self, out: &mut Exposition) {
+        self.write_decisions(out);
+        self.write_store(out);
+        self.write_limiter_seconds(out);
+        self.write_upstreams(out);
+        self.write_cost_reports(out);
+        self.reloads.write(out);
+    }
+
+    fn write_decisions(&self, out: &mut Exposition) {
+        let mut f = out.family(
             "tollgate_decisions_total",
-            "counter",
+            Kind::Counter,
             "Limiter decisions by outcome.",
         );
         for (i, o) in OUTCOMES.iter().enumerate() {
-            let _ = writeln!(
-                out,
-                "tollgate_decisions_total{{outcome=\"{o}\"}} {}",
-                self.sum(|s| &s.decisions[i])
-            );
+            f.sample(&[("outcome", o)], self.sum(|s| &s.decisions[i]));
         }
-        family(
-            &mut out,
+        out.family(
             "tollgate_fail_open_total",
-            "counter",
+            Kind::Counter,
             "Requests admitted without a store decision (failing open: the store did not answer in time, failed, or its breaker was open); the same count as tollgate_decisions_total{outcome=\"fail_open\"}.",
-        );
-        let _ = writeln!(out, "tollgate_fail_open_total {}", self.fail_open_total());
-        family(
-            &mut out,
+        )
+        .sample(&[], self.fail_open_total());
+        let mut f = out.family(
             "tollgate_fail_open_reasons_total",
-            "counter",
+            Kind::Counter,
             "Requests admitted without a store decision, by reason.",
         );
         for r in FailOpenReason::ALL {
-            let _ = writeln!(
-                out,
-                "tollgate_fail_open_reasons_total{{reason=\"{}\"}} {}",
-                r.label(),
-                self.fail_open_reasons[r as usize].load(Relaxed)
-            );
+            let n = &self.fail_open_reasons[r as usize];
+            f.sample(&[("reason", r.label())], n.load(Relaxed));
         }
-        family(
-            &mut out,
+        let mut f = out.family(
             "tollgate_shed_total",
-            "counter",
+            Kind::Counter,
             "Requests an overloaded gateway refused with 503 rather than decide late or admit unchecked, by reason; the same count as tollgate_decisions_total{outcome=\"shed\"}.",
         );
-        for (i, r) in SHED_REASONS.iter().enumerate() {
-            let _ = writeln!(
-                out,
-                "tollgate_shed_total{{reason=\"{r}\"}} {}",
-                self.shed[i].load(Relaxed)
-            );
+        for (r, n) in SHED_REASONS.iter().zip(&self.shed) {
+            f.sample(&[("reason", r)], n.load(Relaxed));
         }
-        family(
-            &mut out,
+    }
+
+    fn write_store(&self, out: &mut Exposition) {
+        let mut f = out.family(
             "tollgate_store_errors_total",
-            "counter",
+            Kind::Counter,
             "Store calls that failed, by kind.",
         );
-        for (i, k) in ERROR_KINDS.iter().enumerate() {
-            let _ = writeln!(
-                out,
-                "tollgate_store_errors_total{{kind=\"{k}\"}} {}",
-                self.store_errors[i].load(Relaxed)
-            );
+        for (k, n) in ERROR_KINDS.iter().zip(&self.store_errors) {
+            f.sample(&[("kind", k)], n.load(Relaxed));
         }
-        family(
-            &mut out,
+        let mut f = out.family(
             "tollgate_shadow_comparisons_total",
-            "counter",
+            Kind::Counter,
             "Shadow-mode decisions compared with the service's own answer.",
         );
-        for (g, gl) in ["allow", "deny"].iter().enumerate() {
-            for (s, sl) in ["allow", "deny"].iter().enumerate() {
-                let _ = writeln!(
-                    out,
-                    "tollgate_shadow_comparisons_total{{gateway=\"{gl}\",service=\"{sl}\"}} {}",
-                    self.shadow[g][s].load(Relaxed)
+        for (g, gateway) in ["allow", "deny"].iter().enumerate() {
+            for (s, service) in ["allow", "deny"].iter().enumerate() {
+                f.sample(
+                    &[("gateway", gateway), ("service", service)],
+                    self.shadow[g][s].load(Relaxed),
                 );
             }
         }
-        family(
-            &mut out,
+    }
+
+    fn write_limiter_seconds(&self, out: &mut Exposition) {
+        let buckets: Vec<u64> = (0..BUCKETS.len())
+            .map(|i| self.sum(|s| &s.limiter_buckets[i]))
+            .collect();
+        out.family(
             "tollgate_limiter_seconds",
-            "histogram",
+            Kind::Histogram,
             "Time to decide one request.",
+        )
+        .histogram(
+            &[],
+            &BUCKETS,
+            &buckets,
+            self.sum(|s| &s.limiter_sum_ns) as f64 / 1e9,
+            self.sum(|s| &s.limiter_count),
         );
-        let mut cumulative = 0;
-        for (i, b) in BUCKETS.iter().enumerate() {
-            cumulative += self.sum(|s| &s.limiter_buckets[i]);
-            let _ = writeln!(
-                out,
-                "tollgate_limiter_seconds_bucket{{le=\"{b}\"}} {cumulative}"
-            );
-        }
-        let count = self.sum(|s| &s.limiter_count);
-        let _ = writeln!(
-            out,
-            "tollgate_limiter_seconds_bucket{{le=\"+Inf\"}} {count}"
-        );
-        let _ = writeln!(
-            out,
-            "tollgate_limiter_seconds_sum {}",
-            self.sum(|s| &s.limiter_sum_ns) as f64 / 1e9
-        );
-        let _ = writeln!(out, "tollgate_limiter_seconds_count {count}");
-        family(
-            &mut out,
-            "tollgate_upstream_requests_total",
-            "counter",
-            "Responses from upstream services.",
-        );
-        // service → (classes, buckets, count, sum_ns)
-        type Merged = ([u64; 5], [u64; UPSTREAM_BUCKETS.len()], u64, u64);
-        let mut merged: std::collections::BTreeMap<Arc<str>, Merged> = Default::default();
+    }
+
+    /// Every service's responses, summed over the shards, by service name.
+    fn upstreams(&self) -> BTreeMap<Arc<str>, UpstreamTotals> {
+        let mut merged: BTreeMap<Arc<str>, UpstreamTotals> = BTreeMap::new();
         for shard in self.shards.iter() {
             for e in shard.upstream.iter() {
                 let row = merged.entry(e.key().clone()).or_default();
                 let u = e.value();
-                for (total, c) in row.0.iter_mut().zip(&u.classes) {
+                for (total, c) in row.classes.iter_mut().zip(&u.classes) {
                     *total += c.load(Relaxed);
                 }
-                for (total, c) in row.1.iter_mut().zip(&u.buckets) {
+                for (total, c) in row.buckets.iter_mut().zip(&u.buckets) {
                     *total += c.load(Relaxed);
                 }
-                row.2 += u.count.load(Relaxed);
-                row.3 += u.sum_ns.load(Relaxed);
+                row.count += u.count.load(Relaxed);
+                row.sum_ns += u.sum_ns.load(Relaxed);
             }
         }
-        for (service, (counts, _, _, _)) in &merged {
-            for (i, n) in counts.iter().enumerate().filter(|(_, n)| **n > 0) {
-                let _ = writeln!(
-                    out,
-                    "tollgate_upstream_requests_total{{service=\"{service}\",status_class=\"{}xx\"}} {n}",
-                    i + 1
-                );
+        merged
+    }
+
+    fn write_upstreams(&self, out: &mut Exposition) {
+        let merged = self.upstreams();
+        let mut f = out.family(
+            "tollgate_upstream_requests_total",
+            Kind::Counter,
+            "Responses from upstream services.",
+        );
+        for (service, totals) in &merged {
+            for (class, n) in STATUS_CLASSES.iter().zip(totals.classes) {
+                if n > 0 {
+                    f.sample(&[("service", service), ("status_class", class)], n);
+                }
             }
         }
-        family(
-            &mut out,
+        let mut f = out.family(
             "tollgate_upstream_seconds",
-            "histogram",
+            Kind::Histogram,
             "Time from a forwarded request's first try to its response head (or the gateway's error), every try included.",
         );
-        for (service, (_, buckets, count, sum_ns)) in &merged {
-            let mut cumulative = 0;
-            for (b, n) in UPSTREAM_BUCKETS.iter().zip(buckets) {
-                cumulative += n;
-                let _ = writeln!(
-                    out,
-                    "tollgate_upstream_seconds_bucket{{service=\"{service}\",le=\"{b}\"}} {cumulative}"
-                );
-            }
-            let _ = writeln!(
-                out,
-                "tollgate_upstream_seconds_bucket{{service=\"{service}\",le=\"+Inf\"}} {count}\ntollgate_upstream_seconds_sum{{service=\"{service}\"}} {}\ntollgate_upstream_seconds_count{{service=\"{service}\"}} {count}",
-                *sum_ns as f64 / 1e9
+        for (service, totals) in &merged {
+            f.histogram(
+                &[("service", service)],
+                &UPSTREAM_BUCKETS,
+                &totals.buckets,
+                totals.sum_ns as f64 / 1e9,
+                totals.count,
             );
         }
-        family(
-            &mut out,
-            "tollgate_cost_reports_total",
-            "counter",
-            "Real costs reported by services (a route's cost_header), by what they came to.",
-        );
-        let mut merged: std::collections::BTreeMap<Arc<str>, [u64; COST_REPORTS.len()]> =
-            Default::default();
+    }
+
+    fn write_cost_reports(&self, out: &mut Exposition) {
+        let mut merged: BTreeMap<Arc<str>, [u64; COST_REPORTS.len()]> = BTreeMap::new();
         for shard in self.shards.iter() {
             for e in shard.cost_reports.iter() {
                 let row = merged.entry(e.key().clone()).or_default();
@@ -416,20 +395,32 @@ impl Metrics {
                 }
             }
         }
+        let mut f = out.family(
+            "tollgate_cost_reports_total",
+            Kind::Counter,
+            "Real costs reported by services (a route's cost_header), by what they came to.",
+        );
         // Every outcome of a service that reported once, zeros included, so an alert on
         // `outcome="invalid"` has a series from the first report.
-        for (service, counts) in merged {
-            for (label, n) in COST_REPORTS.iter().zip(counts) {
-                let _ = writeln!(
-                    out,
-                    "tollgate_cost_reports_total{{service=\"{service}\",outcome=\"{label}\"}} {n}"
-                );
+        for (service, counts) in &merged {
+            for (outcome, n) in COST_REPORTS.iter().zip(counts) {
+                f.sample(&[("service", service), ("outcome", outcome)], *n);
             }
         }
-        self.reloads.render(&mut out);
-        out
     }
 }
+
+/// One service's responses summed over the shards.
+#[derive(Default)]
+struct UpstreamTotals {
+    classes: [u64; 5],
+    buckets: [u64; UPSTREAM_BUCKETS.len()],
+    count: u64,
+    sum_ns: u64,
+}
+
+/// The `status_class` label of `tollgate_upstream_requests_total`, by class 1xx..5xx.
+const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
 
 /// Configuration reloads: how many were applied or refused, and when the configuration
 /// served now was last loaded.
@@ -458,33 +449,193 @@ impl Reloads {
         self.rejected.fetch_add(1, Relaxed);
     }
 
-    fn render(&self, out: &mut String) {
-        family(
-            out,
+    fn write(&self, out: &mut Exposition) {
+        out.family(
             "tollgate_config_reloads_total",
-            "counter",
+            Kind::Counter,
             "Configuration reloads (SIGHUP): applied (ok) or refused because the configuration did not load (rejected).",
-        );
-        for (result, n) in [("ok", &self.ok), ("rejected", &self.rejected)] {
-            let _ = writeln!(
-                out,
-                "tollgate_config_reloads_total{{result=\"{result}\"}} {}",
-                n.load(Relaxed)
-            );
-        }
-        family(
-            out,
+        )
+        .sample(&[("result", "ok")], self.ok.load(Relaxed))
+        .sample(&[("result", "rejected")], self.rejected.load(Relaxed));
+        out.family(
             "tollgate_config_reload_last_success_timestamp_seconds",
-            "gauge",
+            Kind::Gauge,
             "When the configuration served now was loaded (start-up, or the last reload applied), Unix seconds.",
-        );
-        let ms = self.last_success_ms.load(Relaxed);
-        let _ = writeln!(
-            out,
-            "tollgate_config_reload_last_success_timestamp_seconds {}.{:03}",
-            ms / 1000,
-            ms % 1000
-        );
+        )
+        .sample(&[], UnixMillis(self.last_success_ms.load(Relaxed)));
+    }
+}
+
+/// The Prometheus text exposition (format 0.0.4), the one writer of `/metrics`: each family
+/// its `# HELP` and `# TYPE` lines, then its samples, label values escaped as the format
+/// says (`\`, `"` and newlines) and numbers written as Prometheus reads them.
+#[derive(Debug, Default)]
+pub struct Exposition {
+    out: String,
+}
+
+/// A metric family's type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+impl Kind {
+    fn as_str(self) -> &'static str {
+        match self {
+            Kind::Counter => "counter",
+            Kind::Gauge => "gauge",
+            Kind::Histogram => "histogram",
+        }
+    }
+}
+
+/// A sample's value as the exposition writes it.
+pub trait SampleValue {
+    fn write_to(&self, out: &mut String);
+}
+
+macro_rules! integer_sample {
+    ($($t:ty),*) => {$(
+        impl SampleValue for $t {
+            fn write_to(&self, out: &mut String) {
+                out.push_str(itoa::Buffer::new().format(*self));
+            }
+        }
+    )*};
+}
+integer_sample!(u8, u32, u64, usize);
+
+impl SampleValue for f64 {
+    fn write_to(&self, out: &mut String) {
+        if self.is_nan() {
+            out.push_str("NaN");
+        } else if self.is_infinite() {
+            out.push_str(if *self > 0.0 { "+Inf" } else { "-Inf" });
+        } else {
+            let _ = write!(out, "{self}");
+        }
+    }
+}
+
+/// A Unix time in milliseconds, written as seconds with three decimals.
+#[derive(Debug, Clone, Copy)]
+pub struct UnixMillis(pub u64);
+
+impl SampleValue for UnixMillis {
+    fn write_to(&self, out: &mut String) {
+        let _ = write!(out, "{}.{:03}", self.0 / 1000, self.0 % 1000);
+    }
+}
+
+impl Exposition {
+    pub fn new() -> Exposition {
+        Exposition {
+            out: String::with_capacity(8192),
+        }
+    }
+
+    /// Starts the family `name`: its `# HELP` and `# TYPE` lines. Its samples follow.
+    pub fn family(&mut self, name: &'static str, kind: Kind, help: &str) -> Family<'_> {
+        self.out.push_str("# HELP ");
+        self.out.push_str(name);
+        self.out.push(' ');
+        for c in help.chars() {
+            match c {
+                '\\' => self.out.push_str("\\\\"),
+                '\n' => self.out.push_str("\\n"),
+                c => self.out.push(c),
+            }
+        }
+        let _ = writeln!(self.out, "\n# TYPE {name} {}", kind.as_str());
+        Family {
+            out: &mut self.out,
+            name,
+        }
+    }
+
+    /// The text, to be served as `text/plain; version=0.0.4`.
+    pub fn finish(self) -> String {
+        self.out
+    }
+}
+
+/// The samples of one family.
+pub struct Family<'a> {
+    out: &'a mut String,
+    name: &'static str,
+}
+
+impl Family<'_> {
+    /// One sample: `name{labels} value`.
+    pub fn sample(&mut self, labels: &[(&str, &str)], value: impl SampleValue) -> &mut Self {
+        self.line("", labels, None, &value);
+        self
+    }
+
+    /// A histogram's series for one set of `labels`: a cumulative `_bucket` per upper
+    /// bound and `+Inf`, `_sum` and `_count`. `counts` are per bucket, not cumulative.
+    pub fn histogram(
+        &mut self,
+        labels: &[(&str, &str)],
+        bounds: &[f64],
+        counts: &[u64],
+        sum: f64,
+        count: u64,
+    ) -> &mut Self {
+        let mut cumulative = 0;
+        for (bound, n) in bounds.iter().zip(counts) {
+            cumulative += n;
+            self.line("_bucket", labels, Some(&format!("{bound}")), &cumulative);
+        }
+        self.line("_bucket", labels, Some("+Inf"), &count);
+        self.line("_sum", labels, None, &sum);
+        self.line("_count", labels, None, &count);
+        self
+    }
+
+    fn line(
+        &mut self,
+        suffix: &str,
+        labels: &[(&str, &str)],
+        le: Option<&str>,
+        value: &dyn SampleValue,
+    ) {
+        let out = &mut *self.out;
+        out.push_str(self.name);
+        out.push_str(suffix);
+        let le = le.map(|le| ("le", le));
+        let mut all = labels.iter().copied().chain(le).peekable();
+        if all.peek().is_some() {
+            out.push('{');
+            for (i, (name, value)) in all.enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(name);
+                out.push_str("=\"");
+                escape_label_value(out, value);
+                out.push('"');
+            }
+            out.push('}');
+        }
+        out.push(' ');
+        value.write_to(out);
+        out.push('\n');
+    }
+}
+
+/// A label value as the text format quotes it.
+fn escape_label_value(out: &mut String, value: &str) {
+    for c in value.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
     }
 }
 
@@ -522,6 +673,69 @@ mod tests {
         ] {
             assert!(text.contains(line), "{line} not in {text}");
         }
+    }
+
+    /// Every family `Metrics` writes, with counts in each, exactly as scrapers have read it
+    /// so far.
+    #[test]
+    fn the_exposition_is_written_as_before() {
+        let m = Metrics::default();
+        let orders: Arc<str> = Arc::from("orders");
+        let llm: Arc<str> = Arc::from("llm");
+        m.record_decision(Outcome::Allowed, Duration::from_micros(80));
+        m.record_decision(Outcome::Denied, Duration::from_micros(700));
+        m.record_decision(Outcome::FailOpen, Duration::from_millis(6));
+        m.fail_open(FailOpenReason::Timeout);
+        m.shed(ShedReason::DecisionWait);
+        m.count_outcome("unknown_key");
+        m.store_error(StoreErrorKind::Pool);
+        m.record_shadow(true, false);
+        m.record_upstream(&orders, 200, Duration::from_micros(1500));
+        m.record_upstream(&orders, 503, Duration::from_secs(2));
+        m.record_upstream(&llm, 429, Duration::from_millis(30));
+        m.record_cost_report(&llm, CostReport::Refund);
+        m.reloads.succeeded(1_712_345_678_042);
+        m.reloads.rejected();
+        let text = m.render();
+        let expected = include_str!("../tests/golden/metrics.txt");
+        assert_eq!(text, expected);
+    }
+
+    #[test]
+    fn label_values_and_help_are_escaped_and_odd_numbers_written_as_prometheus_reads_them() {
+        let mut out = Exposition::new();
+        out.family("t_gauge", Kind::Gauge, "Help with \\ and a\nnewline.")
+            .sample(&[("path", "C:\\x \"quoted\"\nnext")], f64::INFINITY)
+            .sample(&[("a", "1"), ("b", "2")], f64::NAN)
+            .sample(&[], f64::NEG_INFINITY)
+            .sample(&[], 0.25)
+            .sample(&[], UnixMillis(1_700_000_000_005));
+        assert_eq!(
+            out.finish(),
+            "# HELP t_gauge Help with \\\\ and a\\nnewline.\n\
+             # TYPE t_gauge gauge\n\
+             t_gauge{path=\"C:\\\\x \\\"quoted\\\"\\nnext\"} +Inf\n\
+             t_gauge{a=\"1\",b=\"2\"} NaN\n\
+             t_gauge -Inf\n\
+             t_gauge 0.25\n\
+             t_gauge 1700000000.005\n"
+        );
+    }
+
+    #[test]
+    fn a_histogram_is_cumulative_with_inf_sum_and_count() {
+        let mut out = Exposition::new();
+        out.family("t_seconds", Kind::Histogram, "Times.")
+            .histogram(&[("service", "a")], &[0.5, 1.0], &[2, 1], 1.75, 4);
+        assert_eq!(
+            out.finish(),
+            "# HELP t_seconds Times.\n# TYPE t_seconds histogram\n\
+             t_seconds_bucket{service=\"a\",le=\"0.5\"} 2\n\
+             t_seconds_bucket{service=\"a\",le=\"1\"} 3\n\
+             t_seconds_bucket{service=\"a\",le=\"+Inf\"} 4\n\
+             t_seconds_sum{service=\"a\"} 1.75\n\
+             t_seconds_count{service=\"a\"} 4\n"
+        );
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
@@ -10,10 +11,10 @@ use anyhow::{bail, Context};
 use actix_web::{web, HttpResponse};
 use serde_json::json;
 
-use crate::metrics::family;
+use crate::metrics::{Exposition, Kind};
 use crate::state::AppState;
 use crate::store::{BucketCalls, PoolState};
-use crate::trace::DROP_REASONS;
+use crate::trace::{ExportCounters, DROP_REASONS};
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route("/healthz", web::get().to(healthz))
@@ -107,157 +108,148 @@ pub fn probe(listen: SocketAddr, path: &str, timeout: Duration) -> anyhow::Resul
     }
 }
 
+/// `/metrics`: the Prometheus text exposition, every family written by one
+/// [`Exposition`]: the request path's counters ([`crate::metrics::Metrics`]), then what
+/// the limiter, the routes, the exporter, the store and the catalog report.
 async fn metrics(state: web::Data<AppState>) -> HttpResponse {
-    use std::fmt::Write;
-    let mut out = state.metrics.render();
+    let mut out = Exposition::new();
+    state.metrics.write(&mut out);
+    write_breaker(&mut out, &state);
+    state.routes.load().write_metrics(&mut out);
+    write_workers(&mut out, &state);
+    if let Some(tracer) = &state.traces {
+        write_traces(&mut out, tracer.counters());
+    }
+    write_store(&mut out, &state);
+    write_hot(&mut out, &state);
+    write_catalog(&mut out, &state);
+    HttpResponse::Ok()
+        .content_type("text/plain; version=0.0.4")
+        .body(out.finish())
+}
+
+fn write_breaker(out: &mut Exposition, state: &AppState) {
     let breakers = state.limiter.breakers().summary();
     let (open, opened) = (breakers.open, breakers.times_opened);
-    family(
-        &mut out,
+    out.family(
         "tollgate_breaker_open",
-        "gauge",
+        Kind::Gauge,
         "Whether the store's circuit breaker is open (1) or closed (0).",
-    );
-    let _ = writeln!(out, "tollgate_breaker_open {}", open as u8);
-    family(
-        &mut out,
+    )
+    .sample(&[], u8::from(open));
+    out.family(
         "tollgate_breaker_opened_total",
-        "counter",
+        Kind::Counter,
         "Times the circuit breaker opened.",
-    );
-    let _ = writeln!(out, "tollgate_breaker_opened_total {opened}");
-    state.routes.load().render_metrics(&mut out);
+    )
+    .sample(&[], opened);
+}
+
+fn write_workers(out: &mut Exposition, state: &AppState) {
     let loads = state.limiter.worker_loads();
-    family(
-        &mut out,
-        "tollgate_pending_decisions",
-        "gauge",
-        "Requests being decided now, over all workers (each worker sheds new ones past overload.max_pending).",
-    );
     let pending: usize = loads.iter().map(|l| l.pending()).sum();
-    let _ = writeln!(out, "tollgate_pending_decisions {pending}");
-    family(
-        &mut out,
+    out.family(
+        "tollgate_pending_decisions",
+        Kind::Gauge,
+        "Requests being decided now, over all workers (each worker sheds new ones past overload.max_pending).",
+    )
+    .sample(&[], pending);
+    let mut f = out.family(
         "tollgate_worker_delay_seconds",
-        "gauge",
+        Kind::Gauge,
         "How late each worker's event loop runs a task that becomes ready, last measured (every 10 ms); past overload.max_delay_ms the worker sheds.",
     );
     for (i, l) in loads.iter().enumerate() {
-        let _ = writeln!(
-            out,
-            "tollgate_worker_delay_seconds{{worker=\"{i}\"}} {}",
-            l.delay().as_secs_f64()
-        );
+        f.sample(&[("worker", &i.to_string())], l.delay().as_secs_f64());
     }
-    if let Some(tracer) = &state.traces {
-        let counters = tracer.counters();
-        family(
-            &mut out,
-            "tollgate_trace_spans_exported_total",
-            "counter",
-            "Spans the OTLP collector accepted.",
-        );
-        let exported = counters.exported.load(std::sync::atomic::Ordering::Relaxed);
-        let _ = writeln!(out, "tollgate_trace_spans_exported_total {exported}");
-        family(
-            &mut out,
-            "tollgate_trace_spans_dropped_total",
-            "counter",
-            "Spans not exported: the queue was full, or the collector failed or did not answer.",
-        );
-        for (reason, n) in DROP_REASONS.iter().zip(&counters.dropped) {
-            let n = n.load(std::sync::atomic::Ordering::Relaxed);
-            let _ = writeln!(
-                out,
-                "tollgate_trace_spans_dropped_total{{reason=\"{reason}\"}} {n}"
-            );
-        }
+}
+
+/// Only when export is on.
+fn write_traces(out: &mut Exposition, counters: &ExportCounters) {
+    out.family(
+        "tollgate_trace_spans_exported_total",
+        Kind::Counter,
+        "Spans the OTLP collector accepted.",
+    )
+    .sample(&[], counters.exported.load(Relaxed));
+    let mut f = out.family(
+        "tollgate_trace_spans_dropped_total",
+        Kind::Counter,
+        "Spans not exported: the queue was full, or the collector failed or did not answer.",
+    );
+    for (reason, n) in DROP_REASONS.iter().zip(&counters.dropped) {
+        f.sample(&[("reason", reason)], n.load(Relaxed));
     }
+}
+
+fn write_store(out: &mut Exposition, state: &AppState) {
     if let Some(PoolState { open: conns, idle }) = state.store.lifecycle.pool() {
-        family(
-            &mut out,
+        out.family(
             "tollgate_redis_pool_connections",
-            "gauge",
+            Kind::Gauge,
             "Redis connections by state; busy near the pool size means saturation.",
-        );
-        let _ = writeln!(
-            out,
-            "tollgate_redis_pool_connections{{state=\"idle\"}} {idle}"
-        );
-        let _ = writeln!(
-            out,
-            "tollgate_redis_pool_connections{{state=\"busy\"}} {}",
-            conns - idle.min(conns)
-        );
+        )
+        .sample(&[("state", "idle")], idle)
+        .sample(&[("state", "busy")], conns - idle.min(conns));
     }
     if let Some(BucketCalls { calls, takes }) = state.limiter.bucket_calls() {
-        family(
-            &mut out,
+        out.family(
             "tollgate_store_bucket_calls_total",
-            "counter",
+            Kind::Counter,
             "Limits script calls sent to Redis for takes; one call decides the takes a worker made in one turn of its event loop, of any clients.",
-        );
-        let _ = writeln!(out, "tollgate_store_bucket_calls_total {calls}");
-        family(
-            &mut out,
+        )
+        .sample(&[], calls);
+        out.family(
             "tollgate_store_bucket_takes_total",
-            "counter",
+            Kind::Counter,
             "Takes those calls decided (takes / calls is the average batch).",
-        );
-        let _ = writeln!(out, "tollgate_store_bucket_takes_total {takes}");
+        )
+        .sample(&[], takes);
     }
+}
+
+fn write_hot(out: &mut Exposition, state: &AppState) {
     let top = state.limiter.hot().top();
-    family(&mut out, "tollgate_busiest_client_share", "gauge", "The busiest client's fraction of this gateway's requests over the last 10 s (see /admin/v1/hot for who it is).");
-    let _ = writeln!(
-        out,
-        "tollgate_busiest_client_share {}",
-        top.first().map_or(0.0, |c| c.share)
-    );
-    family(
-        &mut out,
+    let busiest = top.first();
+    out.family(
+        "tollgate_busiest_client_share",
+        Kind::Gauge,
+        "The busiest client's fraction of this gateway's requests over the last 10 s (see /admin/v1/hot for who it is).",
+    )
+    .sample(&[], busiest.map_or(0.0, |c| c.share));
+    out.family(
         "tollgate_busiest_client_rps",
-        "gauge",
+        Kind::Gauge,
         "The busiest client's estimated requests per second through this gateway.",
-    );
-    let _ = writeln!(
-        out,
-        "tollgate_busiest_client_rps {}",
-        top.first().map_or(0.0, |c| c.rps)
-    );
-    family(
-        &mut out,
+    )
+    .sample(&[], busiest.map_or(0.0, |c| c.rps));
+}
+
+fn write_catalog(out: &mut Exposition, state: &AppState) {
+    out.family(
         "tollgate_catalog_version",
-        "gauge",
+        Kind::Gauge,
         "The catalog version this gateway's copy reflects.",
-    );
-    let _ = writeln!(out, "tollgate_catalog_version {}", state.catalog.version());
+    )
+    .sample(&[], state.catalog.version());
     let source = state.catalog.source();
-    family(
-        &mut out,
+    let mut f = out.family(
         "tollgate_catalog_source",
-        "gauge",
+        Kind::Gauge,
         "Which catalog this gateway serves (1): the store's, the cache file's (the store has not answered since start), or only the configuration's.",
     );
     for s in ["store", "cache", "config"] {
-        let _ = writeln!(
-            out,
-            "tollgate_catalog_source{{source=\"{s}\"}} {}",
-            u8::from(source.label() == s)
-        );
+        f.sample(&[("source", s)], u8::from(source.label() == s));
     }
     if let crate::catalog::Source::Cache { saved_at_ms } = source {
-        family(
-            &mut out,
-            "tollgate_catalog_cache_age_seconds",
-            "gauge",
-            "How old the cache file being served is.",
-        );
         let age = crate::catalog::cache::now_ms().saturating_sub(saved_at_ms) as f64 / 1000.0;
-        let _ = writeln!(out, "tollgate_catalog_cache_age_seconds {age}");
+        out.family(
+            "tollgate_catalog_cache_age_seconds",
+            Kind::Gauge,
+            "How old the cache file being served is.",
+        )
+        .sample(&[], age);
     }
-    HttpResponse::Ok()
-        .content_type("text/plain; version=0.0.4")
-        .body(out)
 }
 
 #[cfg(test)]

@@ -80,6 +80,13 @@ impl Application {
             settings.overload,
         ));
         limiter.spawn_background();
+        let traces = match &settings.telemetry.otlp_endpoint {
+            Some(endpoint) => Some(Tracer::start(trace::exporter(
+                endpoint,
+                &settings.telemetry,
+            )?)),
+            None => None,
+        };
         let state = web::Data::new(AppState {
             catalog,
             limiter,
@@ -91,7 +98,7 @@ impl Application {
             max_body_bytes: settings.server.max_body_bytes.get(),
             upstream: settings.upstream,
             safety_multiplier: settings.limits.safety_multiplier,
-            traces: settings.telemetry.otlp_endpoint.as_ref().map(Tracer::start),
+            traces,
         });
         let traced = state.traces.is_some();
         // One checker for the process, reading whichever table is served now; it ends

@@ -14,6 +14,6 @@ pub use periods::{BackOff, Periods};
 pub use raw::DEFAULT_TOML;
 pub use settings::{
     AdminSettings, Balance, CatalogSettings, ClientSettings, HealthCheckSettings, LimitSettings,
-    OverloadSettings, PlanSettings, RedisSettings, RouteSettings, ServerSettings, Settings,
-    TelemetrySettings, UpstreamSettings,
+    OtlpCompression, OtlpEndpoint, OtlpHeader, OtlpProtocol, OverloadSettings, PlanSettings,
+    RedisSettings, RouteSettings, ServerSettings, Settings, TelemetrySettings, UpstreamSettings,
 };

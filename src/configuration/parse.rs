@@ -18,8 +18,8 @@ use super::raw::{
 };
 use super::settings::{
     AdminSettings, Balance, CatalogSettings, ClientSettings, HealthCheckSettings, LimitSettings,
-    OverloadSettings, PlanSettings, RedisSettings, RouteSettings, ServerSettings, Settings,
-    TelemetrySettings, UpstreamSettings,
+    OtlpCompression, OtlpEndpoint, OtlpHeader, OtlpProtocol, OverloadSettings, PlanSettings,
+    RedisSettings, RouteSettings, ServerSettings, Settings, TelemetrySettings, UpstreamSettings,
 };
 use crate::domain::{
     ApiKey, Bucket, Capacity, ClientId, KeyHash, Limit, Limits, Mode, PlanName, Rate, Region,
@@ -277,14 +277,113 @@ fn health_check(raw: RawHealthCheck, key: &str, p: &mut Problems) -> Option<Heal
 
 fn telemetry(raw: RawTelemetry, p: &mut Problems) -> Option<TelemetrySettings> {
     let otlp_endpoint = if raw.otlp_endpoint.is_empty() {
-        None
+        Some(None)
     } else {
-        Some(p.take(
+        p.take(
             "telemetry.otlp_endpoint",
-            Upstream::parse(&raw.otlp_endpoint),
-        )?)
+            OtlpEndpoint::parse(&raw.otlp_endpoint),
+        )
+        .map(Some)
     };
-    Some(TelemetrySettings { otlp_endpoint })
+    let otlp_protocol = p.take(
+        "telemetry.otlp_protocol",
+        match raw.otlp_protocol.as_str() {
+            "http/json" => Ok(OtlpProtocol::HttpJson),
+            "http/protobuf" => Ok(OtlpProtocol::HttpProtobuf),
+            other => Err(format!(
+                "{other:?} is not a protocol; use \"http/json\" or \"http/protobuf\""
+            )),
+        },
+    );
+    let otlp_compression = p.take(
+        "telemetry.otlp_compression",
+        match raw.otlp_compression.as_str() {
+            "none" => Ok(OtlpCompression::None),
+            "gzip" => Ok(OtlpCompression::Gzip),
+            other => Err(format!(
+                "{other:?} is not a compression; use \"none\" or \"gzip\""
+            )),
+        },
+    );
+    let otlp_headers = p.take(
+        "telemetry.otlp_headers",
+        otlp_headers(raw.otlp_headers.expose_secret()),
+    );
+    let ca = raw.otlp_ca_file;
+    let otlp_ca_file = if ca.is_empty() {
+        Some(None)
+    } else if Path::new(&ca).is_file() {
+        Some(Some(PathBuf::from(ca)))
+    } else {
+        p.add(
+            "telemetry.otlp_ca_file",
+            format!("{ca:?} is not a readable file"),
+        );
+        None
+    };
+    Some(TelemetrySettings {
+        otlp_endpoint: otlp_endpoint?,
+        otlp_protocol: otlp_protocol?,
+        otlp_compression: otlp_compression?,
+        otlp_headers: otlp_headers?,
+        otlp_ca_file: otlp_ca_file?,
+    })
+}
+
+/// The headers the exporter sets itself: a configured one would contradict the body.
+const EXPORTER_HEADERS: [&str; 4] = ["content-type", "content-encoding", "content-length", "host"];
+
+/// `telemetry.otlp_headers`: `name=value` pairs separated by commas, values
+/// percent-decoded (`OTEL_EXPORTER_OTLP_HEADERS`'s format). Errors name the header, never
+/// a value: the values are secrets.
+fn otlp_headers(s: &str) -> Result<Vec<OtlpHeader>, String> {
+    let mut headers: Vec<OtlpHeader> = Vec::new();
+    for (i, pair) in s.split(',').map(str::trim).enumerate() {
+        if pair.is_empty() {
+            continue;
+        }
+        let Some((name, value)) = pair.split_once('=') else {
+            return Err(format!("entry {} is not name=value", i + 1));
+        };
+        let name = HeaderName::try_from(name.trim())
+            .map_err(|_| format!("entry {} has no valid header name", i + 1))?;
+        if EXPORTER_HEADERS.contains(&name.as_str()) {
+            return Err(format!("{name} is set by the exporter"));
+        }
+        if headers.iter().any(|h| h.name == name) {
+            return Err(format!("{name} is given twice"));
+        }
+        let value = percent_decode(value.trim())
+            .filter(|v| {
+                !v.is_empty() && v.bytes().all(|b| b == b'\t' || (0x20..=0x7e).contains(&b))
+            })
+            .ok_or_else(|| {
+                format!("{name}: the value must be printable ASCII, percent-encoded where needed")
+            })?;
+        headers.push(OtlpHeader {
+            name,
+            value: SecretString::from(value),
+        });
+    }
+    Ok(headers)
+}
+
+/// `%XX` escapes decoded; `None` for a malformed escape or a result that is not UTF-8.
+fn percent_decode(s: &str) -> Option<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
 }
 
 fn server(raw: RawServer, p: &mut Problems) -> Option<ServerSettings> {
@@ -916,12 +1015,98 @@ mod tests {
         assert_eq!(endpoint.base(), "http://collector:4318");
         for bad in [
             "collector:4318",
-            "https://collector:4318",
+            "ftp://collector:4318",
             "http://collector:4318/v1/traces",
             "http://user:pw@collector",
         ] {
             let toml = format!("[telemetry]\notlp_endpoint = \"{bad}\"\n");
             assert_eq!(problems(&toml), ["telemetry.otlp_endpoint"], "{bad}");
+        }
+    }
+
+    #[test]
+    fn an_otlp_endpoint_may_be_https_and_its_spans_go_to_v1_traces() {
+        let s = load(
+            "[telemetry]\notlp_endpoint = \"https://api.collector.example/\"\n",
+            &[],
+        )
+        .unwrap();
+        let endpoint = s.telemetry.otlp_endpoint.unwrap();
+        assert_eq!(endpoint.base(), "https://api.collector.example");
+        assert_eq!(
+            endpoint.traces_url(),
+            "https://api.collector.example/v1/traces"
+        );
+        assert_eq!(s.telemetry.otlp_protocol, OtlpProtocol::HttpJson);
+        assert_eq!(s.telemetry.otlp_compression, OtlpCompression::None);
+        assert!(s.telemetry.otlp_headers.is_empty());
+        assert!(s.telemetry.otlp_ca_file.is_none());
+    }
+
+    #[test]
+    fn otlp_protocol_compression_and_ca_file_are_checked() {
+        let s = load(
+            "[telemetry]\notlp_protocol = \"http/protobuf\"\notlp_compression = \"gzip\"\n",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(s.telemetry.otlp_protocol, OtlpProtocol::HttpProtobuf);
+        assert_eq!(s.telemetry.otlp_compression, OtlpCompression::Gzip);
+        assert_eq!(
+            problems(
+                "[telemetry]\notlp_protocol = \"grpc\"\notlp_compression = \"zstd\"\n\
+                 otlp_ca_file = \"/no/such/ca.pem\"\n"
+            ),
+            [
+                "telemetry.otlp_protocol",
+                "telemetry.otlp_compression",
+                "telemetry.otlp_ca_file"
+            ]
+        );
+    }
+
+    #[test]
+    fn otlp_headers_are_name_value_pairs_whose_values_never_print() {
+        let s = load(
+            "",
+            &[(
+                "TOLLGATE__TELEMETRY__OTLP_HEADERS",
+                "x-api-key=abc%3D%2C123 , X-Team=orders,",
+            )],
+        )
+        .unwrap();
+        let headers: Vec<(&str, &str)> = s
+            .telemetry
+            .otlp_headers
+            .iter()
+            .map(|h| (h.name.as_str(), h.value.expose_secret()))
+            .collect();
+        assert_eq!(headers, [("x-api-key", "abc=,123"), ("x-team", "orders")]);
+        assert!(!format!("{s:?}").contains("abc=,123"));
+
+        for bad in [
+            "x-api-key",
+            "bad name=1",
+            "x-a=1,x-a=2",
+            "content-type=text/plain",
+            "x-a=%zz",
+            "x-a=line%0Abreak",
+            "x-a=",
+        ] {
+            let env = [("TOLLGATE__TELEMETRY__OTLP_HEADERS", bad)];
+            match load("", &env) {
+                Err(SettingsError::Invalid(p)) => {
+                    assert_eq!(p.len(), 1, "{bad}");
+                    assert_eq!(p[0].key, "telemetry.otlp_headers", "{bad}");
+                    let secret = bad.split_once('=').map_or("", |(_, v)| v);
+                    assert!(
+                        secret.len() < 2 || !p[0].message.contains(secret),
+                        "{bad}: {}",
+                        p[0].message
+                    );
+                }
+                other => panic!("{bad}: expected invalid settings, got {other:?}"),
+            }
         }
     }
 

@@ -138,6 +138,10 @@ pub(super) struct RawUpstream {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawTelemetry {
     pub(super) otlp_endpoint: String,
+    pub(super) otlp_protocol: String,
+    pub(super) otlp_compression: String,
+    pub(super) otlp_headers: SecretString,
+    pub(super) otlp_ca_file: String,
 }
 
 #[derive(Debug, Deserialize)]

@@ -202,12 +202,90 @@ pub struct HealthCheckSettings {
     pub healthy_after: u32,
 }
 
+/// Where spans go and how (README, "Tracing").
 #[derive(Debug, Clone)]
 pub struct TelemetrySettings {
-    /// `telemetry.otlp_endpoint` (`""`: none): an OTLP/HTTP collector, `http://host[:port]`;
-    /// when set, spans are posted to its `/v1/traces` as JSON. W3C Trace Context is
-    /// propagated to upstreams either way.
-    pub otlp_endpoint: Option<Upstream>,
+    /// `telemetry.otlp_endpoint` (`""`: none): an OTLP/HTTP collector,
+    /// `http[s]://host[:port]`; when set, spans are posted to its `/v1/traces`. W3C Trace
+    /// Context is propagated to upstreams either way.
+    pub otlp_endpoint: Option<OtlpEndpoint>,
+    /// `telemetry.otlp_protocol`: `"http/json"` (the default) or `"http/protobuf"`.
+    pub otlp_protocol: OtlpProtocol,
+    /// `telemetry.otlp_compression`: `"none"` (the default) or `"gzip"`.
+    pub otlp_compression: OtlpCompression,
+    /// `telemetry.otlp_headers` (`""`: none): headers sent with every export, e.g. a hosted
+    /// collector's API key, as `name=value,name=value` (values percent-encoded where they
+    /// hold a comma or a percent sign: the format of `OTEL_EXPORTER_OTLP_HEADERS`). Secret:
+    /// never printed.
+    pub otlp_headers: Vec<OtlpHeader>,
+    /// `telemetry.otlp_ca_file` (`""`: none): a PEM file of certificates trusted for an
+    /// `https://` endpoint besides the public roots (Mozilla's, built in): a private CA's,
+    /// or a collector's self-signed one.
+    pub otlp_ca_file: Option<PathBuf>,
+}
+
+/// An OTLP/HTTP collector: scheme and authority, no path (`/v1/traces` is appended).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OtlpEndpoint {
+    base: String,
+}
+
+impl OtlpEndpoint {
+    /// `http://host[:port]` or `https://host[:port]`, with no path, query or credentials.
+    pub fn parse(s: &str) -> Result<OtlpEndpoint, String> {
+        let uri: actix_web::http::Uri = s
+            .parse()
+            .map_err(|_| format!("{s:?} is not a URL like http://collector:4318"))?;
+        let scheme = uri.scheme_str().unwrap_or_default();
+        if !matches!(scheme, "http" | "https") {
+            return Err(format!("{s:?}: only http:// and https:// are supported"));
+        }
+        let authority = uri
+            .authority()
+            .filter(|a| !a.as_str().contains('@') && !a.host().is_empty())
+            .ok_or_else(|| format!("{s:?} needs a host and no credentials"))?;
+        if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+            return Err(format!(
+                "{s:?} must not have a path or query (/v1/traces is appended)"
+            ));
+        }
+        Ok(OtlpEndpoint {
+            base: format!("{scheme}://{authority}"),
+        })
+    }
+
+    /// `scheme://authority`.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    /// Where spans are posted.
+    pub fn traces_url(&self) -> String {
+        format!("{}/v1/traces", self.base)
+    }
+}
+
+/// How spans are encoded (`telemetry.otlp_protocol`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OtlpProtocol {
+    /// `"http/json"`: OTLP/HTTP with JSON bodies.
+    HttpJson,
+    /// `"http/protobuf"`: OTLP/HTTP with protobuf bodies (smaller, cheaper to encode).
+    HttpProtobuf,
+}
+
+/// How export bodies are compressed (`telemetry.otlp_compression`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OtlpCompression {
+    None,
+    Gzip,
+}
+
+/// A header sent with every export; its value is secret (`Debug` shows `[REDACTED]`).
+#[derive(Debug, Clone)]
+pub struct OtlpHeader {
+    pub name: HeaderName,
+    pub value: SecretString,
 }
 
 #[derive(Debug, Clone)]

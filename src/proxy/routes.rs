@@ -11,7 +11,7 @@ use actix_web::http::header::HeaderName;
 
 use super::replicas::{now_ms, Replica, Replicas, RetryBudget};
 use crate::configuration::{HealthCheckSettings, RouteSettings};
-use crate::metrics::family;
+use crate::metrics::{Exposition, Kind};
 
 /// A service and how to reach it.
 #[derive(Debug)]
@@ -119,8 +119,7 @@ impl RouteTable {
     }
 
     /// The replicas' and retry budgets' metrics, each service and replica once.
-    pub fn render_metrics(&self, out: &mut String) {
-        use std::fmt::Write;
+    pub fn write_metrics(&self, out: &mut Exposition) {
         let now = now_ms();
         let mut replicas: Vec<(&str, &Arc<Replica>)> = Vec::new();
         let mut budgets: Vec<(&str, &Arc<RetryBudget>)> = Vec::new();
@@ -134,72 +133,61 @@ impl RouteTable {
                 }
             }
         }
-        let mut gauge = |name: &str, kind: &str, help: &str, value: &dyn Fn(&Replica) -> u64| {
-            family(out, name, kind, help);
-            for (service, r) in &replicas {
-                let _ = writeln!(
-                    out,
-                    "{name}{{service=\"{service}\",replica=\"{}\"}} {}",
-                    r.upstream.base(),
-                    value(r)
-                );
-            }
-        };
-        gauge(
+        let mut per_replica =
+            |name: &'static str, kind: Kind, help: &str, value: &dyn Fn(&Replica) -> u64| {
+                let mut f = out.family(name, kind, help);
+                for (service, r) in &replicas {
+                    f.sample(
+                        &[("service", service), ("replica", r.upstream.base())],
+                        value(r),
+                    );
+                }
+            };
+        per_replica(
             "tollgate_upstream_replica_available",
-            "gauge",
+            Kind::Gauge,
             "Whether a replica takes traffic (1): neither ejected nor failing its health checks.",
             &|r| r.available(now) as u64,
         );
-        gauge(
+        per_replica(
             "tollgate_upstream_replica_ejected",
-            "gauge",
+            Kind::Gauge,
             "Whether a replica is ejected now (1), after upstream.eject_after failures in a row.",
             &|r| r.ejected(now) as u64,
         );
-        gauge(
+        per_replica(
             "tollgate_upstream_replica_healthy",
-            "gauge",
+            Kind::Gauge,
             "The replica's active health checks pass (1; 1 without checks).",
             &|r| r.checks_pass() as u64,
         );
-        gauge(
+        per_replica(
             "tollgate_upstream_in_flight",
-            "gauge",
+            Kind::Gauge,
             "Requests in flight to a replica (until its response head).",
             &|r| u64::from(r.in_flight()),
         );
-        gauge(
+        per_replica(
             "tollgate_upstream_ejections_total",
-            "counter",
+            Kind::Counter,
             "Times a replica was ejected.",
             &|r| r.ejections(),
         );
-        family(
-            out,
+        let mut f = out.family(
             "tollgate_upstream_retries_total",
-            "counter",
+            Kind::Counter,
             "Tries made again on another replica after one failed before the service could have acted on it.",
         );
         for (service, b) in &budgets {
-            let _ = writeln!(
-                out,
-                "tollgate_upstream_retries_total{{service=\"{service}\"}} {}",
-                b.retried()
-            );
+            f.sample(&[("service", service)], b.retried());
         }
-        family(
-            out,
+        let mut f = out.family(
             "tollgate_upstream_retries_refused_total",
-            "counter",
+            Kind::Counter,
             "Retries the service's retry budget refused (the request got the failed try's answer).",
         );
         for (service, b) in &budgets {
-            let _ = writeln!(
-                out,
-                "tollgate_upstream_retries_refused_total{{service=\"{service}\"}} {}",
-                b.refused()
-            );
+            f.sample(&[("service", service)], b.refused());
         }
     }
 }
@@ -240,6 +228,15 @@ mod tests {
         assert_eq!(t.find("/orders/1").unwrap().prefix, "/orders");
         assert_eq!(t.find("/orders").unwrap().prefix, "/orders");
         assert_eq!(t.find("/ordersx").unwrap().prefix, "/");
+    }
+
+    #[test]
+    fn replica_and_retry_metrics_are_written_as_before() {
+        let t = table(&["/a"]);
+        let _busy = t.find("/a").unwrap().replicas.get(0).start();
+        let mut out = Exposition::new();
+        t.write_metrics(&mut out);
+        assert_eq!(out.finish(), include_str!("../../tests/golden/routes.txt"));
     }
 
     #[test]

@@ -540,35 +540,100 @@ pub struct ExportedSpan {
     pub status: u64,
 }
 
-/// A small OTLP/HTTP receiver: records every `POST /v1/traces` body and answers 200.
+/// One `POST /v1/traces` as the collector received it.
+#[derive(Debug, Clone)]
+pub struct Post {
+    /// Every header (names in lowercase).
+    pub headers: HashMap<String, String>,
+    /// The spans as OTLP JSON (a protobuf body is decoded and written as JSON).
+    pub body: String,
+}
+
+/// A small OTLP/HTTP receiver: records every `POST /v1/traces` (OTLP JSON, or protobuf;
+/// gzip is undone by actix-web) and answers 200; over TLS when started with a certificate.
 pub struct Collector {
     pub port: u16,
-    bodies: Arc<Mutex<Vec<String>>>,
+    posts: Arc<Mutex<Vec<Post>>>,
+    tls: bool,
+}
+
+/// A self-signed certificate for `127.0.0.1` and `localhost`, and its key, in PEM.
+pub struct SelfSigned {
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+impl SelfSigned {
+    pub fn generate() -> SelfSigned {
+        let certified =
+            rcgen::generate_simple_self_signed(vec!["127.0.0.1".into(), "localhost".into()])
+                .unwrap();
+        SelfSigned {
+            cert_pem: certified.cert.pem(),
+            key_pem: certified.signing_key.serialize_pem(),
+        }
+    }
 }
 
 impl Collector {
     pub async fn start() -> Collector {
+        Collector::serve(None)
+    }
+
+    /// Over TLS (`https://`), presenting `cert`.
+    pub async fn start_tls(cert: &SelfSigned) -> Collector {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let chain = vec![CertificateDer::from_pem_slice(cert.cert_pem.as_bytes()).unwrap()];
+        let key = PrivateKeyDer::from_pem_slice(cert.key_pem.as_bytes()).unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(chain, key)
+            .unwrap();
+        Collector::serve(Some(config))
+    }
+
+    fn serve(tls: Option<rustls::ServerConfig>) -> Collector {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
-        let bodies = Arc::new(Mutex::new(Vec::new()));
-        let b = bodies.clone();
+        let posts = Arc::new(Mutex::new(Vec::new()));
+        let p = posts.clone();
         let server = HttpServer::new(move || {
-            let b = b.clone();
+            let p = p.clone();
             App::new().route(
                 "/v1/traces",
                 web::post().to(move |req: HttpRequest, body: web::Bytes| {
-                    let b = b.clone();
+                    let p = p.clone();
                     async move {
-                        let json = req
+                        let content_type = req.headers().get("content-type");
+                        let body = match content_type.map(|v| v.as_bytes()) {
+                            Some(b"application/json") => {
+                                String::from_utf8_lossy(&body).into_owned()
+                            }
+                            Some(b"application/x-protobuf") => {
+                                use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+                                use prost::Message;
+                                let Ok(request) = ExportTraceServiceRequest::decode(body) else {
+                                    return HttpResponse::BadRequest().finish();
+                                };
+                                serde_json::to_string(&request).unwrap()
+                            }
+                            _ => return HttpResponse::UnsupportedMediaType().finish(),
+                        };
+                        let headers = req
                             .headers()
-                            .get("content-type")
-                            .is_some_and(|v| v.as_bytes() == b"application/json");
-                        if !json {
-                            return HttpResponse::UnsupportedMediaType().finish();
-                        }
-                        b.lock()
-                            .unwrap()
-                            .push(String::from_utf8_lossy(&body).into_owned());
+                            .iter()
+                            .map(|(k, v)| {
+                                (
+                                    k.as_str().to_string(),
+                                    String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                                )
+                            })
+                            .collect();
+                        p.lock().unwrap().push(Post { headers, body });
                         HttpResponse::Ok()
                             .content_type("application/json")
                             .body("{}")
@@ -577,21 +642,35 @@ impl Collector {
             )
         })
         .workers(1)
-        .disable_signals()
-        .listen(listener)
+        .disable_signals();
+        let tls_on = tls.is_some();
+        let server = match tls {
+            Some(config) => server.listen_rustls_0_23(listener, config),
+            None => server.listen(listener),
+        }
         .unwrap()
         .run();
         tokio::spawn(server);
-        Collector { port, bodies }
+        Collector {
+            port,
+            posts,
+            tls: tls_on,
+        }
     }
 
     pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
+        let scheme = if self.tls { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.port)
+    }
+
+    /// The posts received so far.
+    pub fn posts(&self) -> Vec<Post> {
+        self.posts.lock().unwrap().clone()
     }
 
     /// The raw bodies posted so far.
     pub fn bodies(&self) -> Vec<String> {
-        self.bodies.lock().unwrap().clone()
+        self.posts().into_iter().map(|p| p.body).collect()
     }
 
     /// Every span received so far.

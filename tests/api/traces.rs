@@ -1,5 +1,6 @@
 //! Traces: W3C Trace Context carried through the gateway into the service, and the spans
-//! exported over OTLP/HTTP JSON to a real (small) collector.
+//! exported over OTLP/HTTP to a real (small) collector: JSON by default, protobuf, gzip,
+//! headers and https as configured.
 
 use crate::helpers::*;
 
@@ -368,6 +369,103 @@ async fn on_redis_the_decision_span_says_how_many_requests_its_store_call_decide
         decision.attributes["tollgate.batch_size"], "1",
         "a request alone in its call"
     );
+}
+
+#[tokio::test]
+async fn configured_headers_arrive_at_the_collector_with_every_export() {
+    let collector = Collector::start().await;
+    let up = Upstream::start(Behaviour::Echo).await;
+    let telemetry = format!(
+        "{}otlp_headers = \"x-api-key=s3cret%2Cpart, x-team=orders\"\n",
+        exporting_to(&collector.url())
+    );
+    let gw = gateway(&up, 100.0, &telemetry).await;
+
+    let r = traced(&gw, "/orders/1", Some(&traceparent()), None).await;
+    assert_eq!(r.status(), 200);
+
+    collector.trace(TRACE, 3).await;
+    let posts = collector.posts();
+    assert!(!posts.is_empty());
+    for post in posts {
+        assert_eq!(post.headers["x-api-key"], "s3cret,part", "percent-decoded");
+        assert_eq!(post.headers["x-team"], "orders");
+        assert_eq!(post.headers["content-type"], "application/json");
+        assert!(!post.headers.contains_key("content-encoding"));
+    }
+}
+
+#[tokio::test]
+async fn with_protobuf_and_gzip_the_same_spans_arrive() {
+    let collector = Collector::start().await;
+    let up = Upstream::start(Behaviour::Echo).await;
+    let telemetry = format!(
+        "{}otlp_protocol = \"http/protobuf\"\notlp_compression = \"gzip\"\n",
+        exporting_to(&collector.url())
+    );
+    let gw = gateway(&up, 100.0, &telemetry).await;
+
+    let r = traced(&gw, "/orders/1", Some(&traceparent()), None).await;
+    assert_eq!(r.status(), 200);
+
+    let spans = collector.trace(TRACE, 3).await;
+    let request = span(&spans, "GET /orders");
+    assert_eq!(request.parent_id, PARENT);
+    assert_eq!(span(&spans, "decision").parent_id, request.span_id);
+    assert_eq!(
+        span(&spans, "upstream").attributes["http.response.status_code"],
+        "200"
+    );
+    for post in collector.posts() {
+        assert_eq!(post.headers["content-type"], "application/x-protobuf");
+        assert_eq!(post.headers["content-encoding"], "gzip");
+    }
+}
+
+#[tokio::test]
+async fn spans_reach_an_https_collector_whose_certificate_the_ca_file_names() {
+    let cert = SelfSigned::generate();
+    let collector = Collector::start_tls(&cert).await;
+    assert!(collector.url().starts_with("https://"));
+    let dir = tollgate_testkit::temp_dir("otlp-ca").unwrap();
+    let ca = dir.path().join("collector.pem");
+    std::fs::write(&ca, &cert.cert_pem).unwrap();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let telemetry = format!(
+        "{}otlp_ca_file = \"{}\"\n",
+        exporting_to(&collector.url()),
+        ca.display()
+    );
+    let gw = gateway(&up, 100.0, &telemetry).await;
+
+    let r = traced(&gw, "/orders/1", Some(&traceparent()), None).await;
+    assert_eq!(r.status(), 200);
+
+    let spans = collector.trace(TRACE, 3).await;
+    assert_eq!(span(&spans, "GET /orders").parent_id, PARENT);
+}
+
+#[tokio::test]
+async fn an_https_collector_with_an_untrusted_certificate_gets_no_spans() {
+    let collector = Collector::start_tls(&SelfSigned::generate()).await;
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway(&up, 100.0, &exporting_to(&collector.url())).await;
+
+    let r = traced(&gw, "/orders/1", Some(&traceparent()), None).await;
+    assert_eq!(r.status(), 200, "the request does not notice");
+
+    eventually(
+        std::time::Duration::from_secs(5),
+        "the spans the collector could not be trusted with are counted as dropped",
+        || async {
+            gw.metric("tollgate_trace_spans_dropped_total{reason=\"export_failed\"}")
+                .await
+                .is_some_and(|n| n >= 3.0)
+        },
+    )
+    .await;
+    assert!(collector.posts().is_empty());
+    assert_eq!(gw.sample("tollgate_trace_spans_exported_total").await, 0.0);
 }
 
 /// A GET of `path` as acme, with these trace headers.
