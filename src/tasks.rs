@@ -116,10 +116,17 @@ struct Shared {
     failed: Mutex<Option<TaskFailed>>,
     /// Each task's supervising loop, by name; pruned of finished ones as tasks start.
     running: Mutex<Vec<Running>>,
-    /// Restarts by task name (a task started several times under one name, such as a
-    /// worker's, sums its own).
-    restarts: Mutex<BTreeMap<String, u64>>,
+    /// By task name (a task started several times under one name, such as a worker's,
+    /// sums its own).
+    counts: Mutex<BTreeMap<String, Counts>>,
     pauses: Pauses,
+}
+
+#[derive(Default)]
+struct Counts {
+    restarts: u64,
+    /// Runs under way: their work (a future, a thread) has not ended.
+    live: usize,
 }
 
 struct Running {
@@ -147,7 +154,7 @@ impl Supervisor {
                     stop: CancellationToken::new(),
                     failed: Mutex::new(None),
                     running: Mutex::new(Vec::new()),
-                    restarts: Mutex::new(BTreeMap::new()),
+                    counts: Mutex::new(BTreeMap::new()),
                     pauses,
                 }),
             },
@@ -216,8 +223,12 @@ impl Tasks {
         Fut: Future<Output = ()> + Send + 'static,
     {
         self.start(name.into(), policy, |task| {
-            tokio::spawn(supervise(task, move |stop| {
-                joined(tokio::spawn(make(stop)))
+            tokio::spawn(supervise(task, move |stop, live| {
+                let work = make(stop);
+                joined(tokio::spawn(async move {
+                    let _live = live;
+                    work.await
+                }))
             }))
         });
     }
@@ -231,8 +242,12 @@ impl Tasks {
         Fut: Future<Output = ()> + 'static,
     {
         self.start(name.into(), policy, |task| {
-            tokio::task::spawn_local(supervise(task, move |stop| {
-                joined(tokio::task::spawn_local(make(stop)))
+            tokio::task::spawn_local(supervise(task, move |stop, live| {
+                let work = make(stop);
+                joined(tokio::task::spawn_local(async move {
+                    let _live = live;
+                    work.await
+                }))
             }))
         });
     }
@@ -247,24 +262,28 @@ impl Tasks {
         let work = Arc::new(work);
         self.start(name.into(), policy, |task| {
             let name = Arc::clone(&task.name);
-            tokio::spawn(supervise(task, move |stop| {
-                on_thread(&name, Arc::clone(&work), stop)
+            tokio::spawn(supervise(task, move |stop, live| {
+                on_thread(&name, Arc::clone(&work), stop, live)
             }))
         });
     }
 
-    /// Restarts so far, by task name.
+    /// Restarts so far, by task name (for `/metrics`).
     pub fn restarts(&self) -> BTreeMap<String, u64> {
-        self.shared.restarts.lock().clone()
+        let counts = self.shared.counts.lock();
+        counts
+            .iter()
+            .map(|(n, c)| (n.clone(), c.restarts))
+            .collect()
     }
 
-    /// The names of the tasks that have not ended (a name once for each task under it).
+    /// The names of the tasks whose work is under way (a future not dropped, a thread
+    /// not ended), a name once for each task under it.
     pub fn running(&self) -> Vec<String> {
-        let running = self.shared.running.lock();
-        running
+        let counts = self.shared.counts.lock();
+        counts
             .iter()
-            .filter(|r| !r.handle.is_finished())
-            .map(|r| r.name.to_string())
+            .flat_map(|(n, c)| std::iter::repeat_n(n.clone(), c.live))
             .collect()
     }
 
@@ -275,7 +294,7 @@ impl Tasks {
             return;
         }
         running.retain(|r| !r.handle.is_finished());
-        self.shared.restarts.lock().entry(name.clone()).or_insert(0);
+        self.shared.counts.lock().entry(name.clone()).or_default();
         let name: Arc<str> = name.into();
         let handle = spawn(Task {
             name: Arc::clone(&name),
@@ -307,7 +326,7 @@ enum Ended {
 /// or its policy says it is over.
 async fn supervise<R, E>(task: Task, mut run: R)
 where
-    R: FnMut(CancellationToken) -> E,
+    R: FnMut(CancellationToken, Live) -> E,
     E: Future<Output = Ended>,
 {
     let Task {
@@ -320,7 +339,8 @@ where
     let (mut pause, mut in_a_row) = (pauses.first, 0u32);
     loop {
         let began = Instant::now();
-        let ended = run(cancel.clone()).await;
+        let live = Live::new(&shared, &name);
+        let ended = run(cancel.clone(), live).await;
         let cause = match ended {
             Ended::Failed(message) if cancel.is_cancelled() => {
                 tracing::error!(task = %name, "background task {name} panicked while stopping: {message}");
@@ -355,7 +375,12 @@ where
             }
         }
         in_a_row += 1;
-        *shared.restarts.lock().entry(name.to_string()).or_insert(0) += 1;
+        shared
+            .counts
+            .lock()
+            .entry(name.to_string())
+            .or_default()
+            .restarts += 1;
         tracing::error!(
             task = %name,
             pause_ms = pause.as_millis() as u64,
@@ -366,6 +391,36 @@ where
             _ = cancel.cancelled() => return,
         }
         pause = (pause * 2).min(pauses.max);
+    }
+}
+
+/// One run under way, counted in [`Tasks::running`] until its work ends (the guard is
+/// dropped with the future, or at the end of the thread, that holds it).
+struct Live {
+    shared: Arc<Shared>,
+    name: Arc<str>,
+}
+
+impl Live {
+    fn new(shared: &Arc<Shared>, name: &Arc<str>) -> Live {
+        shared
+            .counts
+            .lock()
+            .entry(name.to_string())
+            .or_default()
+            .live += 1;
+        Live {
+            shared: Arc::clone(shared),
+            name: Arc::clone(name),
+        }
+    }
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        if let Some(c) = self.shared.counts.lock().get_mut(&*self.name) {
+            c.live -= 1;
+        }
     }
 }
 
@@ -394,6 +449,7 @@ fn on_thread<F>(
     name: &str,
     work: Arc<F>,
     stop: CancellationToken,
+    live: Live,
 ) -> impl Future<Output = Ended> + Send + 'static
 where
     F: Fn(CancellationToken) + Send + Sync + 'static,
@@ -403,6 +459,7 @@ where
         .name(name.to_owned())
         .spawn(move || {
             let ended = std::panic::catch_unwind(AssertUnwindSafe(|| work(stop)));
+            drop(live);
             let _ = tx.send(ended.map_err(|p| message(&*p)));
         });
     async move {
@@ -633,8 +690,9 @@ mod tests {
                     }
                 }
             });
-        until(|| supervisor.tasks().running().is_empty()).await;
-        assert_eq!(runs.load(SeqCst), 2);
+        until(|| runs.load(SeqCst) == 2 && supervisor.tasks().running().is_empty()).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(runs.load(SeqCst), 2, "not started again once done");
         assert_eq!(supervisor.tasks().restarts()["start-up-retry"], 1);
     }
 
@@ -717,12 +775,14 @@ mod tests {
 
         assert_eq!(late, ["deaf", "deaf-thread"]);
         assert!(began.elapsed() < Duration::from_millis(250));
+        assert!(tasks.running().contains(&"deaf-thread".to_owned()));
         let logged = text(&logs);
         assert!(
             logged.contains("background task deaf did not stop within 50ms of shutdown"),
             "{logged}"
         );
         until(|| dropped.load(SeqCst)).await;
+        until(|| tasks.running().is_empty()).await;
     }
 
     #[tokio::test]

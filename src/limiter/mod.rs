@@ -39,6 +39,7 @@ use crate::domain::limits::Level;
 use crate::domain::{Applied, AppliedKind, ClientId, Decision, Limits, Mode, Outcome, Ruling};
 use crate::metrics::{FailOpenReason, Metrics, ShedReason};
 use crate::store::{BucketCalls, Budget, Every, Store, StoreError};
+use crate::tasks::{Policy, Tasks};
 
 /// Decides requests: safety limit, breaker, store, mode.
 pub struct Limiter {
@@ -63,6 +64,8 @@ pub struct Limiter {
     /// Store errors the request path met, said in the log at most every
     /// [`ERROR_LOG_EVERY`].
     error_log: ErrorLog,
+    /// Where its background tasks and its workers' start.
+    tasks: Tasks,
 }
 
 /// The request path logs a failed store call at most this often (each is counted in
@@ -102,65 +105,126 @@ impl ErrorLog {
     }
 }
 
+/// What a limiter is made of: start-up builds it from `Settings`.
+pub struct LimiterParts {
+    /// The global store: every client's buckets and quotas, the shares, shadow counts.
+    pub store: Store,
+    /// Where this region's shards of hot clients live (the global store if not set apart).
+    pub regional: Store,
+    /// This gateway's region (`server.region`).
+    pub region: crate::domain::Region,
+    pub catalog: Arc<Catalog>,
+    pub metrics: Arc<Metrics>,
+    /// `redis.timeout_ms`: how long a request's store call may take before it fails open.
+    pub timeout: Duration,
+    /// `limits.safety_multiplier`: the safety limit's scale of a plan's first bucket,
+    /// unless the admin API stored another.
+    pub safety_multiplier: f64,
+    pub periods: Periods,
+    pub overload: OverloadSettings,
+    /// Where its background tasks start.
+    pub tasks: Tasks,
+}
+
 impl Limiter {
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        store: Store,
-        regional: Store,
-        region: crate::domain::Region,
-        catalog: Arc<Catalog>,
-        timeout: Duration,
-        metrics: Arc<Metrics>,
-        default_multiplier: f64,
-        periods: Periods,
-        overload: OverloadSettings,
-    ) -> Limiter {
-        Limiter {
-            regional_breakers: Breakers::new(&regional, timeout, periods.backoff),
+    /// A limiter of `parts`, with its background tasks started under `parts.tasks`: a
+    /// breaker prober per store (per node on a Redis Cluster, with the slot map's
+    /// refresh), the hot clients' rotation, the shares' reconciler, the shadow counts'
+    /// flush and the safety limit's eviction of idle clients.
+    pub fn start(parts: LimiterParts) -> Arc<Limiter> {
+        let LimiterParts {
+            store,
+            regional,
+            region,
+            catalog,
+            metrics,
+            timeout,
+            safety_multiplier,
+            periods,
+            overload,
+            tasks,
+        } = parts;
+        let limiter = Arc::new(Limiter {
+            regional_breakers: Breakers::new(
+                &regional,
+                timeout,
+                periods.backoff,
+                &tasks,
+                "regional",
+            ),
             regional,
             region,
             shares: Arc::new(ShareBook::new(periods)),
             hot: Arc::new(HotClients::new(periods.hot_window)),
-            store: store.clone(),
+            breakers: Breakers::new(&store, timeout, periods.backoff, &tasks, "store"),
+            store,
             catalog,
             timeout,
             metrics,
-            breakers: Breakers::new(&store, timeout, periods.backoff),
-            safety: SafetyLimit::new(default_multiplier),
+            safety: SafetyLimit::new(safety_multiplier),
             shadow: Arc::new(ShadowStats::default()),
             periods,
             overload: Overload::new(overload),
             quota_blocks: Arc::new(dashmap::DashMap::new()),
             error_log: ErrorLog::new(),
-        }
+            tasks,
+        });
+        limiter.spawn_background();
+        limiter
     }
 
-    /// Starts the breaker's prober, the shadow flusher and the safety evictor.
-    pub fn spawn_background(self: &Arc<Self>) {
-        self.breakers.spawn_refresh();
-        self.hot.spawn_rotation();
-        self.regional_breakers.spawn_refresh();
+    fn spawn_background(self: &Arc<Self>) {
+        let tasks = &self.tasks;
+        self.breakers.spawn_refresh(tasks);
+        self.hot.spawn_rotation(tasks);
+        self.regional_breakers.spawn_refresh(tasks);
         self.shares.spawn_reconciler(
+            tasks,
             Arc::clone(&self.catalog),
             self.store.clone(),
             self.regional.clone(),
             self.region.clone(),
         );
         self.shadow
-            .spawn_flush(self.store.clone(), self.periods.shadow_flush);
+            .spawn_flush(tasks, self.store.clone(), self.periods.shadow_flush);
         let me = Arc::clone(self);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(5));
-            loop {
-                tick.tick().await;
-                me.safety.evict_idle();
+        tasks.spawn("safety-eviction", Policy::Restart, move |stop| {
+            let me = Arc::clone(&me);
+            async move {
+                let mut tick = tokio::time::interval(Duration::from_secs(5));
+                while stop.run_until_cancelled(tick.tick()).await.is_some() {
+                    me.safety.evict_idle();
+                }
             }
         });
     }
 
-    /// Keeps the calling worker's request-path connections open (spawn once per worker;
-    /// runs until the worker ends).
-    pub async fn keep_connected(&self) {
+    /// Starts the calling worker's own tasks, which end with it: one keeps its
+    /// request-path connections open from now on, re-opened as soon as one dies (rather
+    /// than on its first request); the other measures its event loop's delay (see
+    /// [`overload`]). Call it once on each worker's thread.
+    pub fn start_worker(self: &Arc<Self>) {
+        let me = Arc::clone(self);
+        self.tasks
+            .spawn_local("worker-store-connections", Policy::Restart, move |stop| {
+                let me = Arc::clone(&me);
+                async move {
+                    stop.run_until_cancelled(me.keep_connected()).await;
+                }
+            });
+        let me = Arc::clone(self);
+        self.tasks
+            .spawn_local("worker-delay-watch", Policy::Restart, move |stop| {
+                let me = Arc::clone(&me);
+                async move {
+                    stop.run_until_cancelled(me.overload.watch_worker()).await;
+                }
+            });
+    }
+
+    /// Keeps the calling worker's request-path connections open (runs until the worker
+    /// ends).
+    async fn keep_connected(&self) {
         if self.regional.same_as(&self.store) {
             self.store.buckets.keep_connected().await;
         } else {
@@ -170,12 +234,6 @@ impl Limiter {
             )
             .await;
         }
-    }
-
-    /// Measures the calling worker's event-loop delay (spawn once per worker; runs until
-    /// the worker ends): see [`overload`].
-    pub async fn watch_worker(&self) {
-        self.overload.watch_worker().await;
     }
 
     /// Every worker's load, for `/metrics`.
