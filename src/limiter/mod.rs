@@ -303,6 +303,10 @@ impl Limiter {
         opening(client, limits, cost, Outcome::Shed)
     }
 
+    /// The decision's steps after admission: the safety limit, then the store's buckets
+    /// (this region's shard for a sharded client), behind the breaker, then the mode.
+    /// Each step is a helper the compiler inlines; none allocates or waits but the store
+    /// call, which stays here: this is the request path.
     async fn decide_inner(
         &self,
         client: &ClientEntry,
@@ -313,74 +317,27 @@ impl Limiter {
     ) -> Decision {
         let mut applied = limits.applied(Some(service));
         let mut decision = opening(client, limits, cost, Outcome::Allowed);
-
-        // The coarse safety limit scales the plan's first bucket (a plan of quotas alone
-        // has none).
-        if let Some(bucket) = limits.headline_bucket() {
-            let multiplier = self
-                .safety
-                .multiplier(&self.catalog.safety_guard(), service);
-            let safety = self
-                .safety
-                .take(client, service, bucket, multiplier, cost, started);
-            if !safety.allowed {
-                decision.outcome = Outcome::SafetyDenied;
-                decision.safety_wait_us = safety.wait_us;
-                decision.applied = applied;
-                return decision;
-            }
+        if let Some(wait_us) = self.safety_refusal(client, service, limits, cost, started) {
+            decision.outcome = Outcome::SafetyDenied;
+            decision.safety_wait_us = wait_us;
+            decision.applied = applied;
+            return decision;
         }
 
         // A hot client sharded by region takes from this region's shard, in the regional
         // store, holding its share of each bucket; its quotas stay global (see
         // `quota_in_shard`). Everyone else takes from their global state.
-        let shard = client
-            .shard
-            .as_ref()
-            .and_then(|s| s.local_key.as_deref())
-            .filter(|_| limits.headline_bucket().is_some())
-            .and_then(|k| Some((k, self.shares.observe(&client.id)?)));
-        let (store, breakers, key) = match shard {
+        let (store, breakers, key) = match self.shard(client, limits) {
             Some((key, now)) => {
-                for a in &mut applied {
-                    if let AppliedKind::Bucket { bucket, initial } = &mut a.kind {
-                        let portion = bucket.portion(now.share, cost.max(1.0));
-                        *initial = now.seed.map(|s| s * portion.capacity());
-                        *bucket = portion;
-                    }
-                }
-                let (quotas, buckets): (Vec<Applied>, Vec<Applied>) = applied
-                    .into_iter()
-                    .partition(|a| matches!(a.kind, AppliedKind::Quota { .. }));
-                if let Some(refusal) = self.quota_in_shard(client, &quotas, cost) {
-                    decision.applied = quotas;
-                    decision.outcome = match client.mode {
-                        Mode::Shadow => Outcome::ShadowDenied,
-                        Mode::Enforce => Outcome::Denied,
-                    };
-                    decision.ruling = Some(refusal);
-                    decision.as_planned = false;
+                let Some(buckets) = self.cut_to_shard(client, applied, now, cost, &mut decision)
+                else {
                     return decision;
-                }
+                };
                 applied = buckets;
-                decision.as_planned = false;
-                decision.sharded = true;
-                decision.applied = quotas;
                 (&self.regional, &self.regional_breakers, key)
             }
             None => {
-                // Just un-sharded: the global buckets start as full as the shards were.
-                let fill = client
-                    .unsharded_at
-                    .filter(|t| t.elapsed() < self.periods.unshard_window)
-                    .and_then(|_| self.shares.fill(&client.id));
-                if let Some(fill) = fill {
-                    for a in &mut applied {
-                        if let AppliedKind::Bucket { bucket, initial } = &mut a.kind {
-                            *initial = Some(fill * bucket.capacity());
-                        }
-                    }
-                }
+                self.as_full_as_the_shards_were(client, &mut applied);
                 (&self.store, &self.breakers, &*client.bucket_key)
             }
         };
@@ -391,19 +348,148 @@ impl Limiter {
             // time this request waits for its worker is never read as a slow store.
             let budget = Budget::starting(tokio::time::Instant::from_std(started), self.timeout);
             let answer = store.buckets.take(key, &applied, cost, Some(budget)).await;
-            // The breaker judges the store: see `Breaker::observe`.
-            breakers.with(key, |b| b.observe(&answer));
-            answer.map_err(|e| match e {
-                StoreError::Deadline => FailOpenReason::Timeout,
-                e => {
-                    self.metrics.store_error(e.kind());
-                    self.error_log.note(&e);
-                    FailOpenReason::Error
-                }
-            })
+            self.judged(breakers, key, answer)
         };
+        self.rule(client, &applied, cost, &answer, &mut decision);
+        if decision.sharded {
+            // Admitted in the region: its quotas are counted globally, after the fact.
+            let quotas = std::mem::take(&mut decision.applied);
+            if decision.outcome == Outcome::Allowed {
+                self.debit_global_quotas(client, &quotas, cost);
+            }
+            applied.extend(quotas);
+        }
+        decision.applied = applied;
+        decision.ruling = answer.ok();
+        decision
+    }
+
+    /// The coarse safety limit, which scales the plan's first bucket (a plan of quotas
+    /// alone has none): `Some` when it refuses the request, with how long until it would
+    /// not (`None` inside: never, at this cost).
+    #[inline]
+    fn safety_refusal(
+        &self,
+        client: &ClientEntry,
+        service: &Arc<str>,
+        limits: &Limits,
+        cost: f64,
+        started: Instant,
+    ) -> Option<Option<u64>> {
+        let bucket = limits.headline_bucket()?;
+        let multiplier = self
+            .safety
+            .multiplier(&self.catalog.safety_guard(), service);
+        let safety = self
+            .safety
+            .take(client, service, bucket, multiplier, cost, started);
+        (!safety.allowed).then_some(safety.wait_us)
+    }
+
+    /// This region's shard key of a sharded client, and its share now; `None` for a
+    /// client that takes from its global state (not sharded here, a plan of quotas alone,
+    /// or no share known yet).
+    #[inline]
+    fn shard<'c>(
+        &self,
+        client: &'c ClientEntry,
+        limits: &Limits,
+    ) -> Option<(&'c str, shares::ShareNow)> {
+        client
+            .shard
+            .as_ref()
+            .and_then(|s| s.local_key.as_deref())
+            .filter(|_| limits.headline_bucket().is_some())
+            .and_then(|k| Some((k, self.shares.observe(&client.id)?)))
+    }
+
+    /// A sharded request's buckets, cut to this region's share (`now`), to be taken from
+    /// its shard; its quotas are set apart in `decision.applied`, decided from what the
+    /// region knows of them. `None` when one of them refuses the request: `decision` then
+    /// says so.
+    #[inline]
+    fn cut_to_shard(
+        &self,
+        client: &ClientEntry,
+        mut applied: Vec<Applied>,
+        now: shares::ShareNow,
+        cost: f64,
+        decision: &mut Decision,
+    ) -> Option<Vec<Applied>> {
+        for a in &mut applied {
+            if let AppliedKind::Bucket { bucket, initial } = &mut a.kind {
+                let portion = bucket.portion(now.share, cost.max(1.0));
+                *initial = now.seed.map(|s| s * portion.capacity());
+                *bucket = portion;
+            }
+        }
+        let (quotas, buckets): (Vec<Applied>, Vec<Applied>) = applied
+            .into_iter()
+            .partition(|a| matches!(a.kind, AppliedKind::Quota { .. }));
+        decision.as_planned = false;
+        if let Some(refusal) = self.quota_in_shard(client, &quotas, cost) {
+            decision.applied = quotas;
+            decision.outcome = match client.mode {
+                Mode::Shadow => Outcome::ShadowDenied,
+                Mode::Enforce => Outcome::Denied,
+            };
+            decision.ruling = Some(refusal);
+            return None;
+        }
+        decision.sharded = true;
+        decision.applied = quotas;
+        Some(buckets)
+    }
+
+    /// Just un-sharded: the global buckets start as full as the shards were.
+    #[inline]
+    fn as_full_as_the_shards_were(&self, client: &ClientEntry, applied: &mut [Applied]) {
+        let fill = client
+            .unsharded_at
+            .filter(|t| t.elapsed() < self.periods.unshard_window)
+            .and_then(|_| self.shares.fill(&client.id));
+        if let Some(fill) = fill {
+            for a in applied {
+                if let AppliedKind::Bucket { bucket, initial } = &mut a.kind {
+                    *initial = Some(fill * bucket.capacity());
+                }
+            }
+        }
+    }
+
+    /// The store's answer, as the breaker guarding `key` learns it (see
+    /// `Breaker::observe`), and a failure as the reason it fails open (counted, and
+    /// logged now and then).
+    #[inline]
+    fn judged(
+        &self,
+        breakers: &Breakers,
+        key: &str,
+        answer: Result<Ruling, StoreError>,
+    ) -> Result<Ruling, FailOpenReason> {
+        breakers.with(key, |b| b.observe(&answer));
+        answer.map_err(|e| match e {
+            StoreError::Deadline => FailOpenReason::Timeout,
+            e => {
+                self.metrics.store_error(e.kind());
+                self.error_log.note(&e);
+                FailOpenReason::Error
+            }
+        })
+    }
+
+    /// The outcome of the store's `answer` for a client in its mode.
+    #[inline]
+    fn rule(
+        &self,
+        client: &ClientEntry,
+        applied: &[Applied],
+        cost: f64,
+        answer: &Result<Ruling, FailOpenReason>,
+        decision: &mut Decision,
+    ) {
         let never = applied.iter().any(|a| cost > a.ceiling());
-        decision.outcome = match &answer {
+        decision.outcome = match answer {
             Ok(r) if r.allowed => Outcome::Allowed,
             Ok(_) if client.mode == Mode::Shadow => Outcome::ShadowDenied,
             Ok(_) => Outcome::Denied,
@@ -416,17 +502,6 @@ impl Limiter {
                 Outcome::FailOpen
             }
         };
-        if decision.sharded {
-            // Admitted in the region: its quotas are counted globally, after the fact.
-            let quotas = std::mem::take(&mut decision.applied);
-            if decision.outcome == Outcome::Allowed {
-                self.debit_global_quotas(client, &quotas, cost);
-            }
-            applied.extend(quotas);
-        }
-        decision.applied = applied;
-        decision.ruling = answer.ok();
-        decision
     }
 
     /// A sharded client's quotas live in the global store, beside its global bucket, while
