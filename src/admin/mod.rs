@@ -34,84 +34,8 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
             .app_data(web::QueryConfig::default().error_handler(|e, _| {
                 ApiError::BadRequest(format!("malformed query string: {e}")).into()
             }))
-            .service(
-                web::resource("/plans")
-                    .get(plans::list)
-                    .default_service(allow("GET")),
-            )
-            .service(
-                web::resource("/plans/{plan}")
-                    .get(plans::get)
-                    .put(plans::put)
-                    .delete(plans::delete)
-                    .default_service(allow("GET, PUT, DELETE")),
-            )
-            .service(
-                web::resource("/clients")
-                    .get(clients::list)
-                    .default_service(allow("GET")),
-            )
-            .service(
-                web::resource("/clients/{client}")
-                    .get(clients::get)
-                    .put(clients::put)
-                    .delete(clients::delete)
-                    .default_service(allow("GET, PUT, DELETE")),
-            )
-            .service(
-                web::resource("/clients/{client}/keys")
-                    .post(clients::create_key)
-                    .default_service(allow("POST")),
-            )
-            .service(
-                web::resource("/clients/{client}/keys/{key_id}")
-                    .delete(clients::revoke_key)
-                    .default_service(allow("DELETE")),
-            )
-            .service(
-                web::resource("/clients/{client}/overrides")
-                    .get(overrides::list)
-                    .default_service(allow("GET")),
-            )
-            .service(
-                web::resource("/clients/{client}/overrides/{limit}")
-                    .put(overrides::put)
-                    .delete(overrides::delete)
-                    .default_service(allow("PUT, DELETE")),
-            )
-            .service(
-                web::resource("/clients/{client}/usage")
-                    .get(usage::get)
-                    .default_service(allow("GET")),
-            )
-            .service(
-                web::resource("/clients/{client}/bucket")
-                    .get(clients::bucket)
-                    .delete(clients::refill)
-                    .default_service(allow("GET, DELETE")),
-            )
-            .service(
-                web::resource("/safety")
-                    .get(safety::get)
-                    .put(safety::put)
-                    .default_service(allow("GET, PUT")),
-            )
-            .service(
-                web::resource("/hot")
-                    .get(hot::hot)
-                    .default_service(allow("GET")),
-            )
-            .service(
-                web::resource("/shadow")
-                    .get(shadow::get)
-                    .delete(shadow::reset)
-                    .default_service(allow("GET, DELETE")),
-            )
-            .service(
-                web::resource("/audit")
-                    .get(audit::list)
-                    .default_service(allow("GET")),
-            )
+            .configure(catalog_resources)
+            .configure(state_resources)
             .default_service(web::to(|| async {
                 Err::<actix_web::HttpResponse, _>(ApiError::NotFound(
                     "no such admin resource".into(),
@@ -132,6 +56,93 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
                 SwaggerUi::new("/swagger-ui/{_:.*}")
                     .url("/api-docs/openapi.json", ApiDoc::openapi()),
             ),
+    );
+}
+
+/// The catalog's resources: plans, clients, their keys and overrides.
+fn catalog_resources(cfg: &mut web::ServiceConfig) {
+    cfg.service(
+        web::resource("/plans")
+            .get(plans::list)
+            .default_service(allow("GET")),
+    )
+    .service(
+        web::resource("/plans/{plan}")
+            .get(plans::get)
+            .put(plans::put)
+            .delete(plans::delete)
+            .default_service(allow("GET, PUT, DELETE")),
+    )
+    .service(
+        web::resource("/clients")
+            .get(clients::list)
+            .default_service(allow("GET")),
+    )
+    .service(
+        web::resource("/clients/{client}")
+            .get(clients::get)
+            .put(clients::put)
+            .delete(clients::delete)
+            .default_service(allow("GET, PUT, DELETE")),
+    )
+    .service(
+        web::resource("/clients/{client}/keys")
+            .post(clients::create_key)
+            .default_service(allow("POST")),
+    )
+    .service(
+        web::resource("/clients/{client}/keys/{key_id}")
+            .delete(clients::revoke_key)
+            .default_service(allow("DELETE")),
+    )
+    .service(
+        web::resource("/clients/{client}/overrides")
+            .get(overrides::list)
+            .default_service(allow("GET")),
+    )
+    .service(
+        web::resource("/clients/{client}/overrides/{limit}")
+            .put(overrides::put)
+            .delete(overrides::delete)
+            .default_service(allow("PUT, DELETE")),
+    );
+}
+
+/// The rest, read (and some reset) beside the catalog: a client's usage and bucket, the
+/// safety settings, the hot clients, shadow mode's comparisons, the audit log of writes.
+fn state_resources(cfg: &mut web::ServiceConfig) {
+    cfg.service(
+        web::resource("/clients/{client}/usage")
+            .get(usage::get)
+            .default_service(allow("GET")),
+    )
+    .service(
+        web::resource("/clients/{client}/bucket")
+            .get(clients::bucket)
+            .delete(clients::refill)
+            .default_service(allow("GET, DELETE")),
+    )
+    .service(
+        web::resource("/safety")
+            .get(safety::get)
+            .put(safety::put)
+            .default_service(allow("GET, PUT")),
+    )
+    .service(
+        web::resource("/hot")
+            .get(hot::hot)
+            .default_service(allow("GET")),
+    )
+    .service(
+        web::resource("/shadow")
+            .get(shadow::get)
+            .delete(shadow::reset)
+            .default_service(allow("GET, DELETE")),
+    )
+    .service(
+        web::resource("/audit")
+            .get(audit::list)
+            .default_service(allow("GET")),
     );
 }
 
