@@ -134,7 +134,7 @@ impl Application {
     }
 
     /// Serves until SIGTERM/SIGINT (or a handle's stop), lets in-flight requests finish,
-    /// then stops every background task and waits for it (at most [`TASKS_STOP_WITHIN`]).
+    /// then stops every background task and waits for it (at most 5 s).
     /// An essential task that fails stops the gateway the same way, and is the error.
     pub async fn run_until_stopped(self) -> std::io::Result<()> {
         let Application {

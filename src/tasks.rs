@@ -21,10 +21,11 @@
 //! debit a worker queues), a late decision seen through after its request was shed
 //! (`Limiter::decide`), one health check (a child of the checker's thread, ending with
 //! it), the catalog cache's write (awaited where it is made), and the store's own tasks
-//! (`store::redis`: connection drivers and batched calls, each owned by the connection or
-//! call that made it). None of them outlives what started it by more than a bounded wait,
+//! (`store::redis`: a connection's driver, which ends with its socket; a batch's send; a
+//! read of the cluster's slot map), each owned by the connection or call that made it. None of them outlives what started it by more than a bounded wait,
 //! none holds state a restart could repair, and supervising each would put a registry
-//! write on the request path.
+//! write on the request path. The OTLP exporter's thread (`trace::export`) is long-lived
+//! and not here yet: [`Tasks::spawn_thread`] is meant for it.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -84,7 +85,7 @@ impl Default for Pauses {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TaskFailed {
     pub task: String,
-    /// How its last run ended: "panicked: <message>", or "ended on its own".
+    /// How its last run ended: `panicked: <message>`, or `ended on its own`.
     pub cause: String,
 }
 
