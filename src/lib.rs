@@ -14,7 +14,7 @@
 //!   [`reload`] swaps the routes when `SIGHUP` asks for the configuration to be read again.
 //!
 //! The modules are floors (README, "Architecture"; checked by `.ci/layers`): [`domain`] <-
-//! [`metrics`] <- [`configuration`] <- [`store`] <- `catalog` <- `limiter` <- [`proxy`] /
+//! [`metrics`] / [`tasks`] <- [`configuration`] <- [`store`] <- `catalog` <- `limiter` <- [`proxy`] /
 //! [`admin`] / [`ops`] <- [`startup`] / [`reload`]. Only what the binary, the tests and the load tool use
 //! is public.
 
@@ -32,5 +32,6 @@ pub mod reload;
 pub mod startup;
 pub mod state;
 pub mod store;
+pub mod tasks;
 pub mod telemetry;
 pub mod trace;

@@ -15,10 +15,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use actix_web::web;
+use parking_lot::Mutex;
 use secrecy::{ExposeSecret, SecretString};
 
 use crate::configuration::{Settings, SettingsError};
 use crate::state::AppState;
+use crate::tasks::{Policy, Tasks};
 
 /// What a reload reads, and what it applies to.
 pub struct Reloader {
@@ -94,15 +96,33 @@ pub fn unix_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// Reloads on every `SIGHUP` from now on, on the current Tokio runtime (the signal's
-/// default, ending the process, no longer applies).
-pub fn on_sighup(reloader: Reloader) -> std::io::Result<()> {
+/// Reloads on every `SIGHUP` from now on, as task `sighup-reload` of `tasks` (the signal's
+/// default, ending the process, no longer applies). Call it on a Tokio runtime: it fails
+/// when the signal cannot be listened for.
+pub fn on_sighup(reloader: Reloader, tasks: &Tasks) -> std::io::Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
-    let mut hangups = signal(SignalKind::hangup())?;
-    tokio::spawn(async move {
-        while hangups.recv().await.is_some() {
-            tracing::info!(files = ?reloader.files, "SIGHUP: reloading the configuration");
-            reloader.reload();
+    // The first listener is made here, so that a failure is the caller's; a restarted
+    // task makes its own.
+    let first = Mutex::new(Some(signal(SignalKind::hangup())?));
+    let reloader = Arc::new(reloader);
+    tasks.spawn("sighup-reload", Policy::Restart, move |stop| {
+        let reloader = Arc::clone(&reloader);
+        let hangups = first
+            .lock()
+            .take()
+            .map_or_else(|| signal(SignalKind::hangup()), Ok);
+        async move {
+            let mut hangups = match hangups {
+                Ok(hangups) => hangups,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot listen for SIGHUP");
+                    return;
+                }
+            };
+            while let Some(Some(())) = stop.run_until_cancelled(hangups.recv()).await {
+                tracing::info!(files = ?reloader.files, "SIGHUP: reloading the configuration");
+                reloader.reload();
+            }
         }
     });
     Ok(())

@@ -1,8 +1,14 @@
-//! The one entry point: [`Application::build`] binds, seeds and mirrors the catalog,
-//! spawns background tasks (the health checker among them), and
-//! [`Application::run_until_stopped`] serves until SIGTERM. [`Application::reload_on_sighup`]
-//! swaps the routes when the configuration is read again ([`crate::reload`]).
-//! `main` and the integration tests use the same path.
+//! The one entry point: [`Application::build`] runs the start-up's steps in order (open
+//! the store, mirror the catalog, open the regional store, start the limiter, share the
+//! state, start the health checker and the servers), and
+//! [`Application::run_until_stopped`] serves until SIGTERM, then stops and joins every
+//! background task. [`Application::reload_on_sighup`] swaps the routes when the
+//! configuration is read again ([`crate::reload`]). `main` and the integration tests use
+//! the same path.
+//!
+//! Every long-lived background task starts under the application's [`Supervisor`]
+//! ([`crate::tasks`]): here (the store's housekeeping, the start-up retry, the
+//! persistence check), or in the part it belongs to, through the [`Tasks`] handed to it.
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -19,19 +25,27 @@ use tracing_actix_web::TracingLogger;
 use crate::admin::{self, JwtVerifier};
 use crate::catalog::{self, Catalog};
 use crate::configuration::Settings;
-use crate::limiter::Limiter;
+use crate::limiter::{Limiter, LimiterParts};
 use crate::metrics::Metrics;
 use crate::proxy::{self, RouteTable};
 use crate::reload::{self, Reloader};
 use crate::state::AppState;
 use crate::store::{Keys, Store, StoreKind};
+use crate::tasks::{Policy, Supervisor, Tasks};
 use crate::trace::{self, Tracer};
 use crate::{ops, telemetry};
 
 /// How long a connection lingers after an answer that left the request body unread.
 const LINGER: Duration = Duration::from_secs(1);
 
+/// How long the background tasks get to stop once the servers have: each ends at its next
+/// wait, so this is a bound for a stuck one, not a wait.
+const TASKS_STOP_WITHIN: Duration = Duration::from_secs(5);
+
 pub struct Application {
+    /// Owns the background tasks. First, so that an application dropped without being run
+    /// cancels them before the rest goes.
+    supervisor: Supervisor,
     port: u16,
     admin_port: Option<u16>,
     servers: Vec<Server>,
@@ -40,176 +54,47 @@ pub struct Application {
     settings: Settings,
 }
 
+/// The servers started, and the ports they listen on.
+struct Listening {
+    servers: Vec<Server>,
+    port: u16,
+    admin_port: Option<u16>,
+}
+
 impl Application {
     pub async fn build(settings: Settings) -> anyhow::Result<Application> {
+        let supervisor = Supervisor::new();
+        let tasks = supervisor.tasks();
         let metrics = Arc::new(Metrics::default());
         metrics.reloads.loaded(reload::unix_ms());
         let keys = Keys::new(&settings.redis.key_prefix);
         let store = open_store(&settings, &keys)?;
-        let region = &settings.server.region;
-        let cache_file = settings
-            .catalog
-            .cache_file
-            .clone()
-            .filter(|_| !settings.uses_embedded_store());
-        let catalog = Arc::new(
-            Catalog::new(settings.limits.default_mode, keys.clone(), region.clone())
-                .with_cache_file(cache_file),
-        );
-        prepare_store(&store, &catalog, &settings).await?;
-        catalog.spawn_refresh(store.clone(), settings.catalog.refresh);
-        if let Some(chore) = Arc::clone(&store.lifecycle).housekeeping() {
-            tokio::spawn(chore);
-        }
-
-        let regional = open_regional_store(&settings, &keys, &store)?;
-        if settings.redis.regional_url.is_some() && !settings.uses_embedded_store() {
-            if let Err(e) = regional.lifecycle.load_scripts().await {
-                tracing::warn!(error = %e, "regional store unavailable at start; its shards fail open until it answers");
-            }
-        }
-        let limiter = Arc::new(Limiter::new(
-            store.clone(),
-            regional,
-            region.clone(),
-            Arc::clone(&catalog),
-            settings.redis.timeout,
-            Arc::clone(&metrics),
-            settings.limits.safety_multiplier,
-            settings.periods,
-            settings.overload,
-        ));
-        limiter.spawn_background();
-        let traces = match &settings.telemetry.otlp_endpoint {
-            Some(endpoint) => Some(Tracer::start(trace::exporter(
-                endpoint,
-                &settings.telemetry,
-            )?)),
-            None => None,
-        };
-        let state = web::Data::new(AppState {
-            catalog,
-            limiter,
+        let catalog = mirror_catalog(&settings, &keys, &store, &tasks).await?;
+        start_housekeeping(&store, &tasks);
+        let regional = open_regional_store(&settings, &keys, &store).await?;
+        let limiter = Limiter::start(LimiterParts {
             store: store.clone(),
-            routes: ArcSwap::from_pointee(RouteTable::new(&settings.routes)),
-            metrics,
-            api_key_header: settings.server.api_key_header.clone(),
-            trusted_proxies: settings.server.trusted_proxies.clone(),
-            max_body_bytes: settings.server.max_body_bytes.get(),
-            upstream: settings.upstream,
+            regional,
+            region: settings.server.region.clone(),
+            catalog: Arc::clone(&catalog),
+            metrics: Arc::clone(&metrics),
+            timeout: settings.redis.timeout,
             safety_multiplier: settings.limits.safety_multiplier,
-            traces,
+            periods: settings.periods,
+            overload: settings.overload,
+            tasks: tasks.clone(),
         });
-        let traced = state.traces.is_some();
-        // One checker for the process, reading whichever table is served now; it ends
-        // when the state does.
-        let served = Arc::downgrade(&state.clone().into_inner());
-        proxy::spawn_health_checker(
-            move || served.upgrade().map(|s| s.routes.load_full()),
-            &settings.upstream,
-        );
+        let state = shared_state(&settings, catalog, limiter, store, metrics)?;
+        start_health_checks(&state, &settings, &tasks);
         let jwt = web::Data::new(JwtVerifier::from_settings(&settings.admin)?);
-
-        let listener = TcpListener::bind(settings.server.listen)
-            .with_context(|| format!("server.listen: cannot bind {}", settings.server.listen))?;
-        let port = listener.local_addr()?.port();
-        let separate_admin = settings.server.admin_listen.is_some();
-
-        let mut servers = Vec::new();
-        let (data, jwt_data) = (state.clone(), jwt.clone());
-        let upstream = settings.upstream;
-        let main = HttpServer::new(move || {
-            // This closure runs once on each worker's thread: keep that worker's
-            // request-path connections open from now on, re-opened as soon as one dies,
-            // rather than on its first request, and measure its event loop's delay.
-            let limiter = Arc::clone(&data.limiter);
-            actix_web::rt::spawn(async move {
-                futures_util::future::join(limiter.keep_connected(), limiter.watch_worker()).await
-            });
-            let app = App::new()
-                .wrap(TracingLogger::<telemetry::RequestSpan>::new())
-                .wrap(from_fn(proxy::request_id))
-                .app_data(data.clone())
-                .app_data(jwt_data.clone())
-                .configure(ops::configure)
-                .configure(|cfg| {
-                    if !separate_admin {
-                        ops::configure_metrics(cfg);
-                        admin::configure(cfg);
-                    }
-                });
-            // Every path no other service claims: the limiter, then the forward.
-            let proxy = proxy::Guard(upstream);
-            if traced {
-                // The request span around both, only when spans are exported.
-                app.service(
-                    web::scope("")
-                        .wrap(from_fn(trace::request))
-                        .default_service(proxy),
-                )
-            } else {
-                app.default_service(proxy)
-            }
-        });
-        let shutdown_timeout_s = settings.server.shutdown_timeout.as_secs();
-        // A request the gateway answers without reading its body (a 401, a 429, ...) keeps
-        // that body's `Payload` until the answer is written (proxy::edge), so actix-http
-        // closes the connection after lingering, reading and discarding, for at most this
-        // long: nginx's lingering close, bounded, so that the client reads its answer
-        // rather than a reset, and a client that never stops sending is cut off. Set here,
-        // not left to actix-web's default (also 1 s today), because the bound is ours.
-        let main = main
-            .shutdown_timeout(shutdown_timeout_s)
-            .backlog(4096)
-            .client_disconnect_timeout(LINGER);
-        let main = match settings.server.workers {
-            Some(n) => main.workers(n.get()),
-            None => main,
-        };
-        servers.push(main.listen(listener)?.run());
-
-        let mut admin_port = None;
-        if let Some(admin_listen) = settings.server.admin_listen {
-            let listener = TcpListener::bind(admin_listen)
-                .with_context(|| format!("server.admin_listen: cannot bind {admin_listen}"))?;
-            admin_port = Some(listener.local_addr()?.port());
-            let data = state.clone();
-            let admin = HttpServer::new(move || {
-                App::new()
-                    .wrap(TracingLogger::<telemetry::RequestSpan>::new())
-                    .wrap(from_fn(proxy::request_id))
-                    .app_data(data.clone())
-                    .app_data(jwt.clone())
-                    .configure(ops::configure)
-                    .configure(ops::configure_metrics)
-                    .configure(admin::configure)
-            })
-            .workers(1)
-            .shutdown_timeout(shutdown_timeout_s);
-            servers.push(admin.listen(listener)?.run());
-        }
-
-        if !separate_admin {
-            tracing::warn!("server.admin_listen is empty: the admin API, its docs and /metrics share the public listener; set it to a private address to serve them apart");
-        }
-        tracing::info!(
-            listen = %SocketAddr::new(settings.server.listen.ip(), port),
-            admin_port = ?admin_port,
-            store = %store.lifecycle.describe(),
-            region = %settings.server.region,
-            "tollgate started"
-        );
-        if store.lifecycle.kind() == StoreKind::Embedded {
-            tracing::info!(
-                file = %settings.catalog.file.display(),
-                "embedded store: buckets live in this process, so limits hold for this single instance only"
-            );
-        }
-        warn_unless_persistent(store.clone(), Arc::clone(&state.catalog));
+        let listening = start_servers(&settings, &state, &jwt)?;
+        say_started(&settings, &state.store, &listening);
+        warn_unless_persistent(&tasks, state.store.clone(), Arc::clone(&state.catalog));
         Ok(Application {
-            port,
-            admin_port,
-            servers,
+            supervisor,
+            port: listening.port,
+            admin_port: listening.admin_port,
+            servers: listening.servers,
             state,
             settings,
         })
@@ -220,11 +105,8 @@ impl Application {
     /// applies its routes, or refuses it and keeps serving the routes it has (README,
     /// "Upstreams"). Call it on a Tokio runtime.
     pub fn reload_on_sighup(&self, files: Vec<PathBuf>) -> std::io::Result<()> {
-        reload::on_sighup(Reloader::new(
-            files,
-            self.settings.clone(),
-            self.state.clone(),
-        ))
+        let reloader = Reloader::new(files, self.settings.clone(), self.state.clone());
+        reload::on_sighup(reloader, &self.supervisor.tasks())
     }
 
     /// The port the proxy listens on (useful with port 0).
@@ -246,10 +128,246 @@ impl Application {
         self.state.clone()
     }
 
-    /// Serves until SIGTERM/SIGINT (or a handle's stop), then lets in-flight requests finish.
+    /// The background tasks: what runs, and how often each was restarted.
+    pub fn tasks(&self) -> Tasks {
+        self.supervisor.tasks()
+    }
+
+    /// Serves until SIGTERM/SIGINT (or a handle's stop), lets in-flight requests finish,
+    /// then stops every background task and waits for it (at most 5 s).
+    /// An essential task that fails stops the gateway the same way, and is the error.
     pub async fn run_until_stopped(self) -> std::io::Result<()> {
-        futures_util::future::try_join_all(self.servers).await?;
-        Ok(())
+        let Application {
+            supervisor,
+            servers,
+            ..
+        } = self;
+        let handles: Vec<ServerHandle> = servers.iter().map(Server::handle).collect();
+        let mut serving = std::pin::pin!(futures_util::future::try_join_all(servers));
+        let (served, failed) = tokio::select! {
+            served = &mut serving => (served, None),
+            failed = supervisor.stop_requested() => {
+                tracing::error!(error = %failed, "stopping: the gateway cannot go on without this task");
+                futures_util::future::join_all(handles.iter().map(|h| h.stop(true))).await;
+                (serving.await, Some(failed))
+            }
+        };
+        supervisor.shutdown(TASKS_STOP_WITHIN).await;
+        served?;
+        match failed {
+            Some(failed) => Err(std::io::Error::other(failed)),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The in-memory catalog, seeded and mirrored from `store` (or, with the store down, from
+/// the cache file or the configuration while a task keeps trying), and its refresh task.
+async fn mirror_catalog(
+    settings: &Settings,
+    keys: &Keys,
+    store: &Store,
+    tasks: &Tasks,
+) -> anyhow::Result<Arc<Catalog>> {
+    let cache_file = settings
+        .catalog
+        .cache_file
+        .clone()
+        .filter(|_| !settings.uses_embedded_store());
+    let catalog = Arc::new(
+        Catalog::new(
+            settings.limits.default_mode,
+            keys.clone(),
+            settings.server.region.clone(),
+        )
+        .with_cache_file(cache_file),
+    );
+    prepare_store(store, &catalog, settings, tasks).await?;
+    catalog.spawn_refresh(tasks, store.clone(), settings.catalog.refresh);
+    Ok(catalog)
+}
+
+/// Starts task `store-housekeeping`, when the store has chores (the embedded store evicts
+/// idle buckets).
+fn start_housekeeping(store: &Store, tasks: &Tasks) {
+    if Arc::clone(&store.lifecycle).housekeeping().is_none() {
+        return;
+    }
+    let lifecycle = Arc::clone(&store.lifecycle);
+    tasks.spawn("store-housekeeping", Policy::Restart, move |stop| {
+        let chores = Arc::clone(&lifecycle).housekeeping();
+        async move {
+            if let Some(chores) = chores {
+                stop.run_until_cancelled(chores).await;
+            }
+        }
+    });
+}
+
+/// What every handler shares.
+fn shared_state(
+    settings: &Settings,
+    catalog: Arc<Catalog>,
+    limiter: Arc<Limiter>,
+    store: Store,
+    metrics: Arc<Metrics>,
+) -> anyhow::Result<web::Data<AppState>> {
+    let traces = match &settings.telemetry.otlp_endpoint {
+        Some(endpoint) => Some(Tracer::start(trace::exporter(
+            endpoint,
+            &settings.telemetry,
+        )?)),
+        None => None,
+    };
+    Ok(web::Data::new(AppState {
+        catalog,
+        limiter,
+        store,
+        routes: ArcSwap::from_pointee(RouteTable::new(&settings.routes)),
+        metrics,
+        api_key_header: settings.server.api_key_header.clone(),
+        trusted_proxies: settings.server.trusted_proxies.clone(),
+        max_body_bytes: settings.server.max_body_bytes.get(),
+        upstream: settings.upstream,
+        safety_multiplier: settings.limits.safety_multiplier,
+        traces,
+    }))
+}
+
+/// One checker for the process, reading whichever table is served now; it ends when the
+/// gateway stops (or the state is gone).
+fn start_health_checks(state: &web::Data<AppState>, settings: &Settings, tasks: &Tasks) {
+    let served = Arc::downgrade(&state.clone().into_inner());
+    proxy::spawn_health_checker(
+        tasks,
+        move || served.upgrade().map(|s| s.routes.load_full()),
+        &settings.upstream,
+    );
+}
+
+/// Binds the listeners and starts the public server (the proxy, and the admin API when it
+/// has no listener of its own) and, when `server.admin_listen` is set, the admin server.
+fn start_servers(
+    settings: &Settings,
+    state: &web::Data<AppState>,
+    jwt: &web::Data<JwtVerifier>,
+) -> anyhow::Result<Listening> {
+    let listener = TcpListener::bind(settings.server.listen)
+        .with_context(|| format!("server.listen: cannot bind {}", settings.server.listen))?;
+    let port = listener.local_addr()?.port();
+    let mut servers = vec![public_server(settings, state, jwt, listener)?];
+    let mut admin_port = None;
+    if let Some(admin_listen) = settings.server.admin_listen {
+        let listener = TcpListener::bind(admin_listen)
+            .with_context(|| format!("server.admin_listen: cannot bind {admin_listen}"))?;
+        admin_port = Some(listener.local_addr()?.port());
+        servers.push(admin_server(settings, state, jwt, listener)?);
+    }
+    Ok(Listening {
+        servers,
+        port,
+        admin_port,
+    })
+}
+
+/// The proxy's server: every path no other service claims goes through the limiter, then
+/// the forward; the health and metrics endpoints, and the admin API unless it has a
+/// listener of its own.
+fn public_server(
+    settings: &Settings,
+    state: &web::Data<AppState>,
+    jwt: &web::Data<JwtVerifier>,
+    listener: TcpListener,
+) -> std::io::Result<Server> {
+    let (data, jwt_data) = (state.clone(), jwt.clone());
+    let separate_admin = settings.server.admin_listen.is_some();
+    let traced = state.traces.is_some();
+    let upstream = settings.upstream;
+    let main = HttpServer::new(move || {
+        // This closure runs once on each worker's thread.
+        data.limiter.start_worker();
+        let app = App::new()
+            .wrap(TracingLogger::<telemetry::RequestSpan>::new())
+            .wrap(from_fn(proxy::request_id))
+            .app_data(data.clone())
+            .app_data(jwt_data.clone())
+            .configure(ops::configure)
+            .configure(|cfg| {
+                if !separate_admin {
+                    ops::configure_metrics(cfg);
+                    admin::configure(cfg);
+                }
+            });
+        // Every path no other service claims: the limiter, then the forward.
+        let proxy = proxy::Guard(upstream);
+        if traced {
+            // The request span around both, only when spans are exported.
+            app.service(
+                web::scope("")
+                    .wrap(from_fn(trace::request))
+                    .default_service(proxy),
+            )
+        } else {
+            app.default_service(proxy)
+        }
+    });
+    // A request the gateway answers without reading its body (a 401, a 429, ...) keeps
+    // that body's `Payload` until the answer is written (proxy::edge), so actix-http
+    // closes the connection after lingering, reading and discarding, for at most this
+    // long: nginx's lingering close, bounded, so that the client reads its answer rather
+    // than a reset, and a client that never stops sending is cut off. Set here, not left
+    // to actix-web's default (also 1 s today), because the bound is ours.
+    let main = main
+        .shutdown_timeout(settings.server.shutdown_timeout.as_secs())
+        .backlog(4096)
+        .client_disconnect_timeout(LINGER);
+    let main = match settings.server.workers {
+        Some(n) => main.workers(n.get()),
+        None => main,
+    };
+    Ok(main.listen(listener)?.run())
+}
+
+/// The admin server, on `server.admin_listen`: the admin API, its docs, health and metrics.
+fn admin_server(
+    settings: &Settings,
+    state: &web::Data<AppState>,
+    jwt: &web::Data<JwtVerifier>,
+    listener: TcpListener,
+) -> std::io::Result<Server> {
+    let (data, jwt) = (state.clone(), jwt.clone());
+    let admin = HttpServer::new(move || {
+        App::new()
+            .wrap(TracingLogger::<telemetry::RequestSpan>::new())
+            .wrap(from_fn(proxy::request_id))
+            .app_data(data.clone())
+            .app_data(jwt.clone())
+            .configure(ops::configure)
+            .configure(ops::configure_metrics)
+            .configure(admin::configure)
+    })
+    .workers(1)
+    .shutdown_timeout(settings.server.shutdown_timeout.as_secs());
+    Ok(admin.listen(listener)?.run())
+}
+
+/// Logs where it listens and what it stands on.
+fn say_started(settings: &Settings, store: &Store, listening: &Listening) {
+    if settings.server.admin_listen.is_none() {
+        tracing::warn!("server.admin_listen is empty: the admin API, its docs and /metrics share the public listener; set it to a private address to serve them apart");
+    }
+    tracing::info!(
+        listen = %SocketAddr::new(settings.server.listen.ip(), listening.port),
+        admin_port = ?listening.admin_port,
+        store = %store.lifecycle.describe(),
+        region = %settings.server.region,
+        "tollgate started"
+    );
+    if store.lifecycle.kind() == StoreKind::Embedded {
+        tracing::info!(
+            file = %settings.catalog.file.display(),
+            "embedded store: buckets live in this process, so limits hold for this single instance only"
+        );
     }
 }
 
@@ -266,28 +384,39 @@ fn open_store(settings: &Settings, keys: &Keys) -> anyhow::Result<Store> {
     Store::embedded(&settings.catalog.file).context("catalog.file")
 }
 
-/// The store holding this region's shards of hot clients: `redis.regional_url`, or the
+/// The store holding this region's shards of hot clients: `redis.regional_url`, its
+/// scripts loaded (or, when it is down, its shards failing open until it answers), or the
 /// global store when it is not set.
-fn open_regional_store(settings: &Settings, keys: &Keys, global: &Store) -> anyhow::Result<Store> {
+async fn open_regional_store(
+    settings: &Settings,
+    keys: &Keys,
+    global: &Store,
+) -> anyhow::Result<Store> {
     let url = match &settings.redis.regional_url {
         Some(url) if !settings.uses_embedded_store() => url,
         _ => return Ok(global.clone()),
     };
-    Store::redis(
+    let regional = Store::redis(
         url,
         settings.redis.pool_size,
         settings.redis.control_timeout,
         keys.clone(),
     )
-    .context("redis.regional_url")
+    .context("redis.regional_url")?;
+    if let Err(e) = regional.lifecycle.load_scripts().await {
+        tracing::warn!(error = %e, "regional store unavailable at start; its shards fail open until it answers");
+    }
+    Ok(regional)
 }
 
 /// Loads scripts, seeds the declared catalog and mirrors it. A Redis that is down at start
-/// does not stop the gateway (it fails open); this is retried in the background instead.
+/// does not stop the gateway (it fails open); task `store-start-retry` tries again every
+/// second instead, until it has.
 async fn prepare_store(
     store: &Store,
     catalog: &Arc<Catalog>,
     settings: &Settings,
+    tasks: &Tasks,
 ) -> anyhow::Result<()> {
     async fn attempt(store: &Store, catalog: &Catalog, settings: &Settings) -> anyhow::Result<()> {
         store.lifecycle.load_scripts().await?;
@@ -301,26 +430,22 @@ async fn prepare_store(
         Err(e) if e.downcast_ref::<crate::store::StoreError>().is_none() => Err(e),
         Err(e) => {
             tracing::warn!(error = %e, "store unavailable at start; failing open and retrying");
-            match catalog.serve_fallback(settings) {
-                catalog::Source::Cache { saved_at_ms } => tracing::warn!(
-                    file = %settings.catalog.cache_file.as_deref().unwrap_or(Path::new("")).display(),
-                    age_s = catalog::cache::now_ms().saturating_sub(saved_at_ms) / 1000,
-                    clients = catalog.len(),
-                    "serving the last-known catalog from the cache file until the store answers"
-                ),
-                _ => tracing::warn!(
-                    clients = catalog.len(),
-                    "no catalog cache file: serving only the configuration's clients until the store answers"
-                ),
-            }
+            serve_fallback(catalog, settings);
             let (store, catalog, settings) = (store.clone(), Arc::clone(catalog), settings.clone());
-            tokio::spawn(async move {
-                loop {
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                    if attempt(&store, &catalog, &settings).await.is_ok() {
-                        tracing::info!("store reachable; catalog seeded and mirrored");
-                        return;
-                    }
+            tasks.spawn("store-start-retry", Policy::UntilDone, move |stop| {
+                let (store, catalog) = (store.clone(), Arc::clone(&catalog));
+                let settings = settings.clone();
+                async move {
+                    let retrying = async {
+                        loop {
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                            if attempt(&store, &catalog, &settings).await.is_ok() {
+                                tracing::info!("store reachable; catalog seeded and mirrored");
+                                return;
+                            }
+                        }
+                    };
+                    stop.run_until_cancelled(retrying).await;
                 }
             });
             Ok(())
@@ -328,29 +453,55 @@ async fn prepare_store(
     }
 }
 
-/// Says once what the store keeps across its own restart, when it first answers (Redis may
-/// be down at start), and warns when a plan has a quota and the store may forget its count:
-/// a Redis restarted empty hands every client a fresh period (README, Durability).
-fn warn_unless_persistent(store: Store, catalog: Arc<Catalog>) {
-    tokio::spawn(async move {
-        loop {
-            match store.lifecycle.persistence().await {
-                Ok(p) => {
-                    // The warning first: once "store persistence" is in the log, so is it.
-                    if catalog.has_quotas() && !p.keeps_quotas() {
-                        tracing::warn!(
-                            persistence = %p.describe(),
-                            "a plan has a quota, and the store does not say it keeps every write: a restart of it can forget every quota's count and hand every client a fresh period (Redis: appendonly yes; see README, Durability)"
-                        );
-                    }
-                    tracing::info!(persistence = %p.describe(), "store persistence");
-                    return;
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, "store persistence not known yet; asking again");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                }
-            }
+/// Serves the last-known catalog from the cache file, or else the configuration's, and
+/// says which.
+fn serve_fallback(catalog: &Catalog, settings: &Settings) {
+    match catalog.serve_fallback(settings) {
+        catalog::Source::Cache { saved_at_ms } => tracing::warn!(
+            file = %settings.catalog.cache_file.as_deref().unwrap_or(Path::new("")).display(),
+            age_s = catalog::cache::now_ms().saturating_sub(saved_at_ms) / 1000,
+            clients = catalog.len(),
+            "serving the last-known catalog from the cache file until the store answers"
+        ),
+        _ => tracing::warn!(
+            clients = catalog.len(),
+            "no catalog cache file: serving only the configuration's clients until the store answers"
+        ),
+    }
+}
+
+/// Starts task `store-persistence-check`, which says once what the store keeps across its
+/// own restart, when it first answers (Redis may be down at start), and warns when a plan
+/// has a quota and the store may forget its count: a Redis restarted empty hands every
+/// client a fresh period (README, Durability).
+fn warn_unless_persistent(tasks: &Tasks, store: Store, catalog: Arc<Catalog>) {
+    tasks.spawn("store-persistence-check", Policy::UntilDone, move |stop| {
+        let (store, catalog) = (store.clone(), Arc::clone(&catalog));
+        async move {
+            stop.run_until_cancelled(say_persistence(&store, &catalog))
+                .await;
         }
     });
+}
+
+async fn say_persistence(store: &Store, catalog: &Catalog) {
+    loop {
+        match store.lifecycle.persistence().await {
+            Ok(p) => {
+                // The warning first: once "store persistence" is in the log, so is it.
+                if catalog.has_quotas() && !p.keeps_quotas() {
+                    tracing::warn!(
+                        persistence = %p.describe(),
+                        "a plan has a quota, and the store does not say it keeps every write: a restart of it can forget every quota's count and hand every client a fresh period (Redis: appendonly yes; see README, Durability)"
+                    );
+                }
+                tracing::info!(persistence = %p.describe(), "store persistence");
+                return;
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "store persistence not known yet; asking again");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
 }

@@ -34,84 +34,8 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
             .app_data(web::QueryConfig::default().error_handler(|e, _| {
                 ApiError::BadRequest(format!("malformed query string: {e}")).into()
             }))
-            .service(
-                web::resource("/plans")
-                    .get(plans::list)
-                    .default_service(allow("GET")),
-            )
-            .service(
-                web::resource("/plans/{plan}")
-                    .get(plans::get)
-                    .put(plans::put)
-                    .delete(plans::delete)
-                    .default_service(allow("GET, PUT, DELETE")),
-            )
-            .service(
-                web::resource("/clients")
-                    .get(clients::list)
-                    .default_service(allow("GET")),
-            )
-            .service(
-                web::resource("/clients/{client}")
-                    .get(clients::get)
-                    .put(clients::put)
-                    .delete(clients::delete)
-                    .default_service(allow("GET, PUT, DELETE")),
-            )
-            .service(
-                web::resource("/clients/{client}/keys")
-                    .post(clients::create_key)
-                    .default_service(allow("POST")),
-            )
-            .service(
-                web::resource("/clients/{client}/keys/{key_id}")
-                    .delete(clients::revoke_key)
-                    .default_service(allow("DELETE")),
-            )
-            .service(
-                web::resource("/clients/{client}/overrides")
-                    .get(overrides::list)
-                    .default_service(allow("GET")),
-            )
-            .service(
-                web::resource("/clients/{client}/overrides/{limit}")
-                    .put(overrides::put)
-                    .delete(overrides::delete)
-                    .default_service(allow("PUT, DELETE")),
-            )
-            .service(
-                web::resource("/clients/{client}/usage")
-                    .get(usage::get)
-                    .default_service(allow("GET")),
-            )
-            .service(
-                web::resource("/clients/{client}/bucket")
-                    .get(clients::bucket)
-                    .delete(clients::refill)
-                    .default_service(allow("GET, DELETE")),
-            )
-            .service(
-                web::resource("/safety")
-                    .get(safety::get)
-                    .put(safety::put)
-                    .default_service(allow("GET, PUT")),
-            )
-            .service(
-                web::resource("/hot")
-                    .get(hot::hot)
-                    .default_service(allow("GET")),
-            )
-            .service(
-                web::resource("/shadow")
-                    .get(shadow::get)
-                    .delete(shadow::reset)
-                    .default_service(allow("GET, DELETE")),
-            )
-            .service(
-                web::resource("/audit")
-                    .get(audit::list)
-                    .default_service(allow("GET")),
-            )
+            .configure(catalog_resources)
+            .configure(state_resources)
             .default_service(web::to(|| async {
                 Err::<actix_web::HttpResponse, _>(ApiError::NotFound(
                     "no such admin resource".into(),
@@ -132,6 +56,93 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
                 SwaggerUi::new("/swagger-ui/{_:.*}")
                     .url("/api-docs/openapi.json", ApiDoc::openapi()),
             ),
+    );
+}
+
+/// The catalog's resources: plans, clients, their keys and overrides.
+fn catalog_resources(cfg: &mut web::ServiceConfig) {
+    cfg.service(
+        web::resource("/plans")
+            .get(plans::list)
+            .default_service(allow("GET")),
+    )
+    .service(
+        web::resource("/plans/{plan}")
+            .get(plans::get)
+            .put(plans::put)
+            .delete(plans::delete)
+            .default_service(allow("GET, PUT, DELETE")),
+    )
+    .service(
+        web::resource("/clients")
+            .get(clients::list)
+            .default_service(allow("GET")),
+    )
+    .service(
+        web::resource("/clients/{client}")
+            .get(clients::get)
+            .put(clients::put)
+            .delete(clients::delete)
+            .default_service(allow("GET, PUT, DELETE")),
+    )
+    .service(
+        web::resource("/clients/{client}/keys")
+            .post(clients::create_key)
+            .default_service(allow("POST")),
+    )
+    .service(
+        web::resource("/clients/{client}/keys/{key_id}")
+            .delete(clients::revoke_key)
+            .default_service(allow("DELETE")),
+    )
+    .service(
+        web::resource("/clients/{client}/overrides")
+            .get(overrides::list)
+            .default_service(allow("GET")),
+    )
+    .service(
+        web::resource("/clients/{client}/overrides/{limit}")
+            .put(overrides::put)
+            .delete(overrides::delete)
+            .default_service(allow("PUT, DELETE")),
+    );
+}
+
+/// The rest, read (and some reset) beside the catalog: a client's usage and bucket, the
+/// safety settings, the hot clients, shadow mode's comparisons, the audit log of writes.
+fn state_resources(cfg: &mut web::ServiceConfig) {
+    cfg.service(
+        web::resource("/clients/{client}/usage")
+            .get(usage::get)
+            .default_service(allow("GET")),
+    )
+    .service(
+        web::resource("/clients/{client}/bucket")
+            .get(clients::bucket)
+            .delete(clients::refill)
+            .default_service(allow("GET, DELETE")),
+    )
+    .service(
+        web::resource("/safety")
+            .get(safety::get)
+            .put(safety::put)
+            .default_service(allow("GET, PUT")),
+    )
+    .service(
+        web::resource("/hot")
+            .get(hot::hot)
+            .default_service(allow("GET")),
+    )
+    .service(
+        web::resource("/shadow")
+            .get(shadow::get)
+            .delete(shadow::reset)
+            .default_service(allow("GET, DELETE")),
+    )
+    .service(
+        web::resource("/audit")
+            .get(audit::list)
+            .default_service(allow("GET")),
     );
 }
 
@@ -212,6 +223,24 @@ struct CommonResponses;
 
 impl Modify for CommonResponses {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        for item in openapi.paths.paths.values_mut() {
+            let ops = [
+                &mut item.get,
+                &mut item.put,
+                &mut item.post,
+                &mut item.delete,
+                &mut item.patch,
+            ];
+            for op in ops.into_iter().flatten() {
+                CommonResponses::add_to(op);
+            }
+        }
+    }
+}
+
+impl CommonResponses {
+    /// Adds to `op` the statuses its kind can answer that it does not list yet.
+    fn add_to(op: &mut utoipa::openapi::path::Operation) {
         use utoipa::openapi::path::{Operation, ParameterIn};
         use utoipa::openapi::schema::{ObjectBuilder, SchemaType, Type};
         use utoipa::openapi::{ContentBuilder, HeaderBuilder, Ref, ResponseBuilder};
@@ -231,68 +260,55 @@ impl Modify for CommonResponses {
                 .or_insert_with(|| response.build().into());
         };
         let string = || ObjectBuilder::new().schema_type(SchemaType::Type(Type::String));
-        for item in openapi.paths.paths.values_mut() {
-            let ops = [
-                &mut item.get,
-                &mut item.put,
-                &mut item.post,
-                &mut item.delete,
-                &mut item.patch,
-            ];
-            for op in ops.into_iter().flatten() {
-                let params = op.parameters.iter().flatten();
-                let in_path = params.clone().any(|p| p.parameter_in == ParameterIn::Path);
-                let in_query = params.clone().any(|p| p.parameter_in == ParameterIn::Query);
-                let if_match = params.clone().any(|p| p.name == "If-Match");
-                if in_path {
-                    add(op, "422", problem("An id in the path is not a valid id"));
+        let params = op.parameters.iter().flatten();
+        let in_path = params.clone().any(|p| p.parameter_in == ParameterIn::Path);
+        let in_query = params.clone().any(|p| p.parameter_in == ParameterIn::Query);
+        let if_match = params.clone().any(|p| p.name == "If-Match");
+        if in_path {
+            add(op, "422", problem("An id in the path is not a valid id"));
+        }
+        if in_query {
+            add(op, "400", problem("A malformed query string"));
+            add(op, "422", problem("An invalid query parameter, named"));
+        }
+        if op.request_body.is_some() {
+            add(op, "400", problem("Malformed JSON, or not an object"));
+            add(op, "413", problem("Body over 64 KiB"));
+            add(op, "422", problem("Invalid fields, each named"));
+        }
+        if if_match {
+            add(op, "400", problem("A malformed If-Match"));
+            add(
+                op,
+                "412",
+                problem("If-Match does not match the current version"),
+            );
+            for p in op.parameters.iter_mut().flatten() {
+                if p.name == "If-Match" {
+                    p.schema = Some(string().pattern(Some(body::IF_MATCH_PATTERN)).into());
                 }
-                if in_query {
-                    add(op, "400", problem("A malformed query string"));
-                    add(op, "422", problem("An invalid query parameter, named"));
-                }
-                if op.request_body.is_some() {
-                    add(op, "400", problem("Malformed JSON, or not an object"));
-                    add(op, "413", problem("Body over 64 KiB"));
-                    add(op, "422", problem("Invalid fields, each named"));
-                }
-                if if_match {
-                    add(op, "400", problem("A malformed If-Match"));
-                    add(
-                        op,
-                        "412",
-                        problem("If-Match does not match the current version"),
-                    );
-                    for p in op.parameters.iter_mut().flatten() {
-                        if p.name == "If-Match" {
-                            p.schema = Some(string().pattern(Some(body::IF_MATCH_PATTERN)).into());
-                        }
-                    }
-                }
-                add(
-                    op,
-                    "401",
-                    problem("Missing or invalid token").header(
-                        "WWW-Authenticate",
-                        HeaderBuilder::new()
-                            .schema(string())
-                            .description(Some(
-                                "Bearer realm=\"tollgate-admin\", error=\"invalid_token\"",
-                            ))
-                            .build(),
-                    ),
-                );
-                add(
-                    op,
-                    "403",
-                    problem(
-                        "The token lacks the scope (admin:read for GET, admin:write otherwise)",
-                    ),
-                );
-                add(op, "500", problem("An internal error (logged)"));
-                add(op, "503", problem("The store is unavailable"));
             }
         }
+        add(
+            op,
+            "401",
+            problem("Missing or invalid token").header(
+                "WWW-Authenticate",
+                HeaderBuilder::new()
+                    .schema(string())
+                    .description(Some(
+                        "Bearer realm=\"tollgate-admin\", error=\"invalid_token\"",
+                    ))
+                    .build(),
+            ),
+        );
+        add(
+            op,
+            "403",
+            problem("The token lacks the scope (admin:read for GET, admin:write otherwise)"),
+        );
+        add(op, "500", problem("An internal error (logged)"));
+        add(op, "503", problem("The store is unavailable"));
     }
 }
 

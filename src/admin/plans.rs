@@ -433,7 +433,45 @@ fn parse_limit(mut value: Value, at: &str, f: &mut Fields) -> Option<crate::doma
     }
     let input: LimitInput = read_member(value, at, f)?;
     let field = |name: &str| format!("{at}.{name}");
-    // Which kind it is, from the fields given (valid or not).
+    one_kind(&input, at, f);
+    let reset = f.optional(&field("reset"), input.reset);
+    if input.anchor_day.is_given() && !matches!(reset, Some(ResetRule::Anchor)) {
+        f.bad(&field("anchor_day"), "is for reset \"anchor\" only");
+    }
+    let spec = LimitSpec {
+        name: f
+            .required(&field("name"), input.name)
+            .map(String::from)
+            .unwrap_or_default(),
+        service: f
+            .optional(&field("service"), input.service)
+            .map(String::from),
+        capacity: f
+            .optional(&field("capacity"), input.capacity)
+            .map(f64::from),
+        rate: f.optional(&field("rate"), input.rate).map(f64::from),
+        quota: f.optional(&field("quota"), input.quota).map(f64::from),
+        period: f.optional(&field("period"), input.period),
+        reset: reset.map(|r| r.as_str().to_string()),
+        anchor_day: f
+            .optional(&field("anchor_day"), input.anchor_day)
+            .map(|d| d.0),
+        time_zone: f
+            .optional(&field("time_zone"), input.time_zone)
+            .map(|t| t.0),
+    };
+    if f.errors.len() > before {
+        return None;
+    }
+    crate::domain::Limit::from_spec(&spec)
+        .map_err(|e| f.bad(&field(e.field()), e.to_string()))
+        .ok()
+}
+
+/// Names what makes the limit at `at` neither a bucket nor a quota, or both, judged by
+/// the fields given (valid or not): a missing field of its kind, or one of the other's.
+fn one_kind(input: &LimitInput, at: &str, f: &mut Fields) {
+    let field = |name: &str| format!("{at}.{name}");
     let bucket = input.capacity.is_given() || input.rate.is_given();
     let quota = input.quota.is_given() || input.period.is_given();
     let quota_only = [
@@ -479,38 +517,6 @@ fn parse_limit(mut value: Value, at: &str, f: &mut Fields) -> Option<crate::doma
             "give capacity and rate (a token bucket) or quota and period (a quota)",
         ),
     }
-    let reset = f.optional(&field("reset"), input.reset);
-    if input.anchor_day.is_given() && !matches!(reset, Some(ResetRule::Anchor)) {
-        f.bad(&field("anchor_day"), "is for reset \"anchor\" only");
-    }
-    let spec = LimitSpec {
-        name: f
-            .required(&field("name"), input.name)
-            .map(String::from)
-            .unwrap_or_default(),
-        service: f
-            .optional(&field("service"), input.service)
-            .map(String::from),
-        capacity: f
-            .optional(&field("capacity"), input.capacity)
-            .map(f64::from),
-        rate: f.optional(&field("rate"), input.rate).map(f64::from),
-        quota: f.optional(&field("quota"), input.quota).map(f64::from),
-        period: f.optional(&field("period"), input.period),
-        reset: reset.map(|r| r.as_str().to_string()),
-        anchor_day: f
-            .optional(&field("anchor_day"), input.anchor_day)
-            .map(|d| d.0),
-        time_zone: f
-            .optional(&field("time_zone"), input.time_zone)
-            .map(|t| t.0),
-    };
-    if f.errors.len() > before {
-        return None;
-    }
-    crate::domain::Limit::from_spec(&spec)
-        .map_err(|e| f.bad(&field(e.field()), e.to_string()))
-        .ok()
 }
 
 fn one(rec: Versioned<PlanRecord>, status: actix_web::http::StatusCode) -> HttpResponse {

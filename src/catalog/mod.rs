@@ -1,6 +1,7 @@
 //! The catalog of plans and clients: stored in the [`Store`], mirrored in every gateway's
 //! memory. The request path reads only the mirror ([`Catalog::by_key`]); a background task
-//! follows the store's change feed and applies what changed, at most `refresh_ms` late.
+//! (`catalog-refresh`, [`Catalog::spawn_refresh`]) follows the store's change feed and
+//! applies what changed, at most `refresh_ms` late.
 
 pub mod cache;
 
@@ -21,6 +22,7 @@ use actix_web::http::header::HeaderValue;
 use crate::configuration::Settings;
 use crate::domain::{ClientId, Decision, KeyHash, Limits, Mode, PlanName, Region};
 use crate::store::{CatalogAt, Keys, Store, StoreError};
+use crate::tasks::{Policy, Tasks};
 
 /// A plan's current limits, shared by every client on it so a plan edit is one store.
 pub struct PlanSlot {
@@ -543,29 +545,44 @@ impl Catalog {
         }))
     }
 
-    /// Follows the store every `period` until the process ends.
-    pub fn spawn_refresh(self: &Arc<Self>, store: Store, period: Duration) {
+    /// Starts task `catalog-refresh`, which follows the store every `period` until the
+    /// gateway stops. It is essential: a mirror that no longer follows the store keeps
+    /// admitting revoked keys and refusing new ones, so a refresh that keeps failing (a
+    /// panic, not a store that does not answer: that is logged and tried again) stops
+    /// the gateway, and a new one loads the catalog whole.
+    pub fn spawn_refresh(self: &Arc<Self>, tasks: &Tasks, store: Store, period: Duration) {
         let catalog = Arc::clone(self);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(period);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let mut failing = false;
-            loop {
-                tick.tick().await;
-                match catalog.refresh(&store).await {
-                    Ok(()) if failing => {
-                        failing = false;
-                        tracing::info!("catalog refresh recovered");
-                    }
-                    Ok(()) => {}
-                    Err(e) if !failing => {
-                        failing = true;
-                        tracing::warn!(error = %e, "catalog refresh failed; serving the last known catalog");
-                    }
-                    Err(_) => {}
-                }
+        let policy = Policy::Essential { restarts: 3 };
+        tasks.spawn("catalog-refresh", policy, move |stop| {
+            let (catalog, store) = (Arc::clone(&catalog), store.clone());
+            async move {
+                stop.run_until_cancelled(catalog.follow_every(&store, period))
+                    .await;
             }
         });
+    }
+
+    /// Follows the store every `period`, logging when it stops answering and when it
+    /// answers again.
+    async fn follow_every(&self, store: &Store, period: Duration) {
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut failing = false;
+        loop {
+            tick.tick().await;
+            match self.refresh(store).await {
+                Ok(()) if failing => {
+                    failing = false;
+                    tracing::info!("catalog refresh recovered");
+                }
+                Ok(()) => {}
+                Err(e) if !failing => {
+                    failing = true;
+                    tracing::warn!(error = %e, "catalog refresh failed; serving the last known catalog");
+                }
+                Err(_) => {}
+            }
+        }
     }
 }
 

@@ -13,8 +13,8 @@ use secrecy::{ExposeSecret, SecretString};
 
 use super::periods::{BackOff, Periods};
 use super::raw::{
-    RawAdmin, RawCatalog, RawHealthCheck, RawLimits, RawOverload, RawPeriods, RawRedis, RawRoute,
-    RawServer, RawSettings, RawTelemetry, RawUpstream,
+    RawAdmin, RawCatalog, RawClient, RawHealthCheck, RawLimits, RawOverload, RawPeriods, RawPlan,
+    RawRedis, RawRoute, RawServer, RawSettings, RawTelemetry, RawUpstream,
 };
 use super::settings::{
     AdminSettings, Balance, CatalogSettings, ClientSettings, HealthCheckSettings, LimitSettings,
@@ -22,8 +22,8 @@ use super::settings::{
     RedisSettings, RouteSettings, ServerSettings, Settings, TelemetrySettings, UpstreamSettings,
 };
 use crate::domain::{
-    ApiKey, Bucket, Capacity, ClientId, KeyHash, Limit, Limits, Mode, PlanName, Rate, Region,
-    ServiceName, Upstream,
+    ApiKey, Bucket, Capacity, ClientId, KeyHash, Limit, LimitSpec, Limits, Mode, PlanName, Rate,
+    Region, ServiceName, Upstream,
 };
 
 /// RFC 7518 3.2: an HS256 key must be at least as long as the hash, 256 bits.
@@ -500,110 +500,133 @@ fn catalog(raw: RawCatalog, embedded: bool, p: &mut Problems) -> Option<CatalogS
     } else {
         Some(raw.file)
     };
-
     let mut plan_names = HashSet::new();
-    let plans = each(raw.plans, |i, plan| {
-        let key = format!("catalog.plans[{i}]");
-        let name = match PlanName::parse(&plan.name) {
-            Ok(name) if !plan_names.insert(name.clone()) => {
-                p.add(
-                    format!("{key}.name"),
-                    format!("plan {:?} declared twice", plan.name),
-                );
-                None
-            }
-            parsed => p.take(format!("{key}.name"), parsed),
-        };
-        let limits = if plan.limits.is_empty() {
-            // Both parsed, so a plan with both wrong names both.
-            let capacity = p.take(
-                format!("{key}.capacity"),
-                Capacity::parse(plan.capacity.unwrap_or(f64::NAN)),
-            );
-            let rate = p.take(
-                format!("{key}.rate"),
-                Rate::parse(plan.rate.unwrap_or(f64::NAN)),
-            );
-            Some(Limits::single(Bucket::from_parts(capacity?, rate?)))
-        } else {
-            if plan.capacity.is_some() || plan.rate.is_some() {
-                p.add(
-                    format!("{key}.limits"),
-                    "give either limits or capacity and rate, not both",
-                );
-            }
-            let items: Vec<Option<Limit>> = plan
-                .limits
-                .iter()
-                .enumerate()
-                .map(|(j, spec)| {
-                    Limit::from_spec(spec)
-                        .map_err(|e| {
-                            p.add(format!("{key}.limits[{j}].{}", e.field()), e.to_string())
-                        })
-                        .ok()
-                })
-                .collect();
-            let items: Option<Vec<Limit>> = items.into_iter().collect();
-            match items.map(Limits::new) {
-                Some(Ok(l)) => Some(l),
-                Some(Err(e)) => {
-                    p.add(format!("{key}.limits"), e.to_string());
-                    None
-                }
-                None => None,
-            }
-        };
-        Some(PlanSettings {
-            name: name?,
-            limits: limits?,
-            description: plan.description,
-        })
-    });
-
-    let mut client_ids = HashSet::new();
-    // Across clients: one key belongs to one client.
-    let mut key_hashes = HashSet::new();
-    let clients = each(raw.clients, |i, client| {
-        let key = format!("catalog.clients[{i}]");
-        let id = match ClientId::parse(&client.id) {
-            Ok(id) if !client_ids.insert(id.clone()) => {
-                p.add(
-                    format!("{key}.id"),
-                    format!("client {:?} declared twice", client.id),
-                );
-                None
-            }
-            parsed => p.take(format!("{key}.id"), parsed),
-        };
-        let plan = p.take(format!("{key}.plan"), PlanName::parse(&client.plan));
-        let mode = p.take(
-            format!("{key}.mode"),
-            client.mode.as_deref().map(str::parse::<Mode>).transpose(),
-        );
-        let plaintext = each(&client.keys, |j, k| {
-            let field = format!("{key}.keys[{j}]");
-            let hash = p.take(&field, ApiKey::parse(k.expose_secret()).map(|k| k.hash()));
-            unique_key(field, hash, &mut key_hashes, p)
-        });
-        let hashed = each(&client.key_hashes, |j, h| {
-            let field = format!("{key}.key_hashes[{j}]");
-            let hash = p.take(&field, h.parse::<KeyHash>());
-            unique_key(field, hash, &mut key_hashes, p)
-        });
-        Some(ClientSettings {
-            id: id?,
-            plan: plan?,
-            mode: mode?,
-            keys: plaintext?.into_iter().chain(hashed?).collect(),
-        })
-    });
+    let plans = each(raw.plans, |i, raw| plan(i, raw, &mut plan_names, p));
+    let mut declared = Declared::default();
+    let clients = each(raw.clients, |i, raw| client(i, raw, &mut declared, p));
     Some(CatalogSettings {
         file: file?,
         refresh: Duration::from_millis(refresh?),
         cache_file: (!raw.cache_file.as_os_str().is_empty()).then_some(raw.cache_file),
         plans: plans?,
         clients: clients?,
+    })
+}
+
+/// `catalog.plans[i]`, whose name none of the plans before it (`names`) has.
+fn plan(
+    i: usize,
+    plan: RawPlan,
+    names: &mut HashSet<PlanName>,
+    p: &mut Problems,
+) -> Option<PlanSettings> {
+    let key = format!("catalog.plans[{i}]");
+    let name = match PlanName::parse(&plan.name) {
+        Ok(name) if !names.insert(name.clone()) => {
+            p.add(
+                format!("{key}.name"),
+                format!("plan {:?} declared twice", plan.name),
+            );
+            None
+        }
+        parsed => p.take(format!("{key}.name"), parsed),
+    };
+    let limits = if plan.limits.is_empty() {
+        // Both parsed, so a plan with both wrong names both.
+        let capacity = p.take(
+            format!("{key}.capacity"),
+            Capacity::parse(plan.capacity.unwrap_or(f64::NAN)),
+        );
+        let rate = p.take(
+            format!("{key}.rate"),
+            Rate::parse(plan.rate.unwrap_or(f64::NAN)),
+        );
+        Some(Limits::single(Bucket::from_parts(capacity?, rate?)))
+    } else {
+        if plan.capacity.is_some() || plan.rate.is_some() {
+            p.add(
+                format!("{key}.limits"),
+                "give either limits or capacity and rate, not both",
+            );
+        }
+        plan_limits(&key, &plan.limits, p)
+    };
+    Some(PlanSettings {
+        name: name?,
+        limits: limits?,
+        description: plan.description,
+    })
+}
+
+/// The `limits` of the plan at `key`, each checked, then together.
+fn plan_limits(key: &str, specs: &[LimitSpec], p: &mut Problems) -> Option<Limits> {
+    let items: Vec<Option<Limit>> = specs
+        .iter()
+        .enumerate()
+        .map(|(j, spec)| {
+            Limit::from_spec(spec)
+                .map_err(|e| p.add(format!("{key}.limits[{j}].{}", e.field()), e.to_string()))
+                .ok()
+        })
+        .collect();
+    let items: Option<Vec<Limit>> = items.into_iter().collect();
+    match items.map(Limits::new) {
+        Some(Ok(l)) => Some(l),
+        Some(Err(e)) => {
+            p.add(format!("{key}.limits"), e.to_string());
+            None
+        }
+        None => None,
+    }
+}
+
+/// What the clients declared before the one being read hold: each id once, and across
+/// clients each key once (one key belongs to one client).
+#[derive(Default)]
+struct Declared {
+    ids: HashSet<ClientId>,
+    keys: HashSet<KeyHash>,
+}
+
+/// `catalog.clients[i]`, whose id and keys none of the clients before it holds.
+fn client(
+    i: usize,
+    client: RawClient,
+    declared: &mut Declared,
+    p: &mut Problems,
+) -> Option<ClientSettings> {
+    let key = format!("catalog.clients[{i}]");
+    let id = match ClientId::parse(&client.id) {
+        Ok(id) if !declared.ids.insert(id.clone()) => {
+            p.add(
+                format!("{key}.id"),
+                format!("client {:?} declared twice", client.id),
+            );
+            None
+        }
+        parsed => p.take(format!("{key}.id"), parsed),
+    };
+    let plan = p.take(format!("{key}.plan"), PlanName::parse(&client.plan));
+    let mode = p.take(
+        format!("{key}.mode"),
+        client.mode.as_deref().map(str::parse::<Mode>).transpose(),
+    );
+    let key_hashes = &mut declared.keys;
+    let plaintext = each(&client.keys, |j, k| {
+        let field = format!("{key}.keys[{j}]");
+        let hash = p.take(&field, ApiKey::parse(k.expose_secret()).map(|k| k.hash()));
+        unique_key(field, hash, key_hashes, p)
+    });
+    let hashed = each(&client.key_hashes, |j, h| {
+        let field = format!("{key}.key_hashes[{j}]");
+        let hash = p.take(&field, h.parse::<KeyHash>());
+        unique_key(field, hash, key_hashes, p)
+    });
+    Some(ClientSettings {
+        id: id?,
+        plan: plan?,
+        mode: mode?,
+        keys: plaintext?.into_iter().chain(hashed?).collect(),
     })
 }
 

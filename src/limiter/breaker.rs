@@ -20,6 +20,7 @@ use tokio::sync::Notify;
 
 use crate::configuration::BackOff;
 use crate::store::{Store, StoreError};
+use crate::tasks::{Policy, Tasks};
 
 /// Failures in a row that open the breaker...
 pub const THRESHOLD: u32 = 3;
@@ -130,36 +131,43 @@ impl Breaker {
         tracing::info!("store answers again: circuit breaker closed, limiting resumed");
     }
 
-    /// Probes the store while the breaker is open; closes it when the store answers
-    /// within `budget`. `probe_key`: a key on the node this breaker guards (Redis
-    /// Cluster), else a plain `PING`. Runs until the process ends.
+    /// Starts task `name`, which probes the store while the breaker is open and closes it
+    /// when the store answers within `budget`, until the gateway stops. `probe_key`: a
+    /// key on the node this breaker guards (Redis Cluster), else a plain `PING`.
     pub fn spawn_prober(
         self: &Arc<Self>,
+        tasks: &Tasks,
+        name: String,
         store: Store,
         probe_key: Option<String>,
         budget: Duration,
     ) {
         let breaker = Arc::clone(self);
-        tokio::spawn(async move {
-            loop {
-                if !breaker.is_open() {
-                    breaker.wake.notified().await;
-                    continue;
-                }
-                tokio::time::sleep(Duration::from_millis(breaker.backoff_ms.load(Relaxed))).await;
-                // The probe takes the path requests take (a connection, a round trip to
-                // the right node), within the same budget, so the breaker closes only
-                // when requests would succeed.
-                if store
-                    .lifecycle
-                    .probe(probe_key.as_deref(), budget)
-                    .await
-                    .is_ok()
-                {
-                    breaker.close();
-                }
+        tasks.spawn(name, Policy::Restart, move |stop| {
+            let (breaker, store, probe_key) =
+                (Arc::clone(&breaker), store.clone(), probe_key.clone());
+            async move {
+                let probing = breaker.probe(&store, probe_key.as_deref(), budget);
+                stop.run_until_cancelled(probing).await;
             }
         });
+    }
+
+    /// Waits for the breaker to open, probes until it closes, and again.
+    async fn probe(&self, store: &Store, probe_key: Option<&str>, budget: Duration) {
+        loop {
+            if !self.is_open() {
+                self.wake.notified().await;
+                continue;
+            }
+            tokio::time::sleep(Duration::from_millis(self.backoff_ms.load(Relaxed))).await;
+            // The probe takes the path requests take (a connection, a round trip to the
+            // right node), within the same budget, so the breaker closes only when
+            // requests would succeed.
+            if store.lifecycle.probe(probe_key, budget).await.is_ok() {
+                self.close();
+            }
+        }
     }
 }
 

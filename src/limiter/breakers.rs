@@ -12,6 +12,7 @@ use parking_lot::Mutex;
 use super::Breaker;
 use crate::configuration::BackOff;
 use crate::store::{key_in_slot, key_slot, SlotRange, Store, StoreKind};
+use crate::tasks::{Policy, Tasks};
 
 const SLOTS: usize = 16384;
 /// How often the slot map is read again (failovers and resharding move slots).
@@ -29,24 +30,39 @@ pub struct NodeBreakers {
     store: Store,
     budget: Duration,
     backoff: BackOff,
+    /// Where a node's prober starts, when the slot map first names the node.
+    tasks: Tasks,
+    /// Which store its tasks' names say they serve.
+    label: &'static str,
 }
 
 impl Breakers {
-    pub fn new(store: &Store, budget: Duration, backoff: BackOff) -> Breakers {
+    /// The breakers of `store`, each with its prober started under `tasks`; `label`
+    /// (`store`, `regional`) names their tasks.
+    pub fn new(
+        store: &Store,
+        budget: Duration,
+        backoff: BackOff,
+        tasks: &Tasks,
+        label: &'static str,
+    ) -> Breakers {
+        let prober = format!("{label}-breaker-probe");
         if store.lifecycle.kind() == StoreKind::Cluster {
             // Until the slot map is known, one breaker stands for the whole cluster.
             let unknown = Arc::new(Breaker::new(budget, backoff));
-            unknown.spawn_prober(store.clone(), None, budget);
+            unknown.spawn_prober(tasks, prober, store.clone(), None, budget);
             Breakers::PerNode(Arc::new(NodeBreakers {
                 by_slot: ArcSwap::from_pointee(vec![unknown; SLOTS]),
                 by_node: Mutex::new(HashMap::new()),
                 store: store.clone(),
                 budget,
                 backoff,
+                tasks: tasks.clone(),
+                label,
             }))
         } else {
             let b = Arc::new(Breaker::new(budget, backoff));
-            b.spawn_prober(store.clone(), None, budget);
+            b.spawn_prober(tasks, prober, store.clone(), None, budget);
             Breakers::One(b)
         }
     }
@@ -76,15 +92,15 @@ impl Breakers {
         }
     }
 
-    /// Keeps the slot map current (Redis Cluster only).
-    pub fn spawn_refresh(&self) {
+    /// Keeps the slot map current (Redis Cluster only), as a task of `tasks`.
+    pub fn spawn_refresh(&self, tasks: &Tasks) {
         if let Breakers::PerNode(n) = self {
             let n = Arc::clone(n);
-            tokio::spawn(async move {
-                let mut tick = tokio::time::interval(SLOT_REFRESH);
-                loop {
-                    tick.tick().await;
-                    n.refresh().await;
+            let name = format!("{}-slot-refresh", n.label);
+            tasks.spawn(name, Policy::Restart, move |stop| {
+                let n = Arc::clone(&n);
+                async move {
+                    stop.run_until_cancelled(n.keep_current()).await;
                 }
             });
         }
@@ -101,6 +117,15 @@ pub struct BreakersSummary {
 }
 
 impl NodeBreakers {
+    /// Reads the slot map every [`SLOT_REFRESH`].
+    async fn keep_current(&self) {
+        let mut tick = tokio::time::interval(SLOT_REFRESH);
+        loop {
+            tick.tick().await;
+            self.refresh().await;
+        }
+    }
+
     async fn refresh(&self) {
         let Ok(Ok(ranges)) =
             tokio::time::timeout(Duration::from_secs(1), self.store.lifecycle.cluster_slots())
@@ -116,9 +141,17 @@ impl NodeBreakers {
         for SlotRange { first, last, node } in ranges {
             let breaker = nodes
                 .entry(node)
-                .or_insert_with(|| {
+                .or_insert_with_key(|node| {
                     let b = Arc::new(Breaker::new(self.budget, self.backoff));
-                    b.spawn_prober(self.store.clone(), Some(key_in_slot(first)), self.budget);
+                    let name = format!("{}-breaker-probe:{node}", self.label);
+                    let probe_key = Some(key_in_slot(first));
+                    b.spawn_prober(
+                        &self.tasks,
+                        name,
+                        self.store.clone(),
+                        probe_key,
+                        self.budget,
+                    );
                     b
                 })
                 .clone();

@@ -13,6 +13,7 @@ use dashmap::DashMap;
 use serde::Serialize;
 
 use crate::domain::ClientId;
+use crate::tasks::{Policy, Tasks};
 
 /// One request in this many is counted.
 const SAMPLE: u64 = 16;
@@ -93,15 +94,24 @@ impl HotClients {
         ));
     }
 
-    pub fn spawn_rotation(self: &Arc<Self>) {
+    /// Starts task `hot-clients-rotation`, which ranks the clients and starts a new count
+    /// every window.
+    pub fn spawn_rotation(self: &Arc<Self>, tasks: &Tasks) {
         let me = Arc::clone(self);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(me.window);
-            tick.tick().await;
-            loop {
-                tick.tick().await;
-                me.rotate();
+        tasks.spawn("hot-clients-rotation", Policy::Restart, move |stop| {
+            let me = Arc::clone(&me);
+            async move {
+                stop.run_until_cancelled(me.rotate_every_window()).await;
             }
         });
+    }
+
+    async fn rotate_every_window(&self) {
+        let mut tick = tokio::time::interval(self.window);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            self.rotate();
+        }
     }
 }

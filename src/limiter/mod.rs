@@ -41,6 +41,7 @@ use crate::domain::{
 };
 use crate::metrics::{FailOpenReason, Metrics, ShedReason};
 use crate::store::{BucketCalls, Budget, Every, Store, StoreError};
+use crate::tasks::{Policy, Tasks};
 
 /// Decides requests: safety limit, breaker, store, mode.
 pub struct Limiter {
@@ -65,6 +66,8 @@ pub struct Limiter {
     /// Store errors the request path met, said in the log at most every
     /// [`ERROR_LOG_EVERY`].
     error_log: ErrorLog,
+    /// Where its background tasks and its workers' start.
+    tasks: Tasks,
 }
 
 /// The request path logs a failed store call at most this often (each is counted in
@@ -104,65 +107,126 @@ impl ErrorLog {
     }
 }
 
+/// What a limiter is made of: start-up builds it from `Settings`.
+pub struct LimiterParts {
+    /// The global store: every client's buckets and quotas, the shares, shadow counts.
+    pub store: Store,
+    /// Where this region's shards of hot clients live (the global store if not set apart).
+    pub regional: Store,
+    /// This gateway's region (`server.region`).
+    pub region: crate::domain::Region,
+    pub catalog: Arc<Catalog>,
+    pub metrics: Arc<Metrics>,
+    /// `redis.timeout_ms`: how long a request's store call may take before it fails open.
+    pub timeout: Duration,
+    /// `limits.safety_multiplier`: the safety limit's scale of a plan's first bucket,
+    /// unless the admin API stored another.
+    pub safety_multiplier: f64,
+    pub periods: Periods,
+    pub overload: OverloadSettings,
+    /// Where its background tasks start.
+    pub tasks: Tasks,
+}
+
 impl Limiter {
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        store: Store,
-        regional: Store,
-        region: crate::domain::Region,
-        catalog: Arc<Catalog>,
-        timeout: Duration,
-        metrics: Arc<Metrics>,
-        default_multiplier: f64,
-        periods: Periods,
-        overload: OverloadSettings,
-    ) -> Limiter {
-        Limiter {
-            regional_breakers: Breakers::new(&regional, timeout, periods.backoff),
+    /// A limiter of `parts`, with its background tasks started under `parts.tasks`: a
+    /// breaker prober per store (per node on a Redis Cluster, with the slot map's
+    /// refresh), the hot clients' rotation, the shares' reconciler, the shadow counts'
+    /// flush and the safety limit's eviction of idle clients.
+    pub fn start(parts: LimiterParts) -> Arc<Limiter> {
+        let LimiterParts {
+            store,
+            regional,
+            region,
+            catalog,
+            metrics,
+            timeout,
+            safety_multiplier,
+            periods,
+            overload,
+            tasks,
+        } = parts;
+        let limiter = Arc::new(Limiter {
+            regional_breakers: Breakers::new(
+                &regional,
+                timeout,
+                periods.backoff,
+                &tasks,
+                "regional",
+            ),
             regional,
             region,
             shares: Arc::new(ShareBook::new(periods)),
             hot: Arc::new(HotClients::new(periods.hot_window)),
-            store: store.clone(),
+            breakers: Breakers::new(&store, timeout, periods.backoff, &tasks, "store"),
+            store,
             catalog,
             timeout,
             metrics,
-            breakers: Breakers::new(&store, timeout, periods.backoff),
-            safety: SafetyLimit::new(default_multiplier),
+            safety: SafetyLimit::new(safety_multiplier),
             shadow: Arc::new(ShadowStats::default()),
             periods,
             overload: Overload::new(overload),
             quota_blocks: Arc::new(dashmap::DashMap::new()),
             error_log: ErrorLog::new(),
-        }
+            tasks,
+        });
+        limiter.spawn_background();
+        limiter
     }
 
-    /// Starts the breaker's prober, the shadow flusher and the safety evictor.
-    pub fn spawn_background(self: &Arc<Self>) {
-        self.breakers.spawn_refresh();
-        self.hot.spawn_rotation();
-        self.regional_breakers.spawn_refresh();
+    fn spawn_background(self: &Arc<Self>) {
+        let tasks = &self.tasks;
+        self.breakers.spawn_refresh(tasks);
+        self.hot.spawn_rotation(tasks);
+        self.regional_breakers.spawn_refresh(tasks);
         self.shares.spawn_reconciler(
+            tasks,
             Arc::clone(&self.catalog),
             self.store.clone(),
             self.regional.clone(),
             self.region.clone(),
         );
         self.shadow
-            .spawn_flush(self.store.clone(), self.periods.shadow_flush);
+            .spawn_flush(tasks, self.store.clone(), self.periods.shadow_flush);
         let me = Arc::clone(self);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(5));
-            loop {
-                tick.tick().await;
-                me.safety.evict_idle();
+        tasks.spawn("safety-eviction", Policy::Restart, move |stop| {
+            let me = Arc::clone(&me);
+            async move {
+                let mut tick = tokio::time::interval(Duration::from_secs(5));
+                while stop.run_until_cancelled(tick.tick()).await.is_some() {
+                    me.safety.evict_idle();
+                }
             }
         });
     }
 
-    /// Keeps the calling worker's request-path connections open (spawn once per worker;
-    /// runs until the worker ends).
-    pub async fn keep_connected(&self) {
+    /// Starts the calling worker's own tasks, which end with it: one keeps its
+    /// request-path connections open from now on, re-opened as soon as one dies (rather
+    /// than on its first request); the other measures its event loop's delay (see
+    /// [`overload`]). Call it once on each worker's thread.
+    pub fn start_worker(self: &Arc<Self>) {
+        let me = Arc::clone(self);
+        self.tasks
+            .spawn_local("worker-store-connections", Policy::Restart, move |stop| {
+                let me = Arc::clone(&me);
+                async move {
+                    stop.run_until_cancelled(me.keep_connected()).await;
+                }
+            });
+        let me = Arc::clone(self);
+        self.tasks
+            .spawn_local("worker-delay-watch", Policy::Restart, move |stop| {
+                let me = Arc::clone(&me);
+                async move {
+                    stop.run_until_cancelled(me.overload.watch_worker()).await;
+                }
+            });
+    }
+
+    /// Keeps the calling worker's request-path connections open (runs until the worker
+    /// ends).
+    async fn keep_connected(&self) {
         if self.regional.same_as(&self.store) {
             self.store.buckets.keep_connected().await;
         } else {
@@ -172,12 +236,6 @@ impl Limiter {
             )
             .await;
         }
-    }
-
-    /// Measures the calling worker's event-loop delay (spawn once per worker; runs until
-    /// the worker ends): see [`overload`].
-    pub async fn watch_worker(&self) {
-        self.overload.watch_worker().await;
     }
 
     /// Every worker's load, for `/metrics`.
@@ -247,6 +305,10 @@ impl Limiter {
         opening(client, limits, cost, Outcome::Shed)
     }
 
+    /// The decision's steps after admission: the safety limit, then the store's buckets
+    /// (this region's shard for a sharded client), behind the breaker, then the mode.
+    /// Each step is a helper the compiler inlines; none allocates or waits but the store
+    /// call, which stays here: this is the request path.
     async fn decide_inner(
         &self,
         client: &ClientEntry,
@@ -257,74 +319,27 @@ impl Limiter {
     ) -> Decision {
         let mut applied = limits.applied(Some(service));
         let mut decision = opening(client, limits, cost, Outcome::Allowed);
-
-        // The coarse safety limit scales the plan's first bucket (a plan of quotas alone
-        // has none).
-        if let Some(bucket) = limits.headline_bucket() {
-            let multiplier = self
-                .safety
-                .multiplier(&self.catalog.safety_guard(), service);
-            let wait_us = self
-                .safety
-                .take(client, service, bucket, multiplier, cost, started);
-            if wait_us != bucket::TAKEN {
-                decision.outcome = Outcome::SafetyDenied;
-                decision.safety_wait_us = wait_us;
-                decision.applied = applied;
-                return decision;
-            }
+        if let Some(wait_us) = self.safety_refusal(client, service, limits, cost, started) {
+            decision.outcome = Outcome::SafetyDenied;
+            decision.safety_wait_us = wait_us;
+            decision.applied = applied;
+            return decision;
         }
 
         // A hot client sharded by region takes from this region's shard, in the regional
         // store, holding its share of each bucket; its quotas stay global (see
         // `quota_in_shard`). Everyone else takes from their global state.
-        let shard = client
-            .shard
-            .as_ref()
-            .and_then(|s| s.local_key.as_deref())
-            .filter(|_| limits.headline_bucket().is_some())
-            .and_then(|k| Some((k, self.shares.observe(&client.id)?)));
-        let (store, breakers, key) = match shard {
+        let (store, breakers, key) = match self.shard(client, limits) {
             Some((key, now)) => {
-                for a in &mut applied {
-                    if let AppliedKind::Bucket { bucket, initial } = &mut a.kind {
-                        let portion = bucket.portion(now.share, cost.max(1.0));
-                        *initial = now.seed.map(|s| s * portion.capacity());
-                        *bucket = portion;
-                    }
-                }
-                let (quotas, buckets): (Vec<Applied>, Vec<Applied>) = applied
-                    .into_iter()
-                    .partition(|a| matches!(a.kind, AppliedKind::Quota { .. }));
-                if let Some(refusal) = self.quota_in_shard(client, &quotas, cost) {
-                    decision.applied = quotas;
-                    decision.outcome = match client.mode {
-                        Mode::Shadow => Outcome::ShadowDenied,
-                        Mode::Enforce => Outcome::Denied,
-                    };
-                    decision.ruling = Some(refusal);
-                    decision.as_planned = false;
+                let Some(buckets) = self.cut_to_shard(client, applied, now, cost, &mut decision)
+                else {
                     return decision;
-                }
+                };
                 applied = buckets;
-                decision.as_planned = false;
-                decision.sharded = true;
-                decision.applied = quotas;
                 (&self.regional, &self.regional_breakers, key)
             }
             None => {
-                // Just un-sharded: the global buckets start as full as the shards were.
-                let fill = client
-                    .unsharded_at
-                    .filter(|t| t.elapsed() < self.periods.unshard_window)
-                    .and_then(|_| self.shares.fill(&client.id));
-                if let Some(fill) = fill {
-                    for a in &mut applied {
-                        if let AppliedKind::Bucket { bucket, initial } = &mut a.kind {
-                            *initial = Some(fill * bucket.capacity());
-                        }
-                    }
-                }
+                self.as_full_as_the_shards_were(client, &mut applied);
                 (&self.store, &self.breakers, &*client.bucket_key)
             }
         };
@@ -335,19 +350,148 @@ impl Limiter {
             // time this request waits for its worker is never read as a slow store.
             let budget = Budget::starting(tokio::time::Instant::from_std(started), self.timeout);
             let answer = store.buckets.take(key, &applied, cost, Some(budget)).await;
-            // The breaker judges the store: see `Breaker::observe`.
-            breakers.with(key, |b| b.observe(&answer));
-            answer.map_err(|e| match e {
-                StoreError::Deadline => FailOpenReason::Timeout,
-                e => {
-                    self.metrics.store_error(e.kind());
-                    self.error_log.note(&e);
-                    FailOpenReason::Error
-                }
-            })
+            self.judged(breakers, key, answer)
         };
+        self.rule(client, &applied, cost, &answer, &mut decision);
+        if decision.sharded {
+            // Admitted in the region: its quotas are counted globally, after the fact.
+            let quotas = std::mem::take(&mut decision.applied);
+            if decision.outcome == Outcome::Allowed {
+                self.debit_global_quotas(client, &quotas, cost);
+            }
+            applied.extend(quotas);
+        }
+        decision.applied = applied;
+        decision.ruling = answer.ok();
+        decision
+    }
+
+    /// The coarse safety limit, which scales the plan's first bucket (a plan of quotas
+    /// alone has none): `Some` when it refuses the request, with how long until it would
+    /// not (`None` inside: never, at this cost).
+    #[inline]
+    fn safety_refusal(
+        &self,
+        client: &ClientEntry,
+        service: &Arc<str>,
+        limits: &Limits,
+        cost: f64,
+        started: Instant,
+    ) -> Option<Option<u64>> {
+        let bucket = limits.headline_bucket()?;
+        let multiplier = self
+            .safety
+            .multiplier(&self.catalog.safety_guard(), service);
+        let wait_us = self
+            .safety
+            .take(client, service, bucket, multiplier, cost, started);
+        (wait_us != bucket::TAKEN).then_some(wait_us)
+    }
+
+    /// This region's shard key of a sharded client, and its share now; `None` for a
+    /// client that takes from its global state (not sharded here, a plan of quotas alone,
+    /// or no share known yet).
+    #[inline]
+    fn shard<'c>(
+        &self,
+        client: &'c ClientEntry,
+        limits: &Limits,
+    ) -> Option<(&'c str, shares::ShareNow)> {
+        client
+            .shard
+            .as_ref()
+            .and_then(|s| s.local_key.as_deref())
+            .filter(|_| limits.headline_bucket().is_some())
+            .and_then(|k| Some((k, self.shares.observe(&client.id)?)))
+    }
+
+    /// A sharded request's buckets, cut to this region's share (`now`), to be taken from
+    /// its shard; its quotas are set apart in `decision.applied`, decided from what the
+    /// region knows of them. `None` when one of them refuses the request: `decision` then
+    /// says so.
+    #[inline]
+    fn cut_to_shard(
+        &self,
+        client: &ClientEntry,
+        mut applied: Vec<Applied>,
+        now: shares::ShareNow,
+        cost: f64,
+        decision: &mut Decision,
+    ) -> Option<Vec<Applied>> {
+        for a in &mut applied {
+            if let AppliedKind::Bucket { bucket, initial } = &mut a.kind {
+                let portion = bucket.portion(now.share, cost.max(1.0));
+                *initial = now.seed.map(|s| s * portion.capacity());
+                *bucket = portion;
+            }
+        }
+        let (quotas, buckets): (Vec<Applied>, Vec<Applied>) = applied
+            .into_iter()
+            .partition(|a| matches!(a.kind, AppliedKind::Quota { .. }));
+        decision.as_planned = false;
+        if let Some(refusal) = self.quota_in_shard(client, &quotas, cost) {
+            decision.applied = quotas;
+            decision.outcome = match client.mode {
+                Mode::Shadow => Outcome::ShadowDenied,
+                Mode::Enforce => Outcome::Denied,
+            };
+            decision.ruling = Some(refusal);
+            return None;
+        }
+        decision.sharded = true;
+        decision.applied = quotas;
+        Some(buckets)
+    }
+
+    /// Just un-sharded: the global buckets start as full as the shards were.
+    #[inline]
+    fn as_full_as_the_shards_were(&self, client: &ClientEntry, applied: &mut [Applied]) {
+        let fill = client
+            .unsharded_at
+            .filter(|t| t.elapsed() < self.periods.unshard_window)
+            .and_then(|_| self.shares.fill(&client.id));
+        if let Some(fill) = fill {
+            for a in applied {
+                if let AppliedKind::Bucket { bucket, initial } = &mut a.kind {
+                    *initial = Some(fill * bucket.capacity());
+                }
+            }
+        }
+    }
+
+    /// The store's answer, as the breaker guarding `key` learns it (see
+    /// `Breaker::observe`), and a failure as the reason it fails open (counted, and
+    /// logged now and then).
+    #[inline]
+    fn judged(
+        &self,
+        breakers: &Breakers,
+        key: &str,
+        answer: Result<Ruling, StoreError>,
+    ) -> Result<Ruling, FailOpenReason> {
+        breakers.with(key, |b| b.observe(&answer));
+        answer.map_err(|e| match e {
+            StoreError::Deadline => FailOpenReason::Timeout,
+            e => {
+                self.metrics.store_error(e.kind());
+                self.error_log.note(&e);
+                FailOpenReason::Error
+            }
+        })
+    }
+
+    /// The outcome of the store's `answer` for a client in its mode.
+    #[inline]
+    fn rule(
+        &self,
+        client: &ClientEntry,
+        applied: &[Applied],
+        cost: f64,
+        answer: &Result<Ruling, FailOpenReason>,
+        decision: &mut Decision,
+    ) {
         let never = applied.iter().any(|a| cost > a.ceiling());
-        decision.outcome = match &answer {
+        decision.outcome = match answer {
             Ok(r) if r.allowed => Outcome::Allowed,
             Ok(_) if client.mode == Mode::Shadow => Outcome::ShadowDenied,
             Ok(_) => Outcome::Denied,
@@ -360,17 +504,6 @@ impl Limiter {
                 Outcome::FailOpen
             }
         };
-        if decision.sharded {
-            // Admitted in the region: its quotas are counted globally, after the fact.
-            let quotas = std::mem::take(&mut decision.applied);
-            if decision.outcome == Outcome::Allowed {
-                self.debit_global_quotas(client, &quotas, cost);
-            }
-            applied.extend(quotas);
-        }
-        decision.applied = applied;
-        decision.ruling = answer.ok();
-        decision
     }
 
     /// A sharded client's quotas live in the global store, beside its global bucket, while

@@ -12,6 +12,7 @@ use dashmap::DashMap;
 use crate::domain::ClientId;
 use crate::metrics::Metrics;
 use crate::store::{ShadowCount, Store};
+use crate::tasks::{Policy, Tasks};
 
 #[derive(Default)]
 struct Counts {
@@ -64,30 +65,38 @@ impl ShadowStats {
         out
     }
 
-    /// Flushes to the store every `period`; counts that fail to flush are kept for later.
-    pub fn spawn_flush(self: &Arc<Self>, store: Store, period: Duration) {
+    /// Starts task `shadow-flush`, which flushes to the store every `period`; counts that
+    /// fail to flush are kept for later.
+    pub fn spawn_flush(self: &Arc<Self>, tasks: &Tasks, store: Store, period: Duration) {
         let stats = Arc::clone(self);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(period);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let mut unsent: Vec<ShadowCount> = Vec::new();
-            loop {
-                tick.tick().await;
-                unsent.extend(stats.drain());
-                if unsent.is_empty() {
-                    continue;
-                }
-                match tokio::time::timeout(Duration::from_secs(2), store.shadow.add(&unsent)).await
-                {
-                    Ok(Ok(())) => unsent.clear(),
-                    _ => {
-                        tracing::debug!(clients = unsent.len(), "shadow counts not flushed yet");
-                        if unsent.len() > 100_000 {
-                            unsent.clear();
-                        }
+        tasks.spawn("shadow-flush", Policy::Restart, move |stop| {
+            let (stats, store) = (Arc::clone(&stats), store.clone());
+            async move {
+                stop.run_until_cancelled(stats.flush_every(&store, period))
+                    .await;
+            }
+        });
+    }
+
+    async fn flush_every(&self, store: &Store, period: Duration) {
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut unsent: Vec<ShadowCount> = Vec::new();
+        loop {
+            tick.tick().await;
+            unsent.extend(self.drain());
+            if unsent.is_empty() {
+                continue;
+            }
+            match tokio::time::timeout(Duration::from_secs(2), store.shadow.add(&unsent)).await {
+                Ok(Ok(())) => unsent.clear(),
+                _ => {
+                    tracing::debug!(clients = unsent.len(), "shadow counts not flushed yet");
+                    if unsent.len() > 100_000 {
+                        unsent.clear();
                     }
                 }
             }
-        });
+        }
     }
 }

@@ -18,6 +18,7 @@ use crate::catalog::{Catalog, ClientEntry};
 use crate::configuration::Periods;
 use crate::domain::{ClientId, Region};
 use crate::store::{Reconcile, ShardState, Store};
+use crate::tasks::{Policy, Tasks};
 
 /// The part of the plan that idle regions keep, summed over all regions, so a region whose
 /// demand starts is not starved until the next reconciliation.
@@ -115,34 +116,51 @@ impl ShareBook {
         e.idle_rounds.store(0, Relaxed);
     }
 
-    /// Reconciles every sharded client of this region once a period, off the request path.
+    /// Starts task `shares-reconciler`, which reconciles every sharded client of this
+    /// region once a period, off the request path.
     pub fn spawn_reconciler(
         self: &Arc<Self>,
+        tasks: &Tasks,
         catalog: Arc<Catalog>,
         global: Store,
         regional: Store,
         region: Region,
     ) {
         let book = Arc::clone(self);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(book.periods.share_report());
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                let clients = catalog.sharded_clients();
-                for client in &clients {
-                    book.reconcile_one(client, &global, &regional, &region)
-                        .await;
-                }
-                // Forget clients that have not been sharded for a while.
-                let window = book.periods.unshard_window.as_millis() as u64
-                    / book.periods.share_report().as_millis().max(1) as u64;
-                book.entries.retain(|id, e| {
-                    clients.iter().any(|c| &c.id == id)
-                        || e.idle_rounds.fetch_add(1, Relaxed) < window
-                });
+        tasks.spawn("shares-reconciler", Policy::Restart, move |stop| {
+            let book = Arc::clone(&book);
+            let (catalog, global) = (Arc::clone(&catalog), global.clone());
+            let (regional, region) = (regional.clone(), region.clone());
+            async move {
+                let reconciling =
+                    book.reconcile_every_period(&catalog, &global, &regional, &region);
+                stop.run_until_cancelled(reconciling).await;
             }
         });
+    }
+
+    async fn reconcile_every_period(
+        &self,
+        catalog: &Catalog,
+        global: &Store,
+        regional: &Store,
+        region: &Region,
+    ) {
+        let mut tick = tokio::time::interval(self.periods.share_report());
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let clients = catalog.sharded_clients();
+            for client in &clients {
+                self.reconcile_one(client, global, regional, region).await;
+            }
+            // Forget clients that have not been sharded for a while.
+            let window = self.periods.unshard_window.as_millis() as u64
+                / self.periods.share_report().as_millis().max(1) as u64;
+            self.entries.retain(|id, e| {
+                clients.iter().any(|c| &c.id == id) || e.idle_rounds.fetch_add(1, Relaxed) < window
+            });
+        }
     }
 
     async fn reconcile_one(

@@ -25,7 +25,7 @@ use super::headers::{
     connection_headers, forwardable, response_headers, Origin, RequestId, X_CLIENT_ID,
     X_FORWARDED_FOR, X_FORWARDED_HOST, X_FORWARDED_PROTO, X_REQUEST_ID,
 };
-use super::replicas::{now_ms, Replica, TryResult};
+use super::replicas::{now_ms, InFlight, Replica, TryResult};
 use super::wire::{self, checked_body, Probe};
 use super::Route;
 use crate::catalog::ClientEntry;
@@ -102,6 +102,16 @@ enum Body {
     },
 }
 
+impl Body {
+    /// Whether another try can send it: a streamed body only if no try read from it.
+    fn replayable(&self, state: &BodyState) -> bool {
+        match self {
+            Body::None | Body::Kept(_) => true,
+            Body::Streamed { .. } => !state.touched.get(),
+        }
+    }
+}
+
 /// What the body stream saw, for the forwarder.
 #[derive(Default)]
 struct BodyState {
@@ -137,6 +147,29 @@ impl TryFailure {
                 TryFailure::NoResponse
             }
             _ => TryFailure::Malformed,
+        }
+    }
+
+    /// How a try failed, telling a stale pooled connection (reused, and not a byte came
+    /// back) from a replica that broke the connection.
+    fn of_try(e: &SendRequestError, probe: &Probe) -> TryFailure {
+        match TryFailure::of(e) {
+            TryFailure::NoResponse if probe.reused() == Some(true) && probe.received() == 0 => {
+                TryFailure::Stale
+            }
+            failure => failure,
+        }
+    }
+
+    /// Whether a request whose try failed so may be sent again, by what the service may
+    /// have seen of it (timed out or malformed: it may have acted on it).
+    fn may_try_again(self, method: &Method, e: &SendRequestError) -> bool {
+        match self {
+            TryFailure::NothingSent => true,
+            // A write that failed sent nothing the service can have read.
+            TryFailure::Stale => idempotent(method) || matches!(e, SendRequestError::Send(_)),
+            TryFailure::NoResponse => idempotent(method),
+            TryFailure::TimedOut | TryFailure::Malformed => false,
         }
     }
 
@@ -188,55 +221,20 @@ async fn forward(
     };
 
     let _request = route.retries.request();
-    let mut retry = None;
-    let mut tried: Vec<usize> = Vec::new();
-    let mut stale = 0;
+    let mut tries = Tries::new(route, settings, deadline);
     loop {
-        let now = now_ms();
-        let i = route
-            .replicas
-            .pick(&tried, now)
-            .ok_or_else(|| ApiError::Internal(anyhow::anyhow!("a route without replicas")))?;
-        tried.push(i);
-        let replica = route.replicas.get(i);
+        let replica = tries.next_replica()?;
         span.record("upstream", replica.upstream.base());
         let remaining = deadline.saturating_duration_since(Instant::now());
         let (out, upstream_span) = prepare(req, &admitted, replica, state, client, remaining)?;
         let in_flight = replica.start();
         let probe = Probe::sending(out.headers().contains_key(header::EXPECT));
-        let result = match &body {
-            Body::None => probe.scope(out.send()).await,
-            Body::Kept(bytes) => probe.scope(out.send_body(bytes.clone())).await,
-            Body::Streamed { payload, len } => {
-                let stream = streamed(Rc::clone(payload), state, Rc::clone(&body_state));
-                match len {
-                    Some(len) => {
-                        probe
-                            .scope(out.send_body(actix_web::body::SizedStream::new(*len, stream)))
-                            .await
-                    }
-                    None => probe.scope(out.send_stream(stream)).await,
-                }
-            }
-        };
+        let result = send(out, &body, &probe, state, &body_state).await;
         drop(in_flight);
         let e = match result {
             Ok(res) => {
-                let status = res.status();
-                let result = match status {
-                    StatusCode::BAD_GATEWAY
-                    | StatusCode::SERVICE_UNAVAILABLE
-                    | StatusCode::GATEWAY_TIMEOUT => TryResult::Failed,
-                    _ => TryResult::Answered,
-                };
-                record(route, replica, result, settings);
-                if let Some(span) = upstream_span {
-                    span.finish(status.as_u16(), true);
-                }
-                state
-                    .metrics
-                    .record_upstream(&route.service, status.as_u16(), started.elapsed());
-                drop(retry);
+                answered(route, replica, state, upstream_span, res.status(), started);
+                drop(tries);
                 return response(req.method(), res, &probe);
             }
             Err(e) => e,
@@ -248,64 +246,154 @@ async fn forward(
             }
             return Err(fault_error(fault, state));
         }
-        let mut failure = TryFailure::of(&e);
-        if failure == TryFailure::NoResponse
-            && probe.reused() == Some(true)
-            && probe.received() == 0
-        {
-            failure = TryFailure::Stale;
-        }
-        if failure == TryFailure::Stale {
-            // Does not count as a try either (nginx's rule for a cached connection): the
-            // pool drops each stale connection it meets, so this ends.
-            stale += 1;
-            tried.pop();
-        } else {
-            record(route, replica, TryResult::Failed, settings);
-        }
+        let failure = TryFailure::of_try(&e, &probe);
+        tries.failed(replica, failure);
         let err = failure.error(&e);
         if let Some(span) = upstream_span {
             span.finish(err_status(&err), false);
         }
         tracing::warn!(service = %route.service, upstream = replica.upstream.base(), error = %e, "upstream try failed");
-        let replayable = match &body {
-            Body::None | Body::Kept(_) => true,
-            Body::Streamed { .. } => !body_state.touched.get(),
-        };
-        let may_retry = replayable
-            && tried.len() < settings.max_tries as usize
-            && stale <= MAX_STALE
-            && Instant::now() < deadline
-            && match failure {
-                TryFailure::NothingSent => true,
-                // A write that failed sent nothing the service can have read.
-                TryFailure::Stale => {
-                    idempotent(req.method()) || matches!(e, SendRequestError::Send(_))
-                }
-                TryFailure::NoResponse => idempotent(req.method()),
-                TryFailure::TimedOut | TryFailure::Malformed => false,
-            };
-        if may_retry {
-            // A try that sent nothing, or met a stale pooled connection, is made again
-            // outside the budget: it is the request's first to reach a service, and
-            // `max_tries`, ejection and the pool bound it. The budget keeps retries of
-            // tries a service may have worked on from becoming a storm; one retry in
-            // flight per request at most.
-            if matches!(failure, TryFailure::NothingSent | TryFailure::Stale) || retry.is_some() {
-                route.retries.count_free();
-                continue;
-            }
-            if let Some(room) = route.retries.retry(settings) {
-                retry = Some(room);
-                continue;
-            }
-            tracing::warn!(service = %route.service, "retry refused: the route's retry budget is spent");
+        if tries.again(failure, req.method(), &e, body.replayable(&body_state)) {
+            continue;
         }
         state
             .metrics
             .record_upstream(&route.service, err_status(&err), started.elapsed());
         return Err(err);
     }
+}
+
+/// What one request's tries have done so far, and whether it may be tried again.
+struct Tries<'r> {
+    route: &'r Route,
+    settings: &'r UpstreamSettings,
+    deadline: Instant,
+    /// The replicas tried, in order (a stale pooled connection's is not a try).
+    tried: Vec<usize>,
+    /// Stale pooled connections met.
+    stale: u32,
+    /// The room this request's retry holds in the route's retry budget.
+    retry: Option<InFlight<'r>>,
+}
+
+impl<'r> Tries<'r> {
+    fn new(route: &'r Route, settings: &'r UpstreamSettings, deadline: Instant) -> Tries<'r> {
+        Tries {
+            route,
+            settings,
+            deadline,
+            tried: Vec::new(),
+            stale: 0,
+            retry: None,
+        }
+    }
+
+    /// The replica the next try goes to: one not tried yet, while there is one.
+    fn next_replica(&mut self) -> Result<&'r Arc<Replica>, ApiError> {
+        let i = self
+            .route
+            .replicas
+            .pick(&self.tried, now_ms())
+            .ok_or_else(|| ApiError::Internal(anyhow::anyhow!("a route without replicas")))?;
+        self.tried.push(i);
+        Ok(self.route.replicas.get(i))
+    }
+
+    /// Counts a try that failed so: against `replica`, unless its connection was stale.
+    fn failed(&mut self, replica: &Replica, failure: TryFailure) {
+        if failure == TryFailure::Stale {
+            // Does not count as a try either (nginx's rule for a cached connection): the
+            // pool drops each stale connection it meets, so this ends.
+            self.stale += 1;
+            self.tried.pop();
+        } else {
+            record(self.route, replica, TryResult::Failed, self.settings);
+        }
+    }
+
+    /// Whether the request is sent again after a try that failed so (its body
+    /// `replayable` or not), taking room in the route's retry budget when it needs it.
+    fn again(
+        &mut self,
+        failure: TryFailure,
+        method: &Method,
+        e: &SendRequestError,
+        replayable: bool,
+    ) -> bool {
+        let may_retry = replayable
+            && self.tried.len() < self.settings.max_tries as usize
+            && self.stale <= MAX_STALE
+            && Instant::now() < self.deadline
+            && failure.may_try_again(method, e);
+        if !may_retry {
+            return false;
+        }
+        // A try that sent nothing, or met a stale pooled connection, is made again
+        // outside the budget: it is the request's first to reach a service, and
+        // `max_tries`, ejection and the pool bound it. The budget keeps retries of tries a
+        // service may have worked on from becoming a storm; one retry in flight per
+        // request at most.
+        let retries = &self.route.retries;
+        if matches!(failure, TryFailure::NothingSent | TryFailure::Stale) || self.retry.is_some() {
+            retries.count_free();
+            return true;
+        }
+        self.retry = retries.retry(self.settings);
+        if self.retry.is_none() {
+            tracing::warn!(service = %self.route.service, "retry refused: the route's retry budget is spent");
+        }
+        self.retry.is_some()
+    }
+}
+
+/// One try: the request `out` with the body as this try sends it.
+async fn send(
+    out: awc::ClientRequest,
+    body: &Body,
+    probe: &Probe,
+    state: &AppState,
+    body_state: &Rc<BodyState>,
+) -> Result<awc::ClientResponse<actix_web::dev::Decompress<Payload>>, SendRequestError> {
+    match body {
+        Body::None => probe.scope(out.send()).await,
+        Body::Kept(bytes) => probe.scope(out.send_body(bytes.clone())).await,
+        Body::Streamed { payload, len } => {
+            let stream = streamed(Rc::clone(payload), state, Rc::clone(body_state));
+            match len {
+                Some(len) => {
+                    probe
+                        .scope(out.send_body(actix_web::body::SizedStream::new(*len, stream)))
+                        .await
+                }
+                None => probe.scope(out.send_stream(stream)).await,
+            }
+        }
+    }
+}
+
+/// A try the service answered: counted on its replica (a 502, 503 or 504 as a failure),
+/// its span and the route's metrics.
+fn answered(
+    route: &Route,
+    replica: &Replica,
+    state: &AppState,
+    upstream_span: Option<trace::UpstreamSpan>,
+    status: StatusCode,
+    started: Instant,
+) {
+    let result = match status {
+        StatusCode::BAD_GATEWAY | StatusCode::SERVICE_UNAVAILABLE | StatusCode::GATEWAY_TIMEOUT => {
+            TryResult::Failed
+        }
+        _ => TryResult::Answered,
+    };
+    record(route, replica, result, &state.upstream);
+    if let Some(span) = upstream_span {
+        span.finish(status.as_u16(), true);
+    }
+    state
+        .metrics
+        .record_upstream(&route.service, status.as_u16(), started.elapsed());
 }
 
 /// Records a try's outcome on its replica, and says so when it ejected it.

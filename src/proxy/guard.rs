@@ -93,54 +93,16 @@ async fn guard(
         .await);
     };
 
-    // First: these cost nothing, need no key, and a bad request must never be charged.
-    if let Some(err) = edge::refusal(
-        req.method(),
-        req.version(),
-        req.headers(),
-        &state.api_key_header,
-    ) {
-        return Ok(reject(req, err, None).await);
-    }
-    let path = match NormalPath::parse(req.path()) {
-        Ok(path) => path,
-        Err(e) => return Ok(reject(req, e.into(), None).await),
-    };
-
-    let client = req
-        .headers()
-        .get(&state.api_key_header)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|key| state.catalog.by_key(&KeyHash::of(key)));
-    let Some(client) = client else {
-        state.metrics.count_outcome("unknown_key");
-        let err = ApiError::MissingKey(state.api_key_header.to_string());
-        return Ok(reject(req, err, None).await);
-    };
-    tracing::Span::current().record("client_id", client.id.as_str());
-
-    let Some(route) = state.routes.load().find(path.as_str()).cloned() else {
-        return Ok(reject(req, ApiError::NoRoute, None).await);
-    };
-    // The service must see exactly the path that was routed.
-    let path_and_query = match rewritten(&path, req.uri().query()) {
-        Ok(pq) => pq,
+    let admitted = match recognised(&req, state) {
+        Ok(admitted) => admitted,
         Err(e) => return Ok(reject(req, e, None).await),
     };
-    let declared_len = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared_len.is_some_and(|n| n > state.max_body_bytes) {
-        let err = ApiError::PayloadTooLarge(state.max_body_bytes);
-        return Ok(reject(req, err, None).await);
-    }
+    let (client, route) = (&admitted.client, &admitted.route);
 
     let timer = DecisionTimer::start(state.traces.as_ref());
     let mut decision = state
         .limiter
-        .decide(&client, &route.service, route.cost)
+        .decide(client, &route.service, route.cost)
         .await;
     timer.finish(
         &req,
@@ -155,39 +117,18 @@ async fn guard(
     let mut rl =
         RateLimitHeaders::with_policy(&client.plan.name, &decision, client.plan.policy(&decision));
     if !decision.outcome.forwards() {
-        let (wait, limit) = match decision.outcome {
-            Outcome::SafetyDenied => (decision.safety_wait_us, None),
-            _ => {
-                let ruling = decision.ruling.as_ref();
-                let refused = ruling
-                    .and_then(|r| r.refused_by)
-                    .and_then(|i| decision.applied.get(i))
-                    .map(|a| policy_name(&client.plan.name, a));
-                (ruling.and_then(|r| r.wait_us), refused)
-            }
-        };
-        let err = match wait {
-            Some(wait_us) => ApiError::RateLimited {
-                retry_after_ms: wait_us.div_ceil(1000),
-                // Whole seconds, rounded up, at least 1: a retry after this long finds
-                // the tokens in every limit, and it is never more than a second
-                // pessimistic.
-                retry_after_s: wait_us.div_ceil(1_000_000).max(1),
-                limit,
-            },
-            None => ApiError::CostExceedsCapacity { limit },
-        };
+        let err = refusal(&decision, client);
         return Ok(reject(req, err, Some(rl)).await);
     }
 
     // Only shadow-mode answers are compared with the service's; only they need the
     // limiter (and the client) after the forward.
     let shadow =
-        (client.mode == Mode::Shadow).then(|| (Arc::clone(&state.limiter), Arc::clone(&client)));
+        (client.mode == Mode::Shadow).then(|| (Arc::clone(&state.limiter), Arc::clone(client)));
     // Likewise only a route whose service reports costs needs them after the forward.
     let costed = route.cost_header.is_some().then(|| CostedRoute {
-        route: Arc::clone(&route),
-        client: Arc::clone(&client),
+        route: Arc::clone(route),
+        client: Arc::clone(client),
         state: state.clone(),
     });
     // Addresses a client claims for itself are believed only from a trusted proxy.
@@ -198,11 +139,6 @@ async fn guard(
     {
         drop_client_ip_claims(req.headers_mut());
     }
-    let admitted = Admitted {
-        client,
-        route,
-        path_and_query,
-    };
     let mut res = forward::respond(req, admitted, &upstream).await;
     if let Some((limiter, client)) = shadow {
         limiter.compare(&client, &decision, res.status().as_u16());
@@ -215,6 +151,76 @@ async fn guard(
     }
     rl.apply(res.headers_mut());
     Ok(res)
+}
+
+/// What the guard checks before the limiter, in order: the method and head, the path, the
+/// key, the route, the declared body's size. These cost nothing (no store call), and a
+/// bad request must never be charged. The request's client, its route and the path to
+/// forward (see [`Admitted`]), or why it is refused.
+fn recognised(req: &ServiceRequest, state: &AppState) -> Result<Admitted, ApiError> {
+    if let Some(err) = edge::refusal(
+        req.method(),
+        req.version(),
+        req.headers(),
+        &state.api_key_header,
+    ) {
+        return Err(err);
+    }
+    let path = NormalPath::parse(req.path())?;
+    let client = req
+        .headers()
+        .get(&state.api_key_header)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|key| state.catalog.by_key(&KeyHash::of(key)));
+    let Some(client) = client else {
+        state.metrics.count_outcome("unknown_key");
+        return Err(ApiError::MissingKey(state.api_key_header.to_string()));
+    };
+    tracing::Span::current().record("client_id", client.id.as_str());
+    let Some(route) = state.routes.load().find(path.as_str()).cloned() else {
+        return Err(ApiError::NoRoute);
+    };
+    // The service must see exactly the path that was routed.
+    let path_and_query = rewritten(&path, req.uri().query())?;
+    let declared_len = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared_len.is_some_and(|n| n > state.max_body_bytes) {
+        return Err(ApiError::PayloadTooLarge(state.max_body_bytes));
+    }
+    Ok(Admitted {
+        client,
+        route,
+        path_and_query,
+    })
+}
+
+/// Why a decision that does not forward refuses: when the tokens will be there (`429`
+/// with `Retry-After`), naming the limit that refused, or never at this cost.
+fn refusal(decision: &Decision, client: &ClientEntry) -> ApiError {
+    let (wait, limit) = match decision.outcome {
+        Outcome::SafetyDenied => (decision.safety_wait_us, None),
+        _ => {
+            let ruling = decision.ruling.as_ref();
+            let refused = ruling
+                .and_then(|r| r.refused_by)
+                .and_then(|i| decision.applied.get(i))
+                .map(|a| policy_name(&client.plan.name, a));
+            (ruling.and_then(|r| r.wait_us), refused)
+        }
+    };
+    match wait {
+        Some(wait_us) => ApiError::RateLimited {
+            retry_after_ms: wait_us.div_ceil(1000),
+            // Whole seconds, rounded up, at least 1: a retry after this long finds the
+            // tokens in every limit, and it is never more than a second pessimistic.
+            retry_after_s: wait_us.div_ceil(1_000_000).max(1),
+            limit,
+        },
+        None => ApiError::CostExceedsCapacity { limit },
+    }
 }
 
 /// What settling a reported cost needs once the response head is in: only requests to a

@@ -1,5 +1,7 @@
 //! Active health checks (`[routes.health_check]`): one checker per process, on a thread of
-//! its own with its own actix runtime (awc is `!Send`), so the workers never run a check.
+//! its own with its own actix runtime (awc is `!Send`), so the workers never run a check;
+//! it is the supervised task `health-checks` ([`crate::tasks`]), and each check a child of
+//! that thread's runtime, ending with it.
 //!
 //! Every `interval` it fetches (`GET`) the route's `path` from each replica of each route
 //! that has checks, with the check's `timeout`; a `2xx` passes, anything else (another
@@ -31,6 +33,7 @@ use tokio::time::Instant;
 use super::replicas::Replica;
 use super::routes::RouteTable;
 use crate::configuration::{HealthCheckSettings, UpstreamSettings};
+use crate::tasks::{Policy, Tasks};
 
 /// The longest the checker sleeps before it looks at the route table again.
 pub const IDLE: Duration = Duration::from_millis(500);
@@ -65,32 +68,29 @@ impl Tally {
     }
 }
 
-/// Starts the process's checker of the table `routes` returns, until it returns `None`
-/// (the gateway is gone).
+/// Starts task `health-checks`, the process's checker of the table `routes` returns, on a
+/// thread of its own, until the gateway stops (or `routes` returns `None`: the gateway is
+/// gone).
 pub fn spawn_health_checker(
-    routes: impl Fn() -> Option<Arc<RouteTable>> + Send + 'static,
+    tasks: &Tasks,
+    routes: impl Fn() -> Option<Arc<RouteTable>> + Send + Sync + 'static,
     upstream: &UpstreamSettings,
 ) {
     let (connect_timeout, idle_timeout) = (upstream.connect_timeout, upstream.idle_timeout);
-    let started = std::thread::Builder::new()
-        .name("health-checks".into())
-        .spawn(move || {
-            actix_web::rt::System::new().block_on(async move {
-                let client = awc::Client::builder()
-                    .no_default_headers()
-                    .disable_redirects()
-                    .connector(
-                        awc::Connector::new()
-                            .timeout(connect_timeout)
-                            .conn_keep_alive(idle_timeout),
-                    )
-                    .finish();
-                run(routes, client).await
-            })
-        });
-    if let Err(e) = started {
-        tracing::error!(error = %e, "the health checker could not start: no replica is checked");
-    }
+    tasks.spawn_thread("health-checks", Policy::Restart, move |stop| {
+        actix_web::rt::System::new().block_on(async {
+            let client = awc::Client::builder()
+                .no_default_headers()
+                .disable_redirects()
+                .connector(
+                    awc::Connector::new()
+                        .timeout(connect_timeout)
+                        .conn_keep_alive(idle_timeout),
+                )
+                .finish();
+            stop.run_until_cancelled(run(&routes, client)).await;
+        })
+    });
 }
 
 /// One replica the checker checks.

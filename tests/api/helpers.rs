@@ -296,6 +296,8 @@ pub struct TestGateway {
     pub address: String,
     pub http: reqwest::Client,
     handles: Vec<actix_web::dev::ServerHandle>,
+    /// `run_until_stopped`: it ends once the servers and the background tasks have.
+    running: tokio::task::JoinHandle<std::io::Result<()>>,
 }
 
 impl TestGateway {
@@ -303,10 +305,11 @@ impl TestGateway {
         let app = Application::build(settings).await.expect("gateway builds");
         let address = format!("http://127.0.0.1:{}", app.port());
         let handles = app.handles();
-        tokio::spawn(app.run_until_stopped());
+        let running = tokio::spawn(app.run_until_stopped());
         TestGateway {
             address,
             handles,
+            running,
             http: reqwest::Client::builder()
                 .pool_max_idle_per_host(256)
                 .build()
@@ -314,11 +317,15 @@ impl TestGateway {
         }
     }
 
-    /// Stops serving (gracefully) and waits until it has.
+    /// Stops serving (gracefully) and waits until it has, its background tasks too.
     pub async fn stop(self) {
         for h in &self.handles {
             h.stop(true).await;
         }
+        self.running
+            .await
+            .expect("run_until_stopped")
+            .expect("the gateway stops cleanly");
     }
 
     /// An admin call with a Bearer token.

@@ -26,6 +26,7 @@ mod reload;
 mod resilience;
 mod shadow;
 mod slow_redis;
+mod stopping;
 mod stores;
 mod swagger_ui;
 mod traces;

@@ -1,0 +1,74 @@
+//! Stopping: a gateway stops promptly, and its background work with it (README, "Operating
+//! tollgate": SIGTERM). Every long-lived task runs under the gateway's supervisor, which
+//! cancels and joins them once the servers have stopped.
+
+use std::time::{Duration, Instant};
+
+use tollgate::startup::Application;
+
+use crate::helpers::*;
+
+#[tokio::test]
+async fn a_stopped_gateway_has_stopped_every_background_task_and_checks_no_replica() {
+    // Arrange: a gateway on Redis whose replica is health-checked every 20 ms, with its
+    // background tasks running.
+    let redis = RedisServer::start().unwrap();
+    let replica = Upstream::start(Behaviour::Checked(health_flag(true))).await;
+    let toml = format!(
+        "{}{}{}[routes.health_check]\npath = \"/healthz\"\ninterval_ms = 20\n",
+        redis_toml(&redis),
+        catalog_toml(("gold", 100.0, 100.0), &["acme"]),
+        route_toml("orders", "/orders", &[replica.url()]),
+    );
+    let app = Application::build(settings(&toml)).await.unwrap();
+    let (tasks, handles) = (app.tasks(), app.handles());
+    let running = tokio::spawn(app.run_until_stopped());
+    let expected = [
+        "catalog-refresh",
+        "health-checks",
+        "store-breaker-probe",
+        "regional-breaker-probe",
+        "hot-clients-rotation",
+        "shares-reconciler",
+        "shadow-flush",
+        "safety-eviction",
+        "worker-store-connections",
+        "worker-delay-watch",
+    ];
+    eventually(Duration::from_secs(5), "every task runs", || async {
+        let names = tasks.running();
+        expected.iter().all(|t| names.iter().any(|n| n == t))
+    })
+    .await;
+    eventually(Duration::from_secs(5), "the replica is checked", || async {
+        replica.hits_on("/healthz") >= 2
+    })
+    .await;
+
+    // Act: stop it, as SIGTERM does.
+    let began = Instant::now();
+    for h in &handles {
+        h.stop(true).await;
+    }
+    running.await.unwrap().expect("it stops cleanly");
+
+    // Assert: promptly, with nothing left running, and no check after.
+    assert!(
+        began.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        began.elapsed()
+    );
+    assert_eq!(tasks.running(), Vec::<String>::new());
+    let checks = replica.hits_on("/healthz");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        replica.hits_on("/healthz"),
+        checks,
+        "checked after it stopped"
+    );
+    assert!(
+        tasks.restarts().values().all(|n| *n == 0),
+        "{:?}",
+        tasks.restarts()
+    );
+}
