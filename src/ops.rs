@@ -123,6 +123,7 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     write_store(&mut out, &state);
     write_hot(&mut out, &state);
     write_catalog(&mut out, &state);
+    write_tasks(&mut out, &state);
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4")
         .body(out.finish())
@@ -223,6 +224,17 @@ fn write_hot(out: &mut Exposition, state: &AppState) {
         "The busiest client's estimated requests per second through this gateway.",
     )
     .sample(&[], busiest.map_or(0.0, |c| c.rps));
+}
+
+fn write_tasks(out: &mut Exposition, state: &AppState) {
+    let mut f = out.family(
+        "tollgate_task_restarts_total",
+        Kind::Counter,
+        "Times a background task was started again after it panicked or ended (see the log line naming it); one that keeps failing is a bug to report.",
+    );
+    for (task, n) in state.tasks.restarts() {
+        f.sample(&[("task", &task)], n);
+    }
 }
 
 fn write_catalog(out: &mut Exposition, state: &AppState) {

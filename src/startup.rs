@@ -84,7 +84,7 @@ impl Application {
             overload: settings.overload,
             tasks: tasks.clone(),
         });
-        let state = shared_state(&settings, catalog, limiter, store, metrics)?;
+        let state = shared_state(&settings, catalog, limiter, store, metrics, &tasks)?;
         start_health_checks(&state, &settings, &tasks);
         let jwt = web::Data::new(JwtVerifier::from_settings(&settings.admin)?);
         let listening = start_servers(&settings, &state, &jwt)?;
@@ -211,6 +211,7 @@ fn shared_state(
     limiter: Arc<Limiter>,
     store: Store,
     metrics: Arc<Metrics>,
+    tasks: &Tasks,
 ) -> anyhow::Result<web::Data<AppState>> {
     let traces = match &settings.telemetry.otlp_endpoint {
         Some(endpoint) => Some(Tracer::start(trace::exporter(
@@ -231,6 +232,7 @@ fn shared_state(
         upstream: settings.upstream,
         safety_multiplier: settings.limits.safety_multiplier,
         traces,
+        tasks: tasks.clone(),
     }))
 }
 

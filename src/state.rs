@@ -12,6 +12,7 @@ use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 use crate::proxy::RouteTable;
 use crate::store::Store;
+use crate::tasks::Tasks;
 use crate::trace::Tracer;
 
 pub struct AppState {
@@ -30,4 +31,6 @@ pub struct AppState {
     pub safety_multiplier: f64,
     /// The span exporter, when `telemetry.otlp_endpoint` is set.
     pub traces: Option<Tracer>,
+    /// The background tasks, for `/metrics` (their restarts).
+    pub tasks: Tasks,
 }

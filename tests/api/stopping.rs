@@ -72,3 +72,31 @@ async fn a_stopped_gateway_has_stopped_every_background_task_and_checks_no_repli
         tasks.restarts()
     );
 }
+
+#[tokio::test]
+async fn every_background_task_is_counted_in_the_metrics_with_its_restarts() {
+    // Arrange: a gateway on Redis, its background tasks running.
+    let redis = RedisServer::start().unwrap();
+    let toml = format!(
+        "{}{}",
+        redis_toml(&redis),
+        catalog_toml(("gold", 100.0, 100.0), &["acme"]),
+    );
+    let gw = TestGateway::spawn(settings(&toml)).await;
+
+    // Act: scrape it.
+    let series = "tollgate_task_restarts_total{task=\"catalog-refresh\"}";
+    eventually(
+        Duration::from_secs(5),
+        "the catalog refresh is counted",
+        || async { gw.metric(series).await.is_some() },
+    )
+    .await;
+
+    // Assert: each task has its series, none restarted.
+    for task in ["catalog-refresh", "hot-clients-rotation", "safety-eviction"] {
+        let series = format!("tollgate_task_restarts_total{{task=\"{task}\"}}");
+        assert_eq!(gw.sample(&series).await, 0.0, "{series}");
+    }
+    gw.stop().await;
+}
