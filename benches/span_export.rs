@@ -197,6 +197,8 @@ trait Way {
 /// tollgate's tracer and export thread (its real `run` loop), exporting into [`Discard`].
 struct Tollgate {
     tracer: Tracer,
+    /// The export thread's supervisor, and the runtime it supervises on.
+    _tasks: (tollgate::tasks::Supervisor, tokio::runtime::Runtime),
     exported: Arc<AtomicU64>,
     incoming: Option<SpanContext>,
     service: Arc<str>,
@@ -205,8 +207,23 @@ struct Tollgate {
 impl Tollgate {
     fn new() -> Tollgate {
         let exported = Arc::new(AtomicU64::new(0));
+        // Its own worker drives the supervisor, which starts the export thread.
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        let supervisor = {
+            let _in = runtime.enter();
+            tollgate::tasks::Supervisor::new()
+        };
+        let tracer = {
+            let _in = runtime.enter();
+            Tracer::start(Discard(Arc::clone(&exported)), &supervisor.tasks())
+        };
         Tollgate {
-            tracer: Tracer::start(Discard(Arc::clone(&exported))),
+            tracer,
+            _tasks: (supervisor, runtime),
             exported,
             incoming: incoming().0,
             service: Arc::from("orders"),

@@ -214,10 +214,10 @@ fn shared_state(
     tasks: &Tasks,
 ) -> anyhow::Result<web::Data<AppState>> {
     let traces = match &settings.telemetry.otlp_endpoint {
-        Some(endpoint) => Some(Tracer::start(trace::exporter(
-            endpoint,
-            &settings.telemetry,
-        )?)),
+        Some(endpoint) => Some(Tracer::start(
+            trace::exporter(endpoint, &settings.telemetry)?,
+            tasks,
+        )),
         None => None,
     };
     Ok(web::Data::new(AppState {

@@ -22,10 +22,11 @@
 //! (`Limiter::decide`), one health check (a child of the checker's thread, ending with
 //! it), the catalog cache's write (awaited where it is made), and the store's own tasks
 //! (`store::redis`: a connection's driver, which ends with its socket; a batch's send; a
-//! read of the cluster's slot map), each owned by the connection or call that made it. None of them outlives what started it by more than a bounded wait,
-//! none holds state a restart could repair, and supervising each would put a registry
-//! write on the request path. The OTLP exporter's thread (`trace::export`) is long-lived
-//! and not here yet: [`Tasks::spawn_thread`] is meant for it.
+//! read of the cluster's slot map), each owned by the connection or call that made it.
+//! None of them outlives what started it by more than a bounded wait, none holds state a
+//! restart could repair, and supervising each would put a registry write on the request
+//! path. The OTLP exporter's thread (`trace::export`, task `span-export`) is here: a
+//! thread of its own, its queue kept across a restart.
 
 use std::collections::BTreeMap;
 use std::fmt;

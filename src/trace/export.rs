@@ -16,9 +16,10 @@ use std::time::Duration;
 
 use opentelemetry::InstrumentationScope;
 use opentelemetry_sdk::trace::SpanExporter;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Mutex};
 
 use super::span::SpanRecord;
+use crate::tasks::{Policy, Tasks};
 
 /// Spans waiting to be exported; past this, new spans are dropped.
 pub const QUEUE: usize = 4096;
@@ -50,31 +51,38 @@ impl Tracer {
     /// benchmarks pass one that discards), on a thread of its own below the request
     /// path's priority (nice 10): converting, encoding and posting a batch of 512 spans
     /// takes milliseconds of CPU, which on a busy host would otherwise delay the requests
-    /// whose turn it takes (measured: +3.5 ms at p99 when it ran beside them). It ends when
-    /// the last `Tracer` is dropped.
-    pub fn start(exporter: impl SpanExporter + 'static) -> Tracer {
+    /// whose turn it takes (measured: +3.5 ms at p99 when it ran beside them). The thread
+    /// is the task `span-export` under `tasks`: started again if it panics (the queue is
+    /// kept, so a restart loses only the batch in hand), stopped at shutdown, and ended
+    /// when the last `Tracer` is dropped.
+    pub fn start(exporter: impl SpanExporter + 'static, tasks: &Tasks) -> Tracer {
         let (tx, rx) = mpsc::channel(QUEUE);
         let counters = Arc::new(ExportCounters::default());
         let exporting = Arc::clone(&counters);
-        let started = std::thread::Builder::new()
-            .name("otlp-export".into())
-            .spawn(move || {
-                // SAFETY: setpriority only reads its arguments; 0 is the calling thread.
-                let niced = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 10) };
-                if niced != 0 {
-                    tracing::debug!("the span exporter runs at the request path's priority");
-                }
-                match tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                {
-                    Ok(rt) => rt.block_on(run(rx, exporter, exporting)),
-                    Err(e) => tracing::error!(error = %e, "the span exporter could not start"),
-                }
-            });
-        if let Err(e) = started {
-            tracing::error!(error = %e, "the span exporter could not start");
-        }
+        let exporter = Arc::new(exporter);
+        // Held by the running export; a restarted one takes it again (a panic unlocks it:
+        // the guard is dropped as the thread unwinds).
+        let rx = Arc::new(Mutex::new(rx));
+        tasks.spawn_thread("span-export", Policy::UntilDone, move |stop| {
+            // SAFETY: setpriority only reads its arguments; 0 is the calling thread.
+            let niced = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 10) };
+            if niced != 0 {
+                tracing::debug!("the span exporter runs at the request path's priority");
+            }
+            match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt.block_on(async {
+                    let mut rx = rx.lock().await;
+                    tokio::select! {
+                        () = run(&mut rx, &*exporter, &exporting) => {}
+                        () = stop.cancelled() => {}
+                    }
+                }),
+                Err(e) => tracing::error!(error = %e, "the span exporter could not start"),
+            }
+        });
         Tracer { tx, counters }
     }
 
@@ -93,9 +101,9 @@ impl Tracer {
 /// Exports the queue in batches until every [`Tracer`] is gone. The exporter bounds each
 /// export (retries included) by its timeout; a batch it fails is dropped and counted.
 async fn run(
-    mut rx: mpsc::Receiver<SpanRecord>,
-    exporter: impl SpanExporter,
-    counters: Arc<ExportCounters>,
+    rx: &mut mpsc::Receiver<SpanRecord>,
+    exporter: &impl SpanExporter,
+    counters: &ExportCounters,
 ) {
     let scope = InstrumentationScope::builder("tollgate")
         .with_version(env!("CARGO_PKG_VERSION"))

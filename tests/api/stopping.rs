@@ -100,3 +100,30 @@ async fn every_background_task_is_counted_in_the_metrics_with_its_restarts() {
     }
     gw.stop().await;
 }
+
+#[tokio::test]
+async fn the_span_exporter_runs_under_the_supervisor_and_stops_with_the_gateway() {
+    // Arrange: a gateway exporting its spans to a collector.
+    let collector = Collector::start().await;
+    let toml = format!(
+        "{}[telemetry]\notlp_endpoint = \"{}\"\n",
+        catalog_toml(("gold", 100.0, 100.0), &["acme"]),
+        collector.url(),
+    );
+    let app = Application::build(settings(&toml)).await.unwrap();
+    let (tasks, handles) = (app.tasks(), app.handles());
+    let running = tokio::spawn(app.run_until_stopped());
+    eventually(Duration::from_secs(5), "the exporter runs", || async {
+        tasks.running().iter().any(|t| t == "span-export")
+    })
+    .await;
+
+    // Act: stop it.
+    for h in &handles {
+        h.stop(true).await;
+    }
+    running.await.unwrap().expect("it stops cleanly");
+
+    // Assert: the export thread was joined with the rest.
+    assert_eq!(tasks.running(), Vec::<String>::new());
+}
