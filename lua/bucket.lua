@@ -15,7 +15,15 @@
 -- '/', so fields never collide. A value is struct '<ddd': a bucket's tokens and the time
 -- (unix µs) they were counted at, or a quota's count and its window's end; then the time
 -- (unix µs) after which the field says nothing a missing one would not (a bucket full
--- again, a window over, +1 s). Groups have no expiry: a call may also sweep its first
+-- again, a window over, +1 s). A quota's third number ends in half a microsecond, a
+-- bucket's is whole (exact while times stay below 2^52 µs, the year 2112): the quota's
+-- mark, so that a bucket never reads a quota's state (a
+-- limit redefined from a quota into a bucket under its name, or a client moved to a plan
+-- where the name is a bucket, starts as a bucket that does not exist yet, as the embedded
+-- store's does). A quota reads a bucket's state as a window that is over (the bucket's
+-- time is Redis' now when written). Gateways from before the mark read the third number
+-- only to sweep, so a fleet upgrades replica by replica; a quota field they wrote has no
+-- mark, and reads as a quota still. Groups have no expiry: a call may also sweep its first
 -- group, deleting such fields a slice at a time (HSCAN from the cursor kept in the
 -- group's mark, field '~', which every call reads with its fields).
 --
@@ -82,13 +90,16 @@ if #argv == 12 and argv[1] == '0' and argv[2] == '0' and argv[3] == '1' and argv
     local cap, rate = tonumber(argv[7]), tonumber(argv[8])
     local v, lv = st[2], nil
     if v and #v == 24 then
-      local at
-      lv, at = struct.unpack('<dd', v)
-      local elapsed = now - at
-      if elapsed > 0 then lv = lv + elapsed * rate / 1000000 end
-    else
-      lv = tonumber(argv[9]) or cap
+      local at, over
+      lv, at, over = struct.unpack('<ddd', v)
+      if over % 1 ~= 0 then
+        lv = nil -- a quota's state (its mark): none of this bucket's
+      else
+        local elapsed = now - at
+        if elapsed > 0 then lv = lv + elapsed * rate / 1000000 end
+      end
     end
+    if not lv then lv = tonumber(argv[9]) or cap end
     if lv > cap then lv = cap end
     local level, written = lv, true
     if op ~= 112 then
@@ -259,7 +270,7 @@ for g = 1, #keys do
           local take, write = op == 116, op ~= 112
           for _ = 1, len do
             local lv = num[j]
-            if lv == -1 / 0 then
+            if lv == -1 / 0 or num[j + 2] % 1 ~= 0 then
               lv = init
             else
               local elapsed = now - num[j + 1]
@@ -300,6 +311,8 @@ for g = 1, #keys do
               if s1 == -1 / 0 then s1, s2 = nil, nil end
               en[i] = 0
               if kind[i] == 'b' then
+                -- A quota's state (its mark) is none of a bucket's.
+                if num[x + 2] % 1 ~= 0 then s1, s2 = nil, nil end
                 local tokens = s1 or min(a[i], set.v2[i] or a[i])
                 local elapsed = now - (s2 or now)
                 if elapsed < 0 then elapsed = 0 end
@@ -353,7 +366,7 @@ for g = 1, #keys do
                   over = now + math.ceil((a[i] - lv[i]) / set.v1[i] * 1000000) + 1000000
                   writes[nw + 2] = pack('<ddd', lv[i], now, over)
                 else
-                  writes[nw + 2] = pack('<ddd', lv[i], en[i], en[i] + 1000000)
+                  writes[nw + 2] = pack('<ddd', lv[i], en[i], en[i] + 1000000.5)
                 end
                 writes[nw + 1] = argv[tag] .. set.suffix[i]
                 nw = nw + 2

@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use tollgate::store::{state_field, StateGroups};
+
 use crate::helpers::*;
 
 /// 2027-01-01T00:00:00Z: the end of December 2026 in UTC.
@@ -154,4 +156,46 @@ async fn a_month_in_new_york_ends_at_five_in_the_morning_utc_not_at_midnight() {
     assert_eq!((rl.policy.as_str(), rl.remaining), ("m.monthly", 2));
     assert!(rl.reset.abs_diff(JANUARY_S) <= 2, "{rl:?}");
     assert_eq!(up.hits(), 4);
+}
+
+#[tokio::test]
+async fn a_quota_counted_by_a_gateway_before_the_kind_mark_counts_on_after_the_upgrade() {
+    // Arrange: acme's monthly quota has 2 of 3 used, as a gateway from before the quota's
+    // mark wrote it: its sweep time whole (a window's end + 1 s), no half microsecond.
+    let clock = FakeClock::at(NEW_YEAR_UTC - 3600.0).unwrap();
+    let redis = RedisServer::start_with_env(&clock.env()).unwrap();
+    let end_us = NEW_YEAR_UTC * 1e6;
+    let legacy: Vec<u8> = [2.0, end_us, end_us + 1e6]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    redis::cmd("HSET")
+        .arg(StateGroups::new("tollgate:", 1).key(0))
+        .arg(state_field("acme", "monthly:"))
+        .arg(legacy)
+        .exec(&mut redis.conn().unwrap())
+        .unwrap();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let config = format!(
+        "{}{}{}",
+        redis_toml(&redis),
+        monthly_toml("UTC"),
+        route_toml("orders", "/orders", &[up.url()])
+    );
+    let gw = gateway_process(&config, &clock.env());
+    let http = reqwest::Client::new();
+
+    // Act: this gateway's first two requests.
+    let first = get(&http, &gw).await;
+    let second = get(&http, &gw).await;
+
+    // Assert: the quota read on from 2 (not reset, not read as anything else): one request
+    // left, then none; and the state now carries the mark.
+    assert_eq!(first.status(), 200, "{:?}", first.headers());
+    let rl = RateLimit::of(&first);
+    assert_eq!((rl.policy.as_str(), rl.remaining), ("m.monthly", 0));
+    assert_eq!(second.status(), 429);
+    assert_eq!(up.hits(), 1);
+    let state = stored(&redis, "acme", "monthly:").expect("acme's monthly state");
+    assert_eq!(state, [3.0, end_us, end_us + 1e6 + 0.5]);
 }

@@ -247,11 +247,14 @@ struct EntryReply {
 }
 
 /// A bucket's stored state: struct `<ddd` (tokens, when, and when it may be swept).
+/// `None` for a quota's state (its sweep time carries half a microsecond: the mark
+/// `lua/bucket.lua` describes), as for anything else that is not a bucket's.
 pub(super) fn decode_state(v: &[u8]) -> Option<BucketState> {
     let word = |at: usize| -> Option<f64> {
         Some(f64::from_le_bytes(v.get(at..at + 8)?.try_into().ok()?))
     };
     (v.len() == 24).then_some(())?;
+    (word(16)?.fract() == 0.0).then_some(())?;
     Some(BucketState {
         tokens: word(0)?,
         ts_us: word(8)? as u64,
@@ -342,5 +345,20 @@ mod tests {
                 assert!(tokens.abs() < 0.01, "{tokens}");
             })
             .await;
+    }
+
+    #[test]
+    fn a_quotas_state_is_no_buckets() {
+        let value = |third: f64| -> Vec<u8> {
+            [2.0, 1.8e15, third]
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect()
+        };
+        // A bucket's sweep time is whole; a quota's carries its mark, half a microsecond.
+        let bucket = super::decode_state(&value(1.8e15 + 1e6)).expect("a bucket's state");
+        assert_eq!((bucket.tokens, bucket.ts_us), (2.0, 1_800_000_000_000_000));
+        assert_eq!(super::decode_state(&value(1.8e15 + 1e6 + 0.5)), None);
+        assert_eq!(super::decode_state(b"not a state"), None);
     }
 }

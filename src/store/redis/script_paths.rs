@@ -24,6 +24,9 @@ enum State {
     Junk,
     /// Tokens, counted at this time (unix µs).
     Tokens(f64, f64),
+    /// A quota's count in a window ending then (unix µs), with the quota's mark (half a
+    /// microsecond in its sweep time): a bucket reads it as missing.
+    Quota(f64, f64),
 }
 
 /// One entry's operation: op ('t', 'a', 'p'), cost, n.
@@ -62,6 +65,12 @@ fn prepare(conn: &mut Connection, group: &str, state: State) {
         State::Junk => Some(b"not a state".to_vec()),
         State::Tokens(t, at) => Some(
             [t, at, at + 1e6]
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect(),
+        ),
+        State::Quota(used, end) => Some(
+            [used, end, end + 1e6 + 0.5]
                 .iter()
                 .flat_map(|v| v.to_le_bytes())
                 .collect(),
@@ -157,6 +166,8 @@ fn the_lean_path_decides_answers_and_writes_as_the_general_path_does() {
         State::Tokens(0.4, LATER),
         State::Tokens(-3.0, LATER),
         State::Tokens(1.0, 0.0),
+        // A window ending in 2030: a mark of half a microsecond is exact below 2^52 µs.
+        State::Quota(1.0, 1.9e15),
     ];
     let ops: [Op; 9] = [
         (b't', 1.0, 1),
@@ -186,11 +197,17 @@ fn the_lean_path_decides_answers_and_writes_as_the_general_path_does() {
                     assert_eq!(lean.field.map(|f| f.1), Some(0.0), "{case}: {lean:?}");
                 }
                 assert_eq!(lean, general, "{case}");
+                if let State::Quota(..) = state {
+                    // As if the bucket had no state at all.
+                    prepare(&mut conn, "t:{none}", State::NoField);
+                    let none = call(&mut conn, "t:{none}", op, init, true);
+                    assert_eq!(lean.level, none.level, "{case}");
+                }
                 compared += 1;
             }
         }
     }
-    assert_eq!(compared, 7 * 9 * 3);
+    assert_eq!(compared, 8 * 9 * 3);
 }
 
 /// One take on each path, of the groups `t:{lean}` and `t:{general}` (set up alike by the
