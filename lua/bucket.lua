@@ -197,7 +197,9 @@ local MARK0 = '0 0' .. PAD
 local mark1, wrote1
 local status, levels, errors = {}, {}, {}
 local nstatus, nlevels = 0, 0
-local MISSING = pack('<ddd', -1 / 0, 0, 0)
+-- A missing field's numbers (Lua 5.1 does not fold -1 / 0: computed once, here).
+local NONE = -1 / 0
+local MISSING = pack('<ddd', NONE, 0, 0)
 
 -- A group whose slot moved (a cluster) fails its entries only: their status '0' and
 -- its error.
@@ -270,7 +272,7 @@ for g = 1, #keys do
           local take, write = op == 116, op ~= 112
           for _ = 1, len do
             local lv = num[j]
-            if lv == -1 / 0 or num[j + 2] % 1 ~= 0 then
+            if lv == NONE or num[j + 2] % 1 ~= 0 then
               lv = init
             else
               local elapsed = now - num[j + 1]
@@ -308,7 +310,7 @@ for g = 1, #keys do
             for i = 1, count do
               local x = j + 3 * (i - 1)
               local s1, s2 = num[x], num[x + 1]
-              if s1 == -1 / 0 then s1, s2 = nil, nil end
+              if s1 == NONE then s1, s2 = nil, nil end
               en[i] = 0
               if kind[i] == 'b' then
                 -- A quota's state (its mark) is none of a bucket's.
