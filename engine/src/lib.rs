@@ -7,5 +7,6 @@
 //! worker thread and its keeper, a bb8 pool for everything else) and how a dead one is
 //! noticed and left behind. It imports nothing of the gateway.
 
+pub mod limits;
 pub mod pipe;
 pub mod pool;

@@ -8,10 +8,11 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use super::bucket::{self, BucketState};
 use super::ids::{IdError, LimitName, ServiceName};
-use super::plan::{Bucket, PlanError, MAX_CAPACITY};
-use super::quota::{window_end, Period, QuotaClock, QuotaError, Reset};
+use tollgate_engine::limits::bucket::{self, BucketState};
+use tollgate_engine::limits::{
+    window_end, Bucket, Period, PlanError, QuotaClock, QuotaError, Reset, MAX_CAPACITY,
+};
 
 /// Most limits one plan holds.
 pub const MAX_LIMITS: usize = 8;
