@@ -1,9 +1,11 @@
 //! The arithmetic both stores run: a token bucket ([`bucket`]) and a quota's window on the
-//! calendar ([`quota`]), and the bounds a bucket is built within ([`plan`]).
+//! calendar ([`quota`]), the bounds a bucket is built within ([`plan`]), and one request's
+//! take from all the limits that apply to it ([`take`]).
 
 pub mod bucket;
 pub mod plan;
 pub mod quota;
+pub mod take;
 
 pub use self::bucket::BucketState;
 pub use self::plan::{
@@ -11,3 +13,6 @@ pub use self::plan::{
     MIN_RATE,
 };
 pub use self::quota::{window_end, Bounds, Period, QuotaClock, QuotaError, Reset};
+pub use self::take::{
+    levels_at, spend_takes, take_many, Applied, AppliedKind, Level, LimitState, Ruling, MIN_TOKENS,
+};

@@ -627,7 +627,7 @@ mod tests {
 
     static ONE_BUCKET: std::sync::LazyLock<Vec<Applied>> = std::sync::LazyLock::new(|| {
         let bucket = Limit::default_bucket(Bucket::new(3.0, 0.001).unwrap());
-        vec![Applied::of(0, &bucket)]
+        vec![bucket.applied(0)]
     });
 
     fn take() -> Take<'static> {
