@@ -7,6 +7,15 @@
 //! worker thread and its keeper, a bb8 pool for everything else) and how a dead one is
 //! noticed and left behind. It imports nothing of the gateway.
 
+mod budget;
+mod error;
+mod every;
+pub mod keys;
 pub mod limits;
 pub mod pipe;
 pub mod pool;
+
+pub use self::budget::Budget;
+pub use self::error::{StoreError, StoreErrorKind};
+pub use self::every::Every;
+pub use self::keys::{key_in_slot, key_slot, state_field, StateGroups, CLUSTER_STATE_GROUPS};

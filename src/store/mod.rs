@@ -10,10 +10,7 @@
 //! (`records.rs`), reconciliation (`shards.rs`), key names (`keys.rs`), in-process
 //! buckets (`local.rs`) and a once-per-period gate (`every.rs`).
 
-mod budget;
 mod embedded;
-mod error;
-mod every;
 mod keys;
 mod local;
 mod open;
@@ -23,10 +20,7 @@ pub mod records;
 mod redis;
 mod shards;
 
-pub use self::budget::Budget;
-pub use self::error::StoreError;
-pub use self::every::Every;
-pub use self::keys::{key_in_slot, key_slot, state_field, Keys, StateGroups, CLUSTER_STATE_GROUPS};
+pub use self::keys::Keys;
 pub use self::local::{LocalBuckets, LocalLimits, LocalOp, Probe};
 pub use self::open::Store;
 pub use self::persistence::Persistence;
@@ -36,3 +30,7 @@ pub use self::ports::{
 };
 pub use self::records::ClientsPage;
 pub use self::shards::{Reconcile, RegionShare, ShardState};
+pub use tollgate_engine::{
+    key_in_slot, key_slot, state_field, Budget, Every, StateGroups, StoreError,
+    CLUSTER_STATE_GROUPS,
+};

@@ -14,8 +14,8 @@ use secrecy::{ExposeSecret, SecretString};
 use super::coalesce::Coalescer;
 use super::gather::Gatherer;
 use crate::configuration::redact_url;
-use crate::store::keys::{StateGroups, CLUSTER_STATE_GROUPS};
 use crate::store::{Every, Keys, SlotRange, StoreError};
+use crate::store::{StateGroups, CLUSTER_STATE_GROUPS};
 use tollgate_engine::pool::{tcp_settings, Dialer, PerThread, RedisManager};
 
 /// One stream entry (the change feed, the audit log): its id and fields.

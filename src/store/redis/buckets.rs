@@ -14,7 +14,7 @@ use super::coalesce::{Batch, Take};
 use super::gather::{one_bucket, Conn, Entry, Group, Op};
 use crate::domain::limits::{spend_takes, take_many, Level};
 use crate::domain::{bucket, Applied, AppliedKind, Bucket, BucketState, Ruling};
-use crate::store::keys::{key_slot, state_field};
+use crate::store::{key_slot, state_field};
 use crate::store::{BucketCalls, Buckets, Budget, StoreError};
 
 #[async_trait(?Send)]
