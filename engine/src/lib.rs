@@ -14,8 +14,10 @@ pub mod keys;
 pub mod limits;
 pub mod pipe;
 pub mod pool;
+mod port;
 
 pub use self::budget::Budget;
 pub use self::error::{StoreError, StoreErrorKind};
 pub use self::every::Every;
 pub use self::keys::{key_in_slot, key_slot, state_field, StateGroups, CLUSTER_STATE_GROUPS};
+pub use self::port::{BucketCalls, Buckets};
