@@ -9,7 +9,7 @@ pub const CLUSTER_STATE_GROUPS: usize = 256;
 /// Most state groups: each is found a tag in its own slice of the slots.
 pub const MAX_STATE_GROUPS: usize = 1024;
 
-/// Where client state lives in Redis: `n` group hashes (see `lua/bucket.lua`), not a key
+/// Where client state lives in Redis: `n` group hashes (see `engine/lua/bucket.lua`), not a key
 /// per client. A bucket key's state (`tollgate:b:{acme}`) is the field `acme` of the group
 /// whose slice of the 16384 slots holds the key's slot; group `i`'s own key carries a tag
 /// chosen to sit in slice `i`, so on Redis Cluster a group lives on the master that serves

@@ -15,6 +15,7 @@ pub mod limits;
 pub mod pipe;
 pub mod pool;
 mod port;
+pub mod redis;
 
 pub use self::budget::Budget;
 pub use self::error::{StoreError, StoreErrorKind};

@@ -29,6 +29,7 @@ use super::records::{
 use super::shards::{Reconcile, ShardState};
 use super::{Persistence, StoreError};
 use crate::domain::ClientId;
+pub use tollgate_engine::redis::SlotRange;
 pub use tollgate_engine::{BucketCalls, Buckets};
 
 /// A hot client's regional shares of its bucket, recomputed from every region's demand.
@@ -174,15 +175,6 @@ pub enum StoreKind {
     Redis,
     /// A Redis Cluster, whose nodes fail apart (a breaker per node).
     Cluster,
-}
-
-/// A range of hash slots and the node serving it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SlotRange {
-    pub first: u16,
-    pub last: u16,
-    /// `host:port`.
-    pub node: String,
 }
 
 /// A connection pool's size now.

@@ -80,14 +80,14 @@ use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
 use secrecy::SecretString;
 use tollgate_testkit::{FakeClock, RedisServer};
 
-use super::backend::BUCKET_LUA;
-use super::gather::{one_bucket, SWEEP_FIELDS};
 use super::RedisStore;
 use crate::domain::{
     bucket, Applied, AppliedKind, Bounds, Bucket, BucketState, Level, Limit, LimitKind, LimitName,
     LimitState, Limits, Override, Period, Quota, QuotaClock, Reset, Ruling, ServiceName,
 };
 use crate::store::{Buckets, Budget, Keys, LocalLimits, LocalOp, StoreError};
+use tollgate_engine::redis::BUCKET_LUA;
+use tollgate_engine::redis::{one_bucket, SWEEP_FIELDS};
 
 /// Histories per run, unless `PROPTEST_CASES` says otherwise.
 const CASES: u32 = 128;

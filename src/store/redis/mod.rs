@@ -11,11 +11,9 @@
 mod arithmetic;
 mod audit;
 mod backend;
-mod buckets;
 mod catalog;
-mod coalesce;
-mod gather;
 mod lifecycle;
+mod limits;
 mod persistence;
 #[cfg(test)]
 mod script_paths;

@@ -5,7 +5,7 @@
 use redis::{Connection, Script, Value};
 use tollgate_testkit::{FakeClock, RedisServer};
 
-use super::backend::BUCKET_LUA;
+use tollgate_engine::redis::BUCKET_LUA;
 
 const CAP: f64 = 5.0;
 /// Not a divisor of a token: the time to refill a whole one is rounded up.

@@ -8,7 +8,7 @@
 //! before that task runs joins the batch, one entry per client (a client's takes at one
 //! cost from the same limits share one: a hot client on a saturated worker, whose takes
 //! each lead a call, still costs one entry per turn). Then one `EVALSHA`
-//! (`lua/bucket.lua`, one entry per key) decides them all, in order, on the worker's
+//! (`engine/lua/bucket.lua`, one entry per key) decides them all, in order, on the worker's
 //! connection.
 //!
 //! Nothing waits for a batch to fill: an idle gateway sends each take as soon as the
@@ -38,10 +38,10 @@ use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, RedisWrite, Script, ToRedisArgs};
 use tokio::sync::oneshot;
 
-use crate::domain::quota::Bounds;
-use crate::domain::{Applied, AppliedKind};
-use crate::store::{BucketCalls, Every, StoreError};
-use tollgate_engine::pool::Link;
+use crate::limits::quota::Bounds;
+use crate::limits::{Applied, AppliedKind};
+use crate::pool::Link;
+use crate::{BucketCalls, Every, StoreError};
 
 /// Most entries one call carries; more open the next batch.
 pub const MAX_ENTRIES: usize = 128;
@@ -141,7 +141,7 @@ pub enum Group {
 }
 
 /// A call's reply: Redis' clock, a status per entry, the decided entries' results
-/// concatenated, then the failed entries' errors (see `lua/bucket.lua`); and where each
+/// concatenated, then the failed entries' errors (see `engine/lua/bucket.lua`); and where each
 /// entry's part is.
 #[derive(Debug)]
 struct Reply {
@@ -222,7 +222,7 @@ struct Pending {
     open: bool,
 }
 
-/// An entry as the script takes it (see `lua/bucket.lua`).
+/// An entry as the script takes it (see `engine/lua/bucket.lua`).
 struct Queued {
     /// Its group and limit set (0-based indices).
     group: u16,
@@ -272,7 +272,7 @@ struct Counts {
     sweep: Every,
 }
 
-/// The least number of fields a sweep examines (see `lua/bucket.lua`: a sixtieth of the
+/// The least number of fields a sweep examines (see `engine/lua/bucket.lua`: a sixtieth of the
 /// group if more).
 pub const SWEEP_FIELDS: u64 = 64;
 /// A gatherer's calls ask for a sweep at most this often; the script sweeps a group at
@@ -467,7 +467,7 @@ fn same_limits(a: &[Applied], b: &[Applied]) -> bool {
 /// How many arguments [`encode_set`] writes for a set of one bucket.
 const SET_ARGS: usize = 7;
 
-/// A limit set's arguments (see `lua/bucket.lua`).
+/// A limit set's arguments (see `engine/lua/bucket.lua`).
 fn encode_set(argv: &mut Argv, applied: &[Applied]) {
     argv.push_int(applied.len());
     for a in applied {
@@ -762,29 +762,26 @@ async fn query<T: redis::FromRedisValue>(
 #[cfg(test)]
 pub(super) mod tests {
     use std::rc::Rc;
+    use std::sync::Arc;
     use std::time::Duration;
 
-    use secrecy::SecretString;
     use tollgate_testkit::{FaultProxy, RedisServer};
 
-    use crate::domain::limits::{Level, Limit, Limits};
-    use crate::domain::Bucket;
-    use crate::store::redis::RedisStore;
-    use crate::store::{Buckets, Budget, Keys, StoreError};
+    use crate::limits::{Bucket, Level};
+    use crate::redis::fixtures::default_bucket;
+    use crate::redis::{Backend, RedisBuckets as RedisStore};
+    use crate::{Buckets, Budget, StoreError};
 
     use super::ABANDON_CHECK;
 
     /// A store on the Redis at `url`, with a control timeout of 1 s.
-    pub(in crate::store::redis) fn store_at(url: String) -> Rc<RedisStore> {
-        Rc::new(
-            RedisStore::connect(
-                &SecretString::from(url),
-                2,
-                Duration::from_secs(1),
-                Keys::new("tollgate:"),
-            )
-            .unwrap(),
-        )
+    pub(in crate::redis) fn store_at(url: String) -> Rc<RedisStore> {
+        let backend = Backend::single(&url, 2, Duration::from_secs(1)).unwrap();
+        Rc::new(RedisStore::new(
+            Arc::new(backend),
+            "tollgate:",
+            Duration::from_secs(1),
+        ))
     }
 
     /// A Redis behind a fault proxy, a store on it through the proxy, and a bucket of 5.
@@ -792,7 +789,7 @@ pub(super) mod tests {
         RedisServer,
         FaultProxy,
         Rc<RedisStore>,
-        Rc<Vec<crate::domain::Applied>>,
+        Rc<Vec<crate::limits::Applied>>,
     ) {
         let redis = RedisServer::start().unwrap();
         let proxy = FaultProxy::start(([127, 0, 0, 1], redis.port).into());
@@ -802,10 +799,10 @@ pub(super) mod tests {
 
     /// A plan of one bucket of 5, with next to no refill.
     /// The tokens `key`'s bucket holds now (a peek: nothing taken).
-    pub(in crate::store::redis) async fn tokens_in(
+    pub(in crate::redis) async fn tokens_in(
         store: &RedisStore,
         key: &str,
-        applied: &[crate::domain::Applied],
+        applied: &[crate::limits::Applied],
     ) -> f64 {
         let now = store.peek(key, applied).await.unwrap();
         let Level::Tokens(tokens) = now.levels[0] else {
@@ -814,12 +811,8 @@ pub(super) mod tests {
         tokens
     }
 
-    pub(in crate::store::redis) fn bucket_of_five() -> Rc<Vec<crate::domain::Applied>> {
-        let plan = Limits::new(vec![Limit::default_bucket(
-            Bucket::new(5.0, 0.001).unwrap(),
-        )])
-        .unwrap();
-        Rc::new(plan.every())
+    pub(in crate::redis) fn bucket_of_five() -> Rc<Vec<crate::limits::Applied>> {
+        Rc::new(vec![default_bucket(Bucket::new(5.0, 0.001).unwrap())])
     }
 
     #[test]
@@ -865,9 +858,7 @@ pub(super) mod tests {
     /// still be right, only slower.
     #[test]
     fn a_one_bucket_set_fills_the_arguments_a_lone_call_makes_room_for() {
-        let limits =
-            Limits::new(vec![Limit::default_bucket(Bucket::new(5.0, 1.0).unwrap())]).unwrap();
-        let applied = limits.applied(None);
+        let applied = [default_bucket(Bucket::new(5.0, 1.0).unwrap())];
         assert!(super::one_bucket(&applied));
         let mut argv = super::Argv::with_capacity(64, super::SET_ARGS);
         super::encode_set(&mut argv, &applied);
@@ -880,16 +871,9 @@ pub(super) mod tests {
     async fn a_peek_at_a_redis_that_stopped_answering_gives_up_at_the_control_timeout() {
         let redis = RedisServer::start().unwrap();
         let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
-        let store = RedisStore::connect(
-            &SecretString::from(proxy.redis_url()),
-            2,
-            Duration::from_millis(200),
-            Keys::new("tollgate:"),
-        )
-        .unwrap();
-        let plan =
-            Limits::new(vec![Limit::default_bucket(Bucket::new(5.0, 1.0).unwrap())]).unwrap();
-        let applied = plan.every();
+        let backend = Backend::single(&proxy.redis_url(), 2, Duration::from_millis(200)).unwrap();
+        let store = RedisStore::new(Arc::new(backend), "tollgate:", Duration::from_millis(200));
+        let applied = [default_bucket(Bucket::new(5.0, 1.0).unwrap())];
         store.peek("tollgate:b:{a}", &applied).await.unwrap();
         // A peek writes nothing, not even a new group's mark.
         let exists: bool = redis::cmd("EXISTS")
@@ -906,7 +890,7 @@ pub(super) mod tests {
         .await
         .expect("an answer, not a wait without end");
         assert!(
-            matches!(answer, Err(crate::store::StoreError::Deadline)),
+            matches!(answer, Err(crate::StoreError::Deadline)),
             "{answer:?}"
         );
     }

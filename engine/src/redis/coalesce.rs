@@ -3,7 +3,7 @@
 //! A worker sends a take for a bucket straight away when no call for that bucket is in
 //! flight on its thread: an idle gateway decides every request in one round trip, as
 //! before. Takes for the same bucket (at the same cost) that arrive while a call is in
-//! flight queue behind it, and the queue goes to Redis as one call (`lua/bucket.lua` with
+//! flight queue behind it, and the queue goes to Redis as one call (`engine/lua/bucket.lua` with
 //! `n`), in arrival order, at the first of two moments:
 //!
 //! - **a call for the bucket returns**: the first queued take leads the next call, for the
@@ -64,8 +64,8 @@ use std::time::Duration;
 use hashbrown::HashTable;
 use tokio::time::Instant;
 
-use crate::domain::{Applied, Ruling};
-use crate::store::StoreError;
+use crate::limits::{Applied, Ruling};
+use crate::StoreError;
 
 /// Most requests one call decides; more wait for the next call.
 pub const MAX_BATCH: usize = 512;
@@ -622,12 +622,12 @@ mod tests {
     use tokio::sync::mpsc;
 
     use super::*;
-    use crate::domain::limits::{take_many, Level};
-    use crate::domain::{Bucket, Limit};
+    use crate::limits::{take_many, Bucket, Level};
 
     static ONE_BUCKET: std::sync::LazyLock<Vec<Applied>> = std::sync::LazyLock::new(|| {
-        let bucket = Limit::default_bucket(Bucket::new(3.0, 0.001).unwrap());
-        vec![bucket.applied(0)]
+        vec![crate::redis::fixtures::default_bucket(
+            Bucket::new(3.0, 0.001).unwrap(),
+        )]
     });
 
     fn take() -> Take<'static> {
