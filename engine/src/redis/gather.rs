@@ -517,164 +517,245 @@ fn wall_clock_us() -> u64 {
 
 /// Closes the batch and sends it as one call; answers every entry.
 async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
-    let (
+    let (contents, delivery) = close(batch);
+    let Delivery {
         mut conn,
         reader,
         budget,
-        declare_all,
-        groups,
-        sets,
-        set_args,
-        entries,
-        tags,
         mut waiters,
         takes,
-    ) = {
-        let mut b = batch.lock().unwrap_or_else(|p| p.into_inner());
-        b.open = false;
-        let conn = match &b.conn {
-            Conn::Single(l) => Conn::Single(l.clone()),
-            Conn::Cluster(c) => Conn::Cluster(c.clone()),
-        };
-        // A second handle on the link, to look for the reply on its socket when the
-        // budget ends (the call holds the first).
-        let reader = match &b.conn {
-            Conn::Single(l) if b.budget.is_some() => Some(l.clone()),
-            _ => None,
-        };
-        (
-            conn,
-            reader,
-            b.budget,
-            b.declare_all,
-            std::mem::take(&mut b.groups),
-            b.sets.len(),
-            std::mem::take(&mut b.set_args),
-            std::mem::take(&mut b.entries),
-            std::mem::take(&mut b.tags),
-            std::mem::take(&mut b.waiters),
-            b.takes,
-        )
-    };
-    drop(batch);
+    } = delivery;
     counts.calls.fetch_add(1, Ordering::Relaxed);
     counts.takes.fetch_add(takes, Ordering::Relaxed);
-
-    // The entries in runs (their clients are distinct, so their order is free); `at[i]`:
-    // where waiter i's entry went.
-    let mut order: Vec<usize> = (0..entries.len()).collect();
-    order.sort_by_key(|&i| entries[i].run_key());
-    let mut at = vec![0; entries.len()];
-    let mut runs = Vec::with_capacity(19 * entries.len());
-    let mut tag_args = Argv::with_capacity(tags.len(), entries.len());
-    let mut sizes = Vec::with_capacity(entries.len());
-    let mut run_start = 0;
-    for (pos, &i) in order.iter().enumerate() {
-        at[i] = pos;
-        let e = &entries[i];
-        tag_args.push_bytes(&tags[e.tag.clone()]);
-        sizes.push(e.size);
-        let last = order
-            .get(pos + 1)
-            .is_none_or(|&next| entries[next].run_key() != e.run_key());
-        if last {
-            // struct '<HBdIHH': length, op, cost, n, set, group (both 1-based).
-            runs.extend_from_slice(&((pos + 1 - run_start) as u16).to_le_bytes());
-            runs.push(e.op);
-            runs.extend_from_slice(&e.cost.to_le_bytes());
-            runs.extend_from_slice(&e.n.to_le_bytes());
-            runs.extend_from_slice(&(e.set + 1).to_le_bytes());
-            runs.extend_from_slice(&(e.group + 1).to_le_bytes());
-            run_start = pos + 1;
-        }
-    }
-
-    // Its arguments: 7 of their own (the name, the hash, the two group counts, the sweep,
-    // the set count, the runs), one per group, the sets' and the tags'; 3 to spare.
-    let args = 10 + groups.len() + set_args.ends.len() + tag_args.ends.len();
-    let bytes = 64
-        + groups.iter().map(String::len).sum::<usize>()
-        + set_args.buf.len()
-        + runs.len()
-        + tag_args.buf.len();
-    let mut cmd = redis::Cmd::with_capacity(args, bytes);
-    cmd.arg("EVALSHA").arg(&script.hash);
-    if declare_all {
-        cmd.arg(groups.len()).arg(&groups).arg(0);
-    } else {
-        cmd.arg(1)
-            .arg(&groups[0])
-            .arg(groups.len() - 1)
-            .arg(&groups[1..]);
-    }
     let sweep = if counts.sweep.due() { SWEEP_FIELDS } else { 0 };
-    cmd.arg(sweep)
-        .arg(sets)
-        .arg(&set_args)
-        .arg(&runs)
-        .arg(&tag_args);
+    let Call { cmd, sizes, at } = contents.encode(&script.hash, sweep);
     let reply = match budget {
         Some(budget) => {
-            // The store's budget starts now: the call is written in its first poll, just
-            // below. Time the worker took to get here is its own, not the store's.
-            let mut end = tokio::time::Instant::now() + budget;
-            let mut call = std::pin::pin!(call(&mut conn, &cmd, &script));
-            let mut graces = 0;
-            loop {
-                let in_time = tokio::select! {
-                    biased;
-                    r = &mut call => Some(r),
-                    () = tokio::time::sleep_until(end) => None,
-                };
-                if let Some(r) = in_time {
-                    break r;
-                }
-                // The timer fired, perhaps long after `end` on a busy worker, before the
-                // connection's driver ran: a reply on the socket now came in time, or is
-                // late by less than the worker's own delay. Either way the store
-                // answered, and its answer is used.
-                if let Some(link) = &reader {
-                    link.read_now();
-                }
-                if let Some(r) = futures_util::FutureExt::now_or_never(call.as_mut()) {
-                    break r;
-                }
-                // No reply. If the gateway looked late, it was not running while the
-                // budget ran out (a busy worker, a stopped process, a paused host, which
-                // stops the store on the same host too): the store gets that time back,
-                // up to one budget, at most twice. A punctual look is the store's answer.
-                let late = tokio::time::Instant::now().saturating_duration_since(end);
-                if late <= LATE_LOOK || graces == MAX_GRACES {
+            match within_budget(&mut conn, &cmd, &script, budget, reader.as_ref()).await {
+                Some(r) => r,
+                None => {
                     for (tx, _, _) in waiters {
                         let _ = tx.send(Err(StoreError::Deadline));
                     }
                     return;
                 }
-                graces += 1;
-                end = tokio::time::Instant::now() + late.min(budget);
             }
         }
-        None => {
-            // Each waiter bounds its own wait (the control timeout), but the call has no
-            // deadline of its own: on a connection gone silent it would wait, and keep
-            // the connection open, forever. So it is dropped once nobody waits for it any
-            // more, checked only after `ABANDON_CHECK` (a call normally answers long
-            // before).
-            let nobody_waits = async {
-                tokio::time::sleep(ABANDON_CHECK).await;
-                futures_util::future::join_all(waiters.iter_mut().map(|(tx, _, _)| tx.closed()))
-                    .await;
-            };
-            tokio::select! {
-                r = call(&mut conn, &cmd, &script) => r,
-                () = nobody_waits => return,
-            }
-        }
+        None => match unless_abandoned(&mut conn, &cmd, &script, &mut waiters).await {
+            Some(r) => r,
+            None => return,
+        },
     };
     let answer = match reply {
         Ok(r) => split(r, &sizes),
         Err(e) => Err(StoreError::Redis(e)),
     };
+    answer_all(waiters, answer, takes, &at);
+}
+
+/// What a closed batch's call says: its entries, their groups and limit sets.
+struct Contents {
+    /// Whether the call declares every group (else only the first).
+    declare_all: bool,
+    groups: Vec<String>,
+    /// How many limit sets `set_args` holds.
+    sets: usize,
+    set_args: Argv,
+    entries: Vec<Queued>,
+    tags: Vec<u8>,
+}
+
+/// Where a closed batch's call goes, and who waits for its answer.
+struct Delivery {
+    conn: Conn,
+    /// A second handle on the link, to look for the reply on its socket when the budget
+    /// ends (the call holds the first).
+    reader: Option<Link>,
+    budget: Option<std::time::Duration>,
+    waiters: Vec<(Waiter, usize, usize)>,
+    takes: u64,
+}
+
+/// A batch's script call: the command, each entry's result size in the reply's order, and
+/// where each entry went in that order (`at[i]`: entry i's place).
+struct Call {
+    cmd: redis::Cmd,
+    sizes: Vec<usize>,
+    at: Vec<usize>,
+}
+
+/// Closes the batch to new entries and takes what its call needs out of it.
+fn close(batch: Shared) -> (Contents, Delivery) {
+    let mut b = batch.lock().unwrap_or_else(|p| p.into_inner());
+    b.open = false;
+    let conn = match &b.conn {
+        Conn::Single(l) => Conn::Single(l.clone()),
+        Conn::Cluster(c) => Conn::Cluster(c.clone()),
+    };
+    let reader = match &b.conn {
+        Conn::Single(l) if b.budget.is_some() => Some(l.clone()),
+        _ => None,
+    };
+    let contents = Contents {
+        declare_all: b.declare_all,
+        groups: std::mem::take(&mut b.groups),
+        sets: b.sets.len(),
+        set_args: std::mem::take(&mut b.set_args),
+        entries: std::mem::take(&mut b.entries),
+        tags: std::mem::take(&mut b.tags),
+    };
+    let delivery = Delivery {
+        conn,
+        reader,
+        budget: b.budget,
+        waiters: std::mem::take(&mut b.waiters),
+        takes: b.takes,
+    };
+    (contents, delivery)
+}
+
+impl Contents {
+    /// The `EVALSHA` of the script `hash`, asking for a sweep of `sweep` fields: the
+    /// entries in runs (their clients are distinct, so their order is free).
+    fn encode(&self, hash: &str, sweep: u64) -> Call {
+        let Contents {
+            declare_all,
+            groups,
+            sets,
+            set_args,
+            entries,
+            tags,
+        } = self;
+        let mut order: Vec<usize> = (0..entries.len()).collect();
+        order.sort_by_key(|&i| entries[i].run_key());
+        let mut at = vec![0; entries.len()];
+        let mut runs = Vec::with_capacity(19 * entries.len());
+        let mut tag_args = Argv::with_capacity(tags.len(), entries.len());
+        let mut sizes = Vec::with_capacity(entries.len());
+        let mut run_start = 0;
+        for (pos, &i) in order.iter().enumerate() {
+            at[i] = pos;
+            let e = &entries[i];
+            tag_args.push_bytes(&tags[e.tag.clone()]);
+            sizes.push(e.size);
+            let last = order
+                .get(pos + 1)
+                .is_none_or(|&next| entries[next].run_key() != e.run_key());
+            if last {
+                // struct '<HBdIHH': length, op, cost, n, set, group (both 1-based).
+                runs.extend_from_slice(&((pos + 1 - run_start) as u16).to_le_bytes());
+                runs.push(e.op);
+                runs.extend_from_slice(&e.cost.to_le_bytes());
+                runs.extend_from_slice(&e.n.to_le_bytes());
+                runs.extend_from_slice(&(e.set + 1).to_le_bytes());
+                runs.extend_from_slice(&(e.group + 1).to_le_bytes());
+                run_start = pos + 1;
+            }
+        }
+
+        // Its arguments: 7 of their own (the name, the hash, the two group counts, the
+        // sweep, the set count, the runs), one per group, the sets' and the tags'; 3 to
+        // spare.
+        let args = 10 + groups.len() + set_args.ends.len() + tag_args.ends.len();
+        let bytes = 64
+            + groups.iter().map(String::len).sum::<usize>()
+            + set_args.buf.len()
+            + runs.len()
+            + tag_args.buf.len();
+        let mut cmd = redis::Cmd::with_capacity(args, bytes);
+        cmd.arg("EVALSHA").arg(hash);
+        if *declare_all {
+            cmd.arg(groups.len()).arg(groups).arg(0);
+        } else {
+            cmd.arg(1)
+                .arg(&groups[0])
+                .arg(groups.len() - 1)
+                .arg(&groups[1..]);
+        }
+        cmd.arg(sweep)
+            .arg(*sets)
+            .arg(set_args)
+            .arg(&runs)
+            .arg(&tag_args);
+        Call { cmd, sizes, at }
+    }
+}
+
+/// `cmd` on `conn` within the store's `budget`, counted from when it is written; `None`:
+/// no answer in time.
+async fn within_budget(
+    conn: &mut Conn,
+    cmd: &redis::Cmd,
+    script: &Lua,
+    budget: std::time::Duration,
+    reader: Option<&Link>,
+) -> Option<Result<Vec<Vec<u8>>, RedisError>> {
+    // The store's budget starts now: the call is written in its first poll, just below.
+    // Time the worker took to get here is its own, not the store's.
+    let mut end = tokio::time::Instant::now() + budget;
+    let mut call = std::pin::pin!(call(conn, cmd, script));
+    let mut graces = 0;
+    loop {
+        let in_time = tokio::select! {
+            biased;
+            r = &mut call => Some(r),
+            () = tokio::time::sleep_until(end) => None,
+        };
+        if let Some(r) = in_time {
+            return Some(r);
+        }
+        // The timer fired, perhaps long after `end` on a busy worker, before the
+        // connection's driver ran: a reply on the socket now came in time, or is late by
+        // less than the worker's own delay. Either way the store answered, and its answer
+        // is used.
+        if let Some(link) = reader {
+            link.read_now();
+        }
+        if let Some(r) = futures_util::FutureExt::now_or_never(call.as_mut()) {
+            return Some(r);
+        }
+        // No reply. If the gateway looked late, it was not running while the budget ran
+        // out (a busy worker, a stopped process, a paused host, which stops the store on
+        // the same host too): the store gets that time back, up to one budget, at most
+        // twice. A punctual look is the store's answer.
+        let late = tokio::time::Instant::now().saturating_duration_since(end);
+        if late <= LATE_LOOK || graces == MAX_GRACES {
+            return None;
+        }
+        graces += 1;
+        end = tokio::time::Instant::now() + late.min(budget);
+    }
+}
+
+/// `cmd` on `conn` with no deadline of its own; `None`: nobody waits for it any more.
+///
+/// Each waiter bounds its own wait (the control timeout), but the call has no deadline of
+/// its own: on a connection gone silent it would wait, and keep the connection open,
+/// forever. So it is dropped once nobody waits for it any more, checked only after
+/// `ABANDON_CHECK` (a call normally answers long before).
+async fn unless_abandoned(
+    conn: &mut Conn,
+    cmd: &redis::Cmd,
+    script: &Lua,
+    waiters: &mut [(Waiter, usize, usize)],
+) -> Option<Result<Vec<Vec<u8>>, RedisError>> {
+    let nobody_waits = async {
+        tokio::time::sleep(ABANDON_CHECK).await;
+        futures_util::future::join_all(waiters.iter_mut().map(|(tx, _, _)| tx.closed())).await;
+    };
+    tokio::select! {
+        r = call(conn, cmd, script) => Some(r),
+        () = nobody_waits => None,
+    }
+}
+
+/// Gives every waiter its entry's part of the call's `answer` (or its error).
+fn answer_all(
+    waiters: Vec<(Waiter, usize, usize)>,
+    answer: Result<(u64, Arc<Reply>), StoreError>,
+    takes: u64,
+    at: &[usize],
+) {
     match answer {
         Ok((now_us, reply)) => {
             for (tx, entry, skip) in waiters {
