@@ -455,21 +455,10 @@ impl Coalescer {
             lane.borrow_mut().in_flight = 1;
             return self.lead(id, lane, take, Vec::new(), call).await;
         };
-        let oldest = lane.borrow().sent.front().copied();
-        let due = match take.due {
-            Some(d) => match self.rtt.last_send(d, oldest) {
-                Some(t) if t > Instant::now() => Some(d),
-                // It cannot afford to wait at all: its own call now, the queue on it.
-                _ => {
-                    let riders = {
-                        let mut l = lane.borrow_mut();
-                        l.in_flight += 1;
-                        l.board(MAX_BATCH - 1)
-                    };
-                    return self.lead(id, lane, take, riders, call).await;
-                }
-            },
-            None => None,
+        let due = match self.due(&lane, take.due) {
+            Ok(due) => due,
+            // It cannot afford to wait at all: its own call now, the queue on it.
+            Err(riders) => return self.lead(id, lane, take, riders, call).await,
         };
         let me = Rc::new(Waiter {
             state: RefCell::new(State::Queued),
@@ -489,40 +478,8 @@ impl Coalescer {
             match state {
                 State::Queued => {
                     *me.state.borrow_mut() = State::Queued;
-                    let front = lane
-                        .borrow()
-                        .queue
-                        .front()
-                        .is_some_and(|w| Rc::ptr_eq(w, &me));
-                    if let (true, Some(due)) = (front, due) {
-                        if timer.is_none() {
-                            let since = lane.borrow().sent.front().copied();
-                            let at = self.rtt.last_send(due, since);
-                            // None: no time left to wait at all.
-                            let at = at.unwrap_or_else(Instant::now);
-                            timer.set(Some(tokio::time::sleep_until(at)));
-                        }
-                        let due = timer
-                            .as_mut()
-                            .as_pin_mut()
-                            .is_some_and(|t| t.poll(cx).is_ready());
-                        if due {
-                            // Waiting any longer would cost this take its budget: the queue
-                            // goes now, beside the calls in flight.
-                            let launched = {
-                                let mut l = lane.borrow_mut();
-                                let launched = l.launch();
-                                l.in_flight += usize::from(launched.is_some());
-                                launched
-                            };
-                            match launched {
-                                Some((leader, riders)) if Rc::ptr_eq(&leader, &me) => {
-                                    return Poll::Ready(Err(riders));
-                                }
-                                Some((leader, riders)) => leader.settle(State::Lead(riders)),
-                                None => {}
-                            }
-                        }
+                    if let Some(riders) = self.launch_if_due(&me, &lane, due, timer.as_mut(), cx) {
+                        return Poll::Ready(Err(riders));
                     }
                     *me.waker.borrow_mut() = Some(cx.waker().clone());
                     Poll::Pending
@@ -542,6 +499,80 @@ impl Coalescer {
         match answer {
             Ok(answer) => answer,
             Err(riders) => self.lead(id, lane, take, riders, call).await,
+        }
+    }
+
+    /// When a take that wants its answer by `due` must be sent to keep its budget, given
+    /// the calls in flight on `lane`: it queues until then (`Ok`; `None`: no budget, it
+    /// waits for its turn). `Err`: it cannot afford to wait at all, and leads a call now
+    /// with the queue on it (these riders; the lane counts the call in flight).
+    fn due(
+        &self,
+        lane: &LaneRef,
+        due: Option<Instant>,
+    ) -> Result<Option<Instant>, Vec<Rc<Waiter>>> {
+        let oldest = lane.borrow().sent.front().copied();
+        match due {
+            Some(d) => match self.rtt.last_send(d, oldest) {
+                Some(t) if t > Instant::now() => Ok(Some(d)),
+                _ => {
+                    let mut l = lane.borrow_mut();
+                    l.in_flight += 1;
+                    Err(l.board(MAX_BATCH - 1))
+                }
+            },
+            None => Ok(None),
+        }
+    }
+
+    /// For a take `me` queued on `lane` until `due`: while it is the oldest in the queue,
+    /// arms the `timer` for the last moment it can be sent, and when that comes sends the
+    /// queue beside the calls in flight. `Some`: `me` leads that call, with these riders.
+    fn launch_if_due(
+        &self,
+        me: &Rc<Waiter>,
+        lane: &LaneRef,
+        due: Option<Instant>,
+        mut timer: std::pin::Pin<&mut Option<tokio::time::Sleep>>,
+        cx: &mut std::task::Context<'_>,
+    ) -> Option<Vec<Rc<Waiter>>> {
+        let front = lane
+            .borrow()
+            .queue
+            .front()
+            .is_some_and(|w| Rc::ptr_eq(w, me));
+        let (true, Some(due)) = (front, due) else {
+            return None;
+        };
+        if timer.is_none() {
+            let since = lane.borrow().sent.front().copied();
+            let at = self.rtt.last_send(due, since);
+            // None: no time left to wait at all.
+            let at = at.unwrap_or_else(Instant::now);
+            timer.set(Some(tokio::time::sleep_until(at)));
+        }
+        let due = timer
+            .as_mut()
+            .as_pin_mut()
+            .is_some_and(|t| t.poll(cx).is_ready());
+        if !due {
+            return None;
+        }
+        // Waiting any longer would cost this take its budget: the queue goes now, beside
+        // the calls in flight.
+        let launched = {
+            let mut l = lane.borrow_mut();
+            let launched = l.launch();
+            l.in_flight += usize::from(launched.is_some());
+            launched
+        };
+        match launched {
+            Some((leader, riders)) if Rc::ptr_eq(&leader, me) => Some(riders),
+            Some((leader, riders)) => {
+                leader.settle(State::Lead(riders));
+                None
+            }
+            None => None,
         }
     }
 
