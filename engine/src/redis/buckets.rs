@@ -11,7 +11,7 @@ use redis::AsyncCommands;
 
 use super::backend::{Backend, BUCKET_LUA};
 use super::coalesce::{Batch, Coalescer, Take};
-use super::gather::{one_bucket, Conn, Entry, Gatherer, Group, Op};
+use super::gather::{answers, one_bucket, Conn, Entry, Gatherer, Group, Op};
 use crate::limits::{bucket, Applied, AppliedKind, Bucket, BucketState, Ruling};
 use crate::limits::{spend_takes, take_many, Level};
 use crate::retrying;
@@ -173,22 +173,10 @@ impl RedisBuckets {
         batch: Batch<'_>,
         budget: Option<Duration>,
     ) -> Result<Vec<Ruling>, StoreError> {
-        let EntryReply {
-            mut levels,
-            now_us,
-            takes,
-            skip,
-        } = self
+        let reply = self
             .call(key, Op::Take, batch.applied, batch.cost, batch.n, budget)
             .await?;
-        // The script did the same arithmetic from the same levels, for the takes of this
-        // client that joined the entry before these (`skip`), then these.
-        spend_takes(batch.applied, &mut levels, batch.cost, skip);
-        let mut rulings = take_many(batch.applied, levels, batch.cost, batch.n, now_us);
-        for r in &mut rulings {
-            r.batch = u32::try_from(takes).unwrap_or(u32::MAX);
-        }
-        Ok(rulings)
+        Ok(replay(reply, batch))
     }
 
     /// One entry of a script call. Takes are gathered with the other takes this
@@ -276,6 +264,25 @@ impl RedisBuckets {
     }
 }
 
+/// Each of `batch`'s takes' ruling, from the levels the script answered for its entry.
+/// The script did the same arithmetic from the same levels, for the takes of this client
+/// that joined the entry before these (`skip`), then these: redone here, each take gets
+/// its own exact answer.
+fn replay(reply: EntryReply, batch: Batch<'_>) -> Vec<Ruling> {
+    let EntryReply {
+        mut levels,
+        now_us,
+        takes,
+        skip,
+    } = reply;
+    spend_takes(batch.applied, &mut levels, batch.cost, skip);
+    let mut rulings = take_many(batch.applied, levels, batch.cost, batch.n, now_us);
+    for r in &mut rulings {
+        r.batch = u32::try_from(takes).unwrap_or(u32::MAX);
+    }
+    rulings
+}
+
 /// What the script answered for one entry.
 struct EntryReply {
     /// Each limit's level before the entry's operation.
@@ -324,6 +331,44 @@ fn parse_reply(reply: &[u8], applied: &[Applied]) -> Result<Vec<Level>, StoreErr
             },
         })
         .collect())
+}
+
+/// A call's `reply` (one entry per status byte, each one take of `cost` from `applied` by
+/// a client of its own) split into its entries' parts, each parsed and replayed: what the
+/// takes of a call do with its reply. For the engine's benchmarks.
+#[doc(hidden)]
+pub fn replay_call(
+    reply: Vec<Vec<u8>>,
+    applied: &[Applied],
+    cost: f64,
+) -> Result<Vec<Vec<Ruling>>, StoreError> {
+    let size = if one_bucket(applied) {
+        8
+    } else {
+        16 * applied.len()
+    };
+    let entries = reply.get(1).map_or(0, Vec::len);
+    let sizes = vec![size; entries];
+    answers(reply, &sizes, entries as u64)?
+        .into_iter()
+        .map(|answer| {
+            let bytes = answer.bytes().map_err(StoreError::Refused)?;
+            let reply = EntryReply {
+                levels: parse_reply(bytes, applied)?,
+                now_us: answer.now_us,
+                takes: answer.takes,
+                skip: answer.skip,
+            };
+            Ok(replay(
+                reply,
+                Batch {
+                    applied,
+                    cost,
+                    n: 1,
+                },
+            ))
+        })
+        .collect()
 }
 
 #[cfg(test)]

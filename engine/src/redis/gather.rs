@@ -776,6 +776,64 @@ fn answer_all(
     }
 }
 
+/// The `EVALSHA` of one call of `tags.len()` entries, each a take of `cost` from the limits
+/// `applied` of the client under its tag in `group`, as the gatherer encodes it. For the
+/// engine's benchmarks.
+#[doc(hidden)]
+pub fn encode_takes(group: &str, tags: &[&str], applied: &[Applied], cost: f64) -> redis::Cmd {
+    let mut set_args = Argv::with_capacity(64, SET_ARGS);
+    encode_set(&mut set_args, applied);
+    let mut contents = Contents {
+        declare_all: true,
+        groups: vec![group.to_owned()],
+        sets: 1,
+        set_args,
+        entries: Vec::with_capacity(tags.len()),
+        tags: Vec::new(),
+    };
+    for tag in tags {
+        let start = contents.tags.len();
+        contents.tags.extend_from_slice(tag.as_bytes());
+        contents.entries.push(Queued {
+            group: 0,
+            set: 0,
+            op: b't',
+            cost,
+            n: 1,
+            tag: start..contents.tags.len(),
+            size: if one_bucket(applied) {
+                8
+            } else {
+                16 * applied.len()
+            },
+        });
+    }
+    contents
+        .encode("0123456789abcdef0123456789abcdef01234567", 0)
+        .cmd
+}
+
+/// Each entry's part of a call's `reply`, for entries of these result `sizes`, the call
+/// having decided `takes` requests: what the gatherer makes of a reply. For the engine's
+/// benchmarks.
+#[doc(hidden)]
+pub fn answers(
+    reply: Vec<Vec<u8>>,
+    sizes: &[usize],
+    takes: u64,
+) -> Result<Vec<Answer>, StoreError> {
+    let (now_us, reply) = split(reply, sizes)?;
+    Ok((0..sizes.len())
+        .map(|at| Answer {
+            now_us,
+            takes,
+            skip: 0,
+            reply: Arc::clone(&reply),
+            at,
+        })
+        .collect())
+}
+
 /// `{ now, one status byte per entry ('1': decided), the decided entries' results, the
 /// failed entries' errors }`, checked against the entries' result `sizes`.
 fn split(strings: Vec<Vec<u8>>, sizes: &[usize]) -> Result<(u64, Arc<Reply>), StoreError> {

@@ -13,6 +13,14 @@ pub use self::backend::{parse_slots, Backend, ClusterBackend, Conn, SlotRange, B
 pub use self::buckets::{decode_state, RedisBuckets};
 pub use self::gather::{one_bucket, SWEEP_FIELDS};
 
+/// What the engine's benchmarks (`engine/benches/`) measure of the road, without Redis:
+/// a call's encoding, and the split and replay of its reply. Not part of the port.
+#[doc(hidden)]
+pub mod bench {
+    pub use super::buckets::replay_call;
+    pub use super::gather::encode_takes;
+}
+
 /// Values the tests of several files build their limits from.
 #[cfg(test)]
 pub(crate) mod fixtures {
