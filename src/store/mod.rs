@@ -5,10 +5,12 @@
 //! The rest of the gateway speaks to a store through its ports (`ports.rs`), one small
 //! trait per concern (buckets, shards, catalog records, audit, shadow counts, lifecycle),
 //! which both backends implement, each in a file per concern. [`Store`] (`open.rs`) opens
-//! one backend and hands out its ports.
-//! The vocabulary both share lives in its own files: errors (`error.rs`), catalog records
-//! (`records.rs`), reconciliation (`shards.rs`), key names (`keys.rs`), in-process
-//! buckets (`local.rs`) and a once-per-period gate (`every.rs`).
+//! one backend and hands out its ports. The request path's port, [`Buckets`], and what it
+//! speaks in ([`Budget`], [`StoreError`], the state groups and hash slots of Redis keys,
+//! a once-per-period gate [`Every`]) are the engine's (`tollgate_engine`), re-exported
+//! here; on Redis the engine answers it. The store's own vocabulary lives in its files:
+//! catalog records (`records.rs`), reconciliation (`shards.rs`), key names (`keys.rs`) and
+//! in-process buckets (`local.rs`).
 
 mod embedded;
 mod keys;
