@@ -22,7 +22,8 @@ impl Keys {
     }
 
     /// A client's bucket: `tollgate:b:{acme}`. Its state lives in a group hash
-    /// ([`StateGroups`]) on Redis, under this key in the embedded store.
+    /// ([`StateGroups`](crate::store::StateGroups)) on Redis, under this key in the
+    /// embedded store.
     pub fn bucket(&self, client: &ClientId) -> String {
         format!("{}b:{{{}}}", self.prefix, client)
     }
