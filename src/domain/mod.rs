@@ -1,8 +1,10 @@
 //! The lowest floor: values every other layer speaks in, with no I/O and no imports from
 //! the rest of the crate. Types that refuse bad values (once constructed, they are valid),
-//! the token-bucket arithmetic both stores run, quota windows on the calendar ([`quota`]),
-//! decisions and their outcomes, the IETF `RateLimit` header values, and where a route's
-//! service lives ([`Upstream`]).
+//! a plan's limits ([`limits`]), decisions and their outcomes, the IETF `RateLimit` header
+//! values, and where a route's service lives ([`Upstream`]). The token-bucket arithmetic
+//! both stores run, a bucket's bounds ([`Bucket`]) and quota windows on the calendar
+//! ([`quota`]) are the engine's (`tollgate_engine::limits`), re-exported here under their
+//! names.
 
 mod api_key;
 mod decision;
