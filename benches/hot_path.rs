@@ -40,7 +40,7 @@ fn applied(three: bool, capacity: f64) -> Vec<Applied> {
         .items()
         .iter()
         .enumerate()
-        .map(|(i, l)| Applied::of(i, l))
+        .map(|(i, l)| l.applied(i))
         .collect()
 }
 

@@ -49,24 +49,11 @@ impl ShedReason {
 }
 
 /// The `kind` label of `tollgate_store_errors_total`, in [`StoreErrorKind`] order.
-const ERROR_KINDS: [&str; 5] = ["timeout", "connection", "script", "reply", "pool"];
+const ERROR_KINDS: [&str; 5] = StoreErrorKind::LABELS;
 
-/// What kind of store failure a call met (the store classifies its own errors).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StoreErrorKind {
-    Timeout,
-    Connection,
-    Script,
-    Reply,
-    Pool,
-}
-
-impl StoreErrorKind {
-    /// The `kind` label of `tollgate_store_errors_total`.
-    pub fn label(self) -> &'static str {
-        ERROR_KINDS[self as usize]
-    }
-}
+/// What kind of store failure a call met (the store classifies its own errors; the engine
+/// defines the kinds).
+pub use tollgate_engine::StoreErrorKind;
 
 /// What a service's report of a request's real cost (a route's `cost_header`) came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Instructions Redis executes per decision of the limits script (lua/bucket.lua), counted
+# Instructions Redis executes per decision of the limits script (engine/lua/bucket.lua), counted
 # by callgrind: independent of the machine's load, unlike CPU time. Each call carries
 # ENTRIES takes of clients drawn from KEYS, on one bucket (CAPACITY and RATE in the
 # environment; default 1e9 and 1e9, a bucket that never refuses, as the `redis` scenario
@@ -8,7 +8,7 @@
 # everything redis-server does for the calls (reading them, the script, its redis.calls,
 # the reply), warm-up excluded.
 #
-#   bench/scripts/script-cost.sh [ENTRIES=32] [CALLS=200] [KEYS=2000] [SCRIPT=lua/bucket.lua]
+#   bench/scripts/script-cost.sh [ENTRIES=32] [CALLS=200] [KEYS=2000] [SCRIPT=engine/lua/bucket.lua]
 #
 # The calls are sent by python3 over a plain socket (the arguments are binary). Only this
 # valgrind process is zeroed and dumped (by its pid), not others on the machine.
@@ -18,7 +18,7 @@ set -euo pipefail
 entries=${1:-32}
 calls=${2:-200}
 keys=${3:-2000}
-script=${4:-lua/bucket.lua}
+script=${4:-engine/lua/bucket.lua}
 port=${PORT:-7790}
 out=${KEEP:-$(mktemp -d)}
 trap 'redis-cli -p "$port" shutdown nosave >/dev/null 2>&1 || true; [ -n "${KEEP:-}" ] || rm -rf "$out"' EXIT

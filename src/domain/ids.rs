@@ -131,6 +131,14 @@ id_type!(
     32,
     "monthly"
 );
+impl LimitName {
+    /// The name, shared: what a limit as a request sees it carries
+    /// ([`Applied::name`](super::Applied::name)).
+    pub fn shared(&self) -> Arc<str> {
+        Arc::clone(&self.0)
+    }
+}
+
 id_type!(
     /// A deployment region, e.g. `eu-west`.
     Region,

@@ -16,7 +16,7 @@ use actix_web::http::header::{HeaderName, HeaderValue};
 
 use super::decision::Decision;
 use super::ids::PlanName;
-use super::limits::Applied;
+use super::limits::{Applied, PolicyItem};
 
 pub struct RateLimitHeaders {
     pub policy: HeaderValue,
@@ -39,7 +39,7 @@ pub fn policy_name(plan: &PlanName, applied: &Applied) -> String {
 pub fn policy_header(plan: &PlanName, applied: &[Applied]) -> HeaderValue {
     let mut policy = String::new();
     for (i, a) in applied.iter().enumerate() {
-        let item = a.policy();
+        let item = PolicyItem::of(a);
         let sep = if i == 0 { "" } else { ", " };
         let _ = write!(
             policy,
@@ -57,7 +57,7 @@ pub fn policy_header(plan: &PlanName, applied: &[Applied]) -> HeaderValue {
 /// every request, and the formatting machinery (two `String`s and `fmt::write`) cost
 /// about as much as the rest of the decision.
 fn limit_value(plan: &PlanName, a: &Applied, remaining: u64, reset: u64) -> Option<HeaderValue> {
-    let (plan, limit) = (plan.as_str().as_bytes(), a.name.as_str().as_bytes());
+    let (plan, limit) = (plan.as_str().as_bytes(), a.name.as_bytes());
     let mut v = Vec::with_capacity(plan.len() + limit.len() + 2 * 20 + 8);
     v.push(b'"');
     v.extend_from_slice(plan);
@@ -138,7 +138,7 @@ mod tests {
             applied: limits
                 .iter()
                 .enumerate()
-                .map(|(i, l)| Applied::of(i, l))
+                .map(|(i, l)| l.applied(i))
                 .collect(),
             ruling: Some(Ruling {
                 allowed: refused_by.is_none(),

@@ -142,7 +142,7 @@ impl<K: Hash> LocalBuckets<K> {
 
 /// Every client's limit states in process memory (the embedded store), on the system
 /// clock in unix microseconds, since quotas follow the calendar. The same arithmetic as
-/// `lua/bucket.lua`: see `domain::limits`.
+/// `engine/lua/bucket.lua`: see `domain::limits`.
 pub struct LocalLimits {
     shards: Box<[LimitShard]>,
     hasher: RandomState,

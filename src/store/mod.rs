@@ -5,15 +5,14 @@
 //! The rest of the gateway speaks to a store through its ports (`ports.rs`), one small
 //! trait per concern (buckets, shards, catalog records, audit, shadow counts, lifecycle),
 //! which both backends implement, each in a file per concern. [`Store`] (`open.rs`) opens
-//! one backend and hands out its ports.
-//! The vocabulary both share lives in its own files: errors (`error.rs`), catalog records
-//! (`records.rs`), reconciliation (`shards.rs`), key names (`keys.rs`), in-process
-//! buckets (`local.rs`) and a once-per-period gate (`every.rs`).
+//! one backend and hands out its ports. The request path's port, [`Buckets`], and what it
+//! speaks in ([`Budget`], [`StoreError`], the state groups and hash slots of Redis keys,
+//! a once-per-period gate [`Every`]) are the engine's (`tollgate_engine`), re-exported
+//! here; on Redis the engine answers it. The store's own vocabulary lives in its files:
+//! catalog records (`records.rs`), reconciliation (`shards.rs`), key names (`keys.rs`) and
+//! in-process buckets (`local.rs`).
 
-mod budget;
 mod embedded;
-mod error;
-mod every;
 mod keys;
 mod local;
 mod open;
@@ -23,10 +22,7 @@ pub mod records;
 mod redis;
 mod shards;
 
-pub use self::budget::Budget;
-pub use self::error::StoreError;
-pub use self::every::Every;
-pub use self::keys::{key_in_slot, key_slot, state_field, Keys, StateGroups, CLUSTER_STATE_GROUPS};
+pub use self::keys::Keys;
 pub use self::local::{LocalBuckets, LocalLimits, LocalOp, Probe};
 pub use self::open::Store;
 pub use self::persistence::Persistence;
@@ -36,3 +32,7 @@ pub use self::ports::{
 };
 pub use self::records::ClientsPage;
 pub use self::shards::{Reconcile, RegionShare, ShardState};
+pub use tollgate_engine::{
+    key_in_slot, key_slot, state_field, Budget, Every, StateGroups, StoreError,
+    CLUSTER_STATE_GROUPS,
+};

@@ -1,5 +1,6 @@
 //! The store's ports: one small trait per concern, each implemented by the embedded store
-//! and by Redis. Callers name the port they need (the limiter holds [`Buckets`], the admin
+//! and by Redis. The request path's, [`Buckets`], is the engine's public surface
+//! (`tollgate_engine`), re-exported here. Callers name the port they need (the limiter holds [`Buckets`], the admin
 //! API [`CatalogRecords`] and [`AuditLog`], ...) and never which backend answers.
 //!
 //! | port               | what it keeps                                      | request path |
@@ -26,67 +27,10 @@ use super::records::{
     PlanRecord, SafetyRecord, Versioned, WriteOutcome,
 };
 use super::shards::{Reconcile, ShardState};
-use super::{Budget, Persistence, StoreError};
-use crate::domain::{Applied, Bucket, ClientId, Ruling};
-
-/// Every client's limits, taken from once per request.
-#[async_trait(?Send)]
-pub trait Buckets: Send + Sync {
-    /// Takes `cost` from every limit in `applied` at `key`, or from none, atomically, on
-    /// the store's clock. With a `budget`, a call the store does not answer within it
-    /// answers [`StoreError::Deadline`] (the embedded store always answers at once).
-    async fn take(
-        &self,
-        key: &str,
-        applied: &[Applied],
-        cost: f64,
-        budget: Option<Budget>,
-    ) -> Result<Ruling, StoreError>;
-
-    /// Debits `delta` from every limit in `applied` at `key` (a refund when negative),
-    /// whatever the balance: a bucket may go below zero and waits it off. Returns the
-    /// levels after it.
-    async fn adjust(
-        &self,
-        key: &str,
-        applied: &[Applied],
-        delta: f64,
-    ) -> Result<Ruling, StoreError>;
-
-    /// Every limit's level now, on the store's clock. For inspection; changes nothing.
-    async fn peek(&self, key: &str, applied: &[Applied]) -> Result<Ruling, StoreError>;
-
-    /// The tokens now of the bucket whose state is under `field` at `key`, refilled on the
-    /// store's clock; `None` when it has no state (it is full). Takes nothing. Its future
-    /// is `Send`: shards' reconciliation asks it from a background task.
-    fn tokens_now<'a>(
-        &'a self,
-        key: &'a str,
-        field: &'a str,
-        bucket: Bucket,
-    ) -> BoxFuture<'a, Result<Option<f64>, StoreError>>;
-
-    /// Forgets the state of the buckets whose fields are `buckets` at `key`, so they start
-    /// full; the client's other limits (its quotas' counts) stay.
-    async fn refill(&self, key: &str, buckets: &[Arc<str>]) -> Result<(), StoreError>;
-
-    /// Keeps the calling worker thread's request-path connection open: opens it now and
-    /// re-opens it whenever it dies. Runs until the thread ends (at once when the store
-    /// has no connection to keep).
-    async fn keep_connected(&self);
-
-    /// Bucket script calls sent and the takes they decided (`None`: the store makes no
-    /// calls, its buckets are in this process).
-    fn calls(&self) -> Option<BucketCalls>;
-}
-
-/// Script calls sent for takes, and the takes they decided, since start: takes / calls is
-/// the average batch.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct BucketCalls {
-    pub calls: u64,
-    pub takes: u64,
-}
+use super::{Persistence, StoreError};
+use crate::domain::ClientId;
+pub use tollgate_engine::redis::SlotRange;
+pub use tollgate_engine::{BucketCalls, Buckets};
 
 /// A hot client's regional shares of its bucket, recomputed from every region's demand.
 #[async_trait]
@@ -231,15 +175,6 @@ pub enum StoreKind {
     Redis,
     /// A Redis Cluster, whose nodes fail apart (a breaker per node).
     Cluster,
-}
-
-/// A range of hash slots and the node serving it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SlotRange {
-    pub first: u16,
-    pub last: u16,
-    /// `host:port`.
-    pub node: String,
 }
 
 /// A connection pool's size now.

@@ -5,7 +5,7 @@ use tollgate::store::{StateGroups, CLUSTER_STATE_GROUPS};
 
 use crate::helpers::*;
 
-/// The group hash holding `client`'s state on a cluster (`lua/bucket.lua`).
+/// The group hash holding `client`'s state on a cluster (`engine/lua/bucket.lua`).
 fn group_of(client: &str) -> String {
     let groups = StateGroups::new("tollgate:", CLUSTER_STATE_GROUPS);
     groups

@@ -218,7 +218,7 @@ pub fn plan_limits(toml: &str, plan: &str) -> Limits {
         .limits
 }
 
-/// A client's stored state for one limit, as `lua/bucket.lua` keeps it on one Redis
+/// A client's stored state for one limit, as `engine/lua/bucket.lua` keeps it on one Redis
 /// server (group hash `tollgate:s:{0}`, field `<tag>` for a plan's first limit or
 /// `<tag>/<prefix>` for another; `tag` is the client, or `client:region` for a shard):
 /// (a bucket's tokens or a quota's count; when they were counted or the window's end,

@@ -463,7 +463,7 @@ async fn sharding_and_unsharding_keep_the_clients_limit() {
         })
         .await;
         // The global bucket's state is swept while the client is sharded: a sweep drops an
-        // idle bucket's field once it would be full again (lua/bucket.lua), here after
+        // idle bucket's field once it would be full again (engine/lua/bucket.lua), here after
         // 6000 s, by which time any shard left idle (us) is full too. The test drops it at once.
         let dropped: u32 = redis::cmd("HDEL")
             .arg("tollgate:s:{0}")

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use secrecy::SecretString;
-use tollgate::domain::{Applied, Bucket, Level, Limit, Limits, Ruling};
+use tollgate::domain::{Bucket, Level, Limit, Limits, Ruling};
 use tollgate::store::{Keys, Store};
 
 use crate::helpers::*;
@@ -20,10 +20,7 @@ async fn the_embedded_store_decides_like_the_redis_script_on_the_same_timeline()
         Keys::new("t:"),
     )
     .unwrap();
-    let plan = [Applied::of(
-        0,
-        &Limit::default_bucket(Bucket::new(3.0, 2.0).unwrap()),
-    )];
+    let plan = [Limit::default_bucket(Bucket::new(3.0, 2.0).unwrap()).applied(0)];
     // (pause before, cost): a burst past capacity, a partial refill, a cost the refill
     // does not cover yet, a full refill, and a cost the bucket can never hold. Every
     // decision has at least 250 ms of slack, so a loaded machine decides the same.

@@ -93,10 +93,7 @@ mod tests {
     fn idle_state_is_evicted_once_every_limit_would_be_whole() {
         let dir = tempfile::tempdir().unwrap();
         let s = EmbeddedStore::open(&dir.path().join("c.json")).unwrap();
-        let applied = [Applied::of(
-            0,
-            &Limit::default_bucket(Bucket::new(1.0, 1000.0).unwrap()),
-        )];
+        let applied = [Limit::default_bucket(Bucket::new(1.0, 1000.0).unwrap()).applied(0)];
         s.limits.run(
             "k",
             &applied,

@@ -1,9 +1,9 @@
-//! The limits arithmetic exists twice: in `lua/bucket.lua`, which Redis runs, and in
-//! `domain::{bucket, limits, quota}`, which the embedded store runs ([`LocalLimits`]) and
-//! with which the gateway replays a script call's takes. This property test proves the two
-//! equal on random histories: every answer the Redis store gives is the answer the
-//! embedded store's arithmetic gives at the same instant, and every state the script
-//! leaves in Redis is the state the Rust side keeps.
+//! The limits arithmetic exists twice: in `engine/lua/bucket.lua`, which Redis runs, and in
+//! `tollgate_engine::limits` (bucket, quota, take), which the embedded store runs
+//! ([`LocalLimits`]) and with which the gateway replays a script call's takes. This
+//! property test proves the two equal on random histories: every answer the Redis store
+//! gives is the answer the embedded store's arithmetic gives at the same instant, and every
+//! state the script leaves in Redis is the state the Rust side keeps.
 //!
 //! **What a history holds.** A plan of one to four limits (buckets of any capacity and
 //! rate; quotas per hour, day or month, calendar, anchored or rolling, in zones with DST
@@ -27,20 +27,20 @@
 //! **How.** The Redis side goes through the product's own path: [`RedisStore`]'s `take`,
 //! `adjust` and `peek` (the coalescer, `gather`'s call encoding, the script, the reply's
 //! parsing and `buckets`' replay) against a real `redis-server`. The Rust side is
-//! [`LocalLimits::run`] (what the embedded store calls) at the same instant (see the
-//! clock, below); a take from or a peek at a set of one bucket is also decided by
-//! `domain::bucket` alone (the in-process buckets' arithmetic). Compared exactly (`f64`
+//! [`LocalLimits::run`] (what the embedded store calls) at the same instant (see the clock,
+//! below); a take from or a peek at a set of one bucket is also decided by the engine's
+//! `limits::bucket` alone (the in-process buckets' arithmetic). Compared exactly (`f64`
 //! equality, no tolerance): each ruling's verdict, every limit's level after it (tokens; a
 //! quota's count and window end), the wait until a retry, the refusing limit, the time.
-//! Then the state group is read back and every field compared with the state the Rust
-//! side keeps: a bucket's tokens and their time, a quota's count and its window's end.
-//! That readback checks the script's own takes and clamps, which the gateway's replay
-//! recomputes in Rust and so would hide from the answers alone (the script answers the
-//! levels *before* an operation). A field's third number, when the sweep may delete it,
-//! has no Rust twin (the embedded store keeps one expiry per client, in milliseconds), so
-//! it is checked for what it promises: by then the bucket is full again under the values
-//! it was written with, or the quota's window is over (+1 s, and the half microsecond
-//! that marks a quota's state; a bucket's is whole).
+//! Then the state group is read back and every field compared with the state the Rust side
+//! keeps: a bucket's tokens and their time, a quota's count and its window's end. That
+//! readback checks the script's own takes and clamps, which the gateway's replay recomputes
+//! in Rust and so would hide from the answers alone (the script answers the levels *before*
+//! an operation). A field's third number, when the sweep may delete it, has no Rust twin
+//! (the embedded store keeps one expiry per client, in milliseconds), so it is checked for
+//! what it promises: by then the bucket is full again under the values it was written with,
+//! or the quota's window is over (+1 s, and the half microsecond that marks a quota's
+//! state; a bucket's is whole).
 //!
 //! **Sweeps.** The script deletes fields that are due (see `Replay::sweep`), and the
 //! embedded store forgets idle clients on a schedule of its own: under values changed
@@ -60,7 +60,7 @@
 //!
 //! **Kinds.** A plan change may turn a limit from a bucket into a quota or back under its
 //! name: its state's field stays. The script tells a quota's state by its mark (half a
-//! microsecond in the sweep time, see `lua/bucket.lua`), so a bucket never reads a
+//! microsecond in the sweep time, see `engine/lua/bucket.lua`), so a bucket never reads a
 //! quota's count as its tokens; the Rust side keeps the kind beside each state.
 //!
 //! **Run it** with `cargo test --lib store::redis::arithmetic` (128 histories, a few
@@ -82,14 +82,14 @@ use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
 use secrecy::SecretString;
 use tollgate_testkit::{FakeClock, RedisServer};
 
-use super::backend::BUCKET_LUA;
-use super::gather::{one_bucket, SWEEP_FIELDS};
 use super::RedisStore;
 use crate::domain::{
     bucket, Applied, AppliedKind, Bounds, Bucket, BucketState, Level, Limit, LimitKind, LimitName,
     LimitState, Limits, Override, Period, Quota, QuotaClock, Reset, Ruling, ServiceName,
 };
 use crate::store::{Buckets, Budget, Keys, LocalLimits, LocalOp, StoreError};
+use tollgate_engine::redis::BUCKET_LUA;
+use tollgate_engine::redis::{one_bucket, SWEEP_FIELDS};
 
 /// Histories per run, unless `PROPTEST_CASES` says otherwise.
 const CASES: u32 = 128;
@@ -930,8 +930,8 @@ impl Replay<'_> {
         }
     }
 
-    /// A take from a set of one bucket, as `domain::bucket` decides it alone (the
-    /// in-process buckets' arithmetic).
+    /// A take from a set of one bucket, as the engine's `limits::bucket` decides it alone
+    /// (the in-process buckets' arithmetic).
     fn one_bucket_take(
         &self,
         client: usize,
@@ -959,7 +959,7 @@ impl Replay<'_> {
         Ok(())
     }
 
-    /// A peek at a set of one bucket, as `domain::bucket::refill` sees it.
+    /// A peek at a set of one bucket, as `limits::bucket::refill` sees it.
     fn one_bucket_peek(&self, client: usize, a: &Applied, redis: &Ruling) -> Result<(), String> {
         let AppliedKind::Bucket { bucket, initial } = a.kind else {
             return Err("not a bucket".into());

@@ -1,231 +1,57 @@
-//! [`RedisStore`] and how it reaches Redis: one server (a connection per worker thread for
-//! the request path, a pool for the rest) or a cluster, the retry rule for calls off the
-//! request path ([`retrying!`]), and the reads every concern shares.
+//! [`RedisStore`]: the engine's connection to Redis ([`Backend`], one server or a cluster),
+//! shared by the engine's buckets and the store's own commands, with the retry rule for
+//! calls off the request path (`retrying!`) and the reads every concern shares.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use arc_swap::ArcSwap;
 use redis::aio::ConnectionLike;
-use redis::cluster_async::ClusterConnection;
-use redis::{RedisFuture, Script, Value};
+use redis::Script;
 use secrecy::{ExposeSecret, SecretString};
 
-use super::coalesce::Coalescer;
-use super::gather::Gatherer;
 use crate::configuration::redact_url;
-use crate::store::keys::{StateGroups, CLUSTER_STATE_GROUPS};
-use crate::store::{Every, Keys, SlotRange, StoreError};
-use tollgate_engine::pool::{tcp_settings, Dialer, PerThread, RedisManager};
+#[cfg(test)]
+use crate::store::StateGroups;
+use crate::store::{Keys, StoreError};
+pub(super) use tollgate_engine::redis::{parse_slots, Backend, Conn};
+use tollgate_engine::redis::{RedisBuckets, BUCKET_LUA};
+pub(super) use tollgate_engine::retrying;
 
 /// One stream entry (the change feed, the audit log): its id and fields.
 pub(super) type FeedEntry = (String, Vec<(String, String)>);
 
-/// How commands reach Redis.
-pub(super) enum Backend {
-    /// One server: the request path uses one pipelined connection of our own per worker
-    /// thread (`pipe.rs`); everything else a bb8 pool of redis-rs multiplexed connections.
-    /// Both dial through one [`Dialer`], which knows which connections are still trusted.
-    Single {
-        pool: bb8::Pool<RedisManager>,
-        per_thread: PerThread,
-        dialer: Arc<Dialer>,
-    },
-    /// Redis Cluster: one multiplexed cluster connection (it follows MOVED/ASK and keeps a
-    /// connection per node); cloning it is cheap.
-    Cluster(Box<ClusterBackend>),
-}
-
-/// The cluster connection, and how to make a fresh one. The cluster client re-dials a
-/// node connection that fails with an I/O error, but not one that merely stops answering
-/// (a partition, a node's name moved to a new host): its requests time out and are
-/// retried on the same socket. So when calls time out and a fresh cluster connection
-/// answers, the fresh one replaces the shared one.
-pub(super) struct ClusterBackend {
-    conn: ArcSwap<ClusterConnection>,
-    client: redis::cluster::ClusterClient,
-    config: redis::cluster::ClusterConfig,
-    control_timeout: Duration,
-    /// One renewal at a time.
-    renewing: tokio::sync::Mutex<()>,
-    /// Which master serves each slot (an index among the masters), as last read: takes
-    /// for keys of one master go to it in one call (`gather`).
-    masters: Arc<ArcSwap<Option<Vec<u16>>>>,
-    /// Opens when `masters` should be read again.
-    masters_due: Every,
-}
-
-/// How often the slot map is read again; a stale one only costs takes a second call.
-const MASTERS_EVERY: Duration = Duration::from_secs(1);
-
-impl ClusterBackend {
-    pub(super) fn conn(&self) -> ClusterConnection {
-        ClusterConnection::clone(&self.conn.load())
-    }
-
-    /// The master serving `slot` as last read, reading the slot map again in the
-    /// background when it is older than a second. `None` until it was read once.
-    pub(super) fn master_of(&self, slot: u16) -> Option<u16> {
-        if self.masters_due.due() {
-            let (conn, masters) = (self.conn(), Arc::clone(&self.masters));
-            tokio::spawn(async move {
-                match read_masters(conn).await {
-                    Ok(m) => masters.store(Arc::new(Some(m))),
-                    Err(e) => tracing::debug!(error = %e, "reading the cluster's slot map"),
-                }
-            });
-        }
-        self.masters
-            .load()
-            .as_ref()
-            .as_ref()
-            .and_then(|m| m.get(usize::from(slot)).copied())
-            .filter(|m| *m != u16::MAX)
-    }
-
-    /// A fresh cluster connection (seed nodes, slot map, node connections), within the
-    /// control timeout. It replaces the shared one when `check` passes on it.
-    pub(super) async fn renew<F, Fut>(&self, check: F) -> Result<(), StoreError>
-    where
-        F: FnOnce(ClusterConnection) -> Fut,
-        Fut: std::future::Future<Output = Result<(), StoreError>>,
-    {
-        let Ok(_one) = self.renewing.try_lock() else {
-            return Err(StoreError::Pool(
-                "a cluster reconnection is under way".into(),
-            ));
-        };
-        let fresh = tokio::time::timeout(
-            self.control_timeout,
-            self.client
-                .get_async_connection_with_config(self.config.clone()),
-        )
-        .await
-        .map_err(|_| StoreError::Pool("connecting to the cluster timed out".into()))??;
-        check(fresh.clone()).await?;
-        self.conn.store(Arc::new(fresh));
-        tracing::warn!(
-            "cluster connections stopped answering while the cluster answers: replaced them"
-        );
-        Ok(())
-    }
-}
-
-/// A connection for one operation.
-pub(super) enum Conn<'a> {
-    Pooled(bb8::PooledConnection<'a, RedisManager>),
-    Cluster(ClusterConnection),
-}
-
-impl ConnectionLike for Conn<'_> {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> RedisFuture<'a, Value> {
-        match self {
-            Conn::Pooled(c) => c.req_packed_command(cmd),
-            Conn::Cluster(c) => c.req_packed_command(cmd),
-        }
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        cmd: &'a redis::Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> RedisFuture<'a, Vec<Value>> {
-        match self {
-            Conn::Pooled(c) => c.req_packed_commands(cmd, offset, count),
-            Conn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
-        }
-    }
-
-    fn get_db(&self) -> i64 {
-        match self {
-            Conn::Pooled(c) => c.get_db(),
-            Conn::Cluster(c) => c.get_db(),
-        }
-    }
-}
-
-/// Runs `$body` with `$c` bound to a pooled connection and, when that connection turns
-/// out dead (a transport error, or no answer within the control timeout), once more on a
-/// fresh one. Only for operations that may run twice: reads, deletes, script loads, and
-/// catalog writes, which the script makes idempotent (`catalog_write`). Counters (shadow
-/// counts), audit appends and reconciliation reports are not retried: a reply lost after
-/// Redis ran the command would count it twice; they are sent again at their next period
-/// instead (shadow counts are kept until they are flushed).
-///
-/// A macro, not a function taking an async closure: the futures stay `Send` for
-/// `tokio::spawn` (async closures borrowing their argument do not, yet).
-macro_rules! retrying {
-    ($store:expr, |$c:ident| $body:expr) => {{
-        let first = {
-            let mut conn = $store.conn().await?;
-            let $c = &mut conn;
-            $body
-        };
-        match first {
-            Err($crate::store::StoreError::Redis(e))
-                if tollgate_engine::pool::is_transport_error(&e) || e.is_timeout() =>
-            {
-                tracing::debug!(error = %e, "store call failed on its connection; once more on a fresh one");
-                if e.is_timeout() {
-                    $store.after_timeout().await;
-                }
-                let mut conn = $store.conn().await?;
-                let $c = &mut conn;
-                $body
-            }
-            r => r,
-        }
-    }};
-}
-pub(super) use retrying;
-
-/// The limits script (`lua/bucket.lua`).
-pub(super) const BUCKET_LUA: &str = include_str!("../../../lua/bucket.lua");
-
 /// Redis (one server or a cluster) as the store.
 pub struct RedisStore {
-    pub(super) backend: Backend,
+    /// How commands reach Redis, shared with [`Self::buckets`].
+    pub(super) backend: Arc<Backend>,
+    /// Every client's limits: the engine's.
+    pub(super) buckets: RedisBuckets,
     pub(super) keys: Keys,
-    /// Where client state lives (`lua/bucket.lua`).
+    /// Where client state lives (`engine/lua/bucket.lua`), for the tests that read it.
+    #[cfg(test)]
     pub(super) groups: StateGroups,
     pub(super) bucket: Script,
     pub(super) catalog_write: Script,
     pub(super) catalog_restore: Script,
     pub(super) reconcile: Script,
     pub(super) url: String,
-    /// Bounds every call off the request path (`redis.control_timeout_ms`).
-    pub(super) control_timeout: Duration,
-    pub(super) coalescer: Coalescer,
-    /// Take entries, gathered per worker turn into script calls.
-    pub(super) takes: Gatherer,
-    /// Adjustments and peeks, gathered apart from the takes.
-    pub(super) others: Gatherer,
 }
 
 impl RedisStore {
     fn new(backend: Backend, keys: Keys, url: String, control_timeout: Duration) -> RedisStore {
-        let groups = StateGroups::new(
-            keys.prefix(),
-            match backend {
-                Backend::Single { .. } => 1,
-                Backend::Cluster(_) => CLUSTER_STATE_GROUPS,
-            },
-        );
+        let backend = Arc::new(backend);
+        let buckets = RedisBuckets::new(Arc::clone(&backend), keys.prefix(), control_timeout);
         RedisStore {
+            #[cfg(test)]
+            groups: buckets.groups().clone(),
             backend,
+            buckets,
             keys,
-            groups,
-
             bucket: Script::new(BUCKET_LUA),
             catalog_write: Script::new(include_str!("../../../lua/catalog_write.lua")),
             catalog_restore: Script::new(include_str!("../../../lua/catalog_restore.lua")),
             reconcile: Script::new(include_str!("../../../lua/reconcile.lua")),
             url,
-            control_timeout,
-            coalescer: Coalescer::default(),
-            takes: Gatherer::new(BUCKET_LUA),
-            others: Gatherer::new(BUCKET_LUA),
         }
     }
 
@@ -238,23 +64,9 @@ impl RedisStore {
         control_timeout: Duration,
         keys: Keys,
     ) -> Result<RedisStore, StoreError> {
-        let dialer = Arc::new(Dialer::new(url.expose_secret(), control_timeout)?);
-        let pool = bb8::Pool::builder()
-            .max_size(pool_size)
-            .min_idle(Some(pool_size))
-            // A checkout may have to dial, and a dial has the control timeout.
-            .connection_timeout(control_timeout * 2)
-            .retry_connection(false)
-            // Checked without a round trip (`RedisManager::is_valid`): closed, broken and
-            // retired connections are dropped here rather than failing a command.
-            .test_on_check_out(true)
-            .build_unchecked(RedisManager::new(Arc::clone(&dialer)));
+        let backend = Backend::single(url.expose_secret(), pool_size, control_timeout)?;
         Ok(RedisStore::new(
-            Backend::Single {
-                pool,
-                per_thread: PerThread::new(Arc::clone(&dialer)),
-                dialer,
-            },
+            backend,
             keys,
             redact_url(url.expose_secret()),
             control_timeout,
@@ -269,16 +81,7 @@ impl RedisStore {
         keys: Keys,
     ) -> Result<RedisStore, StoreError> {
         let urls: Vec<&str> = nodes.iter().map(|n| n.expose_secret()).collect();
-        let client = redis::cluster::ClusterClientBuilder::new(urls.clone())
-            .connection_timeout(control_timeout)
-            .response_timeout(control_timeout)
-            .tcp_settings(tcp_settings())
-            .retries(2)
-            .build()?;
-        let config = redis::cluster::ClusterConfig::new()
-            .set_connection_timeout(control_timeout)
-            .set_response_timeout(control_timeout);
-        let conn = client.get_pending_async_connection_with_config(config.clone());
+        let backend = Backend::cluster(&urls, control_timeout)?;
         let url = format!(
             "cluster {}",
             urls.iter()
@@ -286,50 +89,28 @@ impl RedisStore {
                 .collect::<Vec<_>>()
                 .join(",")
         );
-        let backend = Backend::Cluster(Box::new(ClusterBackend {
-            conn: ArcSwap::from_pointee(conn),
-            client,
-            config,
-            control_timeout,
-            renewing: tokio::sync::Mutex::new(()),
-            masters: Arc::new(ArcSwap::from_pointee(None)),
-            masters_due: Every::new(MASTERS_EVERY),
-        }));
         Ok(RedisStore::new(backend, keys, url, control_timeout))
     }
 
+    /// A connection off the request path (see [`Backend::conn`]).
     pub(super) async fn conn(&self) -> Result<Conn<'_>, StoreError> {
-        match &self.backend {
-            Backend::Single { pool, dialer, .. } => {
-                // bb8 makes a caller wait out its checkout timeout when the connection it
-                // waits for cannot be dialed; a Redis that refuses gets a quick answer.
-                let mut failures = dialer.dial_failures();
-                tokio::select! {
-                    biased;
-                    r = pool.get() => r.map(Conn::Pooled).map_err(|e| match e {
-                        bb8::RunError::User(e) => StoreError::Redis(e),
-                        bb8::RunError::TimedOut => {
-                            StoreError::Pool("timed out waiting for a connection".into())
-                        }
-                    }),
-                    Ok(()) = failures.changed() => Err(failures
-                        .borrow()
-                        .clone()
-                        .map_or_else(|| StoreError::Pool("no connection".into()), StoreError::Redis)),
-                }
-            }
-            Backend::Cluster(c) => Ok(Conn::Cluster(c.conn())),
-        }
+        self.backend.conn().await
     }
 
-    /// After a control-plane call timed out: a cluster gets a fresh connection (a single
-    /// server's connections were already retired by the one that timed out).
+    /// After a control-plane call timed out (see [`Backend::after_timeout`]).
     pub(super) async fn after_timeout(&self) {
-        if let Backend::Cluster(cluster) = &self.backend {
-            if let Err(e) = cluster.renew(async |_| Ok(())).await {
-                tracing::debug!(error = %e, "cluster reconnection after a timeout failed");
-            }
-        }
+        self.backend.after_timeout().await
+    }
+
+    /// The tokens now of the bucket whose state is under `field` at `key` (the engine's
+    /// [`RedisBuckets::bucket_tokens`]).
+    pub(super) async fn bucket_tokens(
+        &self,
+        key: &str,
+        field: &str,
+        plan: crate::domain::Bucket,
+    ) -> Result<Option<f64>, StoreError> {
+        self.buckets.bucket_tokens(key, field, plan).await
     }
 }
 
@@ -354,54 +135,4 @@ pub(super) async fn scan_hash(
         }
         cursor = next;
     }
-}
-
-/// `CLUSTER SLOTS` as slot ranges and the node serving each.
-pub(super) fn parse_slots(ranges: Vec<Value>) -> Result<Vec<SlotRange>, StoreError> {
-    let mut out = Vec::new();
-    for r in ranges {
-        let Value::Array(parts) = r else { continue };
-        let (Some(start), Some(end), Some(Value::Array(master))) =
-            (parts.first(), parts.get(1), parts.get(2))
-        else {
-            continue;
-        };
-        let int = |v: Option<&Value>| -> Result<i64, StoreError> {
-            v.map(redis::from_redis_value_ref::<i64>)
-                .transpose()
-                .map_err(|e| StoreError::Protocol(format!("CLUSTER SLOTS: {e}")))
-                .map(Option::unwrap_or_default)
-        };
-        let (start, end, port) = (int(Some(start))?, int(Some(end))?, int(master.get(1))?);
-        let host: String = master
-            .first()
-            .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
-            .unwrap_or_default();
-        out.push(SlotRange {
-            first: start as u16,
-            last: end as u16,
-            node: format!("{host}:{port}"),
-        });
-    }
-    Ok(out)
-}
-
-/// The master of every slot, as an index among the masters (ordered by address).
-async fn read_masters(mut conn: ClusterConnection) -> Result<Vec<u16>, StoreError> {
-    let ranges: Vec<Value> = redis::cmd("CLUSTER")
-        .arg("SLOTS")
-        .query_async(&mut conn)
-        .await?;
-    let ranges = parse_slots(ranges)?;
-    let mut addrs: Vec<&str> = ranges.iter().map(|r| r.node.as_str()).collect();
-    addrs.sort_unstable();
-    addrs.dedup();
-    let mut masters = vec![u16::MAX; 16_384];
-    for r in &ranges {
-        let m = addrs.binary_search(&r.node.as_str()).unwrap_or(0) as u16;
-        for slot in r.first..=r.last.min(16_383) {
-            masters[usize::from(slot)] = m;
-        }
-    }
-    Ok(masters)
 }

@@ -19,7 +19,7 @@ impl Lifecycle for RedisStore {
     }
 
     fn kind(&self) -> StoreKind {
-        match self.backend {
+        match *self.backend {
             Backend::Single { .. } => StoreKind::Redis,
             Backend::Cluster(_) => StoreKind::Cluster,
         }
@@ -27,7 +27,7 @@ impl Lifecycle for RedisStore {
 
     /// Connections open and idle, for the pool saturation metrics (one server only).
     fn pool(&self) -> Option<PoolState> {
-        match &self.backend {
+        match &*self.backend {
             Backend::Single { pool, .. } => {
                 let s = pool.state();
                 Some(PoolState {
@@ -62,7 +62,7 @@ impl Lifecycle for RedisStore {
     /// they failed, and a fresh one works, so they may be dead (a partition, a failover
     /// behind the name) even though Redis is not.
     async fn probe(&self, key: Option<&str>, budget: Duration) -> Result<(), StoreError> {
-        match &self.backend {
+        match &*self.backend {
             Backend::Single { dialer, .. } => {
                 dialer.answers_fresh(budget).await?;
                 dialer.retire_all();

@@ -1,21 +1,21 @@
-//! The Redis side of the store: one `EVALSHA` per decision, a scripted catalog write, and
-//! a change feed that gateways poll instead of reloading the catalog.
+//! The Redis side of the store: a scripted catalog write, and a change feed that gateways
+//! poll instead of reloading the catalog; every client's limits are the engine's
+//! (`tollgate_engine::redis::RedisBuckets`, one `EVALSHA` per batch of decisions).
 //!
-//! `backend.rs` holds [`RedisStore`] and how it reaches Redis (`pool.rs`: connections to
-//! one server, `pipe.rs`: the request path's); each of the store's ports is implemented
-//! in a file of its own: `buckets.rs` (takes, through `coalesce.rs`), `catalog.rs`,
-//! `audit.rs`, `shadow.rs`, `shards.rs` and `lifecycle.rs` (with `persistence.rs`: what
-//! Redis keeps across its restart).
+//! `backend.rs` holds [`RedisStore`], which shares the engine's connections to Redis
+//! (`tollgate_engine::redis::Backend`: one server or a cluster); each of the store's ports
+//! is implemented in a file of its own: `limits.rs` (the `Buckets` port, handed to the
+//! engine), `catalog.rs`, `audit.rs`, `shadow.rs`, `shards.rs` and `lifecycle.rs` (with
+//! `persistence.rs`: what Redis keeps across its restart). `arithmetic.rs` and
+//! `script_paths.rs` test the engine's script against the embedded store's arithmetic.
 
 #[cfg(test)]
 mod arithmetic;
 mod audit;
 mod backend;
-mod buckets;
 mod catalog;
-mod coalesce;
-mod gather;
 mod lifecycle;
+mod limits;
 mod persistence;
 #[cfg(test)]
 mod script_paths;

@@ -95,7 +95,7 @@ impl RedisStore {
     /// cluster (the weakest answer is the cluster's; a master that does not answer makes
     /// it [`Persistence::Unknown`]).
     pub(super) async fn ask_persistence(&self) -> Result<Persistence, StoreError> {
-        let Backend::Cluster(cluster) = &self.backend else {
+        let Backend::Cluster(cluster) = &*self.backend else {
             let (info, save) = retrying!(self, |c| async {
                 let info = reply(info_persistence().query_async(c).await)?;
                 let save = reply(config_get_save().query_async(c).await)?;

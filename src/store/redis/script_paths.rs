@@ -1,11 +1,11 @@
-//! `lua/bucket.lua` has two paths: a lean one for a call of one entry of a set of one
+//! `engine/lua/bucket.lua` has two paths: a lean one for a call of one entry of a set of one
 //! bucket (a request alone in its call), and the general one for everything else. They
 //! must decide, answer and write alike, byte for byte.
 
 use redis::{Connection, Script, Value};
 use tollgate_testkit::{FakeClock, RedisServer};
 
-use super::backend::BUCKET_LUA;
+use tollgate_engine::redis::BUCKET_LUA;
 
 const CAP: f64 = 5.0;
 /// Not a divisor of a token: the time to refill a whole one is rounded up.

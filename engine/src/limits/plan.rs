@@ -1,8 +1,7 @@
-use std::fmt;
-use std::str::FromStr;
-
 use serde::{Deserialize, Serialize};
+#[cfg(feature = "schema")]
 use utoipa::openapi::schema::{ObjectBuilder, SchemaType, Type};
+#[cfg(feature = "schema")]
 use utoipa::openapi::{RefOr, Schema};
 
 /// Bounds on a plan. They keep the refill time `capacity / rate` (the bucket key's TTL) at
@@ -79,6 +78,7 @@ macro_rules! bounded {
         }
 
         /// The schema states the bounds the parse enforces, from the same constants.
+        #[cfg(feature = "schema")]
         impl utoipa::PartialSchema for $name {
             fn schema() -> RefOr<Schema> {
                 ObjectBuilder::new()
@@ -91,6 +91,7 @@ macro_rules! bounded {
             }
         }
 
+        #[cfg(feature = "schema")]
         impl utoipa::ToSchema for $name {}
     };
 }
@@ -177,36 +178,6 @@ impl Bucket {
     /// Seconds for an empty bucket to fill.
     pub fn window_secs(&self) -> f64 {
         self.capacity / self.rate
-    }
-}
-
-/// Whether a client's decisions are enforced or only observed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum Mode {
-    /// Over-limit requests are answered `429` by the gateway.
-    Enforce,
-    /// Decisions are counted but every request is forwarded.
-    Shadow,
-}
-
-impl FromStr for Mode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Mode, String> {
-        match s {
-            "enforce" => Ok(Mode::Enforce),
-            "shadow" => Ok(Mode::Shadow),
-            other => Err(format!("must be \"enforce\" or \"shadow\" (got {other:?})")),
-        }
-    }
-}
-
-impl fmt::Display for Mode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Mode::Enforce => "enforce",
-            Mode::Shadow => "shadow",
-        })
     }
 }
 

@@ -3,7 +3,7 @@
 //! A worker sends a take for a bucket straight away when no call for that bucket is in
 //! flight on its thread: an idle gateway decides every request in one round trip, as
 //! before. Takes for the same bucket (at the same cost) that arrive while a call is in
-//! flight queue behind it, and the queue goes to Redis as one call (`lua/bucket.lua` with
+//! flight queue behind it, and the queue goes to Redis as one call (`engine/lua/bucket.lua` with
 //! `n`), in arrival order, at the first of two moments:
 //!
 //! - **a call for the bucket returns**: the first queued take leads the next call, for the
@@ -64,8 +64,8 @@ use std::time::Duration;
 use hashbrown::HashTable;
 use tokio::time::Instant;
 
-use crate::domain::{Applied, Ruling};
-use crate::store::StoreError;
+use crate::limits::{Applied, Ruling};
+use crate::StoreError;
 
 /// Most requests one call decides; more wait for the next call.
 pub const MAX_BATCH: usize = 512;
@@ -455,21 +455,10 @@ impl Coalescer {
             lane.borrow_mut().in_flight = 1;
             return self.lead(id, lane, take, Vec::new(), call).await;
         };
-        let oldest = lane.borrow().sent.front().copied();
-        let due = match take.due {
-            Some(d) => match self.rtt.last_send(d, oldest) {
-                Some(t) if t > Instant::now() => Some(d),
-                // It cannot afford to wait at all: its own call now, the queue on it.
-                _ => {
-                    let riders = {
-                        let mut l = lane.borrow_mut();
-                        l.in_flight += 1;
-                        l.board(MAX_BATCH - 1)
-                    };
-                    return self.lead(id, lane, take, riders, call).await;
-                }
-            },
-            None => None,
+        let due = match self.due(&lane, take.due) {
+            Ok(due) => due,
+            // It cannot afford to wait at all: its own call now, the queue on it.
+            Err(riders) => return self.lead(id, lane, take, riders, call).await,
         };
         let me = Rc::new(Waiter {
             state: RefCell::new(State::Queued),
@@ -489,40 +478,8 @@ impl Coalescer {
             match state {
                 State::Queued => {
                     *me.state.borrow_mut() = State::Queued;
-                    let front = lane
-                        .borrow()
-                        .queue
-                        .front()
-                        .is_some_and(|w| Rc::ptr_eq(w, &me));
-                    if let (true, Some(due)) = (front, due) {
-                        if timer.is_none() {
-                            let since = lane.borrow().sent.front().copied();
-                            let at = self.rtt.last_send(due, since);
-                            // None: no time left to wait at all.
-                            let at = at.unwrap_or_else(Instant::now);
-                            timer.set(Some(tokio::time::sleep_until(at)));
-                        }
-                        let due = timer
-                            .as_mut()
-                            .as_pin_mut()
-                            .is_some_and(|t| t.poll(cx).is_ready());
-                        if due {
-                            // Waiting any longer would cost this take its budget: the queue
-                            // goes now, beside the calls in flight.
-                            let launched = {
-                                let mut l = lane.borrow_mut();
-                                let launched = l.launch();
-                                l.in_flight += usize::from(launched.is_some());
-                                launched
-                            };
-                            match launched {
-                                Some((leader, riders)) if Rc::ptr_eq(&leader, &me) => {
-                                    return Poll::Ready(Err(riders));
-                                }
-                                Some((leader, riders)) => leader.settle(State::Lead(riders)),
-                                None => {}
-                            }
-                        }
+                    if let Some(riders) = self.launch_if_due(&me, &lane, due, timer.as_mut(), cx) {
+                        return Poll::Ready(Err(riders));
                     }
                     *me.waker.borrow_mut() = Some(cx.waker().clone());
                     Poll::Pending
@@ -542,6 +499,80 @@ impl Coalescer {
         match answer {
             Ok(answer) => answer,
             Err(riders) => self.lead(id, lane, take, riders, call).await,
+        }
+    }
+
+    /// When a take that wants its answer by `due` must be sent to keep its budget, given
+    /// the calls in flight on `lane`: it queues until then (`Ok`; `None`: no budget, it
+    /// waits for its turn). `Err`: it cannot afford to wait at all, and leads a call now
+    /// with the queue on it (these riders; the lane counts the call in flight).
+    fn due(
+        &self,
+        lane: &LaneRef,
+        due: Option<Instant>,
+    ) -> Result<Option<Instant>, Vec<Rc<Waiter>>> {
+        let oldest = lane.borrow().sent.front().copied();
+        match due {
+            Some(d) => match self.rtt.last_send(d, oldest) {
+                Some(t) if t > Instant::now() => Ok(Some(d)),
+                _ => {
+                    let mut l = lane.borrow_mut();
+                    l.in_flight += 1;
+                    Err(l.board(MAX_BATCH - 1))
+                }
+            },
+            None => Ok(None),
+        }
+    }
+
+    /// For a take `me` queued on `lane` until `due`: while it is the oldest in the queue,
+    /// arms the `timer` for the last moment it can be sent, and when that comes sends the
+    /// queue beside the calls in flight. `Some`: `me` leads that call, with these riders.
+    fn launch_if_due(
+        &self,
+        me: &Rc<Waiter>,
+        lane: &LaneRef,
+        due: Option<Instant>,
+        mut timer: std::pin::Pin<&mut Option<tokio::time::Sleep>>,
+        cx: &mut std::task::Context<'_>,
+    ) -> Option<Vec<Rc<Waiter>>> {
+        let front = lane
+            .borrow()
+            .queue
+            .front()
+            .is_some_and(|w| Rc::ptr_eq(w, me));
+        let (true, Some(due)) = (front, due) else {
+            return None;
+        };
+        if timer.is_none() {
+            let since = lane.borrow().sent.front().copied();
+            let at = self.rtt.last_send(due, since);
+            // None: no time left to wait at all.
+            let at = at.unwrap_or_else(Instant::now);
+            timer.set(Some(tokio::time::sleep_until(at)));
+        }
+        let due = timer
+            .as_mut()
+            .as_pin_mut()
+            .is_some_and(|t| t.poll(cx).is_ready());
+        if !due {
+            return None;
+        }
+        // Waiting any longer would cost this take its budget: the queue goes now, beside
+        // the calls in flight.
+        let launched = {
+            let mut l = lane.borrow_mut();
+            let launched = l.launch();
+            l.in_flight += usize::from(launched.is_some());
+            launched
+        };
+        match launched {
+            Some((leader, riders)) if Rc::ptr_eq(&leader, me) => Some(riders),
+            Some((leader, riders)) => {
+                leader.settle(State::Lead(riders));
+                None
+            }
+            None => None,
         }
     }
 
@@ -622,12 +653,12 @@ mod tests {
     use tokio::sync::mpsc;
 
     use super::*;
-    use crate::domain::limits::{take_many, Level};
-    use crate::domain::{Bucket, Limit};
+    use crate::limits::{take_many, Bucket, Level};
 
     static ONE_BUCKET: std::sync::LazyLock<Vec<Applied>> = std::sync::LazyLock::new(|| {
-        let bucket = Limit::default_bucket(Bucket::new(3.0, 0.001).unwrap());
-        vec![Applied::of(0, &bucket)]
+        vec![crate::redis::fixtures::default_bucket(
+            Bucket::new(3.0, 0.001).unwrap(),
+        )]
     });
 
     fn take() -> Take<'static> {

@@ -1,5 +1,5 @@
-//! Limit takes (through the coalescer), adjustments, inspection and refills: the request
-//! path's part of the Redis store, one `EVALSHA` per decision (or per batch of queued
+//! [`RedisBuckets`], the [`Buckets`] port on Redis: limit takes (through the coalescer),
+//! adjustments, inspection and refills, one `EVALSHA` per decision (or per batch of queued
 //! decisions), whatever the number of limits.
 
 use std::sync::Arc;
@@ -9,16 +9,58 @@ use async_trait::async_trait;
 use futures_util::future::BoxFuture;
 use redis::AsyncCommands;
 
-use super::backend::{retrying, Backend, RedisStore};
-use super::coalesce::{Batch, Take};
-use super::gather::{one_bucket, Conn, Entry, Group, Op};
-use crate::domain::limits::{spend_takes, take_many, Level};
-use crate::domain::{bucket, Applied, AppliedKind, Bucket, BucketState, Ruling};
-use crate::store::keys::{key_slot, state_field};
-use crate::store::{BucketCalls, Buckets, Budget, StoreError};
+use super::backend::{Backend, BUCKET_LUA};
+use super::coalesce::{Batch, Coalescer, Take};
+use super::gather::{answers, one_bucket, Conn, Entry, Gatherer, Group, Op};
+use crate::limits::{bucket, Applied, AppliedKind, Bucket, BucketState, Ruling};
+use crate::limits::{spend_takes, take_many, Level};
+use crate::retrying;
+use crate::{key_slot, state_field, StateGroups, CLUSTER_STATE_GROUPS};
+use crate::{BucketCalls, Buckets, Budget, StoreError};
+
+/// Every client's limits on Redis (one server or a cluster): the [`Buckets`] port.
+pub struct RedisBuckets {
+    backend: Arc<Backend>,
+    /// Where client state lives (`engine/lua/bucket.lua`).
+    groups: StateGroups,
+    /// Bounds a peek (`redis.control_timeout_ms`).
+    control_timeout: Duration,
+    coalescer: Coalescer,
+    /// Take entries, gathered per worker turn into script calls.
+    takes: Gatherer,
+    /// Adjustments and peeks, gathered apart from the takes.
+    others: Gatherer,
+}
+
+impl RedisBuckets {
+    /// Buckets on `backend`, their state under `prefix` (one state group on one server,
+    /// [`CLUSTER_STATE_GROUPS`] on a cluster); a peek waits at most `control_timeout`.
+    pub fn new(backend: Arc<Backend>, prefix: &str, control_timeout: Duration) -> RedisBuckets {
+        let groups = StateGroups::new(
+            prefix,
+            match *backend {
+                Backend::Single { .. } => 1,
+                Backend::Cluster(_) => CLUSTER_STATE_GROUPS,
+            },
+        );
+        RedisBuckets {
+            backend,
+            groups,
+            control_timeout,
+            coalescer: Coalescer::default(),
+            takes: Gatherer::new(BUCKET_LUA),
+            others: Gatherer::new(BUCKET_LUA),
+        }
+    }
+
+    /// Where client state lives.
+    pub fn groups(&self) -> &StateGroups {
+        &self.groups
+    }
+}
 
 #[async_trait(?Send)]
-impl Buckets for RedisStore {
+impl Buckets for RedisBuckets {
     /// Takes `cost` from every limit in `applied` at `key`, or from none; a call Redis
     /// does not answer within `budget.store` answers [`StoreError::Deadline`]. Takes for
     /// the same limits that arrive on this worker while a call for them is in flight go
@@ -49,7 +91,7 @@ impl Buckets for RedisStore {
     /// Keeps this worker thread's request-path connection open, from before the first
     /// request until the thread ends (one server; a cluster connection keeps itself).
     async fn keep_connected(&self) {
-        if let Backend::Single { per_thread, .. } = &self.backend {
+        if let Backend::Single { per_thread, .. } = &*self.backend {
             per_thread.keep().await;
         }
     }
@@ -104,7 +146,7 @@ impl Buckets for RedisStore {
         }
         let (g, tag) = self.groups.locate(key);
         let fields: Vec<String> = buckets.iter().map(|f| state_field(tag, f)).collect();
-        retrying!(self, |c| async {
+        retrying!(self.backend, |c| async {
             let _: i64 = c.hdel(self.groups.key(g), &fields).await?;
             Ok(())
         }
@@ -121,7 +163,7 @@ impl Buckets for RedisStore {
     }
 }
 
-impl RedisStore {
+impl RedisBuckets {
     /// One `EVALSHA` deciding `batch.n` takes, in order. Several may be in flight for one
     /// key: they go out on this worker's one connection, which Redis serves in order, and
     /// each reply carries the levels at its own start.
@@ -131,22 +173,10 @@ impl RedisStore {
         batch: Batch<'_>,
         budget: Option<Duration>,
     ) -> Result<Vec<Ruling>, StoreError> {
-        let EntryReply {
-            mut levels,
-            now_us,
-            takes,
-            skip,
-        } = self
+        let reply = self
             .call(key, Op::Take, batch.applied, batch.cost, batch.n, budget)
             .await?;
-        // The script did the same arithmetic from the same levels, for the takes of this
-        // client that joined the entry before these (`skip`), then these.
-        spend_takes(batch.applied, &mut levels, batch.cost, skip);
-        let mut rulings = take_many(batch.applied, levels, batch.cost, batch.n, now_us);
-        for r in &mut rulings {
-            r.batch = u32::try_from(takes).unwrap_or(u32::MAX);
-        }
-        Ok(rulings)
+        Ok(replay(reply, batch))
     }
 
     /// One entry of a script call. Takes are gathered with the other takes this
@@ -178,12 +208,12 @@ impl RedisStore {
             Op::Adjust | Op::Peek => &self.others,
         };
         let conn = || async {
-            Ok(match &self.backend {
+            Ok(match &*self.backend {
                 Backend::Single { per_thread, .. } => Conn::Single(per_thread.get().await?),
                 Backend::Cluster(c) => Conn::Cluster(c.conn()),
             })
         };
-        let batch = match &self.backend {
+        let batch = match &*self.backend {
             Backend::Single { .. } => Group::All,
             Backend::Cluster(c) => {
                 let slot = key_slot(group);
@@ -210,7 +240,7 @@ impl RedisStore {
 
     /// The tokens now (refilled on Redis' clock) of the bucket whose state is under
     /// `field`, or `None` if it has none (a missing bucket is full).
-    pub(super) async fn bucket_tokens(
+    pub async fn bucket_tokens(
         &self,
         key: &str,
         field: &str,
@@ -218,7 +248,7 @@ impl RedisStore {
     ) -> Result<Option<f64>, StoreError> {
         let (g, tag) = self.groups.locate(key);
         let field = state_field(tag, field);
-        retrying!(self, |c| async {
+        retrying!(self.backend, |c| async {
             let (value, (secs, micros)): (Option<Vec<u8>>, (u64, u64)) = redis::pipe()
                 .hget(self.groups.key(g), &field)
                 .cmd("TIME")
@@ -232,6 +262,25 @@ impl RedisStore {
         }
         .await)
     }
+}
+
+/// Each of `batch`'s takes' ruling, from the levels the script answered for its entry.
+/// The script did the same arithmetic from the same levels, for the takes of this client
+/// that joined the entry before these (`skip`), then these: redone here, each take gets
+/// its own exact answer.
+fn replay(reply: EntryReply, batch: Batch<'_>) -> Vec<Ruling> {
+    let EntryReply {
+        mut levels,
+        now_us,
+        takes,
+        skip,
+    } = reply;
+    spend_takes(batch.applied, &mut levels, batch.cost, skip);
+    let mut rulings = take_many(batch.applied, levels, batch.cost, batch.n, now_us);
+    for r in &mut rulings {
+        r.batch = u32::try_from(takes).unwrap_or(u32::MAX);
+    }
+    rulings
 }
 
 /// What the script answered for one entry.
@@ -248,8 +297,8 @@ struct EntryReply {
 
 /// A bucket's stored state: struct `<ddd` (tokens, when, and when it may be swept).
 /// `None` for a quota's state (its sweep time carries half a microsecond: the mark
-/// `lua/bucket.lua` describes), as for anything else that is not a bucket's.
-pub(super) fn decode_state(v: &[u8]) -> Option<BucketState> {
+/// `engine/lua/bucket.lua` describes), as for anything else that is not a bucket's.
+fn decode_state(v: &[u8]) -> Option<BucketState> {
     let word = |at: usize| -> Option<f64> {
         Some(f64::from_le_bytes(v.get(at..at + 8)?.try_into().ok()?))
     };
@@ -261,7 +310,7 @@ pub(super) fn decode_state(v: &[u8]) -> Option<BucketState> {
     })
 }
 
-/// An entry's levels in the reply (little-endian doubles, see `lua/bucket.lua`): one for
+/// An entry's levels in the reply (little-endian doubles, see `engine/lua/bucket.lua`): one for
 /// a set of one bucket, else two per limit.
 fn parse_reply(reply: &[u8], applied: &[Applied]) -> Result<Vec<Level>, StoreError> {
     let word =
@@ -287,15 +336,53 @@ fn parse_reply(reply: &[u8], applied: &[Applied]) -> Result<Vec<Level>, StoreErr
         .collect())
 }
 
+/// A call's `reply` (one entry per status byte, each one take of `cost` from `applied` by
+/// a client of its own) split into its entries' parts, each parsed and replayed: what the
+/// takes of a call do with its reply. For the engine's benchmarks.
+#[doc(hidden)]
+pub fn replay_call(
+    reply: Vec<Vec<u8>>,
+    applied: &[Applied],
+    cost: f64,
+) -> Result<Vec<Vec<Ruling>>, StoreError> {
+    let size = if one_bucket(applied) {
+        8
+    } else {
+        16 * applied.len()
+    };
+    let entries = reply.get(1).map_or(0, Vec::len);
+    let sizes = vec![size; entries];
+    answers(reply, &sizes, entries as u64)?
+        .into_iter()
+        .map(|answer| {
+            let bytes = answer.bytes().map_err(StoreError::Refused)?;
+            let reply = EntryReply {
+                levels: parse_reply(bytes, applied)?,
+                now_us: answer.now_us,
+                takes: answer.takes,
+                skip: answer.skip,
+            };
+            Ok(replay(
+                reply,
+                Batch {
+                    applied,
+                    cost,
+                    n: 1,
+                },
+            ))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use std::rc::Rc;
 
     use tollgate_testkit::RedisServer;
 
-    use crate::store::redis::coalesce::Batch;
-    use crate::store::redis::gather::tests::{bucket_of_five, store_at, tokens_in};
-    use crate::store::Buckets;
+    use crate::redis::coalesce::Batch;
+    use crate::redis::gather::tests::{bucket_of_five, store_at, tokens_in};
+    use crate::Buckets;
 
     /// A worker so busy that every take of a hot client leads a call of its own (see
     /// `coalesce`): the takes it makes in one turn still cost Redis one entry of one call,

@@ -16,7 +16,7 @@ pub struct Budget {
     pub due: Instant,
     /// How long the store has to answer a call, from when the call is written to its
     /// connection (`redis.timeout_ms`). Past it, the call's takes answer
-    /// [`StoreError::Deadline`](super::StoreError::Deadline) unless the reply is found
+    /// [`StoreError::Deadline`](crate::StoreError::Deadline) unless the reply is found
     /// waiting on the socket (see `gather`).
     pub store: Duration,
 }

@@ -1,7 +1,5 @@
 //! Why the store could not answer, and the kind each failure counts under in the metrics.
 
-use crate::metrics::StoreErrorKind;
-
 /// Why the store could not answer.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
@@ -22,7 +20,7 @@ pub enum StoreError {
     #[error("the call deciding this request was abandoned by the request that led it")]
     Abandoned,
     /// The store did not answer a call within its budget, counted from when the call was
-    /// written to its connection (see [`super::Budget`]): a slow or dead store.
+    /// written to its connection (see [`Budget`](crate::Budget)): a slow or dead store.
     #[error("the store did not answer within its budget")]
     Deadline,
 }
@@ -45,5 +43,26 @@ impl StoreError {
             | StoreError::File(_) => StoreErrorKind::Reply,
             StoreError::Pool(_) => StoreErrorKind::Pool,
         }
+    }
+}
+
+/// What kind of store failure a call met: the `kind` label it counts under in the gateway's
+/// `tollgate_store_errors_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreErrorKind {
+    Timeout,
+    Connection,
+    Script,
+    Reply,
+    Pool,
+}
+
+impl StoreErrorKind {
+    /// Every kind's label, in [`StoreErrorKind`] order.
+    pub const LABELS: [&'static str; 5] = ["timeout", "connection", "script", "reply", "pool"];
+
+    /// The `kind` label of `tollgate_store_errors_total`.
+    pub fn label(self) -> &'static str {
+        Self::LABELS[self as usize]
     }
 }

@@ -8,7 +8,7 @@
 //! before that task runs joins the batch, one entry per client (a client's takes at one
 //! cost from the same limits share one: a hot client on a saturated worker, whose takes
 //! each lead a call, still costs one entry per turn). Then one `EVALSHA`
-//! (`lua/bucket.lua`, one entry per key) decides them all, in order, on the worker's
+//! (`engine/lua/bucket.lua`, one entry per key) decides them all, in order, on the worker's
 //! connection.
 //!
 //! Nothing waits for a batch to fill: an idle gateway sends each take as soon as the
@@ -38,10 +38,10 @@ use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, RedisWrite, Script, ToRedisArgs};
 use tokio::sync::oneshot;
 
-use crate::domain::quota::Bounds;
-use crate::domain::{Applied, AppliedKind};
-use crate::store::{BucketCalls, Every, StoreError};
-use tollgate_engine::pool::Link;
+use crate::limits::quota::Bounds;
+use crate::limits::{Applied, AppliedKind};
+use crate::pool::Link;
+use crate::{BucketCalls, Every, StoreError};
 
 /// Most entries one call carries; more open the next batch.
 pub const MAX_ENTRIES: usize = 128;
@@ -141,7 +141,7 @@ pub enum Group {
 }
 
 /// A call's reply: Redis' clock, a status per entry, the decided entries' results
-/// concatenated, then the failed entries' errors (see `lua/bucket.lua`); and where each
+/// concatenated, then the failed entries' errors (see `engine/lua/bucket.lua`); and where each
 /// entry's part is.
 #[derive(Debug)]
 struct Reply {
@@ -222,7 +222,7 @@ struct Pending {
     open: bool,
 }
 
-/// An entry as the script takes it (see `lua/bucket.lua`).
+/// An entry as the script takes it (see `engine/lua/bucket.lua`).
 struct Queued {
     /// Its group and limit set (0-based indices).
     group: u16,
@@ -272,7 +272,7 @@ struct Counts {
     sweep: Every,
 }
 
-/// The least number of fields a sweep examines (see `lua/bucket.lua`: a sixtieth of the
+/// The least number of fields a sweep examines (see `engine/lua/bucket.lua`: a sixtieth of the
 /// group if more).
 pub const SWEEP_FIELDS: u64 = 64;
 /// A gatherer's calls ask for a sweep at most this often; the script sweeps a group at
@@ -467,7 +467,7 @@ fn same_limits(a: &[Applied], b: &[Applied]) -> bool {
 /// How many arguments [`encode_set`] writes for a set of one bucket.
 const SET_ARGS: usize = 7;
 
-/// A limit set's arguments (see `lua/bucket.lua`).
+/// A limit set's arguments (see `engine/lua/bucket.lua`).
 fn encode_set(argv: &mut Argv, applied: &[Applied]) {
     argv.push_int(applied.len());
     for a in applied {
@@ -517,164 +517,245 @@ fn wall_clock_us() -> u64 {
 
 /// Closes the batch and sends it as one call; answers every entry.
 async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
-    let (
+    let (contents, delivery) = close(batch);
+    let Delivery {
         mut conn,
         reader,
         budget,
-        declare_all,
-        groups,
-        sets,
-        set_args,
-        entries,
-        tags,
         mut waiters,
         takes,
-    ) = {
-        let mut b = batch.lock().unwrap_or_else(|p| p.into_inner());
-        b.open = false;
-        let conn = match &b.conn {
-            Conn::Single(l) => Conn::Single(l.clone()),
-            Conn::Cluster(c) => Conn::Cluster(c.clone()),
-        };
-        // A second handle on the link, to look for the reply on its socket when the
-        // budget ends (the call holds the first).
-        let reader = match &b.conn {
-            Conn::Single(l) if b.budget.is_some() => Some(l.clone()),
-            _ => None,
-        };
-        (
-            conn,
-            reader,
-            b.budget,
-            b.declare_all,
-            std::mem::take(&mut b.groups),
-            b.sets.len(),
-            std::mem::take(&mut b.set_args),
-            std::mem::take(&mut b.entries),
-            std::mem::take(&mut b.tags),
-            std::mem::take(&mut b.waiters),
-            b.takes,
-        )
-    };
-    drop(batch);
+    } = delivery;
     counts.calls.fetch_add(1, Ordering::Relaxed);
     counts.takes.fetch_add(takes, Ordering::Relaxed);
-
-    // The entries in runs (their clients are distinct, so their order is free); `at[i]`:
-    // where waiter i's entry went.
-    let mut order: Vec<usize> = (0..entries.len()).collect();
-    order.sort_by_key(|&i| entries[i].run_key());
-    let mut at = vec![0; entries.len()];
-    let mut runs = Vec::with_capacity(19 * entries.len());
-    let mut tag_args = Argv::with_capacity(tags.len(), entries.len());
-    let mut sizes = Vec::with_capacity(entries.len());
-    let mut run_start = 0;
-    for (pos, &i) in order.iter().enumerate() {
-        at[i] = pos;
-        let e = &entries[i];
-        tag_args.push_bytes(&tags[e.tag.clone()]);
-        sizes.push(e.size);
-        let last = order
-            .get(pos + 1)
-            .is_none_or(|&next| entries[next].run_key() != e.run_key());
-        if last {
-            // struct '<HBdIHH': length, op, cost, n, set, group (both 1-based).
-            runs.extend_from_slice(&((pos + 1 - run_start) as u16).to_le_bytes());
-            runs.push(e.op);
-            runs.extend_from_slice(&e.cost.to_le_bytes());
-            runs.extend_from_slice(&e.n.to_le_bytes());
-            runs.extend_from_slice(&(e.set + 1).to_le_bytes());
-            runs.extend_from_slice(&(e.group + 1).to_le_bytes());
-            run_start = pos + 1;
-        }
-    }
-
-    // Its arguments: 7 of their own (the name, the hash, the two group counts, the sweep,
-    // the set count, the runs), one per group, the sets' and the tags'; 3 to spare.
-    let args = 10 + groups.len() + set_args.ends.len() + tag_args.ends.len();
-    let bytes = 64
-        + groups.iter().map(String::len).sum::<usize>()
-        + set_args.buf.len()
-        + runs.len()
-        + tag_args.buf.len();
-    let mut cmd = redis::Cmd::with_capacity(args, bytes);
-    cmd.arg("EVALSHA").arg(&script.hash);
-    if declare_all {
-        cmd.arg(groups.len()).arg(&groups).arg(0);
-    } else {
-        cmd.arg(1)
-            .arg(&groups[0])
-            .arg(groups.len() - 1)
-            .arg(&groups[1..]);
-    }
     let sweep = if counts.sweep.due() { SWEEP_FIELDS } else { 0 };
-    cmd.arg(sweep)
-        .arg(sets)
-        .arg(&set_args)
-        .arg(&runs)
-        .arg(&tag_args);
+    let Call { cmd, sizes, at } = contents.encode(&script.hash, sweep);
     let reply = match budget {
         Some(budget) => {
-            // The store's budget starts now: the call is written in its first poll, just
-            // below. Time the worker took to get here is its own, not the store's.
-            let mut end = tokio::time::Instant::now() + budget;
-            let mut call = std::pin::pin!(call(&mut conn, &cmd, &script));
-            let mut graces = 0;
-            loop {
-                let in_time = tokio::select! {
-                    biased;
-                    r = &mut call => Some(r),
-                    () = tokio::time::sleep_until(end) => None,
-                };
-                if let Some(r) = in_time {
-                    break r;
-                }
-                // The timer fired, perhaps long after `end` on a busy worker, before the
-                // connection's driver ran: a reply on the socket now came in time, or is
-                // late by less than the worker's own delay. Either way the store
-                // answered, and its answer is used.
-                if let Some(link) = &reader {
-                    link.read_now();
-                }
-                if let Some(r) = futures_util::FutureExt::now_or_never(call.as_mut()) {
-                    break r;
-                }
-                // No reply. If the gateway looked late, it was not running while the
-                // budget ran out (a busy worker, a stopped process, a paused host, which
-                // stops the store on the same host too): the store gets that time back,
-                // up to one budget, at most twice. A punctual look is the store's answer.
-                let late = tokio::time::Instant::now().saturating_duration_since(end);
-                if late <= LATE_LOOK || graces == MAX_GRACES {
+            match within_budget(&mut conn, &cmd, &script, budget, reader.as_ref()).await {
+                Some(r) => r,
+                None => {
                     for (tx, _, _) in waiters {
                         let _ = tx.send(Err(StoreError::Deadline));
                     }
                     return;
                 }
-                graces += 1;
-                end = tokio::time::Instant::now() + late.min(budget);
             }
         }
-        None => {
-            // Each waiter bounds its own wait (the control timeout), but the call has no
-            // deadline of its own: on a connection gone silent it would wait, and keep
-            // the connection open, forever. So it is dropped once nobody waits for it any
-            // more, checked only after `ABANDON_CHECK` (a call normally answers long
-            // before).
-            let nobody_waits = async {
-                tokio::time::sleep(ABANDON_CHECK).await;
-                futures_util::future::join_all(waiters.iter_mut().map(|(tx, _, _)| tx.closed()))
-                    .await;
-            };
-            tokio::select! {
-                r = call(&mut conn, &cmd, &script) => r,
-                () = nobody_waits => return,
-            }
-        }
+        None => match unless_abandoned(&mut conn, &cmd, &script, &mut waiters).await {
+            Some(r) => r,
+            None => return,
+        },
     };
     let answer = match reply {
         Ok(r) => split(r, &sizes),
         Err(e) => Err(StoreError::Redis(e)),
     };
+    answer_all(waiters, answer, takes, &at);
+}
+
+/// What a closed batch's call says: its entries, their groups and limit sets.
+struct Contents {
+    /// Whether the call declares every group (else only the first).
+    declare_all: bool,
+    groups: Vec<String>,
+    /// How many limit sets `set_args` holds.
+    sets: usize,
+    set_args: Argv,
+    entries: Vec<Queued>,
+    tags: Vec<u8>,
+}
+
+/// Where a closed batch's call goes, and who waits for its answer.
+struct Delivery {
+    conn: Conn,
+    /// A second handle on the link, to look for the reply on its socket when the budget
+    /// ends (the call holds the first).
+    reader: Option<Link>,
+    budget: Option<std::time::Duration>,
+    waiters: Vec<(Waiter, usize, usize)>,
+    takes: u64,
+}
+
+/// A batch's script call: the command, each entry's result size in the reply's order, and
+/// where each entry went in that order (`at[i]`: entry i's place).
+struct Call {
+    cmd: redis::Cmd,
+    sizes: Vec<usize>,
+    at: Vec<usize>,
+}
+
+/// Closes the batch to new entries and takes what its call needs out of it.
+fn close(batch: Shared) -> (Contents, Delivery) {
+    let mut b = batch.lock().unwrap_or_else(|p| p.into_inner());
+    b.open = false;
+    let conn = match &b.conn {
+        Conn::Single(l) => Conn::Single(l.clone()),
+        Conn::Cluster(c) => Conn::Cluster(c.clone()),
+    };
+    let reader = match &b.conn {
+        Conn::Single(l) if b.budget.is_some() => Some(l.clone()),
+        _ => None,
+    };
+    let contents = Contents {
+        declare_all: b.declare_all,
+        groups: std::mem::take(&mut b.groups),
+        sets: b.sets.len(),
+        set_args: std::mem::take(&mut b.set_args),
+        entries: std::mem::take(&mut b.entries),
+        tags: std::mem::take(&mut b.tags),
+    };
+    let delivery = Delivery {
+        conn,
+        reader,
+        budget: b.budget,
+        waiters: std::mem::take(&mut b.waiters),
+        takes: b.takes,
+    };
+    (contents, delivery)
+}
+
+impl Contents {
+    /// The `EVALSHA` of the script `hash`, asking for a sweep of `sweep` fields: the
+    /// entries in runs (their clients are distinct, so their order is free).
+    fn encode(&self, hash: &str, sweep: u64) -> Call {
+        let Contents {
+            declare_all,
+            groups,
+            sets,
+            set_args,
+            entries,
+            tags,
+        } = self;
+        let mut order: Vec<usize> = (0..entries.len()).collect();
+        order.sort_by_key(|&i| entries[i].run_key());
+        let mut at = vec![0; entries.len()];
+        let mut runs = Vec::with_capacity(19 * entries.len());
+        let mut tag_args = Argv::with_capacity(tags.len(), entries.len());
+        let mut sizes = Vec::with_capacity(entries.len());
+        let mut run_start = 0;
+        for (pos, &i) in order.iter().enumerate() {
+            at[i] = pos;
+            let e = &entries[i];
+            tag_args.push_bytes(&tags[e.tag.clone()]);
+            sizes.push(e.size);
+            let last = order
+                .get(pos + 1)
+                .is_none_or(|&next| entries[next].run_key() != e.run_key());
+            if last {
+                // struct '<HBdIHH': length, op, cost, n, set, group (both 1-based).
+                runs.extend_from_slice(&((pos + 1 - run_start) as u16).to_le_bytes());
+                runs.push(e.op);
+                runs.extend_from_slice(&e.cost.to_le_bytes());
+                runs.extend_from_slice(&e.n.to_le_bytes());
+                runs.extend_from_slice(&(e.set + 1).to_le_bytes());
+                runs.extend_from_slice(&(e.group + 1).to_le_bytes());
+                run_start = pos + 1;
+            }
+        }
+
+        // Its arguments: 7 of their own (the name, the hash, the two group counts, the
+        // sweep, the set count, the runs), one per group, the sets' and the tags'; 3 to
+        // spare.
+        let args = 10 + groups.len() + set_args.ends.len() + tag_args.ends.len();
+        let bytes = 64
+            + groups.iter().map(String::len).sum::<usize>()
+            + set_args.buf.len()
+            + runs.len()
+            + tag_args.buf.len();
+        let mut cmd = redis::Cmd::with_capacity(args, bytes);
+        cmd.arg("EVALSHA").arg(hash);
+        if *declare_all {
+            cmd.arg(groups.len()).arg(groups).arg(0);
+        } else {
+            cmd.arg(1)
+                .arg(&groups[0])
+                .arg(groups.len() - 1)
+                .arg(&groups[1..]);
+        }
+        cmd.arg(sweep)
+            .arg(*sets)
+            .arg(set_args)
+            .arg(&runs)
+            .arg(&tag_args);
+        Call { cmd, sizes, at }
+    }
+}
+
+/// `cmd` on `conn` within the store's `budget`, counted from when it is written; `None`:
+/// no answer in time.
+async fn within_budget(
+    conn: &mut Conn,
+    cmd: &redis::Cmd,
+    script: &Lua,
+    budget: std::time::Duration,
+    reader: Option<&Link>,
+) -> Option<Result<Vec<Vec<u8>>, RedisError>> {
+    // The store's budget starts now: the call is written in its first poll, just below.
+    // Time the worker took to get here is its own, not the store's.
+    let mut end = tokio::time::Instant::now() + budget;
+    let mut call = std::pin::pin!(call(conn, cmd, script));
+    let mut graces = 0;
+    loop {
+        let in_time = tokio::select! {
+            biased;
+            r = &mut call => Some(r),
+            () = tokio::time::sleep_until(end) => None,
+        };
+        if let Some(r) = in_time {
+            return Some(r);
+        }
+        // The timer fired, perhaps long after `end` on a busy worker, before the
+        // connection's driver ran: a reply on the socket now came in time, or is late by
+        // less than the worker's own delay. Either way the store answered, and its answer
+        // is used.
+        if let Some(link) = reader {
+            link.read_now();
+        }
+        if let Some(r) = futures_util::FutureExt::now_or_never(call.as_mut()) {
+            return Some(r);
+        }
+        // No reply. If the gateway looked late, it was not running while the budget ran
+        // out (a busy worker, a stopped process, a paused host, which stops the store on
+        // the same host too): the store gets that time back, up to one budget, at most
+        // twice. A punctual look is the store's answer.
+        let late = tokio::time::Instant::now().saturating_duration_since(end);
+        if late <= LATE_LOOK || graces == MAX_GRACES {
+            return None;
+        }
+        graces += 1;
+        end = tokio::time::Instant::now() + late.min(budget);
+    }
+}
+
+/// `cmd` on `conn` with no deadline of its own; `None`: nobody waits for it any more.
+///
+/// Each waiter bounds its own wait (the control timeout), but the call has no deadline of
+/// its own: on a connection gone silent it would wait, and keep the connection open,
+/// forever. So it is dropped once nobody waits for it any more, checked only after
+/// `ABANDON_CHECK` (a call normally answers long before).
+async fn unless_abandoned(
+    conn: &mut Conn,
+    cmd: &redis::Cmd,
+    script: &Lua,
+    waiters: &mut [(Waiter, usize, usize)],
+) -> Option<Result<Vec<Vec<u8>>, RedisError>> {
+    let nobody_waits = async {
+        tokio::time::sleep(ABANDON_CHECK).await;
+        futures_util::future::join_all(waiters.iter_mut().map(|(tx, _, _)| tx.closed())).await;
+    };
+    tokio::select! {
+        r = call(conn, cmd, script) => Some(r),
+        () = nobody_waits => None,
+    }
+}
+
+/// Gives every waiter its entry's part of the call's `answer` (or its error).
+fn answer_all(
+    waiters: Vec<(Waiter, usize, usize)>,
+    answer: Result<(u64, Arc<Reply>), StoreError>,
+    takes: u64,
+    at: &[usize],
+) {
     match answer {
         Ok((now_us, reply)) => {
             for (tx, entry, skip) in waiters {
@@ -693,6 +774,64 @@ async fn send(batch: Shared, script: Arc<Lua>, counts: Arc<Counts>) {
             }
         }
     }
+}
+
+/// The `EVALSHA` of one call of `tags.len()` entries, each a take of `cost` from the limits
+/// `applied` of the client under its tag in `group`, as the gatherer encodes it. For the
+/// engine's benchmarks.
+#[doc(hidden)]
+pub fn encode_takes(group: &str, tags: &[&str], applied: &[Applied], cost: f64) -> redis::Cmd {
+    let mut set_args = Argv::with_capacity(64, SET_ARGS);
+    encode_set(&mut set_args, applied);
+    let mut contents = Contents {
+        declare_all: true,
+        groups: vec![group.to_owned()],
+        sets: 1,
+        set_args,
+        entries: Vec::with_capacity(tags.len()),
+        tags: Vec::new(),
+    };
+    for tag in tags {
+        let start = contents.tags.len();
+        contents.tags.extend_from_slice(tag.as_bytes());
+        contents.entries.push(Queued {
+            group: 0,
+            set: 0,
+            op: b't',
+            cost,
+            n: 1,
+            tag: start..contents.tags.len(),
+            size: if one_bucket(applied) {
+                8
+            } else {
+                16 * applied.len()
+            },
+        });
+    }
+    contents
+        .encode("0123456789abcdef0123456789abcdef01234567", 0)
+        .cmd
+}
+
+/// Each entry's part of a call's `reply`, for entries of these result `sizes`, the call
+/// having decided `takes` requests: what the gatherer makes of a reply. For the engine's
+/// benchmarks.
+#[doc(hidden)]
+pub fn answers(
+    reply: Vec<Vec<u8>>,
+    sizes: &[usize],
+    takes: u64,
+) -> Result<Vec<Answer>, StoreError> {
+    let (now_us, reply) = split(reply, sizes)?;
+    Ok((0..sizes.len())
+        .map(|at| Answer {
+            now_us,
+            takes,
+            skip: 0,
+            reply: Arc::clone(&reply),
+            at,
+        })
+        .collect())
 }
 
 /// `{ now, one status byte per entry ('1': decided), the decided entries' results, the
@@ -762,29 +901,26 @@ async fn query<T: redis::FromRedisValue>(
 #[cfg(test)]
 pub(super) mod tests {
     use std::rc::Rc;
+    use std::sync::Arc;
     use std::time::Duration;
 
-    use secrecy::SecretString;
     use tollgate_testkit::{FaultProxy, RedisServer};
 
-    use crate::domain::limits::{Level, Limit, Limits};
-    use crate::domain::Bucket;
-    use crate::store::redis::RedisStore;
-    use crate::store::{Buckets, Budget, Keys, StoreError};
+    use crate::limits::{Bucket, Level};
+    use crate::redis::fixtures::default_bucket;
+    use crate::redis::{Backend, RedisBuckets as RedisStore};
+    use crate::{Buckets, Budget, StoreError};
 
     use super::ABANDON_CHECK;
 
     /// A store on the Redis at `url`, with a control timeout of 1 s.
-    pub(in crate::store::redis) fn store_at(url: String) -> Rc<RedisStore> {
-        Rc::new(
-            RedisStore::connect(
-                &SecretString::from(url),
-                2,
-                Duration::from_secs(1),
-                Keys::new("tollgate:"),
-            )
-            .unwrap(),
-        )
+    pub(in crate::redis) fn store_at(url: String) -> Rc<RedisStore> {
+        let backend = Backend::single(&url, 2, Duration::from_secs(1)).unwrap();
+        Rc::new(RedisStore::new(
+            Arc::new(backend),
+            "tollgate:",
+            Duration::from_secs(1),
+        ))
     }
 
     /// A Redis behind a fault proxy, a store on it through the proxy, and a bucket of 5.
@@ -792,7 +928,7 @@ pub(super) mod tests {
         RedisServer,
         FaultProxy,
         Rc<RedisStore>,
-        Rc<Vec<crate::domain::Applied>>,
+        Rc<Vec<crate::limits::Applied>>,
     ) {
         let redis = RedisServer::start().unwrap();
         let proxy = FaultProxy::start(([127, 0, 0, 1], redis.port).into());
@@ -802,10 +938,10 @@ pub(super) mod tests {
 
     /// A plan of one bucket of 5, with next to no refill.
     /// The tokens `key`'s bucket holds now (a peek: nothing taken).
-    pub(in crate::store::redis) async fn tokens_in(
+    pub(in crate::redis) async fn tokens_in(
         store: &RedisStore,
         key: &str,
-        applied: &[crate::domain::Applied],
+        applied: &[crate::limits::Applied],
     ) -> f64 {
         let now = store.peek(key, applied).await.unwrap();
         let Level::Tokens(tokens) = now.levels[0] else {
@@ -814,12 +950,8 @@ pub(super) mod tests {
         tokens
     }
 
-    pub(in crate::store::redis) fn bucket_of_five() -> Rc<Vec<crate::domain::Applied>> {
-        let plan = Limits::new(vec![Limit::default_bucket(
-            Bucket::new(5.0, 0.001).unwrap(),
-        )])
-        .unwrap();
-        Rc::new(plan.every())
+    pub(in crate::redis) fn bucket_of_five() -> Rc<Vec<crate::limits::Applied>> {
+        Rc::new(vec![default_bucket(Bucket::new(5.0, 0.001).unwrap())])
     }
 
     #[test]
@@ -865,9 +997,7 @@ pub(super) mod tests {
     /// still be right, only slower.
     #[test]
     fn a_one_bucket_set_fills_the_arguments_a_lone_call_makes_room_for() {
-        let limits =
-            Limits::new(vec![Limit::default_bucket(Bucket::new(5.0, 1.0).unwrap())]).unwrap();
-        let applied = limits.applied(None);
+        let applied = [default_bucket(Bucket::new(5.0, 1.0).unwrap())];
         assert!(super::one_bucket(&applied));
         let mut argv = super::Argv::with_capacity(64, super::SET_ARGS);
         super::encode_set(&mut argv, &applied);
@@ -880,16 +1010,9 @@ pub(super) mod tests {
     async fn a_peek_at_a_redis_that_stopped_answering_gives_up_at_the_control_timeout() {
         let redis = RedisServer::start().unwrap();
         let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
-        let store = RedisStore::connect(
-            &SecretString::from(proxy.redis_url()),
-            2,
-            Duration::from_millis(200),
-            Keys::new("tollgate:"),
-        )
-        .unwrap();
-        let plan =
-            Limits::new(vec![Limit::default_bucket(Bucket::new(5.0, 1.0).unwrap())]).unwrap();
-        let applied = plan.every();
+        let backend = Backend::single(&proxy.redis_url(), 2, Duration::from_millis(200)).unwrap();
+        let store = RedisStore::new(Arc::new(backend), "tollgate:", Duration::from_millis(200));
+        let applied = [default_bucket(Bucket::new(5.0, 1.0).unwrap())];
         store.peek("tollgate:b:{a}", &applied).await.unwrap();
         // A peek writes nothing, not even a new group's mark.
         let exists: bool = redis::cmd("EXISTS")
@@ -906,7 +1029,7 @@ pub(super) mod tests {
         .await
         .expect("an answer, not a wait without end");
         assert!(
-            matches!(answer, Err(crate::store::StoreError::Deadline)),
+            matches!(answer, Err(crate::StoreError::Deadline)),
             "{answer:?}"
         );
     }

@@ -1,4 +1,4 @@
-//! The token bucket arithmetic, once. `lua/bucket.lua` performs the same operations in
+//! The token bucket arithmetic, once. `engine/lua/bucket.lua` performs the same operations in
 //! the same order, so the embedded store and Redis decide identically.
 //!
 //! A take answers with the wait until its cost exists: `Some(0)` when it did and was

@@ -26,7 +26,8 @@ const SECOND_US: u64 = 1_000_000;
 const HOUR_US: u64 = 3_600 * SECOND_US;
 
 /// How long a quota's window is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum Period {
     Hour,
