@@ -27,7 +27,8 @@ impl Store {
     /// The embedded store over the catalog file at `file` (created when missing), which it
     /// locks: a second process on the same file is refused.
     pub fn embedded(file: &Path) -> Result<Store, StoreError> {
-        Ok(Store::of(Arc::new(EmbeddedStore::open(file)?)))
+        let store = Arc::new(EmbeddedStore::open(file)?);
+        Ok(Store::of(store.clone(), store))
     }
 
     /// One Redis server at `url`, with a pool of `pool_size` connections for the calls off
@@ -39,12 +40,12 @@ impl Store {
         control_timeout: Duration,
         keys: Keys,
     ) -> Result<Store, StoreError> {
-        Ok(Store::of(Arc::new(RedisStore::connect(
+        Ok(Store::on_redis(RedisStore::connect(
             url,
             pool_size,
             control_timeout,
             keys,
-        )?)))
+        )?))
     }
 
     /// Redis Cluster from its seed `nodes`; connects in the background, like
@@ -54,19 +55,26 @@ impl Store {
         control_timeout: Duration,
         keys: Keys,
     ) -> Result<Store, StoreError> {
-        Ok(Store::of(Arc::new(RedisStore::connect_cluster(
+        Ok(Store::on_redis(RedisStore::connect_cluster(
             nodes,
             control_timeout,
             keys,
-        )?)))
+        )?))
     }
 
-    fn of<S>(s: Arc<S>) -> Store
+    /// Redis' ports: the engine's buckets (the request path calls them directly, not
+    /// through the store), the store's own for the rest.
+    fn on_redis(redis: RedisStore) -> Store {
+        let buckets = Arc::clone(&redis.buckets);
+        Store::of(buckets, Arc::new(redis))
+    }
+
+    fn of<S>(buckets: Arc<dyn Buckets>, s: Arc<S>) -> Store
     where
-        S: Buckets + Shards + CatalogRecords + AuditLog + ShadowCounts + Lifecycle + 'static,
+        S: Shards + CatalogRecords + AuditLog + ShadowCounts + Lifecycle + 'static,
     {
         Store {
-            buckets: s.clone(),
+            buckets,
             shards: s.clone(),
             catalog: s.clone(),
             audit: s.clone(),

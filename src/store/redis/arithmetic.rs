@@ -24,7 +24,7 @@
 //!   microsecond after, or half a second before. Histories start around DST changes, a
 //!   year's end, a leap day and a January 31st.
 //!
-//! **How.** The Redis side goes through the product's own path: [`RedisStore`]'s `take`,
+//! **How.** The Redis side goes through the product's own path: the engine's `take`,
 //! `adjust` and `peek` (the coalescer, `gather`'s call encoding, the script, the reply's
 //! parsing and `buckets`' replay) against a real `redis-server`. The Rust side is
 //! [`LocalLimits::run`] (what the embedded store calls) at the same instant (see the clock,
@@ -733,7 +733,7 @@ impl Replay<'_> {
                 delta,
             } => {
                 let applied = self.applied(*service, None);
-                let redis = self.world.runtime.block_on(self.world.store.adjust(
+                let redis = self.world.runtime.block_on(self.world.store.buckets.adjust(
                     CLIENTS[*client],
                     &applied,
                     *delta,
@@ -752,7 +752,7 @@ impl Replay<'_> {
                 let redis = self
                     .world
                     .runtime
-                    .block_on(self.world.store.peek(CLIENTS[*client], &applied))
+                    .block_on(self.world.store.buckets.peek(CLIENTS[*client], &applied))
                     .map_err(|e| format!("Redis refused the peek: {e}"))?;
                 if one_bucket(&applied) {
                     self.one_bucket_peek(*client, &applied[0], &redis)?;
@@ -845,7 +845,7 @@ impl Replay<'_> {
                                 store: Duration::from_secs(5),
                             });
                             tokio::task::spawn_local(async move {
-                                store.take(key, &applied, cost, budget).await
+                                store.buckets.take(key, &applied, cost, budget).await
                             })
                         })
                         .collect();

@@ -25,7 +25,7 @@ pub struct RedisStore {
     /// How commands reach Redis, shared with [`Self::buckets`].
     pub(super) backend: Arc<Backend>,
     /// Every client's limits: the engine's.
-    pub(super) buckets: RedisBuckets,
+    pub(crate) buckets: Arc<RedisBuckets>,
     pub(super) keys: Keys,
     /// Where client state lives (`engine/lua/bucket.lua`), for the tests that read it.
     #[cfg(test)]
@@ -40,7 +40,11 @@ pub struct RedisStore {
 impl RedisStore {
     fn new(backend: Backend, keys: Keys, url: String, control_timeout: Duration) -> RedisStore {
         let backend = Arc::new(backend);
-        let buckets = RedisBuckets::new(Arc::clone(&backend), keys.prefix(), control_timeout);
+        let buckets = Arc::new(RedisBuckets::new(
+            Arc::clone(&backend),
+            keys.prefix(),
+            control_timeout,
+        ));
         RedisStore {
             #[cfg(test)]
             groups: buckets.groups().clone(),

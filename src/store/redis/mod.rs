@@ -4,10 +4,11 @@
 //!
 //! `backend.rs` holds [`RedisStore`], which shares the engine's connections to Redis
 //! (`tollgate_engine::redis::Backend`: one server or a cluster); each of the store's ports
-//! is implemented in a file of its own: `limits.rs` (the `Buckets` port, handed to the
-//! engine), `catalog.rs`, `audit.rs`, `shadow.rs`, `shards.rs` and `lifecycle.rs` (with
-//! `persistence.rs`: what Redis keeps across its restart). `arithmetic.rs` and
-//! `script_paths.rs` test the engine's script against the embedded store's arithmetic.
+//! is implemented in a file of its own (the `Buckets` port is the engine's `RedisBuckets`,
+//! which `Store` hands out as it is): `catalog.rs`, `audit.rs`, `shadow.rs`, `shards.rs`
+//! and `lifecycle.rs` (with `persistence.rs`: what Redis keeps across its restart).
+//! `arithmetic.rs` and `script_paths.rs` test the engine's script against the embedded
+//! store's arithmetic.
 
 #[cfg(test)]
 mod arithmetic;
@@ -15,7 +16,6 @@ mod audit;
 mod backend;
 mod catalog;
 mod lifecycle;
-mod limits;
 mod persistence;
 #[cfg(test)]
 mod script_paths;
