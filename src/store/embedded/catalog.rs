@@ -221,96 +221,25 @@ impl FileCatalog {
     /// write staged for [`FileCatalog::commit`] once it is on disk, or the refusal.
     fn stage(&self, write: &CatalogWrite, audit: &Audit) -> Result<Staged, WriteOutcome> {
         let id = write.id();
-        let old: Option<(u64, String)> = match write {
-            CatalogWrite::PutSafety(..) => {
-                self.data.safety.as_ref().map(|v| (v.rev, json(&v.value)))
-            }
-            CatalogWrite::PutPlan(..) | CatalogWrite::DeletePlan(..) => PlanName::parse(id)
-                .ok()
-                .and_then(|n| self.data.plans.get(&n))
-                .map(|v| (v.rev, json(&v.value))),
-            _ => ClientId::parse(id)
-                .ok()
-                .and_then(|n| self.data.clients.get(&n))
-                .map(|v| (v.rev, json(&v.value))),
-        };
-        match (write.condition(), &old) {
-            (Condition::Absent, Some(_)) => return Err(WriteOutcome::Exists),
-            (Condition::Rev(_), None) => return Err(WriteOutcome::Missing),
-            (Condition::Rev(r), Some((rev, _))) if r != *rev => {
-                return Err(WriteOutcome::Stale { current: *rev })
-            }
-            _ => {}
-        }
+        let old = self.current(write);
+        admits(write.condition(), old.as_ref().map(|(rev, _)| *rev))?;
         let rev = self.data.version + 1;
         // Work on a copy so a failed file write leaves memory as it was.
-        let mut next_users = self.users.clone();
-        let mut next_keys = self.keys.clone();
-        let mut next = self.data.clone();
-        next.version = rev;
-        if next.epoch.is_none() && audit.names_catalog {
-            next.epoch = Some(uuid::Uuid::new_v4().simple().to_string());
+        let mut next = Staged {
+            data: self.data.clone(),
+            users: self.users.clone(),
+            keys: self.keys.clone(),
+            change: (rev, write.kind(), id.to_string()),
+            outcome: WriteOutcome::Written { rev, before: None },
+        };
+        next.data.version = rev;
+        if next.data.epoch.is_none() && audit.names_catalog {
+            next.data.epoch = Some(uuid::Uuid::new_v4().simple().to_string());
         }
-        match write {
-            CatalogWrite::PutSafety(rec, _) => {
-                next.safety = Some(Versioned {
-                    rev,
-                    value: rec.clone(),
-                });
-            }
-            CatalogWrite::PutPlan(p, _) => {
-                next.plans.insert(
-                    p.name.clone(),
-                    Versioned {
-                        rev,
-                        value: p.clone(),
-                    },
-                );
-            }
-            CatalogWrite::DeletePlan(name, _) => {
-                if old.is_none() {
-                    return Err(WriteOutcome::Missing);
-                }
-                if next_users.get(name).copied().unwrap_or(0) > 0 {
-                    return Err(WriteOutcome::PlanInUse);
-                }
-                next.plans.remove(name);
-            }
-            CatalogWrite::PutClient(c, _) => {
-                if !next.plans.contains_key(&c.plan) {
-                    return Err(WriteOutcome::UnknownPlan);
-                }
-                if c.keys
-                    .iter()
-                    .any(|k| next_keys.get(&k.hash).is_some_and(|owner| *owner != c.id))
-                {
-                    return Err(WriteOutcome::KeyConflict);
-                }
-                if let Some(prev) = next.clients.get(&c.id) {
-                    unlink(&prev.value, &mut next_users, &mut next_keys);
-                }
-                *next_users.entry(c.plan.clone()).or_default() += 1;
-                for k in &c.keys {
-                    next_keys.insert(k.hash, c.id.clone());
-                }
-                next.clients.insert(
-                    c.id.clone(),
-                    Versioned {
-                        rev,
-                        value: c.clone(),
-                    },
-                );
-            }
-            CatalogWrite::DeleteClient(cid, _) => {
-                let Some(prev) = next.clients.remove(cid) else {
-                    return Err(WriteOutcome::Missing);
-                };
-                unlink(&prev.value, &mut next_users, &mut next_keys);
-            }
-        }
+        next.apply(write, rev, old.is_some())?;
         let parse = |j: &str| serde_json::from_str(j).ok();
         push_audit(
-            &mut next.audit,
+            &mut next.data.audit,
             AuditEntry {
                 at_ms: now_ms(),
                 actor: audit.actor.clone(),
@@ -322,16 +251,29 @@ impl FileCatalog {
                 after: write.json().as_deref().and_then(parse),
             },
         );
-        Ok(Staged {
-            data: next,
-            users: next_users,
-            keys: next_keys,
-            change: (rev, write.kind(), id.to_string()),
-            outcome: WriteOutcome::Written {
-                rev,
-                before: old.map(|(_, j)| j),
-            },
-        })
+        next.outcome = WriteOutcome::Written {
+            rev,
+            before: old.map(|(_, j)| j),
+        };
+        Ok(next)
+    }
+
+    /// The record `write` replaces or deletes, as it stands: its revision and its JSON.
+    fn current(&self, write: &CatalogWrite) -> Option<(u64, String)> {
+        let id = write.id();
+        match write {
+            CatalogWrite::PutSafety(..) => {
+                self.data.safety.as_ref().map(|v| (v.rev, json(&v.value)))
+            }
+            CatalogWrite::PutPlan(..) | CatalogWrite::DeletePlan(..) => PlanName::parse(id)
+                .ok()
+                .and_then(|n| self.data.plans.get(&n))
+                .map(|v| (v.rev, json(&v.value))),
+            _ => ClientId::parse(id)
+                .ok()
+                .and_then(|n| self.data.clients.get(&n))
+                .map(|v| (v.rev, json(&v.value))),
+        }
     }
 
     /// Puts a staged write in place (it is on disk).
@@ -355,6 +297,83 @@ struct Staged {
     /// The change-feed entry (version, kind, id).
     change: (u64, &'static str, String),
     outcome: WriteOutcome,
+}
+
+/// Whether a write under `condition` may go ahead on a record at revision `current`
+/// (`None`: there is none).
+fn admits(condition: Condition, current: Option<u64>) -> Result<(), WriteOutcome> {
+    match (condition, current) {
+        (Condition::Absent, Some(_)) => Err(WriteOutcome::Exists),
+        (Condition::Rev(_), None) => Err(WriteOutcome::Missing),
+        (Condition::Rev(r), Some(rev)) if r != rev => Err(WriteOutcome::Stale { current: rev }),
+        _ => Ok(()),
+    }
+}
+
+impl Staged {
+    /// Applies `write` at revision `rev` to the staged copy (`existed`: the record it names
+    /// exists), keeping the plans' user counts and the key index with it.
+    fn apply(&mut self, write: &CatalogWrite, rev: u64, existed: bool) -> Result<(), WriteOutcome> {
+        let next = &mut self.data;
+        match write {
+            CatalogWrite::PutSafety(rec, _) => {
+                next.safety = Some(Versioned {
+                    rev,
+                    value: rec.clone(),
+                });
+            }
+            CatalogWrite::PutPlan(p, _) => {
+                next.plans.insert(
+                    p.name.clone(),
+                    Versioned {
+                        rev,
+                        value: p.clone(),
+                    },
+                );
+            }
+            CatalogWrite::DeletePlan(name, _) => {
+                if !existed {
+                    return Err(WriteOutcome::Missing);
+                }
+                if self.users.get(name).copied().unwrap_or(0) > 0 {
+                    return Err(WriteOutcome::PlanInUse);
+                }
+                next.plans.remove(name);
+            }
+            CatalogWrite::PutClient(c, _) => {
+                if !next.plans.contains_key(&c.plan) {
+                    return Err(WriteOutcome::UnknownPlan);
+                }
+                if c.keys
+                    .iter()
+                    .any(|k| self.keys.get(&k.hash).is_some_and(|owner| *owner != c.id))
+                {
+                    return Err(WriteOutcome::KeyConflict);
+                }
+                if let Some(prev) = next.clients.get(&c.id) {
+                    unlink(&prev.value, &mut self.users, &mut self.keys);
+                }
+                *self.users.entry(c.plan.clone()).or_default() += 1;
+                for k in &c.keys {
+                    self.keys.insert(k.hash, c.id.clone());
+                }
+                next.clients.insert(
+                    c.id.clone(),
+                    Versioned {
+                        rev,
+                        value: c.clone(),
+                    },
+                );
+            }
+            CatalogWrite::DeleteClient(cid, _) => {
+                let Some(prev) = next.clients.remove(cid) else {
+                    return Err(WriteOutcome::Missing);
+                };
+                unlink(&prev.value, &mut self.users, &mut self.keys);
+            }
+        }
+        Ok(())
+    }
 }
 
 fn unlink(

@@ -281,41 +281,15 @@ impl RedisStore {
         if version < since || !contiguous {
             return Ok(None);
         }
-        let last = entries
-            .last()
-            .and_then(|(id, _)| id.split('-').next()?.parse::<u64>().ok())
-            .ok_or_else(|| StoreError::Protocol("change feed id".into()))?;
-        let mut plan_ids = BTreeSet::new();
-        let mut client_ids = BTreeSet::new();
-        let mut safety_changed = false;
-        for (_, fields) in &entries {
-            let get = |name: &str| {
-                fields
-                    .iter()
-                    .find(|(k, _)| k == name)
-                    .map(|(_, v)| v.as_str())
-            };
-            match (get("kind"), get("id")) {
-                (Some("plan"), Some(id)) => {
-                    plan_ids.insert(id.to_string());
-                }
-                (Some("client"), Some(id)) => {
-                    client_ids.insert(id.to_string());
-                }
-                (Some("setting"), Some(SAFETY)) => safety_changed = true,
-                _ => tracing::warn!("unreadable change feed entry skipped"),
-            }
-        }
-        let plan_ids: Vec<String> = plan_ids.into_iter().collect();
-        let client_ids: Vec<String> = client_ids.into_iter().collect();
+        let (last, changed) = Changed::in_feed(&entries)?;
         let mut pipe = redis::pipe();
         pipe.cmd("HMGET")
             .arg(self.keys.catalog("plans"))
-            .arg(&plan_ids)
+            .arg(&changed.plans)
             .arg("")
             .cmd("HMGET")
             .arg(self.keys.catalog("clients"))
-            .arg(&client_ids)
+            .arg(&changed.clients)
             .arg("")
             .hget(self.keys.catalog("settings"), SAFETY);
         let (plan_vals, client_vals, safety): (
@@ -323,7 +297,8 @@ impl RedisStore {
             Vec<Option<String>>,
             Option<String>,
         ) = pipe.query_async(c).await?;
-        let plans = plan_ids
+        let plans = changed
+            .plans
             .iter()
             .zip(plan_vals)
             .filter_map(|(id, raw)| {
@@ -331,7 +306,8 @@ impl RedisStore {
                 Some((name, raw.and_then(|r| parse_entity(&r))))
             })
             .collect();
-        let clients = client_ids
+        let clients = changed
+            .clients
             .iter()
             .zip(client_vals)
             .filter_map(|(id, raw)| {
@@ -343,7 +319,9 @@ impl RedisStore {
             version: last,
             plans,
             clients,
-            safety: safety_changed.then(|| safety.and_then(|r| parse_entity(&r))),
+            safety: changed
+                .safety
+                .then(|| safety.and_then(|r| parse_entity(&r))),
             more: entries.len() == FEED_PAGE,
         }))
     }
@@ -368,4 +346,49 @@ fn parse_entity<T: serde::de::DeserializeOwned>(raw: &str) -> Option<Versioned<T
         rev: rev.parse().ok()?,
         value: serde_json::from_str(json).ok()?,
     })
+}
+
+/// What a page of the change feed names: the plans and clients changed (each once, in id
+/// order) and whether the safety settings did.
+struct Changed {
+    plans: Vec<String>,
+    clients: Vec<String>,
+    safety: bool,
+}
+
+impl Changed {
+    /// The feed page's last version, and what its entries name.
+    fn in_feed(entries: &[FeedEntry]) -> Result<(u64, Changed), StoreError> {
+        let last = entries
+            .last()
+            .and_then(|(id, _)| id.split('-').next()?.parse::<u64>().ok())
+            .ok_or_else(|| StoreError::Protocol("change feed id".into()))?;
+        let mut plans = BTreeSet::new();
+        let mut clients = BTreeSet::new();
+        let mut safety = false;
+        for (_, fields) in entries {
+            let get = |name: &str| {
+                fields
+                    .iter()
+                    .find(|(k, _)| k == name)
+                    .map(|(_, v)| v.as_str())
+            };
+            match (get("kind"), get("id")) {
+                (Some("plan"), Some(id)) => {
+                    plans.insert(id.to_string());
+                }
+                (Some("client"), Some(id)) => {
+                    clients.insert(id.to_string());
+                }
+                (Some("setting"), Some(SAFETY)) => safety = true,
+                _ => tracing::warn!("unreadable change feed entry skipped"),
+            }
+        }
+        let changed = Changed {
+            plans: plans.into_iter().collect(),
+            clients: clients.into_iter().collect(),
+            safety,
+        };
+        Ok((last, changed))
+    }
 }
