@@ -203,12 +203,13 @@ impl Limiter {
 
     /// Starts the calling worker's own tasks, which end with it: one keeps its
     /// request-path connections open from now on, re-opened as soon as one dies (rather
-    /// than on its first request); the other measures its event loop's delay (see
-    /// [`overload`]). Call it once on each worker's thread.
+    /// than on its first request), and is done at once when the store has none (the
+    /// embedded store); the other measures its event loop's delay (see [`overload`]).
+    /// Call it once on each worker's thread.
     pub fn start_worker(self: &Arc<Self>) {
         let me = Arc::clone(self);
         self.tasks
-            .spawn_local("worker-store-connections", Policy::Restart, move |stop| {
+            .spawn_local("worker-store-connections", Policy::UntilDone, move |stop| {
                 let me = Arc::clone(&me);
                 async move {
                     stop.run_until_cancelled(me.keep_connected()).await;

@@ -127,3 +127,19 @@ async fn the_span_exporter_runs_under_the_supervisor_and_stops_with_the_gateway(
     // Assert: the export thread was joined with the rest.
     assert_eq!(tasks.running(), Vec::<String>::new());
 }
+
+#[tokio::test]
+async fn a_worker_on_the_embedded_store_has_no_connection_to_keep_and_restarts_nothing() {
+    // Arrange: a gateway on the embedded store, whose workers' connection keepers have
+    // nothing to keep and end at once.
+    let gw = TestGateway::spawn(settings(&catalog_toml(("gold", 100.0, 100.0), &["acme"]))).await;
+
+    // Act: time for a few restarts (the first comes after 100 ms), were a keeper's end
+    // taken for a failure.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+
+    // Assert: done, not failed: never restarted.
+    let series = "tollgate_task_restarts_total{task=\"worker-store-connections\"}";
+    assert_eq!(gw.sample(series).await, 0.0, "{series}");
+    gw.stop().await;
+}
