@@ -207,30 +207,8 @@ impl LocalLimits {
             LocalOp::Take { cost } => take_many(applied, levels, cost, 1, now_us)
                 .pop()
                 .expect("one take"),
-            LocalOp::Adjust { delta } => {
-                let mut levels = levels;
-                for (l, a) in levels.iter_mut().zip(applied) {
-                    l.adjust(&a.kind, delta);
-                }
-                Ruling {
-                    allowed: true,
-                    levels,
-                    wait_us: Some(0),
-                    refused_by: None,
-                    now_us,
-                    batch: 0,
-                }
-            }
-            LocalOp::Peek => {
-                return Ruling {
-                    allowed: true,
-                    levels,
-                    wait_us: Some(0),
-                    refused_by: None,
-                    now_us,
-                    batch: 0,
-                }
-            }
+            LocalOp::Adjust { delta } => Ruling::adjusted(levels, applied, delta, now_us),
+            LocalOp::Peek => return Ruling::levels(levels, now_us),
         };
         let keep_us = applied
             .iter()

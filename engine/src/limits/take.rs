@@ -201,6 +201,32 @@ pub struct Ruling {
 }
 
 impl Ruling {
+    /// What a peek answers: `levels` as they stand at `now_us`, nothing refused.
+    pub fn levels(levels: Vec<Level>, now_us: u64) -> Ruling {
+        Ruling {
+            allowed: true,
+            levels,
+            wait_us: Some(0),
+            refused_by: None,
+            now_us,
+            batch: 0,
+        }
+    }
+
+    /// What an adjustment answers: `levels` (before it) each debited `delta` (a refund
+    /// when negative), whatever the balance.
+    pub fn adjusted(
+        mut levels: Vec<Level>,
+        applied: &[Applied],
+        delta: f64,
+        now_us: u64,
+    ) -> Ruling {
+        for (l, a) in levels.iter_mut().zip(applied) {
+            l.adjust(&a.kind, delta);
+        }
+        Ruling::levels(levels, now_us)
+    }
+
     /// The applied limit closest to refusing: the one that refused, else the one with the
     /// least left (on a tie, the one that takes longest to be whole again).
     pub fn tightest(&self, applied: &[Applied]) -> Option<usize> {

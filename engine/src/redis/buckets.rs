@@ -104,20 +104,9 @@ impl Buckets for RedisBuckets {
         applied: &[Applied],
         delta: f64,
     ) -> Result<Ruling, StoreError> {
-        let EntryReply {
-            mut levels, now_us, ..
-        } = self.call(key, Op::Adjust, applied, delta, 0, None).await?;
-        for (l, a) in levels.iter_mut().zip(applied) {
-            l.adjust(&a.kind, delta);
-        }
-        Ok(Ruling {
-            allowed: true,
-            levels,
-            wait_us: Some(0),
-            refused_by: None,
-            now_us,
-            batch: 0,
-        })
+        let EntryReply { levels, now_us, .. } =
+            self.call(key, Op::Adjust, applied, delta, 0, None).await?;
+        Ok(Ruling::adjusted(levels, applied, delta, now_us))
     }
 
     /// Every limit's level now, on Redis' clock; writes nothing. Within the control
@@ -129,14 +118,7 @@ impl Buckets for RedisBuckets {
         )
         .await
         .map_err(|_| StoreError::Deadline)??;
-        Ok(Ruling {
-            allowed: true,
-            levels,
-            wait_us: Some(0),
-            refused_by: None,
-            now_us,
-            batch: 0,
-        })
+        Ok(Ruling::levels(levels, now_us))
     }
 
     /// Deletes the state of the buckets under `buckets` (field prefixes) at `key`.
