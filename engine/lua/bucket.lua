@@ -17,10 +17,9 @@
 -- (unix µs) after which the field says nothing a missing one would not (a bucket full
 -- again, a window over, +1 s). A quota's third number ends in half a microsecond, a
 -- bucket's is whole (exact while times stay below 2^52 µs, the year 2112): the quota's
--- mark, so that a bucket never reads a quota's state (a
--- limit redefined from a quota into a bucket under its name, or a client moved to a plan
--- where the name is a bucket, starts as a bucket that does not exist yet, as the embedded
--- store's does). A quota reads a bucket's state as a window that is over (the bucket's
+-- mark, so that a bucket never reads a quota's state (a limit redefined from a quota into
+-- a bucket under its name, or a client moved to a plan where the name is a bucket, starts
+-- as a bucket that does not exist yet, as the embedded store's does). A quota reads a bucket's state as a window that is over (the bucket's
 -- time is Redis' now when written). Gateways from before the mark read the third number
 -- only to sweep, so a fleet upgrades replica by replica; a quota field they wrote has no
 -- mark, and reads as a quota still. Groups have no expiry: a call may also sweep its first
@@ -52,9 +51,9 @@
 --       112 'p': peek (refill and reset, return the levels, write nothing).
 --
 -- The time comes from Redis itself (TIME), once per call. The arithmetic is
--- src/domain/limits.rs's (`Level::at`, then `take_many` / `Level::adjust`), operation for
--- operation, so the embedded store decides identically and the gateway replays the takes
--- to give each request its own answer.
+-- engine/src/limits/take.rs's (`Level::at`, then `take_many` / `Level::adjust`),
+-- operation for operation, so the embedded store decides identically and the gateway
+-- replays the takes to give each request its own answer.
 --
 -- Returns { now (µs, decimal), a status per entry ('1' decided, '0' failed), the decided
 -- entries' levels, then the failed entries' errors in order }. The levels are
