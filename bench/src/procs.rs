@@ -516,6 +516,7 @@ impl Gateway {
                         shards: None,
                         keys: vec![KeyRecord::new(KeyHash::of(&c.key))],
                         overrides: Vec::new(),
+                        extra: Default::default(),
                     },
                 });
             }

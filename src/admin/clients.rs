@@ -332,8 +332,8 @@ pub async fn put(
             Some(cur) => Condition::Rev(cur.rev),
             None => Condition::Absent,
         };
-        let (keys, overrides) = existing
-            .map(|c| (c.value.keys, c.value.overrides))
+        let (keys, overrides, extra) = existing
+            .map(|c| (c.value.keys, c.value.overrides, c.value.extra))
             .unwrap_or_default();
         let rec = ClientRecord {
             id: id.clone(),
@@ -342,6 +342,7 @@ pub async fn put(
             shards: shards.clone(),
             keys,
             overrides,
+            extra,
         };
         match state
             .store

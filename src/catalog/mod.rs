@@ -194,6 +194,11 @@ impl Catalog {
         self.keys.get(hash).map(|e| Arc::clone(e.value()))
     }
 
+    /// A plan by name: what a public route limits requests without a key by. No I/O.
+    pub fn plan(&self, name: &PlanName) -> Option<Arc<PlanSlot>> {
+        self.plans.get(name).map(|p| Arc::clone(&p))
+    }
+
     /// Key names (bucket keys for admin inspection).
     pub fn key_names(&self) -> &Keys {
         &self.key_names
@@ -605,6 +610,7 @@ fn declared(settings: &Settings) -> (Vec<PlanRecord>, Vec<ClientRecord>) {
             shards: None,
             keys: c.keys.iter().copied().map(KeyRecord::new).collect(),
             overrides: Vec::new(),
+            extra: Default::default(),
         })
         .collect();
     (plans, clients)
@@ -689,6 +695,7 @@ mod tests {
                 shards: None,
                 keys: vec![KeyRecord::new(hash)],
                 overrides: Vec::new(),
+                extra: Default::default(),
             },
         };
         catalog.apply_client(id.clone(), Some(version(0)));

@@ -67,6 +67,10 @@ pub struct KeyRecord {
     pub hash: KeyHash,
     /// Unix seconds.
     pub created_at: u64,
+    /// Fields a newer gateway wrote and this one does not know: kept as they are, so its
+    /// read-modify-writes (a key created, a plan changed) never drop them.
+    #[serde(flatten, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
 impl KeyRecord {
@@ -78,6 +82,7 @@ impl KeyRecord {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
+            extra: serde_json::Map::new(),
         }
     }
 }
@@ -96,6 +101,9 @@ pub struct ClientRecord {
     /// Its own values for some of its plan's limits.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub overrides: Vec<Override>,
+    /// Fields a newer gateway wrote (see [`KeyRecord::extra`]).
+    #[serde(flatten, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
 /// Coarse per-(client, service) safety limits: `multiplier` x the plan, overridable per

@@ -424,6 +424,7 @@ mod tests {
             mode: None,
             shards: None,
             keys: vec![KeyRecord::new(KeyHash::of(key))],
+            extra: Default::default(),
         }
     }
 
