@@ -80,6 +80,7 @@ fn routes(n: usize) -> RouteTable {
             cost: 1.0,
             timeout: Duration::from_secs(30),
             cost_header: None,
+            public_plan: None,
         })
         .collect();
     RouteTable::new(&settings)

@@ -61,6 +61,13 @@ pub enum ApiError {
     Validation(Vec<FieldError>),
     #[error("the store is unavailable: {0}")]
     StoreUnavailable(String),
+    /// A public route's plan is not in this gateway's catalog (deleted, or not yet
+    /// loaded): requests without a key cannot be limited, so they are not forwarded.
+    #[error("this route's plan for requests without a key ({0}) is not in the catalog")]
+    PublicPlanMissing(String),
+    /// Too many unknown keys from this client address: its requests wait (in seconds).
+    #[error("too many requests with an unknown API key from this address; retry after {0} s")]
+    TooManyFailedKeys(u64),
     /// The gateway is overloaded and shed the request before deciding or forwarding it.
     #[error("the gateway is overloaded; retry after 1 s")]
     Overloaded,
@@ -145,6 +152,8 @@ impl ApiError {
             ApiError::Validation(_) => "validation",
             ApiError::StoreUnavailable(_) => "store-unavailable",
             ApiError::Overloaded => "overloaded",
+            ApiError::PublicPlanMissing(_) => "public-plan-unavailable",
+            ApiError::TooManyFailedKeys(_) => "too-many-failed-keys",
             ApiError::BodyTimeout(_) => "request-timeout",
             ApiError::Internal(_) => "internal",
         }
@@ -158,9 +167,9 @@ impl ResponseError for ApiError {
             ApiError::NoRoute => StatusCode::NOT_FOUND,
             ApiError::BadPath(_) => StatusCode::BAD_REQUEST,
             ApiError::PathTooLong(_) => StatusCode::URI_TOO_LONG,
-            ApiError::RateLimited { .. } | ApiError::CostExceedsCapacity { .. } => {
-                StatusCode::TOO_MANY_REQUESTS
-            }
+            ApiError::RateLimited { .. }
+            | ApiError::CostExceedsCapacity { .. }
+            | ApiError::TooManyFailedKeys(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::BadGateway => StatusCode::BAD_GATEWAY,
             ApiError::GatewayTimeout => StatusCode::GATEWAY_TIMEOUT,
@@ -172,7 +181,9 @@ impl ResponseError for ApiError {
             ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::PreconditionFailed(_) => StatusCode::PRECONDITION_FAILED,
             ApiError::Validation(_) => StatusCode::UNPROCESSABLE_ENTITY,
-            ApiError::StoreUnavailable(_) | ApiError::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::StoreUnavailable(_)
+            | ApiError::Overloaded
+            | ApiError::PublicPlanMissing(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -217,6 +228,9 @@ impl ResponseError for ApiError {
             }
             ApiError::Overloaded => {
                 resp.insert_header((header::RETRY_AFTER, "1"));
+            }
+            ApiError::TooManyFailedKeys(retry_after_s) => {
+                resp.insert_header((header::RETRY_AFTER, retry_after_s.to_string()));
             }
             ApiError::MethodNotAllowed(allow) => {
                 resp.insert_header((header::ALLOW, *allow));

@@ -19,7 +19,7 @@ const BUCKETS: [f64; 10] = [
     0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.1, 1.0,
 ];
 
-const OUTCOMES: [&str; 7] = [
+const OUTCOMES: [&str; 9] = [
     "allowed",
     "denied",
     "shadow_denied",
@@ -27,6 +27,8 @@ const OUTCOMES: [&str; 7] = [
     "safety_denied",
     "shed",
     "unknown_key",
+    "public_plan_missing",
+    "failed_keys_limited",
 ];
 
 /// Why a request was shed (answered `503` by an overloaded gateway, see

@@ -228,6 +228,12 @@ fn shared_state(
         metrics,
         api_key_header: settings.server.api_key_header.clone(),
         trusted_proxies: settings.server.trusted_proxies.clone(),
+        edge: settings.edge,
+        failed_keys: crate::limiter::FailedKeys::new(
+            settings.edge.failed_keys_sets,
+            settings.edge.failed_keys_burst,
+            settings.edge.failed_keys_per_minute,
+        ),
         max_body_bytes: settings.server.max_body_bytes.get(),
         upstream: settings.upstream,
         safety_multiplier: settings.limits.safety_multiplier,

@@ -24,6 +24,10 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     pub api_key_header: HeaderName,
     pub trusted_proxies: Vec<IpNet>,
+    /// How requests without a key are grouped by address.
+    pub edge: crate::configuration::EdgeSettings,
+    /// Unknown keys counted per address group (`None`: not counted).
+    pub failed_keys: Option<crate::limiter::FailedKeys>,
     pub max_body_bytes: u64,
     /// `[upstream]`: how routes reach their replicas.
     pub upstream: UpstreamSettings,

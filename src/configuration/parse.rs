@@ -13,13 +13,14 @@ use secrecy::{ExposeSecret, SecretString};
 
 use super::periods::{BackOff, Periods};
 use super::raw::{
-    RawAdmin, RawCatalog, RawClient, RawHealthCheck, RawLimits, RawOverload, RawPeriods, RawPlan,
-    RawRedis, RawRoute, RawServer, RawSettings, RawTelemetry, RawUpstream,
+    RawAdmin, RawCatalog, RawClient, RawEdge, RawHealthCheck, RawLimits, RawOverload, RawPeriods,
+    RawPlan, RawRedis, RawRoute, RawServer, RawSettings, RawTelemetry, RawUpstream,
 };
 use super::settings::{
-    AdminSettings, Balance, CatalogSettings, ClientSettings, HealthCheckSettings, LimitSettings,
-    OtlpCompression, OtlpEndpoint, OtlpHeader, OtlpProtocol, OverloadSettings, PlanSettings,
-    RedisSettings, RouteSettings, ServerSettings, Settings, TelemetrySettings, UpstreamSettings,
+    AdminSettings, Balance, CatalogSettings, ClientSettings, EdgeSettings, HealthCheckSettings,
+    LimitSettings, OtlpCompression, OtlpEndpoint, OtlpHeader, OtlpProtocol, OverloadSettings,
+    PlanSettings, RedisSettings, RouteSettings, ServerSettings, Settings, TelemetrySettings,
+    UpstreamSettings,
 };
 use crate::domain::{
     ApiKey, Bucket, Capacity, ClientId, KeyHash, Limit, LimitSpec, Limits, Mode, PlanName, Rate,
@@ -132,9 +133,10 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
     let overload = overload(raw.overload, redis.as_ref(), &mut p);
     let upstream = upstream(raw.upstream, &mut p);
     let telemetry = telemetry(raw.telemetry, &mut p);
+    let edge = edge(raw.edge, &mut p);
     let routes = routes(raw.routes, &mut p);
     match (
-        server, redis, catalog, limits, admin, periods, overload, upstream, telemetry, routes,
+        server, redis, catalog, limits, admin, periods, overload, upstream, telemetry, edge, routes,
     ) {
         (
             Some(server),
@@ -146,6 +148,7 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
             Some(overload),
             Some(upstream),
             Some(telemetry),
+            Some(edge),
             Some(routes),
         ) if p.0.is_empty() => Ok(Settings {
             server,
@@ -157,6 +160,7 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
             overload,
             upstream,
             telemetry,
+            edge,
             routes,
         }),
         _ => {
@@ -164,6 +168,49 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
             Err(p.0)
         }
     }
+}
+
+/// `[edge]`.
+fn edge(raw: RawEdge, p: &mut Problems) -> Option<EdgeSettings> {
+    let ipv4_prefix = p.take(
+        "edge.ipv4_prefix",
+        within(raw.ipv4_prefix, 1..=32, "must be from 1 to 32"),
+    );
+    let ipv6_prefix = p.take(
+        "edge.ipv6_prefix",
+        within(raw.ipv6_prefix, 1..=128, "must be from 1 to 128"),
+    );
+    let failed_keys_burst = p.take(
+        "edge.failed_keys_burst",
+        within(
+            raw.failed_keys_burst,
+            1..=1_000_000,
+            "must be from 1 to 1000000",
+        ),
+    );
+    let failed_keys_per_minute = p.take(
+        "edge.failed_keys_per_minute",
+        within(
+            raw.failed_keys_per_minute,
+            0.001..=1e6,
+            "must be from 0.001 to 1000000",
+        ),
+    );
+    let failed_keys_sets = p.take(
+        "edge.failed_keys_sets",
+        within(
+            raw.failed_keys_sets,
+            0..=1 << 24,
+            "must be from 0 to 16777216",
+        ),
+    );
+    Some(EdgeSettings {
+        ipv4_prefix: ipv4_prefix?,
+        ipv6_prefix: ipv6_prefix?,
+        failed_keys_burst: failed_keys_burst?,
+        failed_keys_per_minute: failed_keys_per_minute?,
+        failed_keys_sets: failed_keys_sets?,
+    })
 }
 
 /// `[upstream]`.
@@ -831,6 +878,12 @@ fn routes(raw: Vec<RawRoute>, p: &mut Problems) -> Option<Vec<RouteSettings>> {
                 .map(Some),
         };
         let balance = p.take(format!("{key}.balance"), balance(&route.balance));
+        let public_plan = match route.public_plan {
+            None => Some(None),
+            Some(name) => p
+                .take(format!("{key}.public_plan"), PlanName::parse(&name))
+                .map(Some),
+        };
         let health_check = match route.health_check {
             None => Some(None),
             Some(raw) => health_check(raw, &format!("{key}.health_check"), p).map(Some),
@@ -844,6 +897,7 @@ fn routes(raw: Vec<RawRoute>, p: &mut Problems) -> Option<Vec<RouteSettings>> {
             cost: cost?,
             timeout: Duration::from_millis(timeout?),
             cost_header: cost_header?,
+            public_plan: public_plan?,
         })
     })
 }

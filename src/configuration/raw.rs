@@ -22,8 +22,19 @@ pub(super) struct RawSettings {
     pub(super) overload: RawOverload,
     pub(super) upstream: RawUpstream,
     pub(super) telemetry: RawTelemetry,
+    pub(super) edge: RawEdge,
     #[serde(default)]
     pub(super) routes: Vec<RawRoute>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawEdge {
+    pub(super) ipv4_prefix: u8,
+    pub(super) ipv6_prefix: u8,
+    pub(super) failed_keys_burst: u32,
+    pub(super) failed_keys_per_minute: f64,
+    pub(super) failed_keys_sets: usize,
 }
 
 #[derive(Debug, Deserialize)]
@@ -169,6 +180,8 @@ pub(super) struct RawRoute {
     pub(super) balance: String,
     #[serde(default)]
     pub(super) health_check: Option<RawHealthCheck>,
+    #[serde(default)]
+    pub(super) public_plan: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -28,6 +28,8 @@ pub struct Settings {
     /// `upstream`: how routes reach their replicas.
     pub upstream: UpstreamSettings,
     pub telemetry: TelemetrySettings,
+    /// `edge`: what the edge does for requests without a key.
+    pub edge: EdgeSettings,
     /// `routes`: upstream services, matched by longest path prefix.
     pub routes: Vec<RouteSettings>,
 }
@@ -128,6 +130,25 @@ pub struct LimitSettings {
     /// `limits.safety_multiplier`: coarse per-(client, service) limit as a multiple of the
     /// plan (1-1000).
     pub safety_multiplier: f64,
+}
+
+/// How requests without a key are told apart (README, "Public routes").
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EdgeSettings {
+    /// `edge.ipv4_prefix` (1-32): an IPv4 client is limited by this many leading bits of
+    /// its address (32: each address alone).
+    pub ipv4_prefix: u8,
+    /// `edge.ipv6_prefix` (1-128): an IPv6 client by this many (64: one subscriber's
+    /// network, as providers hand them out).
+    pub ipv6_prefix: u8,
+    /// `edge.failed_keys_burst` (1-1000000): unknown keys an address group may send before
+    /// it is answered `429`...
+    pub failed_keys_burst: u32,
+    /// `edge.failed_keys_per_minute` (0.001-1000000): ...and how many more a minute after.
+    pub failed_keys_per_minute: f64,
+    /// `edge.failed_keys_sets` (0-16777216; 0: not counted): the size of each gateway's
+    /// table of address groups (4 per set, 136 bytes a set).
+    pub failed_keys_sets: usize,
 }
 
 /// When a worker is overloaded, and how long a decision may take in all (see
@@ -325,6 +346,10 @@ pub struct RouteSettings {
     /// admitted request's real cost (a number from 0 to 1e9); the difference to `cost` is
     /// debited or refunded after the response, and the header is not passed to the client.
     pub cost_header: Option<HeaderName>,
+    /// `public_plan` (absent: none): the route is public. A request without a key is
+    /// limited per client address (see [`EdgeSettings`]) by this catalog plan; a request
+    /// with a key still by its client's plan.
+    pub public_plan: Option<PlanName>,
 }
 
 impl Settings {

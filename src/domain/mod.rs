@@ -6,6 +6,7 @@
 //! ([`quota`]) are the engine's (`tollgate_engine::limits`), re-exported here under their
 //! names.
 
+mod address;
 mod api_key;
 mod decision;
 mod ids;
@@ -14,6 +15,7 @@ mod mode;
 pub mod ratelimit;
 mod upstream;
 
+pub use address::{address_group, address_tag, client_addr, hop_addr};
 pub use api_key::{ApiKey, KeyHash};
 pub use decision::{Decision, FailOpenReason, Outcome};
 pub use ids::{ClientId, IdError, LimitName, PlanName, Region, ServiceName, ID_PATTERN};

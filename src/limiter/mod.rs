@@ -12,11 +12,14 @@
 //! a decision not made within `overload.max_wait_ms` is shed too: the gateway's own
 //! lateness never admits a request unchecked.
 
+mod addr_buckets;
 pub mod breaker;
 mod breakers;
 pub mod debits;
+mod failed_keys;
 mod hot;
 pub mod overload;
+mod public;
 mod safety;
 mod shadow;
 pub mod shares;
@@ -27,8 +30,11 @@ use std::time::{Duration, Instant};
 
 pub use breaker::Breaker;
 pub use breakers::Breakers;
+pub use failed_keys::FailedKeys;
 pub use hot::{HotClient, HotClients};
 pub use overload::{Overload, WorkerLoad};
+use public::anonymous_opening;
+pub use public::Anonymous;
 pub use safety::SafetyLimit;
 pub use shadow::ShadowStats;
 pub use shares::ShareBook;
@@ -353,7 +359,7 @@ impl Limiter {
             let answer = store.buckets.take(key, &applied, cost, Some(budget)).await;
             self.judged(breakers, key, answer)
         };
-        self.rule(client, &applied, cost, &answer, &mut decision);
+        self.rule(client.mode, &applied, cost, &answer, &mut decision);
         if decision.sharded {
             // Admitted in the region: its quotas are counted globally, after the fact.
             let quotas = std::mem::take(&mut decision.applied);
@@ -481,11 +487,11 @@ impl Limiter {
         })
     }
 
-    /// The outcome of the store's `answer` for a client in its mode.
+    /// The outcome of the store's `answer` for a request decided in `mode`.
     #[inline]
     fn rule(
         &self,
-        client: &ClientEntry,
+        mode: Mode,
         applied: &[Applied],
         cost: f64,
         answer: &Result<Ruling, FailOpenReason>,
@@ -494,11 +500,11 @@ impl Limiter {
         let never = applied.iter().any(|a| cost > a.ceiling());
         decision.outcome = match answer {
             Ok(r) if r.allowed => Outcome::Allowed,
-            Ok(_) if client.mode == Mode::Shadow => Outcome::ShadowDenied,
+            Ok(_) if mode == Mode::Shadow => Outcome::ShadowDenied,
             Ok(_) => Outcome::Denied,
             // A cost some limit can never hold is refused whatever the store would say, so
             // not hearing from the store is no reason to admit it.
-            Err(_) if never && client.mode == Mode::Enforce => Outcome::Denied,
+            Err(_) if never && mode == Mode::Enforce => Outcome::Denied,
             Err(reason) => {
                 self.metrics.fail_open(*reason);
                 decision.fail_open_reason = Some(*reason);
@@ -665,6 +671,107 @@ impl Limiter {
 
     pub fn breakers(&self) -> &Breakers {
         &self.breakers
+    }
+}
+
+/// Requests without a key, on public routes (see [`public`]).
+impl Limiter {
+    /// Decides one request without a key to `service`, costing `cost` from every limit of
+    /// `who`'s plan that applies to it: the same steps as a client's (shed when the worker
+    /// is overloaded or the decision late, the safety limit, the breaker, the store), in
+    /// enforce mode, never sharded. A decision shed for lateness may still have taken its
+    /// tokens (unlike a client's, they are not given back).
+    pub async fn decide_public(
+        self: &Arc<Self>,
+        who: &Anonymous,
+        service: &Arc<str>,
+        cost: f64,
+    ) -> Decision {
+        let started = Instant::now();
+        let limits = who.plan.limits();
+        // One address group is one "client" to the overload guard.
+        let key = std::hash::BuildHasher::hash_one(
+            &foldhash::fast::FixedState::default(),
+            who.bucket_key.as_str(),
+        ) as usize;
+        let decision = match self.overload.admit_key(key) {
+            Some(_pending) => {
+                let bound = tokio::time::Instant::from_std(started) + self.overload.max_wait();
+                let decided = self.decide_anonymous(who, service, cost, &limits, started);
+                match tokio::time::timeout_at(bound, decided).await {
+                    Ok(decision) => decision,
+                    Err(_) => self.shed_anonymous(&limits, cost, ShedReason::DecisionWait),
+                }
+            }
+            None => self.shed_anonymous(&limits, cost, ShedReason::Overloaded),
+        };
+        self.metrics
+            .record_decision(decision.outcome, started.elapsed());
+        decision
+    }
+
+    fn shed_anonymous(&self, limits: &Limits, cost: f64, reason: ShedReason) -> Decision {
+        self.metrics.shed(reason);
+        anonymous_opening(limits, cost, Outcome::Shed)
+    }
+
+    /// [`Limiter::decide_public`]'s steps after admission.
+    async fn decide_anonymous(
+        &self,
+        who: &Anonymous,
+        service: &Arc<str>,
+        cost: f64,
+        limits: &Limits,
+        started: Instant,
+    ) -> Decision {
+        let applied = limits.applied(Some(service));
+        let mut decision = anonymous_opening(limits, cost, Outcome::Allowed);
+        if let Some(bucket) = limits.headline_bucket() {
+            let multiplier = self
+                .safety
+                .multiplier(&self.catalog.safety_guard(), service);
+            let wait_us = self
+                .safety
+                .take_for_address(&who.tag, service, bucket, multiplier, cost, started);
+            if wait_us != bucket::TAKEN {
+                decision.outcome = Outcome::SafetyDenied;
+                decision.safety_wait_us = wait_us;
+                decision.applied = applied;
+                return decision;
+            }
+        }
+        let key = who.bucket_key.as_str();
+        let answer = if self.breakers.with(key, Breaker::is_open) {
+            Err(FailOpenReason::BreakerOpen)
+        } else {
+            let budget = Budget::starting(tokio::time::Instant::from_std(started), self.timeout);
+            let answer = self
+                .store
+                .buckets
+                .take(key, &applied, cost, Some(budget))
+                .await;
+            self.judged(&self.breakers, key, answer)
+        };
+        self.rule(Mode::Enforce, &applied, cost, &answer, &mut decision);
+        decision.applied = applied;
+        decision.ruling = answer.ok();
+        decision
+    }
+
+    /// [`Limiter::settle`] for a request without a key: the difference between what a
+    /// service reported and what was taken, queued against the address's bucket.
+    pub fn settle_public(&self, who: &Anonymous, decision: &Decision, real_cost: f64) {
+        if decision.outcome != Outcome::Allowed || !real_cost.is_finite() {
+            return;
+        }
+        debits::queue(
+            &self.store.buckets,
+            &who.bucket_key,
+            &decision.applied,
+            real_cost - decision.cost,
+            self.periods.debit,
+            None,
+        );
     }
 }
 

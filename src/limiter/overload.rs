@@ -145,7 +145,7 @@ impl Overload {
     }
 
     /// [`Overload::admit`] for the client known by `key`.
-    fn admit_key(&self, key: usize) -> Option<Pending> {
+    pub(super) fn admit_key(&self, key: usize) -> Option<Pending> {
         let worker = self.worker();
         let pending = worker.pending.get();
         {

@@ -6,6 +6,7 @@
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
+use super::addr_buckets::AddrBuckets;
 use crate::catalog::{ClientEntry, SafetyRecord};
 use crate::domain::{Bucket, ClientId};
 use crate::store::{LocalBuckets, Probe};
@@ -41,13 +42,21 @@ impl Probe<SafetyKey> for SafetyProbe<'_> {
 
 pub struct SafetyLimit {
     buckets: LocalBuckets<SafetyKey>,
+    /// Requests without a key on public routes, per (address group, service): a table of
+    /// fixed size, since the addresses are the clients' to choose.
+    addresses: AddrBuckets,
     default_multiplier: f64,
 }
+
+/// Sets of the addresses' safety table: 32,768 (address group, service) pairs at once,
+/// about 1.1 MiB. Past that, the pairs that hold the most are forgotten (they start full).
+const ADDRESS_SETS: usize = 8192;
 
 impl SafetyLimit {
     pub fn new(default_multiplier: f64) -> SafetyLimit {
         SafetyLimit {
             buckets: LocalBuckets::default(),
+            addresses: AddrBuckets::new(ADDRESS_SETS),
             default_multiplier,
         }
     }
@@ -74,6 +83,22 @@ impl SafetyLimit {
         let key = SafetyProbe(&client.id, service);
         self.buckets
             .take_at(&key, plan.scaled(multiplier), cost, self.buckets.us_at(now))
+    }
+
+    /// [`SafetyLimit::take`] for a request without a key: `tag` is its address group's
+    /// (see [`crate::domain::address_tag`]).
+    pub fn take_for_address(
+        &self,
+        tag: &str,
+        service: &str,
+        plan: Bucket,
+        multiplier: f64,
+        cost: f64,
+        now: std::time::Instant,
+    ) -> Option<u64> {
+        let at = self.addresses.us_at(now);
+        self.addresses
+            .take_at(&(tag, service), plan.scaled(multiplier), cost, at)
     }
 
     /// Forgets idle pairs; returns how many remain.

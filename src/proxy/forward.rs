@@ -28,15 +28,34 @@ use super::headers::{
 use super::replicas::{now_ms, InFlight, Replica, TryResult};
 use super::wire::{self, checked_body, Probe};
 use super::Route;
-use crate::catalog::ClientEntry;
+use crate::catalog::{ClientEntry, PlanSlot};
 use crate::configuration::UpstreamSettings;
 use crate::error::ApiError;
+use crate::limiter::Anonymous;
 use crate::state::AppState;
 use crate::trace;
 
+/// Who a request is.
+pub(super) enum Who {
+    /// The client its key names.
+    Client(Arc<ClientEntry>),
+    /// No key, on a public route: its client address.
+    Anonymous(Arc<Anonymous>),
+}
+
+impl Who {
+    /// The plan the request is limited by.
+    pub fn plan(&self) -> &Arc<PlanSlot> {
+        match self {
+            Who::Client(client) => &client.plan,
+            Who::Anonymous(who) => &who.plan,
+        }
+    }
+}
+
 /// What the guard hands the forwarder for an admitted request.
 pub(super) struct Admitted {
-    pub client: Arc<ClientEntry>,
+    pub who: Who,
     pub route: Arc<Route>,
     /// The normal form of the path with the query as received, when it differs from the
     /// request's; `None`: forward the request's own (most paths are already normal).
@@ -459,7 +478,9 @@ fn prepare(
         }
     }
     headers.insert(header::HOST, upstream.host().clone());
-    headers.insert(X_CLIENT_ID.clone(), admitted.client.id_header.clone());
+    if let Who::Client(client) = &admitted.who {
+        headers.insert(X_CLIENT_ID.clone(), client.id_header.clone());
+    }
     headers.insert(X_FORWARDED_FOR.clone(), value(origin.x_forwarded_for)?);
     headers.insert(
         X_FORWARDED_PROTO.clone(),

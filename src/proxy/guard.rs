@@ -2,7 +2,9 @@
 //! the forward of an admitted request.
 
 use std::future::{ready, Ready};
+use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
+use std::time::Instant;
 
 use actix_web::body::BoxBody;
 use actix_web::dev::{always_ready, Service, ServiceFactory, ServiceRequest, ServiceResponse};
@@ -12,15 +14,15 @@ use actix_web::{web, ResponseError};
 use futures_util::future::LocalBoxFuture;
 
 use super::edge;
-use super::forward::{self, Admitted};
-use super::headers::{drop_client_ip_claims, has_client_ip_claims, peer_trusted};
+use super::forward::{self, Admitted, Who};
+use super::headers::{drop_client_ip_claims, has_client_ip_claims, peer_trusted, X_FORWARDED_FOR};
 use super::{NormalPath, Route};
-use crate::catalog::ClientEntry;
 use crate::configuration::UpstreamSettings;
 use crate::domain::ratelimit::policy_name;
+use crate::domain::{address_group, address_tag, client_addr, KeyHash, Mode, PlanName};
 use crate::domain::{Decision, Outcome, RateLimitHeaders};
-use crate::domain::{KeyHash, Mode};
 use crate::error::ApiError;
+use crate::limiter::Anonymous;
 use crate::metrics::CostReport;
 use crate::state::AppState;
 use crate::trace::DecisionTimer;
@@ -97,7 +99,11 @@ async fn guard(
         Ok(admitted) => admitted,
         Err(e) => return Ok(reject(req, e, None).await),
     };
-    let (client, route) = (&admitted.client, &admitted.route);
+    let client = match &admitted.who {
+        Who::Client(client) => client,
+        Who::Anonymous(_) => return public(req, admitted, upstream).await,
+    };
+    let route = &admitted.route;
 
     let timer = DecisionTimer::start(state.traces.as_ref());
     let mut decision = state
@@ -117,7 +123,7 @@ async fn guard(
     let mut rl =
         RateLimitHeaders::with_policy(&client.plan.name, &decision, client.plan.policy(&decision));
     if !decision.outcome.forwards() {
-        let err = refusal(&decision, client);
+        let err = refusal(&decision, &client.plan.name);
         return Ok(reject(req, err, Some(rl)).await);
     }
 
@@ -128,7 +134,7 @@ async fn guard(
     // Likewise only a route whose service reports costs needs them after the forward.
     let costed = route.cost_header.is_some().then(|| CostedRoute {
         route: Arc::clone(route),
-        client: Arc::clone(client),
+        payer: Who::Client(Arc::clone(client)),
         state: state.clone(),
     });
     // Addresses a client claims for itself are believed only from a trusted proxy.
@@ -145,7 +151,58 @@ async fn guard(
     }
     if let Some(costed) = costed {
         if costed.settle(&mut decision, res.headers_mut()) {
-            let plan = &costed.client.plan;
+            let plan = costed.payer.plan();
+            rl = RateLimitHeaders::with_policy(&plan.name, &decision, plan.policy(&decision));
+        }
+    }
+    rl.apply(res.headers_mut());
+    Ok(res)
+}
+
+/// [`guard`] for a request without a key on a public route: decided per client address by
+/// the route's plan, always enforced, forwarded without `X-Client-Id` (a service tells such
+/// requests by its absence).
+async fn public(
+    mut req: ServiceRequest,
+    admitted: Admitted,
+    upstream: awc::Client,
+) -> Result<ServiceResponse<BoxBody>, actix_web::Error> {
+    let (Some(state), Who::Anonymous(who)) = (
+        req.app_data::<web::Data<AppState>>().cloned(),
+        &admitted.who,
+    ) else {
+        return Ok(reject(req, ApiError::Internal(anyhow::anyhow!("not public")), None).await);
+    };
+    let who = Arc::clone(who);
+    let route = &admitted.route;
+    let timer = DecisionTimer::start(state.traces.as_ref());
+    let mut decision = state
+        .limiter
+        .decide_public(&who, &route.service, route.cost)
+        .await;
+    timer.finish(&req, &decision, "", &route.service, &route.prefix);
+    if decision.outcome == Outcome::Shed {
+        return Ok(reject(req, ApiError::Overloaded, None).await);
+    }
+    let plan = &who.plan;
+    let mut rl = RateLimitHeaders::with_policy(&plan.name, &decision, plan.policy(&decision));
+    if !decision.outcome.forwards() {
+        let err = refusal(&decision, &plan.name);
+        return Ok(reject(req, err, Some(rl)).await);
+    }
+    let costed = route.cost_header.is_some().then(|| CostedRoute {
+        route: Arc::clone(route),
+        payer: Who::Anonymous(Arc::clone(&who)),
+        state: state.clone(),
+    });
+    if has_client_ip_claims(req.headers())
+        && !peer_trusted(req.peer_addr().map(|a| a.ip()), &state.trusted_proxies)
+    {
+        drop_client_ip_claims(req.headers_mut());
+    }
+    let mut res = forward::respond(req, admitted, &upstream).await;
+    if let Some(costed) = costed {
+        if costed.settle(&mut decision, res.headers_mut()) {
             rl = RateLimitHeaders::with_policy(&plan.name, &decision, plan.policy(&decision));
         }
     }
@@ -167,18 +224,59 @@ fn recognised(req: &ServiceRequest, state: &AppState) -> Result<Admitted, ApiErr
         return Err(err);
     }
     let path = NormalPath::parse(req.path())?;
-    let client = req
-        .headers()
-        .get(&state.api_key_header)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|key| state.catalog.by_key(&KeyHash::of(key)));
-    let Some(client) = client else {
+    let unknown = || {
         state.metrics.count_outcome("unknown_key");
-        return Err(ApiError::MissingKey(state.api_key_header.to_string()));
+        ApiError::MissingKey(state.api_key_header.to_string())
     };
-    tracing::Span::current().record("client_id", client.id.as_str());
+    // A key that is sent must be known, on a public route too (a guess that misses is not
+    // let through as a request without a key). Unknown keys are counted per address;
+    // past its allowance an address waits, with a valid key too.
+    let client = match req.headers().get(&state.api_key_header) {
+        Some(v) => match v
+            .to_str()
+            .ok()
+            .and_then(|k| state.catalog.by_key(&KeyHash::of(k)))
+        {
+            Some(client) => {
+                if let Some(wait_us) = state
+                    .failed_keys
+                    .as_ref()
+                    .and_then(|f| f.held(|| address_group_of(req, state)))
+                {
+                    return Err(failed_keys_limited(state, wait_us));
+                }
+                Some(client)
+            }
+            None => {
+                let noted = state
+                    .failed_keys
+                    .as_ref()
+                    .and_then(|f| f.note(address_group_of(req, state), Instant::now()));
+                return Err(match noted {
+                    Some(wait_us) => failed_keys_limited(state, wait_us),
+                    None => unknown(),
+                });
+            }
+        },
+        None => None,
+    };
+    // Without a key, an unrouted path is `401` as a private route is: which paths are
+    // routed is not told to whoever has no key.
     let Some(route) = state.routes.load().find(path.as_str()).cloned() else {
-        return Err(ApiError::NoRoute);
+        return Err(match client {
+            Some(_) => ApiError::NoRoute,
+            None => unknown(),
+        });
+    };
+    let who = match client {
+        Some(client) => {
+            tracing::Span::current().record("client_id", client.id.as_str());
+            Who::Client(client)
+        }
+        None => match &route.public_plan {
+            Some(plan) => Who::Anonymous(Arc::new(anonymous(req, state, plan)?)),
+            None => return Err(unknown()),
+        },
     };
     // The service must see exactly the path that was routed.
     let path_and_query = rewritten(&path, req.uri().query())?;
@@ -191,15 +289,74 @@ fn recognised(req: &ServiceRequest, state: &AppState) -> Result<Admitted, ApiErr
         return Err(ApiError::PayloadTooLarge(state.max_body_bytes));
     }
     Ok(Admitted {
-        client,
+        who,
         route,
         path_and_query,
     })
 }
 
+/// The address group of the request's client (see [`anonymous`]); without an address,
+/// the unspecified one.
+fn address_group_of(req: &ServiceRequest, state: &AppState) -> (IpAddr, u8) {
+    let lines = req
+        .headers()
+        .get_all(&X_FORWARDED_FOR)
+        .map(HeaderValue::as_bytes);
+    match client_addr(
+        lines,
+        req.peer_addr().map(|a| a.ip()),
+        &state.trusted_proxies,
+    ) {
+        Some(ip) => address_group(ip, state.edge.ipv4_prefix, state.edge.ipv6_prefix),
+        None => (Ipv4Addr::UNSPECIFIED.into(), 0),
+    }
+}
+
+/// The answer to an address past its allowance of unknown keys, `wait_us` before it has
+/// one again: counted, and no store call.
+fn failed_keys_limited(state: &AppState, wait_us: u64) -> ApiError {
+    state.metrics.count_outcome("failed_keys_limited");
+    ApiError::TooManyFailedKeys(wait_us.div_ceil(1_000_000).max(1))
+}
+
+/// Who a request without a key on a public route with `plan` is: the group of its client
+/// address (the peer, or the nearest untrusted `X-Forwarded-For` hop from a trusted
+/// proxy: the address that is forwarded), in the plan's buckets.
+fn anonymous(
+    req: &ServiceRequest,
+    state: &AppState,
+    plan: &PlanName,
+) -> Result<Anonymous, ApiError> {
+    let Some(slot) = state.catalog.plan(plan) else {
+        state.metrics.count_outcome("public_plan_missing");
+        return Err(ApiError::PublicPlanMissing(plan.to_string()));
+    };
+    let lines = req
+        .headers()
+        .get_all(&X_FORWARDED_FOR)
+        .map(HeaderValue::as_bytes);
+    let ip = client_addr(
+        lines,
+        req.peer_addr().map(|a| a.ip()),
+        &state.trusted_proxies,
+    );
+    let tag = address_tag(
+        plan.as_str(),
+        ip,
+        state.edge.ipv4_prefix,
+        state.edge.ipv6_prefix,
+    );
+    let bucket_key = state.catalog.key_names().address_bucket(&tag);
+    Ok(Anonymous {
+        tag,
+        bucket_key,
+        plan: slot,
+    })
+}
+
 /// Why a decision that does not forward refuses: when the tokens will be there (`429`
 /// with `Retry-After`), naming the limit that refused, or never at this cost.
-fn refusal(decision: &Decision, client: &ClientEntry) -> ApiError {
+fn refusal(decision: &Decision, plan: &PlanName) -> ApiError {
     let (wait, limit) = match decision.outcome {
         Outcome::SafetyDenied => (decision.safety_wait_us, None),
         _ => {
@@ -207,7 +364,7 @@ fn refusal(decision: &Decision, client: &ClientEntry) -> ApiError {
             let refused = ruling
                 .and_then(|r| r.refused_by)
                 .and_then(|i| decision.applied.get(i))
-                .map(|a| policy_name(&client.plan.name, a));
+                .map(|a| policy_name(plan, a));
             (ruling.and_then(|r| r.wait_us), refused)
         }
     };
@@ -227,7 +384,7 @@ fn refusal(decision: &Decision, client: &ClientEntry) -> ApiError {
 /// route with a `cost_header` carry it past the forward.
 struct CostedRoute {
     route: Arc<Route>,
-    client: Arc<ClientEntry>,
+    payer: Who,
     state: web::Data<AppState>,
 }
 
@@ -267,7 +424,10 @@ impl CostedRoute {
         if report == CostReport::Same {
             return false;
         }
-        self.state.limiter.settle(&self.client, decision, real);
+        match &self.payer {
+            Who::Client(client) => self.state.limiter.settle(client, decision, real),
+            Who::Anonymous(who) => self.state.limiter.settle_public(who, decision, real),
+        }
         if let Some(ruling) = decision.ruling.as_mut() {
             for (level, applied) in ruling.levels.iter_mut().zip(&decision.applied) {
                 level.adjust(&applied.kind, delta);

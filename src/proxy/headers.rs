@@ -10,6 +10,8 @@ use actix_web::middleware::Next;
 use actix_web::HttpMessage;
 use ipnet::IpNet;
 
+use crate::domain::client_addr;
+
 pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 pub static X_CLIENT_ID: HeaderName = HeaderName::from_static("x-client-id");
 pub static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -111,7 +113,7 @@ fn is_client_ip_claim(name: &HeaderName) -> bool {
 
 /// Whether the peer is one of `server.trusted_proxies`.
 pub fn peer_trusted(peer: Option<IpAddr>, trusted: &[IpNet]) -> bool {
-    peer.is_some_and(|ip| trusted.iter().any(|n| n.contains(&ip)))
+    peer.is_some_and(|ip| trusted.iter().any(|n| n.contains(&ip.to_canonical())))
 }
 
 /// Whether the request claims a client address in a header [`drop_client_ip_claims`]
@@ -254,7 +256,7 @@ impl Origin {
         scheme: &'static str,
         trusted: &[IpNet],
     ) -> Origin {
-        let is_trusted = |ip: &IpAddr| trusted.iter().any(|n| n.contains(ip));
+        let peer = peer.map(|p| p.to_canonical());
         let peer_trusted = peer_trusted(peer, trusted);
         let push_peer = |out: &mut String| match peer {
             Some(p) => push_ip(out, p),
@@ -281,13 +283,8 @@ impl Origin {
             .map(str::trim)
             .filter(|s| !s.is_empty())
             .collect();
-        // Walk from the nearest hop back; the first untrusted address is the client.
-        let client_ip = prior
-            .iter()
-            .rev()
-            .filter_map(|s| s.parse::<IpAddr>().ok())
-            .find(|ip| !is_trusted(ip))
-            .or(peer);
+        let lines = headers.get_all(&X_FORWARDED_FOR).map(HeaderValue::as_bytes);
+        let client_ip = client_addr(lines, peer, trusted);
         let proto = match headers.get(&X_FORWARDED_PROTO).map(HeaderValue::as_bytes) {
             Some(b"http") => "http",
             Some(b"https") => "https",
@@ -402,6 +399,20 @@ mod tests {
         assert_eq!(o.client_ip, Some("1.2.3.4".parse().unwrap()));
         assert_eq!(o.proto, "https");
         assert_eq!(o.forwarded(), "for=1.2.3.4;proto=https");
+    }
+
+    #[test]
+    fn a_trusted_proxy_writing_a_port_hides_nothing_the_client_wrote() {
+        // The proxy wrote `1.2.3.4:5678`; the client had sent `X-Forwarded-For: 6.6.6.6`.
+        // Skipping the hop it could not parse once made `6.6.6.6` the client.
+        let h = headers(&[("x-forwarded-for", "6.6.6.6, 1.2.3.4:5678")]);
+        let trusted = ["10.0.0.0/8".parse().unwrap()];
+        let o = Origin::of(&h, Some("10.0.0.9".parse().unwrap()), "http", &trusted);
+        assert_eq!(o.client_ip, Some("1.2.3.4".parse().unwrap()));
+        let h = headers(&[("x-forwarded-for", "6.6.6.6, unknown")]);
+        let o = Origin::of(&h, Some("10.0.0.9".parse().unwrap()), "http", &trusted);
+        assert_eq!(o.client_ip, Some("10.0.0.9".parse().unwrap()));
+        assert_eq!(o.x_forwarded_for, "6.6.6.6, unknown, 10.0.0.9");
     }
 
     #[test]

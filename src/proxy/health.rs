@@ -353,6 +353,7 @@ mod tests {
             cost: 1.0,
             timeout: Duration::from_secs(1),
             cost_header: None,
+            public_plan: None,
         }
     }
 

@@ -11,6 +11,7 @@ use actix_web::http::header::HeaderName;
 
 use super::replicas::{now_ms, Replica, Replicas, RetryBudget};
 use crate::configuration::{HealthCheckSettings, RouteSettings};
+use crate::domain::PlanName;
 use crate::metrics::{Exposition, Kind};
 
 /// A service and how to reach it.
@@ -23,6 +24,9 @@ pub struct Route {
     pub timeout: Duration,
     /// The response header in which the service reports a request's real cost, if any.
     pub cost_header: Option<HeaderName>,
+    /// Set on a public route: the plan a request without a key is limited by, per client
+    /// address.
+    pub public_plan: Option<PlanName>,
     pub health_check: Option<HealthCheckSettings>,
     /// Shared by every route of the service, and kept across reloads.
     pub retries: Arc<RetryBudget>,
@@ -100,6 +104,7 @@ impl RouteTable {
                     cost: r.cost,
                     timeout: r.timeout,
                     cost_header: r.cost_header.clone(),
+                    public_plan: r.public_plan.clone(),
                     health_check: r.health_check.clone(),
                     retries,
                 })
@@ -213,6 +218,7 @@ mod tests {
                     cost: 1.0,
                     timeout: Duration::from_secs(1),
                     cost_header: None,
+                    public_plan: None,
                 })
                 .collect::<Vec<_>>(),
         )
@@ -262,6 +268,7 @@ mod tests {
             cost: 1.0,
             timeout: Duration::from_secs(1),
             cost_header: None,
+            public_plan: None,
         }];
         let t2 = t.rebuilt(&settings);
         let a2 = t2.find("/a").unwrap();

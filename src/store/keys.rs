@@ -28,6 +28,12 @@ impl Keys {
         format!("{}b:{{{}}}", self.prefix, client)
     }
 
+    /// A public plan's bucket for one client address (see
+    /// [`address_tag`](crate::domain::address_tag)): `tollgate:b:{anonymous@203.0.113.7}`.
+    pub fn address_bucket(&self, tag: &str) -> String {
+        format!("{}b:{{{}}}", self.prefix, tag)
+    }
+
     /// One region's shard of a hot client's bucket: `tollgate:b:{acme:eu}`.
     pub fn regional_bucket(&self, client: &ClientId, region: &Region) -> String {
         format!("{}b:{{{}:{}}}", self.prefix, client, region)

@@ -80,6 +80,37 @@ async fn a_trusted_proxy_chain_is_extended() {
 }
 
 #[tokio::test]
+async fn a_client_cannot_spoof_its_address_past_a_hop_the_proxy_wrote_with_a_port() {
+    // A trusted proxy wrote its client as `203.0.113.9:5678` after what the client sent.
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway_to(
+        &[up.url()],
+        "[server]\ntrusted_proxies = [\"127.0.0.0/8\"]\n",
+    )
+    .await;
+    for (xff, client) in [
+        ("6.6.6.6, 203.0.113.9:5678", "203.0.113.9"),
+        ("6.6.6.6, unknown", "127.0.0.1"),
+        ("6.6.6.6, [2001:db8::9]:443", "\"[2001:db8::9]\""),
+        ("::ffff:203.0.113.7", "203.0.113.7"),
+    ] {
+        gw.http
+            .get(format!("{}/orders", gw.address))
+            .header("x-api-key", key("acme"))
+            .header("x-forwarded-for", xff)
+            .send()
+            .await
+            .unwrap();
+        let seen = up.seen();
+        let forwarded = seen.last().unwrap().headers["forwarded"].clone();
+        assert!(
+            forwarded.starts_with(&format!("for={client};")),
+            "{xff}: {forwarded}"
+        );
+    }
+}
+
+#[tokio::test]
 async fn a_missing_request_id_is_generated() {
     let up = Upstream::start(Behaviour::Echo).await;
     let gw = gateway_to(&[up.url()], "").await;

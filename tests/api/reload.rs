@@ -432,3 +432,35 @@ async fn health_checks_added_and_removed_by_a_reload_take_effect() {
         "still checked after the checks were removed"
     );
 }
+
+#[tokio::test]
+async fn sighup_makes_a_route_public_and_private_again() {
+    let up = Upstream::start(Behaviour::Echo).await;
+    let anonymous = "[[catalog.plans]]\nname = \"anonymous\"\ncapacity = 100\nrate = 100\n";
+    let private = route_toml("login", "/login", &[up.url()]);
+    let public = format!("{private}public_plan = \"anonymous\"\n");
+    let gw = gateway_process(&format!("{}{anonymous}{private}", catalog()), &[]);
+    let http = reqwest::Client::new();
+    let without_key = || async {
+        http.get(format!("{}/login", gw.address))
+            .send()
+            .await
+            .map(|r| r.status().as_u16())
+            .unwrap_or(0)
+    };
+    assert_eq!(without_key().await, 401);
+
+    reload(&gw, &private, &public);
+    eventually(Duration::from_secs(5), "the route is public", || async {
+        without_key().await == 200
+    })
+    .await;
+    reload(&gw, &public, &private);
+    eventually(
+        Duration::from_secs(5),
+        "the route is private again",
+        || async { without_key().await == 401 },
+    )
+    .await;
+    assert_eq!(get(&http, &gw, "/login").await.status(), 200);
+}
