@@ -16,7 +16,7 @@ pub struct FieldError {
 /// Errors answered to clients; each maps to one status.
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
-    #[error("a valid API key is required in the {0} header")]
+    #[error("a valid API key is required {0}")]
     MissingKey(String),
     #[error("no route matches this path")]
     NoRoute,

@@ -226,7 +226,11 @@ fn shared_state(
         store,
         routes: ArcSwap::from_pointee(RouteTable::new(&settings.routes)),
         metrics,
-        api_key_header: settings.server.api_key_header.clone(),
+        key_sources: crate::proxy::KeySources::new(
+            &settings.server.api_key_sources,
+            &settings.server.api_key_header,
+            &settings.server.api_key_query,
+        ),
         trusted_proxies: settings.server.trusted_proxies.clone(),
         edge: settings.edge,
         failed_keys: crate::limiter::FailedKeys::new(

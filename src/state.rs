@@ -2,7 +2,6 @@
 
 use std::sync::Arc;
 
-use actix_web::http::header::HeaderName;
 use arc_swap::ArcSwap;
 use ipnet::IpNet;
 
@@ -22,7 +21,8 @@ pub struct AppState {
     /// Swapped whole by a reload (`SIGHUP`); a request keeps the `Arc<Route>` it found.
     pub routes: ArcSwap<RouteTable>,
     pub metrics: Arc<Metrics>,
-    pub api_key_header: HeaderName,
+    /// Where requests' API keys are read from.
+    pub key_sources: crate::proxy::KeySources,
     pub trusted_proxies: Vec<IpNet>,
     /// How requests without a key are grouped by address.
     pub edge: crate::configuration::EdgeSettings,

@@ -14,7 +14,7 @@ pub use periods::{BackOff, Periods};
 pub use raw::DEFAULT_TOML;
 pub use settings::{
     AdminSettings, Balance, CatalogSettings, ClientSettings, EdgeSettings, HealthCheckSettings,
-    LimitSettings, OtlpCompression, OtlpEndpoint, OtlpHeader, OtlpProtocol, OverloadSettings,
-    PlanSettings, RedisSettings, RouteSettings, ServerSettings, Settings, TelemetrySettings,
-    UpstreamSettings,
+    KeySource, LimitSettings, OtlpCompression, OtlpEndpoint, OtlpHeader, OtlpProtocol,
+    OverloadSettings, PlanSettings, RedisSettings, RouteSettings, ServerSettings, Settings,
+    TelemetrySettings, UpstreamSettings,
 };

@@ -18,9 +18,9 @@ use super::raw::{
 };
 use super::settings::{
     AdminSettings, Balance, CatalogSettings, ClientSettings, EdgeSettings, HealthCheckSettings,
-    LimitSettings, OtlpCompression, OtlpEndpoint, OtlpHeader, OtlpProtocol, OverloadSettings,
-    PlanSettings, RedisSettings, RouteSettings, ServerSettings, Settings, TelemetrySettings,
-    UpstreamSettings,
+    KeySource, LimitSettings, OtlpCompression, OtlpEndpoint, OtlpHeader, OtlpProtocol,
+    OverloadSettings, PlanSettings, RedisSettings, RouteSettings, ServerSettings, Settings,
+    TelemetrySettings, UpstreamSettings,
 };
 use crate::domain::{
     ApiKey, Bucket, Capacity, ClientId, KeyHash, Limit, LimitSpec, Limits, Mode, PlanName, Rate,
@@ -451,6 +451,32 @@ fn server(raw: RawServer, p: &mut Problems) -> Option<ServerSettings> {
         HeaderName::from_bytes(raw.api_key_header.as_bytes())
             .map_err(|_| format!("{:?} is not a valid header name", raw.api_key_header)),
     );
+    let mut seen = HashSet::new();
+    let api_key_sources = each(&raw.api_key_sources, |i, s| {
+        let key = format!("server.api_key_sources[{i}]");
+        let source = p.take(key.clone(), KeySource::parse(s))?;
+        if !seen.insert(source) {
+            p.add(key, format!("{s:?} is listed twice"));
+            return None;
+        }
+        Some(source)
+    });
+    if raw.api_key_sources.is_empty() {
+        p.add("server.api_key_sources", "needs at least one source");
+    }
+    let api_key_query = p.take(
+        "server.api_key_query",
+        if !raw.api_key_query.is_empty()
+            && raw
+                .api_key_query
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        {
+            Ok(raw.api_key_query.clone())
+        } else {
+            Err("must be 1 or more characters of A-Z a-z 0-9 - _ .")
+        },
+    );
     let trusted_proxies = each(&raw.trusted_proxies, |i, cidr| {
         p.take(
             format!("server.trusted_proxies[{i}]"),
@@ -467,6 +493,8 @@ fn server(raw: RawServer, p: &mut Problems) -> Option<ServerSettings> {
         region: region?,
         workers: workers?,
         api_key_header: api_key_header?,
+        api_key_sources: api_key_sources?,
+        api_key_query: api_key_query?,
         trusted_proxies: trusted_proxies?,
         max_body_bytes: max_body_bytes?,
         shutdown_timeout: Duration::from_secs(raw.shutdown_timeout_s),

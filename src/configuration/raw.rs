@@ -45,6 +45,8 @@ pub(super) struct RawServer {
     pub(super) region: String,
     pub(super) workers: usize,
     pub(super) api_key_header: String,
+    pub(super) api_key_sources: Vec<String>,
+    pub(super) api_key_query: String,
     pub(super) trusted_proxies: Vec<String>,
     pub(super) max_body_bytes: u64,
     pub(super) shutdown_timeout_s: u64,
@@ -251,6 +253,7 @@ impl RawSettings {
                 .list_separator(",")
                 .with_list_parse_key("redis.cluster_nodes")
                 .with_list_parse_key("server.trusted_proxies")
+                .with_list_parse_key("server.api_key_sources")
                 .try_parsing(true)
                 .source(Some(env)),
         );

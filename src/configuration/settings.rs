@@ -47,6 +47,11 @@ pub struct ServerSettings {
     pub workers: Option<NonZeroUsize>,
     /// `server.api_key_header`: request header that carries the client's API key.
     pub api_key_header: HeaderName,
+    /// `server.api_key_sources`: where a request's API key is looked for, in this order
+    /// (the order names them in a `401`; a key in two of them is refused).
+    pub api_key_sources: Vec<KeySource>,
+    /// `server.api_key_query`: the query parameter of the `query` source.
+    pub api_key_query: String,
     /// `server.trusted_proxies`: peers whose `X-Forwarded-For` is believed and extended
     /// rather than replaced (a bare address is a one-address network).
     pub trusted_proxies: Vec<IpNet>,
@@ -130,6 +135,28 @@ pub struct LimitSettings {
     /// `limits.safety_multiplier`: coarse per-(client, service) limit as a multiple of the
     /// plan (1-1000).
     pub safety_multiplier: f64,
+}
+
+/// Where a request's API key may come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KeySource {
+    /// `header`: the `server.api_key_header` header.
+    Header,
+    /// `bearer`: `Authorization: Bearer <key>`.
+    Bearer,
+    /// `query`: the `server.api_key_query` query parameter.
+    Query,
+}
+
+impl KeySource {
+    pub fn parse(s: &str) -> Result<KeySource, String> {
+        match s {
+            "header" => Ok(KeySource::Header),
+            "bearer" => Ok(KeySource::Bearer),
+            "query" => Ok(KeySource::Query),
+            _ => Err(format!("{s:?} is not one of header, bearer, query")),
+        }
+    }
 }
 
 /// How requests without a key are told apart (README, "Public routes").

@@ -39,7 +39,7 @@ pub(super) fn refusal(
     method: &Method,
     version: Version,
     headers: &HeaderMap,
-    api_key_header: &HeaderName,
+    api_key_header: Option<&HeaderName>,
 ) -> Option<ApiError> {
     // TRACE would echo the request (cookies and keys included) back from a service;
     // CONNECT asks for a tunnel the gateway does not open.
@@ -67,11 +67,13 @@ pub(super) fn refusal(
         }
         _ => {}
     }
-    let mut keys = headers.get_all(api_key_header);
-    if keys.next().is_some() && keys.next().is_some() {
-        return Some(ApiError::BadRequest(format!(
-            "the {api_key_header} header was sent more than once; send one API key"
-        )));
+    if let Some(name) = api_key_header {
+        let mut keys = headers.get_all(name);
+        if keys.next().is_some() && keys.next().is_some() {
+            return Some(ApiError::BadRequest(format!(
+                "the {name} header was sent more than once; send one API key"
+            )));
+        }
     }
     None
 }
@@ -158,7 +160,7 @@ mod tests {
 
     fn refused(method: Method, pairs: &[(&'static str, &'static str)]) -> Option<String> {
         let key = HeaderName::from_static("x-api-key");
-        refusal(&method, Version::HTTP_11, &headers(pairs), &key).map(|e| e.to_string())
+        refusal(&method, Version::HTTP_11, &headers(pairs), Some(&key)).map(|e| e.to_string())
     }
 
     #[test]
@@ -176,7 +178,13 @@ mod tests {
         assert!(refused(Method::GET, &[("host", "a/b")]).is_some());
         assert!(refused(Method::GET, &[]).is_some());
         let key = HeaderName::from_static("x-api-key");
-        assert!(refusal(&Method::GET, Version::HTTP_10, &HeaderMap::new(), &key).is_none());
+        assert!(refusal(
+            &Method::GET,
+            Version::HTTP_10,
+            &HeaderMap::new(),
+            Some(&key)
+        )
+        .is_none());
     }
 
     #[test]

@@ -29,7 +29,7 @@ use super::replicas::{now_ms, InFlight, Replica, TryResult};
 use super::wire::{self, checked_body, Probe};
 use super::Route;
 use crate::catalog::{ClientEntry, PlanSlot};
-use crate::configuration::UpstreamSettings;
+use crate::configuration::{KeySource, UpstreamSettings};
 use crate::error::ApiError;
 use crate::limiter::Anonymous;
 use crate::state::AppState;
@@ -60,6 +60,8 @@ pub(super) struct Admitted {
     /// The normal form of the path with the query as received, when it differs from the
     /// request's; `None`: forward the request's own (most paths are already normal).
     pub path_and_query: Option<PathAndQuery>,
+    /// Where its key came from (`None`: it had none); that header is not forwarded.
+    pub key_source: Option<KeySource>,
 }
 
 /// Forwards an admitted request (see [`forward`]), answering a failure as a handler's
@@ -473,7 +475,9 @@ fn prepare(
     let headers = out.headers_mut();
     let listed = connection_headers(req.headers());
     for (name, value) in req.headers() {
-        if forwardable(name, &state.api_key_header, &listed) {
+        if forwardable(name, state.key_sources.header(), &listed)
+            && !(name == header::AUTHORIZATION && admitted.key_source == Some(KeySource::Bearer))
+        {
             headers.append(name.clone(), value.clone());
         }
     }

@@ -16,8 +16,9 @@ use futures_util::future::LocalBoxFuture;
 use super::edge;
 use super::forward::{self, Admitted, Who};
 use super::headers::{drop_client_ip_claims, has_client_ip_claims, peer_trusted, X_FORWARDED_FOR};
+use super::keys::FoundKey;
 use super::{NormalPath, Route};
-use crate::configuration::UpstreamSettings;
+use crate::configuration::{KeySource, UpstreamSettings};
 use crate::domain::ratelimit::policy_name;
 use crate::domain::{address_group, address_tag, client_addr, KeyHash, Mode, PlanName};
 use crate::domain::{Decision, Outcome, RateLimitHeaders};
@@ -219,24 +220,22 @@ fn recognised(req: &ServiceRequest, state: &AppState) -> Result<Admitted, ApiErr
         req.method(),
         req.version(),
         req.headers(),
-        &state.api_key_header,
+        state.key_sources.header(),
     ) {
         return Err(err);
     }
     let path = NormalPath::parse(req.path())?;
     let unknown = || {
         state.metrics.count_outcome("unknown_key");
-        ApiError::MissingKey(state.api_key_header.to_string())
+        state.key_sources.missing()
     };
+    let found = state.key_sources.find(req.headers(), req.uri().query())?;
+    let key_source = found.as_ref().map(|f| f.source);
     // A key that is sent must be known, on a public route too (a guess that misses is not
     // let through as a request without a key). Unknown keys are counted per address;
     // past its allowance an address waits, with a valid key too.
-    let client = match req.headers().get(&state.api_key_header) {
-        Some(v) => match v
-            .to_str()
-            .ok()
-            .and_then(|k| state.catalog.by_key(&KeyHash::of(k)))
-        {
+    let client = match &found {
+        Some(found) => match state.catalog.by_key(&KeyHash::of(&found.key)) {
             Some(client) => {
                 if let Some(wait_us) = state
                     .failed_keys
@@ -278,8 +277,16 @@ fn recognised(req: &ServiceRequest, state: &AppState) -> Result<Admitted, ApiErr
             None => return Err(unknown()),
         },
     };
-    // The service must see exactly the path that was routed.
-    let path_and_query = rewritten(&path, req.uri().query())?;
+    // The service must see exactly the path that was routed, and never a key in the query.
+    let path_and_query = match found {
+        Some(FoundKey {
+            source: KeySource::Query,
+            rest_of_query,
+            ..
+        }) => Some(with_query(&path, rest_of_query.as_deref())?),
+        _ if path.is_rewritten() => Some(with_query(&path, req.uri().query())?),
+        _ => None,
+    };
     let declared_len = req
         .headers()
         .get(header::CONTENT_LENGTH)
@@ -292,6 +299,7 @@ fn recognised(req: &ServiceRequest, state: &AppState) -> Result<Admitted, ApiErr
         who,
         route,
         path_and_query,
+        key_source,
     })
 }
 
@@ -454,19 +462,14 @@ fn parse_cost(value: &HeaderValue) -> Option<f64> {
     (cost.is_finite() && (0.0..=MAX_REPORTED_COST).contains(&cost)).then_some(cost)
 }
 
-/// The path and query to forward when the path was rewritten: the normal path, then the
-/// query byte for byte.
-fn rewritten(path: &NormalPath, query: Option<&str>) -> Result<Option<PathAndQuery>, ApiError> {
-    if !path.is_rewritten() {
-        return Ok(None);
-    }
+/// The path and query to forward when they differ from the request's: the normal path,
+/// then `query` byte for byte.
+fn with_query(path: &NormalPath, query: Option<&str>) -> Result<PathAndQuery, ApiError> {
     let pq = match query {
         Some(q) => format!("{}?{q}", path.as_str()),
         None => path.as_str().to_string(),
     };
-    PathAndQuery::try_from(pq)
-        .map(Some)
-        .map_err(|e| ApiError::Internal(e.into()))
+    PathAndQuery::try_from(pq).map_err(|e| ApiError::Internal(e.into()))
 }
 
 /// Answers without forwarding. Of the request's body, what has already arrived is read
