@@ -18,6 +18,9 @@ pub struct FieldError {
 pub enum ApiError {
     #[error("a valid API key is required {0}")]
     MissingKey(String),
+    /// The key was issued with an `expires_at`, now past (unix seconds).
+    #[error("this API key expired at {}", unix_s_rfc3339(*.0))]
+    KeyExpired(u64),
     #[error("no route matches this path")]
     NoRoute,
     /// A request path the gateway will not route (see `proxy::PathError`).
@@ -131,10 +134,18 @@ pub struct Problem {
     pub errors: Option<Vec<FieldError>>,
 }
 
+/// Unix seconds as RFC 3339 (`2026-12-03T19:00:00Z`).
+fn unix_s_rfc3339(s: u64) -> String {
+    jiff::Timestamp::from_second(i64::try_from(s).unwrap_or(i64::MAX))
+        .unwrap_or(jiff::Timestamp::MAX)
+        .to_string()
+}
+
 impl ApiError {
     fn slug(&self) -> &'static str {
         match self {
             ApiError::MissingKey(_) => "unauthorized",
+            ApiError::KeyExpired(_) => "key-expired",
             ApiError::NoRoute => "not-found",
             ApiError::BadPath(_) => "bad-path",
             ApiError::PathTooLong(_) => "uri-too-long",
@@ -163,7 +174,7 @@ impl ApiError {
 impl ResponseError for ApiError {
     fn status_code(&self) -> StatusCode {
         match self {
-            ApiError::MissingKey(_) => StatusCode::UNAUTHORIZED,
+            ApiError::MissingKey(_) | ApiError::KeyExpired(_) => StatusCode::UNAUTHORIZED,
             ApiError::NoRoute => StatusCode::NOT_FOUND,
             ApiError::BadPath(_) => StatusCode::BAD_REQUEST,
             ApiError::PathTooLong(_) => StatusCode::URI_TOO_LONG,
@@ -222,6 +233,9 @@ impl ResponseError for ApiError {
         match self {
             ApiError::MissingKey(_) => {
                 resp.insert_header((header::WWW_AUTHENTICATE, "ApiKey"));
+            }
+            ApiError::KeyExpired(_) => {
+                resp.insert_header((header::WWW_AUTHENTICATE, "ApiKey error=\"expired\""));
             }
             ApiError::RateLimited { retry_after_s, .. } => {
                 resp.insert_header((header::RETRY_AFTER, retry_after_s.to_string()));

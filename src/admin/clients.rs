@@ -7,8 +7,11 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::{IntoParams, ToSchema};
 
-use super::body::{etag, if_match, read_body, Field};
-use super::shared::{client_id, current, precondition, refusal, update_client, WRITE_TRIES};
+use super::body::{etag, if_match, read_body, Field, Fields};
+use super::overrides::Until;
+use super::shared::{
+    client_id, current, now_ms, precondition, refusal, rfc3339, update_client, WRITE_TRIES,
+};
 use super::Actor;
 use crate::catalog::{
     Audit, AuditEntry, CatalogWrite, ClientRecord, Condition, KeyRecord, Shards, Versioned,
@@ -30,6 +33,27 @@ pub struct KeyView {
     pub key_id: String,
     /// Unix seconds.
     pub created_at: u64,
+    /// When it stops working (RFC 3339); absent: never.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(format = DateTime, example = "2030-01-01T00:00:00Z")]
+    pub expires_at: Option<String>,
+    /// Whether `expires_at` has passed: the key answers `401` `key-expired`.
+    pub expired: bool,
+    /// The key it was rolled from, if it was.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rolled_from: Option<String>,
+}
+
+impl KeyView {
+    fn of(k: &KeyRecord, now_s: u64) -> KeyView {
+        KeyView {
+            key_id: k.key_id.clone(),
+            created_at: k.created_at,
+            expires_at: k.expires_at.map(|s| rfc3339(s.saturating_mul(1_000_000))),
+            expired: k.expired(now_s),
+            rolled_from: k.rolled_from.clone(),
+        }
+    }
 }
 
 /// Regional sharding of a hot client's bucket.
@@ -165,6 +189,11 @@ pub struct KeyInput {
     #[serde(default)]
     #[schema(value_type = Option<ApiKey>)]
     key: Field<ApiKey>,
+    /// When the key stops working: an RFC 3339 time in the future, kept in whole seconds
+    /// (a fraction rounds up). Absent: never.
+    #[serde(default)]
+    #[schema(value_type = Option<String>, format = DateTime, example = "2030-01-01T00:00:00Z")]
+    expires_at: Field<Until>,
 }
 
 /// A key just created: the only time the key is shown.
@@ -172,6 +201,53 @@ pub struct KeyInput {
 pub struct NewKey {
     pub key_id: String,
     pub key: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(format = DateTime)]
+    pub expires_at: Option<String>,
+}
+
+/// The body of `POST .../keys/{key_id}/roll`: how long the old key keeps working, either
+/// as `overlap_s` from now or as `old_expires_at`; the new key as `POST .../keys` takes it.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RollInput {
+    /// Seconds the old key keeps working from now (0-31536000; 0: it stops now).
+    #[serde(default)]
+    #[schema(value_type = Option<u32>, maximum = 31536000)]
+    overlap_s: Field<u64>,
+    /// Or: when the old key stops working (RFC 3339, in the future). A roll never makes
+    /// a key work longer than its own `expires_at`.
+    #[serde(default)]
+    #[schema(value_type = Option<String>, format = DateTime, example = "2030-01-01T00:00:00Z")]
+    old_expires_at: Field<Until>,
+    /// The new key, to import one (as `POST .../keys`); absent: generated.
+    #[serde(default)]
+    #[schema(value_type = Option<ApiKey>)]
+    key: Field<ApiKey>,
+    /// When the new key stops working (RFC 3339, in the future); absent: never.
+    #[serde(default)]
+    #[schema(value_type = Option<String>, format = DateTime, example = "2031-01-01T00:00:00Z")]
+    expires_at: Field<Until>,
+}
+
+/// A key rolled: the new key (shown only here) and until when the old one works.
+#[derive(Serialize, ToSchema)]
+pub struct RolledKey {
+    pub key_id: String,
+    pub key: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(format = DateTime)]
+    pub expires_at: Option<String>,
+    pub old: OldKey,
+}
+
+/// The key a roll replaces.
+#[derive(Serialize, ToSchema)]
+pub struct OldKey {
+    pub key_id: String,
+    /// When it stops working (RFC 3339).
+    #[schema(format = DateTime)]
+    pub expires_at: String,
 }
 
 /// A client's bucket right now.
@@ -211,11 +287,8 @@ impl From<ClientRecord> for ClientView {
             }),
             keys: c
                 .keys
-                .into_iter()
-                .map(|k| KeyView {
-                    key_id: k.key_id,
-                    created_at: k.created_at,
-                })
+                .iter()
+                .map(|k| KeyView::of(k, now_ms() / 1000))
                 .collect(),
             overrides: c.overrides.iter().map(Into::into).collect(),
         }
@@ -438,9 +511,13 @@ pub async fn create_key(
     let id = client_id(&id)?;
     let (input, mut f) = read_body::<KeyInput>(payload).await?;
     let key = f.optional("key", input.key);
+    let expires_at = future(&mut f, "expires_at", input.expires_at);
     f.finish()?;
     let key = key.unwrap_or_else(ApiKey::generate);
-    let record = KeyRecord::new(key.hash());
+    let record = KeyRecord {
+        expires_at,
+        ..KeyRecord::new(key.hash())
+    };
     let key_id = record.key_id.clone();
     update_client(
         &state,
@@ -467,6 +544,121 @@ pub async fn create_key(
     Ok(HttpResponse::Created().json(NewKey {
         key_id,
         key: key.expose().to_string(),
+        expires_at: expires_at.map(|s| rfc3339(s.saturating_mul(1_000_000))),
+    }))
+}
+
+/// An optional RFC 3339 time that must be in the future, as unix seconds.
+fn future(f: &mut Fields, name: &str, value: Field<Until>) -> Option<u64> {
+    let at = f.optional(name, value).map(|u| u.0);
+    if at.is_some_and(|at| at <= now_ms() / 1000) {
+        f.bad(name, "must be in the future");
+    }
+    at
+}
+
+/// The most seconds a rolled key may keep working alongside its successor: a year.
+const MAX_OVERLAP_S: u64 = 31_536_000;
+
+/// Roll a key: a new key (generated, or imported as `key`) starts working now, and the old
+/// one keeps working until `overlap_s` from now or `old_expires_at`, never longer than it
+/// would have, so a client can deploy the new key before the old stops. One write, one
+/// audit entry (`key.roll`); both are in force on every gateway within
+/// `catalog.refresh_ms`, and the old key answers `401` `key-expired` from its end.
+#[utoipa::path(operation_id = "rollKey", post, path = "/admin/v1/clients/{client}/keys/{key_id}/roll", tag = "clients",
+    params(("client" = ClientId, Path, description = "Client id"),
+        ("key_id" = String, Path, description = "The key to roll")),
+    request_body(content = RollInput, content_type = "application/json"),
+    responses(
+        (status = 201, description = "Rolled; the new key is shown only here", body = RolledKey),
+        (status = 404, description = "No such client or key", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "The key has expired already, or the imported key belongs to a client already", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "Invalid fields, each named: neither or both of `overlap_s` and `old_expires_at`, a time not in the future, too many keys", body = Problem, content_type = "application/problem+json"),
+    ),
+    security(("bearer" = [])))]
+pub async fn roll_key(
+    state: web::Data<AppState>,
+    path: web::Path<(String, String)>,
+    actor: Actor,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let (id, old_id) = path.into_inner();
+    let id = client_id(&id)?;
+    let (input, mut f) = read_body::<RollInput>(payload).await?;
+    let now_s = now_ms() / 1000;
+    let overlap = f.optional("overlap_s", input.overlap_s);
+    if overlap.is_some_and(|s| s > MAX_OVERLAP_S) {
+        f.bad(
+            "overlap_s",
+            format!("must be at most {MAX_OVERLAP_S} (a year)"),
+        );
+    }
+    let old_until = future(&mut f, "old_expires_at", input.old_expires_at);
+    let chosen = match (overlap, old_until) {
+        (Some(s), None) => Some(now_s.saturating_add(s)),
+        (None, Some(at)) => Some(at),
+        (Some(_), Some(_)) => {
+            f.bad("overlap_s", "give overlap_s or old_expires_at, not both");
+            None
+        }
+        (None, None) => {
+            f.bad("overlap_s", "give overlap_s or old_expires_at");
+            None
+        }
+    };
+    let key = f.optional("key", input.key);
+    let expires_at = future(&mut f, "expires_at", input.expires_at);
+    f.finish()?;
+    let chosen = chosen.expect("checked");
+    let key = key.unwrap_or_else(ApiKey::generate);
+    let record = KeyRecord {
+        expires_at,
+        rolled_from: Some(old_id.clone()),
+        ..KeyRecord::new(key.hash())
+    };
+    let new_id = record.key_id.clone();
+    let (old_end, _) = update_client(
+        &state,
+        &id,
+        Audit::new(&actor.sub, "key.roll"),
+        None,
+        async |c| {
+            if c.keys.iter().any(|k| k.hash == record.hash) {
+                return Err(ApiError::Conflict(
+                    "this client has that key already".into(),
+                ));
+            }
+            if c.keys.len() >= MAX_KEYS {
+                return Err(ApiError::field(
+                    "key",
+                    format!("a client has at most {MAX_KEYS} keys"),
+                ));
+            }
+            let Some(old) = c.keys.iter_mut().find(|k| k.key_id == old_id) else {
+                return Err(ApiError::NotFound(format!(
+                    "client {id} has no key {old_id}"
+                )));
+            };
+            if old.expired(now_s) {
+                return Err(ApiError::Conflict(format!(
+                    "key {old_id} has expired already"
+                )));
+            }
+            let end = old.expires_at.map_or(chosen, |at| at.min(chosen));
+            old.expires_at = Some(end);
+            c.keys.push(record.clone());
+            Ok(end)
+        },
+    )
+    .await?;
+    Ok(HttpResponse::Created().json(RolledKey {
+        key_id: new_id,
+        key: key.expose().to_string(),
+        expires_at: expires_at.map(|s| rfc3339(s.saturating_mul(1_000_000))),
+        old: OldKey {
+            key_id: old_id,
+            expires_at: rfc3339(old_end.saturating_mul(1_000_000)),
+        },
     }))
 }
 

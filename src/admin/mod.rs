@@ -96,6 +96,11 @@ fn catalog_resources(cfg: &mut web::ServiceConfig) {
             .default_service(allow("DELETE")),
     )
     .service(
+        web::resource("/clients/{client}/keys/{key_id}/roll")
+            .post(clients::roll_key)
+            .default_service(allow("POST")),
+    )
+    .service(
         web::resource("/clients/{client}/overrides")
             .get(overrides::list)
             .default_service(allow("GET")),
@@ -179,7 +184,8 @@ fn allow(methods: &'static str) -> actix_web::Route {
     paths(
         plans::list, plans::get, plans::put, plans::delete,
         clients::list, clients::get, clients::put, clients::delete,
-        clients::create_key, clients::revoke_key, clients::bucket, clients::refill,
+        clients::create_key, clients::revoke_key, clients::roll_key, clients::bucket,
+        clients::refill,
         overrides::list, overrides::put, overrides::delete, usage::get,
         safety::get, safety::put,
         shadow::get, shadow::reset, hot::hot,

@@ -100,7 +100,7 @@ fn read_only_limit() -> utoipa::openapi::RefOr<utoipa::openapi::Schema> {
 /// An instant given as RFC 3339, in unix seconds (rounded up).
 #[derive(Debug, Clone, Copy, Deserialize)]
 #[serde(try_from = "Value")]
-struct Until(u64);
+pub(super) struct Until(pub(super) u64);
 
 impl TryFrom<Value> for Until {
     type Error = String;

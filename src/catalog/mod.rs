@@ -151,6 +151,11 @@ pub struct Catalog {
     clients: DashMap<ClientId, Arc<ClientEntry>>,
     /// By SHA-256 of the key: already uniform, so a fast hasher is as safe as SipHash.
     keys: DashMap<KeyHash, Arc<ClientEntry>, foldhash::fast::RandomState>,
+    /// Keys past their `expires_at`, with when they expired (unix s): read only when a key
+    /// is not in `keys`, to answer "expired" rather than "unknown".
+    expired: DashMap<KeyHash, u64, foldhash::fast::RandomState>,
+    /// Keys in `keys` that will expire, by when: [`Catalog::expire_due`] moves them.
+    expiring: parking_lot::Mutex<std::collections::BTreeSet<(u64, KeyHash)>>,
     safety: ArcSwap<Option<SafetyRecord>>,
     /// The catalog version that last wrote the safety settings.
     safety_rev: AtomicU64,
@@ -177,6 +182,8 @@ impl Catalog {
             plans: DashMap::new(),
             clients: DashMap::new(),
             keys: DashMap::default(),
+            expired: DashMap::default(),
+            expiring: Default::default(),
             safety: ArcSwap::from_pointee(None),
             safety_rev: AtomicU64::new(0),
             epoch: parking_lot::Mutex::new(None),
@@ -192,6 +199,45 @@ impl Catalog {
     /// The client an API key belongs to. No I/O.
     pub fn by_key(&self, hash: &KeyHash) -> Option<Arc<ClientEntry>> {
         self.keys.get(hash).map(|e| Arc::clone(e.value()))
+    }
+
+    /// When a key that no longer works expired (unix s), if it did (rather than never
+    /// existing, or being revoked). No I/O.
+    pub fn expired_at(&self, hash: &KeyHash) -> Option<u64> {
+        self.expired.get(hash).map(|at| *at)
+    }
+
+    /// Takes the keys whose `expires_at` is `now_s` or earlier out of service: they answer
+    /// "expired" from now on. Run on every catalog tick, before and whatever the store
+    /// answers, so keys expire on time while the store is down.
+    pub fn expire_due(&self, now_s: u64) {
+        loop {
+            let due = {
+                let mut expiring = self.expiring.lock();
+                match expiring.first() {
+                    Some(&(at, hash)) if at <= now_s => {
+                        expiring.pop_first();
+                        (at, hash)
+                    }
+                    _ => return,
+                }
+            };
+            let (at, hash) = due;
+            let Some(entry) = self.by_key(&hash) else {
+                continue;
+            };
+            // Only if the client in service still has this key expiring then (a stale
+            // entry: the key was revoked, or its record changed since).
+            let still = entry
+                .record
+                .keys
+                .iter()
+                .any(|k| k.hash == hash && k.expires_at == Some(at));
+            if still {
+                self.expired.insert(hash, at);
+                self.keys.remove_if(&hash, |_, e| Arc::ptr_eq(e, &entry));
+            }
+        }
     }
 
     /// A plan by name: what a public route limits requests without a key by. No I/O.
@@ -483,9 +529,25 @@ impl Catalog {
     fn apply_client(&self, id: ClientId, rec: Option<Versioned<ClientRecord>>) {
         let old = self.clients.get(&id).map(|e| Arc::clone(e.value()));
         let entry = rec.and_then(|rec| self.entry(&id, rec, old.as_deref()));
+        if let Some(old) = &old {
+            for k in &old.record.keys {
+                self.expired.remove(&k.hash);
+            }
+        }
         match &entry {
             Some(entry) => {
+                let now_s = unix_now_s();
                 for k in &entry.record.keys {
+                    match k.expires_at {
+                        Some(at) if at <= now_s => {
+                            self.expired.insert(k.hash, at);
+                            continue;
+                        }
+                        Some(at) => {
+                            self.expiring.lock().insert((at, k.hash));
+                        }
+                        None => {}
+                    }
                     self.keys.insert(k.hash, Arc::clone(entry));
                 }
                 if entry.shard.is_some() {
@@ -575,6 +637,7 @@ impl Catalog {
         let mut failing = false;
         loop {
             tick.tick().await;
+            self.expire_due(unix_now_s());
             match self.refresh(store).await {
                 Ok(()) if failing => {
                     failing = false;
@@ -650,6 +713,13 @@ pub async fn seed(store: &Store, settings: &Settings) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Unix seconds now, on this gateway's clock.
+fn unix_now_s() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 #[cfg(test)]

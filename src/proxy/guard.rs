@@ -234,8 +234,9 @@ fn recognised(req: &ServiceRequest, state: &AppState) -> Result<Admitted, ApiErr
     // A key that is sent must be known, on a public route too (a guess that misses is not
     // let through as a request without a key). Unknown keys are counted per address;
     // past its allowance an address waits, with a valid key too.
-    let client = match &found {
-        Some(found) => match state.catalog.by_key(&KeyHash::of(&found.key)) {
+    let hash = found.as_ref().map(|f| KeyHash::of(&f.key));
+    let client = match &hash {
+        Some(hash) => match state.catalog.by_key(hash) {
             Some(client) => {
                 if let Some(wait_us) = state
                     .failed_keys
@@ -251,9 +252,13 @@ fn recognised(req: &ServiceRequest, state: &AppState) -> Result<Admitted, ApiErr
                     .failed_keys
                     .as_ref()
                     .and_then(|f| f.note(address_group_of(req, state), Instant::now()));
-                return Err(match noted {
-                    Some(wait_us) => failed_keys_limited(state, wait_us),
-                    None => unknown(),
+                return Err(match (noted, state.catalog.expired_at(hash)) {
+                    (Some(wait_us), _) => failed_keys_limited(state, wait_us),
+                    (None, Some(at)) => {
+                        state.metrics.count_outcome("unknown_key");
+                        ApiError::KeyExpired(at)
+                    }
+                    (None, None) => unknown(),
                 });
             }
         },

@@ -67,6 +67,12 @@ pub struct KeyRecord {
     pub hash: KeyHash,
     /// Unix seconds.
     pub created_at: u64,
+    /// When it stops working, unix seconds (absent: never).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<u64>,
+    /// The key it was rolled from (`POST .../keys/{key_id}/roll`), if it was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rolled_from: Option<String>,
     /// Fields a newer gateway wrote and this one does not know: kept as they are, so its
     /// read-modify-writes (a key created, a plan changed) never drop them.
     #[serde(flatten, skip_serializing_if = "serde_json::Map::is_empty")]
@@ -74,6 +80,11 @@ pub struct KeyRecord {
 }
 
 impl KeyRecord {
+    /// Whether it has expired at `now_s` (unix seconds).
+    pub fn expired(&self, now_s: u64) -> bool {
+        self.expires_at.is_some_and(|at| at <= now_s)
+    }
+
     pub fn new(hash: KeyHash) -> KeyRecord {
         KeyRecord {
             key_id: hash.key_id(),
@@ -82,6 +93,8 @@ impl KeyRecord {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
+            expires_at: None,
+            rolled_from: None,
             extra: serde_json::Map::new(),
         }
     }
