@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use actix_web::dev::{Server, ServerHandle};
 use actix_web::middleware::from_fn;
-use actix_web::{web, App, HttpServer};
+use actix_web::{web, App, HttpServer, ResponseError};
 use anyhow::Context;
 use arc_swap::ArcSwap;
 use tracing_actix_web::TracingLogger;
@@ -25,6 +25,7 @@ use tracing_actix_web::TracingLogger;
 use crate::admin::{self, JwtVerifier};
 use crate::catalog::{self, Catalog};
 use crate::configuration::Settings;
+use crate::error::ApiError;
 use crate::limiter::{Limiter, LimiterParts};
 use crate::metrics::Metrics;
 use crate::proxy::{self, RouteTable};
@@ -86,6 +87,7 @@ impl Application {
         });
         let state = shared_state(&settings, catalog, limiter, store, metrics, &tasks)?;
         start_health_checks(&state, &settings, &tasks);
+        start_view_eviction(&state, &tasks);
         let jwt = web::Data::new(JwtVerifier::from_settings(&settings.admin)?);
         let listening = start_servers(&settings, &state, &jwt)?;
         say_started(&settings, &state.store, &listening);
@@ -204,6 +206,25 @@ fn start_housekeeping(store: &Store, tasks: &Tasks) {
     });
 }
 
+/// Starts task `view-eviction`: every 5 s, forgets the clients whose own-limits view
+/// allowance is whole again (so it holds only clients that read it lately).
+fn start_view_eviction(state: &web::Data<AppState>, tasks: &Tasks) {
+    let state = state.clone();
+    tasks.spawn("view-eviction", Policy::Restart, move |stop| {
+        let state = state.clone();
+        async move {
+            stop.run_until_cancelled(async {
+                let mut tick = tokio::time::interval(Duration::from_secs(5));
+                loop {
+                    tick.tick().await;
+                    state.views.evict_idle();
+                }
+            })
+            .await;
+        }
+    });
+}
+
 /// What every handler shares.
 fn shared_state(
     settings: &Settings,
@@ -232,7 +253,8 @@ fn shared_state(
             &settings.server.api_key_query,
         ),
         trusted_proxies: settings.server.trusted_proxies.clone(),
-        edge: settings.edge,
+        edge: settings.edge.clone(),
+        views: Default::default(),
         failed_keys: crate::limiter::FailedKeys::new(
             settings.edge.failed_keys_sets,
             settings.edge.failed_keys_burst,
@@ -295,6 +317,7 @@ fn public_server(
     let separate_admin = settings.server.admin_listen.is_some();
     let traced = state.traces.is_some();
     let upstream = settings.upstream;
+    let limits_path = settings.edge.limits_path.clone();
     let main = HttpServer::new(move || {
         // This closure runs once on each worker's thread.
         data.limiter.start_worker();
@@ -310,6 +333,18 @@ fn public_server(
                     admin::configure(cfg);
                 }
             });
+        // A client's own limits, spending nothing (one exact path, before the proxy).
+        let app = match &limits_path {
+            Some(path) => app.service(
+                web::resource(path.as_str())
+                    .route(web::get().to(proxy::own_limits))
+                    .route(web::head().to(proxy::own_limits))
+                    .default_service(web::to(|| async {
+                        ApiError::MethodNotAllowed("GET, HEAD").error_response()
+                    })),
+            ),
+            None => app,
+        };
         // Every path no other service claims: the limiter, then the forward.
         let proxy = proxy::Guard(upstream);
         if traced {

@@ -28,6 +28,9 @@ pub struct AppState {
     pub edge: crate::configuration::EdgeSettings,
     /// Unknown keys counted per address group (`None`: not counted).
     pub failed_keys: Option<crate::limiter::FailedKeys>,
+    /// How often each client read its own limits lately (see `edge.limits_path`): a
+    /// bucket per client that did, so bounded by the catalog.
+    pub views: crate::store::LocalBuckets<crate::domain::ClientId>,
     pub max_body_bytes: u64,
     /// `[upstream]`: how routes reach their replicas.
     pub upstream: UpstreamSettings,

@@ -14,6 +14,8 @@ mod shadow;
 mod shared;
 mod usage;
 
+pub use usage::{LimitKindName, LimitUsage, UsageView};
+
 use actix_web::dev::Payload;
 use actix_web::middleware::from_fn;
 use actix_web::{web, FromRequest, HttpMessage, HttpRequest};

@@ -10,7 +10,7 @@ use utoipa::ToSchema;
 use super::plans::ResetRule;
 use super::shared::{client_id, current, now_ms, plan_limits, rfc3339};
 use crate::domain::ratelimit::policy_name;
-use crate::domain::{ClientId, Level, Period};
+use crate::domain::{Applied, ClientId, Level, Limits, Override, Period, PlanName, Ruling};
 use crate::error::{ApiError, Problem};
 use crate::state::AppState;
 
@@ -121,54 +121,79 @@ pub async fn get(
     let applied = limits.every();
     let key = state.catalog.key_names().bucket(&id);
     let ruling = state.store.buckets.peek(&key, &applied).await?;
-    let now_us = ruling.now_us;
-    let items = limits
-        .items()
-        .iter()
-        .zip(&applied)
-        .zip(&ruling.levels)
-        .map(|((limit, a), level)| {
-            let spec = limit.spec();
-            let o = client
-                .overrides
-                .iter()
-                .find(|o| o.limit == *limit.name() && o.active(now_s));
-            LimitUsage {
-                name: spec.name,
-                policy: policy_name(&client.plan, a),
-                service: spec.service,
-                kind: if spec.quota.is_some() {
-                    LimitKindName::Quota
-                } else {
-                    LimitKindName::Bucket
-                },
-                capacity: spec.capacity,
-                rate: spec.rate,
-                quota: spec.quota,
-                period: spec.period,
-                reset: spec.reset,
-                anchor_day: spec.anchor_day,
-                time_zone: spec.time_zone,
-                remaining: level.remaining(&a.kind),
-                used: match level {
-                    Level::Used { used, .. } => Some(*used),
-                    Level::Tokens(_) => None,
-                },
-                resets_at: rfc3339(now_us.saturating_add(level.reset_us(&a.kind, now_us))),
-                overridden: o.is_some(),
-                overridden_until: o
-                    .and_then(|o| o.until)
-                    .map(|s| rfc3339(s.saturating_mul(1_000_000))),
-            }
-        })
-        .collect();
-    let sharded = client.shards.is_some();
-    Ok(HttpResponse::Ok().json(UsageView {
-        client: id.to_string(),
-        plan: client.plan.to_string(),
-        at: rfc3339(now_us),
-        sharded,
-        note: sharded.then(|| SHARDED_NOTE.to_string()),
-        limits: items,
-    }))
+    Ok(HttpResponse::Ok().json(UsageView::of(
+        &id,
+        &client.plan,
+        client.shards.is_some(),
+        &limits,
+        &applied,
+        &ruling,
+        &client.overrides,
+        now_s,
+    )))
+}
+
+impl UsageView {
+    /// Every limit of `client` on `plan` from one `peek` (`ruling`) of its state for
+    /// `applied` (every limit of `limits`, in order), with `overrides` in force at `now_s`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn of(
+        client: &ClientId,
+        plan: &PlanName,
+        sharded: bool,
+        limits: &Limits,
+        applied: &[Applied],
+        ruling: &Ruling,
+        overrides: &[Override],
+        now_s: u64,
+    ) -> UsageView {
+        let now_us = ruling.now_us;
+        let items = limits
+            .items()
+            .iter()
+            .zip(applied)
+            .zip(&ruling.levels)
+            .map(|((limit, a), level)| {
+                let spec = limit.spec();
+                let o = overrides
+                    .iter()
+                    .find(|o| o.limit == *limit.name() && o.active(now_s));
+                LimitUsage {
+                    name: spec.name,
+                    policy: policy_name(plan, a),
+                    service: spec.service,
+                    kind: if spec.quota.is_some() {
+                        LimitKindName::Quota
+                    } else {
+                        LimitKindName::Bucket
+                    },
+                    capacity: spec.capacity,
+                    rate: spec.rate,
+                    quota: spec.quota,
+                    period: spec.period,
+                    reset: spec.reset,
+                    anchor_day: spec.anchor_day,
+                    time_zone: spec.time_zone,
+                    remaining: level.remaining(&a.kind),
+                    used: match level {
+                        Level::Used { used, .. } => Some(*used),
+                        Level::Tokens(_) => None,
+                    },
+                    resets_at: rfc3339(now_us.saturating_add(level.reset_us(&a.kind, now_us))),
+                    overridden: o.is_some(),
+                    overridden_until: o
+                        .and_then(|o| o.until)
+                        .map(|s| rfc3339(s.saturating_mul(1_000_000))),
+                }
+            })
+            .collect();
+        UsageView {
+            client: client.to_string(),
+            plan: plan.to_string(),
+            at: rfc3339(now_us),
+            sharded,
+            note: sharded.then(|| SHARDED_NOTE.to_string()),
+            limits: items,
+        }
+    }
 }

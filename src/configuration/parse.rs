@@ -204,13 +204,52 @@ fn edge(raw: RawEdge, p: &mut Problems) -> Option<EdgeSettings> {
             "must be from 0 to 16777216",
         ),
     );
+    let limits_path = match raw.limits_path.as_str() {
+        "" => Some(None),
+        path => p.take("edge.limits_path", limits_path(path)).map(Some),
+    };
     Some(EdgeSettings {
+        limits_path: limits_path?,
         ipv4_prefix: ipv4_prefix?,
         ipv6_prefix: ipv6_prefix?,
         failed_keys_burst: failed_keys_burst?,
         failed_keys_per_minute: failed_keys_per_minute?,
         failed_keys_sets: failed_keys_sets?,
     })
+}
+
+/// `edge.limits_path`: a path in its normal form (letters, digits, `-._~/`, no empty, `.`
+/// or `..` segment), outside the gateway's own paths.
+fn limits_path(path: &str) -> Result<String, String> {
+    let normal = path.starts_with('/')
+        && path.len() <= 256
+        && path
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-._~/".contains(&b))
+        && path[1..]
+            .split('/')
+            .all(|s| !s.is_empty() && s != "." && s != "..");
+    if !normal {
+        return Err(
+            "must be a path such as /_tollgate/limits: '/' then segments of A-Z a-z 0-9 - . _ ~"
+                .into(),
+        );
+    }
+    let own = [
+        "/admin",
+        "/metrics",
+        "/api-docs",
+        "/swagger-ui",
+        "/healthz",
+        "/readyz",
+    ];
+    if own
+        .iter()
+        .any(|o| path == *o || path.starts_with(&format!("{o}/")))
+    {
+        return Err(format!("{path} is one of the gateway's own paths"));
+    }
+    Ok(path.to_string())
 }
 
 /// `[upstream]`.

@@ -35,6 +35,7 @@ pub(super) struct RawEdge {
     pub(super) failed_keys_burst: u32,
     pub(super) failed_keys_per_minute: f64,
     pub(super) failed_keys_sets: usize,
+    pub(super) limits_path: String,
 }
 
 #[derive(Debug, Deserialize)]

@@ -160,7 +160,7 @@ impl KeySource {
 }
 
 /// How requests without a key are told apart (README, "Public routes").
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct EdgeSettings {
     /// `edge.ipv4_prefix` (1-32): an IPv4 client is limited by this many leading bits of
     /// its address (32: each address alone).
@@ -176,6 +176,9 @@ pub struct EdgeSettings {
     /// `edge.failed_keys_sets` (0-16777216; 0: not counted): the size of each gateway's
     /// table of address groups (4 per set, 136 bytes a set).
     pub failed_keys_sets: usize,
+    /// `edge.limits_path` (`""`: none): where a client reads its own limits with its key,
+    /// spending nothing (`GET`/`HEAD`).
+    pub limits_path: Option<String>,
 }
 
 /// When a worker is overloaded, and how long a decision may take in all (see

@@ -10,7 +10,7 @@ use actix_web::body::BoxBody;
 use actix_web::dev::{always_ready, Service, ServiceFactory, ServiceRequest, ServiceResponse};
 use actix_web::http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use actix_web::http::uri::PathAndQuery;
-use actix_web::{web, ResponseError};
+use actix_web::{web, HttpRequest, ResponseError};
 use futures_util::future::LocalBoxFuture;
 
 use super::edge;
@@ -18,6 +18,7 @@ use super::forward::{self, Admitted, Who};
 use super::headers::{drop_client_ip_claims, has_client_ip_claims, peer_trusted, X_FORWARDED_FOR};
 use super::keys::FoundKey;
 use super::{NormalPath, Route};
+use crate::catalog::ClientEntry;
 use crate::configuration::{KeySource, UpstreamSettings};
 use crate::domain::ratelimit::policy_name;
 use crate::domain::{address_group, address_tag, client_addr, KeyHash, Mode, PlanName};
@@ -231,39 +232,7 @@ fn recognised(req: &ServiceRequest, state: &AppState) -> Result<Admitted, ApiErr
     };
     let found = state.key_sources.find(req.headers(), req.uri().query())?;
     let key_source = found.as_ref().map(|f| f.source);
-    // A key that is sent must be known, on a public route too (a guess that misses is not
-    // let through as a request without a key). Unknown keys are counted per address;
-    // past its allowance an address waits, with a valid key too.
-    let hash = found.as_ref().map(|f| KeyHash::of(&f.key));
-    let client = match &hash {
-        Some(hash) => match state.catalog.by_key(hash) {
-            Some(client) => {
-                if let Some(wait_us) = state
-                    .failed_keys
-                    .as_ref()
-                    .and_then(|f| f.held(|| address_group_of(req, state)))
-                {
-                    return Err(failed_keys_limited(state, wait_us));
-                }
-                Some(client)
-            }
-            None => {
-                let noted = state
-                    .failed_keys
-                    .as_ref()
-                    .and_then(|f| f.note(address_group_of(req, state), Instant::now()));
-                return Err(match (noted, state.catalog.expired_at(hash)) {
-                    (Some(wait_us), _) => failed_keys_limited(state, wait_us),
-                    (None, Some(at)) => {
-                        state.metrics.count_outcome("unknown_key");
-                        ApiError::KeyExpired(at)
-                    }
-                    (None, None) => unknown(),
-                });
-            }
-        },
-        None => None,
-    };
+    let client = client_of(req.request(), state, found.as_ref())?;
     // Without a key, an unrouted path is `401` as a private route is: which paths are
     // routed is not told to whoever has no key.
     let Some(route) = state.routes.load().find(path.as_str()).cloned() else {
@@ -308,9 +277,46 @@ fn recognised(req: &ServiceRequest, state: &AppState) -> Result<Admitted, ApiErr
     })
 }
 
+/// The client whose key `found` is (`None`: the request sent none). A key that is sent
+/// must be known, on a public route too (a guess that misses is not let through as a
+/// request without a key): `401`, or `401` `key-expired`. Unknown keys are counted per
+/// address; past its allowance an address waits (`429`), with a valid key too.
+pub(super) fn client_of(
+    req: &HttpRequest,
+    state: &AppState,
+    found: Option<&FoundKey<'_>>,
+) -> Result<Option<Arc<ClientEntry>>, ApiError> {
+    let Some(found) = found else {
+        return Ok(None);
+    };
+    let hash = KeyHash::of(&found.key);
+    if let Some(client) = state.catalog.by_key(&hash) {
+        if let Some(wait_us) = state
+            .failed_keys
+            .as_ref()
+            .and_then(|f| f.held(|| address_group_of(req, state)))
+        {
+            return Err(failed_keys_limited(state, wait_us));
+        }
+        return Ok(Some(client));
+    }
+    let noted = state
+        .failed_keys
+        .as_ref()
+        .and_then(|f| f.note(address_group_of(req, state), Instant::now()));
+    if let Some(wait_us) = noted {
+        return Err(failed_keys_limited(state, wait_us));
+    }
+    state.metrics.count_outcome("unknown_key");
+    Err(match state.catalog.expired_at(&hash) {
+        Some(at) => ApiError::KeyExpired(at),
+        None => state.key_sources.missing(),
+    })
+}
+
 /// The address group of the request's client (see [`anonymous`]); without an address,
 /// the unspecified one.
-fn address_group_of(req: &ServiceRequest, state: &AppState) -> (IpAddr, u8) {
+fn address_group_of(req: &HttpRequest, state: &AppState) -> (IpAddr, u8) {
     let lines = req
         .headers()
         .get_all(&X_FORWARDED_FOR)

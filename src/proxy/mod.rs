@@ -14,6 +14,7 @@ mod keys;
 mod path;
 mod replicas;
 mod routes;
+mod view;
 mod wire;
 
 pub use guard::Guard;
@@ -23,4 +24,5 @@ pub use keys::KeySources;
 pub use path::{NormalPath, PathError, MAX_PATH_BYTES};
 pub use replicas::{Replica, Replicas, RetryBudget};
 pub use routes::{Route, RouteTable};
+pub use view::own_limits;
 pub use wire::{checked_body, client, connector, CheckedBody, Probe, Wire};

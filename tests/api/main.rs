@@ -21,6 +21,7 @@ mod limiting;
 mod operating;
 mod outage_start;
 mod overload;
+mod own_view;
 mod paths;
 mod plans;
 mod public;
