@@ -14,8 +14,8 @@ use super::shared::{
 };
 use super::Actor;
 use crate::catalog::{
-    Audit, AuditEntry, CatalogWrite, ClientRecord, Condition, KeyRecord, Shards, Versioned,
-    WriteOutcome,
+    key_member, Audit, AuditEntry, CatalogWrite, ClientRecord, Condition, KeyRecord, Shards,
+    Versioned, WriteOutcome,
 };
 use crate::domain::{ApiKey, ClientId, Mode, PlanName, Region};
 use crate::error::{ApiError, Problem};
@@ -42,6 +42,11 @@ pub struct KeyView {
     /// The key it was rolled from, if it was.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rolled_from: Option<String>,
+    /// When a gateway last admitted a request with it (RFC 3339, to within
+    /// `periods.key_use_flush_ms`); absent: not since the store began counting.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(format = DateTime, example = "2026-12-03T19:30:00Z")]
+    pub last_used_at: Option<String>,
 }
 
 impl KeyView {
@@ -52,8 +57,29 @@ impl KeyView {
             expires_at: k.expires_at.map(|s| rfc3339(s.saturating_mul(1_000_000))),
             expired: k.expired(now_s),
             rolled_from: k.rolled_from.clone(),
+            last_used_at: None,
         }
     }
+}
+
+/// Fills in every listed key's `last_used_at` from the store, with one read. Best effort:
+/// a store that does not answer leaves them out.
+async fn with_last_use(state: &AppState, mut views: Vec<ClientView>) -> Vec<ClientView> {
+    let members: Vec<String> = views
+        .iter()
+        .flat_map(|c| c.keys.iter().map(move |k| format!("{}/{}", c.id, k.key_id)))
+        .collect();
+    let Ok(times) = state.store.key_use.last_used(&members).await else {
+        return views;
+    };
+    let mut times = times.into_iter();
+    for k in views.iter_mut().flat_map(|c| c.keys.iter_mut()) {
+        k.last_used_at = times
+            .next()
+            .flatten()
+            .map(|s| rfc3339(s.saturating_mul(1_000_000)));
+    }
+    views
 }
 
 /// Regional sharding of a hot client's bucket.
@@ -295,14 +321,15 @@ impl From<ClientRecord> for ClientView {
     }
 }
 
-fn one(rec: Versioned<ClientRecord>, status: StatusCode) -> HttpResponse {
+async fn one(state: &AppState, rec: Versioned<ClientRecord>, status: StatusCode) -> HttpResponse {
     let id = rec.value.id.to_string();
     let mut resp = HttpResponse::build(status);
     resp.insert_header((header::ETAG, etag(rec.rev)));
     if status == StatusCode::CREATED {
         resp.insert_header((header::LOCATION, format!("/admin/v1/clients/{id}")));
     }
-    resp.json(ClientView::from(rec.value))
+    let view = with_last_use(state, vec![ClientView::from(rec.value)]).await;
+    resp.json(&view[0])
 }
 
 /// List clients, a page at a time, in id order.
@@ -325,13 +352,14 @@ pub async fn list(
         .catalog
         .clients_page(page.cursor.as_deref(), limit)
         .await?;
+    let items = page
+        .items
+        .into_iter()
+        .map(|c| ClientView::from(c.value))
+        .collect();
     Ok(HttpResponse::Ok().json(ClientList {
         next_cursor: page.next,
-        items: page
-            .items
-            .into_iter()
-            .map(|c| ClientView::from(c.value))
-            .collect(),
+        items: with_last_use(&state, items).await,
     }))
 }
 
@@ -349,7 +377,7 @@ pub async fn get(
     id: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     let id = client_id(&id)?;
-    Ok(one(current(&state, &id).await?, StatusCode::OK))
+    Ok(one(&state, current(&state, &id).await?, StatusCode::OK).await)
 }
 
 /// Checks a client body: every bad field is named.
@@ -432,7 +460,7 @@ pub async fn put(
                 } else {
                     StatusCode::CREATED
                 };
-                return Ok(one(Versioned { rev, value: rec }, status));
+                return Ok(one(&state, Versioned { rev, value: rec }, status).await);
             }
             WriteOutcome::Stale { .. } | WriteOutcome::Exists | WriteOutcome::Missing
                 if wanted.is_none() =>
@@ -482,7 +510,16 @@ pub async fn delete(
         )
         .await?
     {
-        WriteOutcome::Written { .. } => Ok(HttpResponse::NoContent().finish()),
+        WriteOutcome::Written { before, .. } => {
+            // Its keys' last use goes with it (best effort).
+            let keys = before
+                .and_then(|b| serde_json::from_str::<ClientRecord>(&b).ok())
+                .map(|c| c.keys)
+                .unwrap_or_default();
+            let members: Vec<String> = keys.iter().map(|k| key_member(&id, &k.key_id)).collect();
+            let _ = state.store.key_use.forget(&members).await;
+            Ok(HttpResponse::NoContent().finish())
+        }
         WriteOutcome::Missing if cond == Condition::Any => {
             Err(ApiError::NotFound(format!("no client {id}")))
         }
@@ -695,6 +732,12 @@ pub async fn revoke_key(
         },
     )
     .await?;
+    // Its last use goes with it (best effort).
+    let _ = state
+        .store
+        .key_use
+        .forget(&[key_member(&id, &key_id)])
+        .await;
     Ok(HttpResponse::NoContent().finish())
 }
 

@@ -5,7 +5,8 @@
 
 pub mod cache;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -150,7 +151,9 @@ pub struct Catalog {
     plans: DashMap<PlanName, Arc<PlanSlot>>,
     clients: DashMap<ClientId, Arc<ClientEntry>>,
     /// By SHA-256 of the key: already uniform, so a fast hasher is as safe as SipHash.
-    keys: DashMap<KeyHash, Arc<ClientEntry>, foldhash::fast::RandomState>,
+    keys: DashMap<KeyHash, KeySlot, foldhash::fast::RandomState>,
+    /// The key-use period now: a key used marks its slot with it (see [`KeySlot::seen`]).
+    use_tick: AtomicU32,
     /// Keys past their `expires_at`, with when they expired (unix s): read only when a key
     /// is not in `keys`, to answer "expired" rather than "unknown".
     expired: DashMap<KeyHash, u64, foldhash::fast::RandomState>,
@@ -182,6 +185,7 @@ impl Catalog {
             plans: DashMap::new(),
             clients: DashMap::new(),
             keys: DashMap::default(),
+            use_tick: AtomicU32::new(1),
             expired: DashMap::default(),
             expiring: Default::default(),
             safety: ArcSwap::from_pointee(None),
@@ -198,7 +202,66 @@ impl Catalog {
 
     /// The client an API key belongs to. No I/O.
     pub fn by_key(&self, hash: &KeyHash) -> Option<Arc<ClientEntry>> {
-        self.keys.get(hash).map(|e| Arc::clone(e.value()))
+        self.keys.get(hash).map(|slot| {
+            // Two relaxed loads; a store once per key per flush period.
+            let tick = self.use_tick.load(Relaxed);
+            if slot.seen.load(Relaxed) != tick {
+                slot.seen.store(tick, Relaxed);
+            }
+            Arc::clone(&slot.client)
+        })
+    }
+
+    /// The keys used since the last call, as `<client>/<key_id>` members, each with
+    /// `now_s`; later uses mark the next period. Off the request path.
+    pub fn keys_used(&self, now_s: u64) -> Vec<(String, u64)> {
+        let tick = self.use_tick.fetch_add(1, Relaxed);
+        self.keys
+            .iter()
+            .filter(|slot| slot.seen.load(Relaxed) == tick)
+            .filter_map(|slot| {
+                let key = slot
+                    .client
+                    .record
+                    .keys
+                    .iter()
+                    .find(|k| k.hash == *slot.key())?;
+                Some((key_member(&slot.client.id, &key.key_id), now_s))
+            })
+            .collect()
+    }
+
+    /// Writes the keys used since the last flush to the store, with the time (their
+    /// `last_used_at`). Best effort: a failed write is logged, and the keys are marked
+    /// again by their next use.
+    pub async fn flush_key_use(&self, store: &Store) {
+        let used = self.keys_used(unix_now_s());
+        if used.is_empty() {
+            return;
+        }
+        if let Err(e) = store.key_use.touch(&used).await {
+            tracing::warn!(error = %e, keys = used.len(), "could not record when keys were last used");
+        }
+    }
+
+    /// Starts task `key-use-flush`, which calls [`Catalog::flush_key_use`] every `period`.
+    pub fn spawn_key_use_flush(self: &Arc<Self>, tasks: &Tasks, store: Store, period: Duration) {
+        let catalog = Arc::clone(self);
+        tasks.spawn("key-use-flush", Policy::Restart, move |stop| {
+            let (catalog, store) = (Arc::clone(&catalog), store.clone());
+            async move {
+                stop.run_until_cancelled(async {
+                    let mut tick = tokio::time::interval(period);
+                    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                    tick.tick().await;
+                    loop {
+                        tick.tick().await;
+                        catalog.flush_key_use(&store).await;
+                    }
+                })
+                .await;
+            }
+        });
     }
 
     /// When a key that no longer works expired (unix s), if it did (rather than never
@@ -235,7 +298,8 @@ impl Catalog {
                 .any(|k| k.hash == hash && k.expires_at == Some(at));
             if still {
                 self.expired.insert(hash, at);
-                self.keys.remove_if(&hash, |_, e| Arc::ptr_eq(e, &entry));
+                self.keys
+                    .remove_if(&hash, |_, s| Arc::ptr_eq(&s.client, &entry));
             }
         }
     }
@@ -548,7 +612,15 @@ impl Catalog {
                         }
                         None => {}
                     }
-                    self.keys.insert(k.hash, Arc::clone(entry));
+                    // A key kept across its client's change keeps its use mark.
+                    let seen = self.keys.get(&k.hash).map_or(0, |s| s.seen.load(Relaxed));
+                    self.keys.insert(
+                        k.hash,
+                        KeySlot {
+                            client: Arc::clone(entry),
+                            seen: AtomicU32::new(seen),
+                        },
+                    );
                 }
                 if entry.shard.is_some() {
                     self.sharded.insert(id.clone(), Arc::clone(entry));
@@ -564,7 +636,8 @@ impl Catalog {
         }
         if let Some(old) = &old {
             for k in &old.record.keys {
-                self.keys.remove_if(&k.hash, |_, e| Arc::ptr_eq(e, old));
+                self.keys
+                    .remove_if(&k.hash, |_, s| Arc::ptr_eq(&s.client, old));
             }
         }
     }
@@ -713,6 +786,18 @@ pub async fn seed(store: &Store, settings: &Settings) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// A key in service: its client, and the key-use period it was last used in.
+struct KeySlot {
+    client: Arc<ClientEntry>,
+    /// The catalog's `use_tick` when the key was last used (0: not since it was loaded).
+    seen: AtomicU32,
+}
+
+/// A key's member in the store's key-use set: `<client>/<key_id>` (`/` is in neither).
+pub fn key_member(client: &ClientId, key_id: &str) -> String {
+    format!("{client}/{key_id}")
 }
 
 /// Unix seconds now, on this gateway's clock.

@@ -842,6 +842,7 @@ fn periods(raw: RawPeriods, p: &mut Problems) -> Option<Periods> {
     let share = ms("share_ms", raw.share_ms, 100);
     let unshard_window = ms("unshard_window_ms", raw.unshard_window_ms, 1);
     let shadow_flush = ms("shadow_flush_ms", raw.shadow_flush_ms, 1);
+    let key_use_flush = ms("key_use_flush_ms", raw.key_use_flush_ms, 100);
     let debit = ms("debit_ms", raw.debit_ms, 1);
     let base = ms("breaker_backoff_ms", raw.breaker_backoff_ms, 1);
     let max = ms("breaker_backoff_max_ms", raw.breaker_backoff_max_ms, 1);
@@ -860,6 +861,7 @@ fn periods(raw: RawPeriods, p: &mut Problems) -> Option<Periods> {
         share: share?,
         unshard_window: unshard_window?,
         shadow_flush: shadow_flush?,
+        key_use_flush: key_use_flush?,
         debit: debit?,
         backoff: BackOff {
             base: base?,

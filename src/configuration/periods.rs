@@ -16,6 +16,9 @@ pub struct Periods {
     pub unshard_window: Duration,
     /// How often shadow-mode counts are flushed to the store.
     pub shadow_flush: Duration,
+    /// How often the keys used since the last time are written to the store, with the
+    /// time (each key's `last_used_at`, to within this period).
+    pub key_use_flush: Duration,
     /// How long costs debited after the fact (reported by a service; a sharded client's
     /// quotas) are summed on a worker before they go to the store as one call.
     pub debit: Duration,
@@ -39,6 +42,7 @@ impl Default for Periods {
             share: Duration::from_secs(1),
             unshard_window: Duration::from_secs(60),
             shadow_flush: Duration::from_secs(1),
+            key_use_flush: Duration::from_secs(60),
             debit: Duration::from_millis(20),
             backoff: BackOff::default(),
         }

@@ -119,6 +119,7 @@ pub(super) struct RawPeriods {
     pub(super) share_ms: u64,
     pub(super) unshard_window_ms: u64,
     pub(super) shadow_flush_ms: u64,
+    pub(super) key_use_flush_ms: u64,
     pub(super) debit_ms: u64,
     pub(super) breaker_backoff_ms: u64,
     pub(super) breaker_backoff_max_ms: u64,

@@ -49,6 +49,12 @@ impl Keys {
         format!("{}shardlog:{{{}}}", self.prefix, client)
     }
 
+    /// When each key was last used: one sorted set, `<client>/<key_id>` scored by unix
+    /// seconds (`tollgate:{keyuse}:last_used`).
+    pub fn key_use(&self) -> String {
+        format!("{}{{keyuse}}:last_used", self.prefix)
+    }
+
     /// Shadow-mode comparison counters (all in the `{shadow}` slot).
     pub fn shadow(&self, part: &str) -> String {
         format!("{}{{shadow}}:{}", self.prefix, part)

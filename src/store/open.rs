@@ -8,7 +8,7 @@ use std::time::Duration;
 use secrecy::SecretString;
 
 use super::embedded::EmbeddedStore;
-use super::ports::{AuditLog, Buckets, CatalogRecords, Lifecycle, ShadowCounts, Shards};
+use super::ports::{AuditLog, Buckets, CatalogRecords, KeyUse, Lifecycle, ShadowCounts, Shards};
 use super::redis::RedisStore;
 use super::{Keys, StoreError};
 
@@ -20,6 +20,7 @@ pub struct Store {
     pub catalog: Arc<dyn CatalogRecords>,
     pub audit: Arc<dyn AuditLog>,
     pub shadow: Arc<dyn ShadowCounts>,
+    pub key_use: Arc<dyn KeyUse>,
     pub lifecycle: Arc<dyn Lifecycle>,
 }
 
@@ -71,7 +72,7 @@ impl Store {
 
     fn of<S>(buckets: Arc<dyn Buckets>, s: Arc<S>) -> Store
     where
-        S: Shards + CatalogRecords + AuditLog + ShadowCounts + Lifecycle + 'static,
+        S: Shards + CatalogRecords + AuditLog + ShadowCounts + KeyUse + Lifecycle + 'static,
     {
         Store {
             buckets,
@@ -79,6 +80,7 @@ impl Store {
             catalog: s.clone(),
             audit: s.clone(),
             shadow: s.clone(),
+            key_use: s.clone(),
             lifecycle: s,
         }
     }

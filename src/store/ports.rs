@@ -105,6 +105,22 @@ pub trait AuditLog: Send + Sync {
     async fn record(&self, entry: AuditEntry) -> Result<(), StoreError>;
 }
 
+/// When each API key was last used, by any gateway: written in batches off the request
+/// path (`catalog::Catalog::flush_key_use`), read by the admin API. Members are
+/// `<client>/<key_id>`.
+#[async_trait]
+pub trait KeyUse: Send + Sync {
+    /// Records that these keys were used at these times (unix s); a member keeps its
+    /// latest time.
+    async fn touch(&self, uses: &[(String, u64)]) -> Result<(), StoreError>;
+
+    /// When each member was last used (unix s), in order; `None`: never seen.
+    async fn last_used(&self, members: &[String]) -> Result<Vec<Option<u64>>, StoreError>;
+
+    /// Forgets members (revoked keys, deleted clients).
+    async fn forget(&self, members: &[String]) -> Result<(), StoreError>;
+}
+
 /// Shadow mode's comparisons per client, added up from every gateway.
 #[async_trait]
 pub trait ShadowCounts: Send + Sync {

@@ -17,6 +17,7 @@ mod faults;
 mod forwarding;
 mod key_lifecycle;
 mod key_sources;
+mod key_use;
 mod limiting;
 mod operating;
 mod outage_start;

@@ -22,6 +22,8 @@ pub struct EmbeddedStore {
     pub(super) shards: Mutex<HashMap<ClientId, EmbeddedShard>>,
     pub(super) file: Arc<FileStore>,
     pub(super) shadow: Mutex<HashMap<String, (u64, u64)>>,
+    /// When each key was last used (unix s): in memory, lost on restart.
+    pub(super) key_use: Mutex<HashMap<String, u64>>,
     /// An exclusive lock on `<catalog file>.lock`, held while the store is open: a second
     /// process on the same file is refused (the embedded store is for one instance).
     _lock: std::sync::Arc<std::fs::File>,
@@ -115,6 +117,7 @@ impl EmbeddedStore {
                 path: file.to_path_buf(),
             }),
             shadow: Mutex::new(HashMap::new()),
+            key_use: Mutex::new(HashMap::new()),
             _lock: lock,
         })
     }
