@@ -228,3 +228,57 @@ async fn on_a_cluster_takes_of_one_masters_clients_share_calls_and_a_moved_slot_
     );
     assert_eq!(gw.metric("tollgate_fail_open_total").await, Some(0.0));
 }
+
+#[tokio::test]
+async fn on_a_cluster_addresses_behind_a_trusted_proxy_each_hold_their_public_limit_on_two_gateways(
+) {
+    // Arrange: a public route limited to 5 per address, two gateways behind a proxy.
+    let cluster = RedisCluster::start().unwrap();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let toml = format!(
+        "[server]\ntrusted_proxies = [\"127.0.0.1\"]\n[redis]\ncluster_nodes = {:?}\ntimeout_ms = 100\n\
+         {}[[catalog.plans]]\nname = \"anonymous\"\ncapacity = 5\nrate = 0.001\n{}public_plan = \"anonymous\"\n",
+        cluster.urls(),
+        catalog_toml(("gold", 100.0, 100.0), &["warmup"]),
+        route_toml("login", "/login", &[up.url()]),
+    );
+    let gateways = [
+        TestGateway::spawn(settings(&toml)).await,
+        TestGateway::spawn(settings(&toml)).await,
+    ];
+    for gw in &gateways {
+        eventually(std::time::Duration::from_secs(10), "connected", || async {
+            gw.get("/login", Some(&key("warmup")))
+                .await
+                .headers()
+                .contains_key("ratelimit")
+        })
+        .await;
+    }
+
+    // Act: 24 addresses (IPv4 and IPv6, so their tags spread over the masters), 8
+    // requests each, alternating gateways.
+    let mut admitted = Vec::new();
+    for i in 0..24 {
+        let xff = if i % 2 == 0 {
+            format!("198.51.100.{i}")
+        } else {
+            format!("2001:db8:{i:x}::1")
+        };
+        let mut n = 0;
+        for j in 0..8 {
+            let r = gateways[j % 2]
+                .http
+                .get(format!("{}/login", gateways[j % 2].address))
+                .header("x-forwarded-for", &xff)
+                .send()
+                .await
+                .unwrap();
+            n += usize::from(r.status() == 200);
+        }
+        admitted.push(n);
+    }
+
+    // Assert: each address got its 5, across both gateways.
+    assert!(admitted.iter().all(|n| *n == 5), "{admitted:?}");
+}
