@@ -562,17 +562,7 @@ pub async fn create_key(
         Audit::new(&actor.sub, "key.create"),
         None,
         async |c| {
-            if c.keys.iter().any(|k| k.hash == record.hash) {
-                return Err(ApiError::Conflict(
-                    "this client has that key already".into(),
-                ));
-            }
-            if c.keys.len() >= MAX_KEYS {
-                return Err(ApiError::field(
-                    "key",
-                    format!("a client has at most {MAX_KEYS} keys"),
-                ));
-            }
+            room_for(c, &record)?;
             c.keys.push(record.clone());
             Ok(())
         },
@@ -583,6 +573,22 @@ pub async fn create_key(
         key: key.expose().to_string(),
         expires_at: expires_at.map(|s| rfc3339(s.saturating_mul(1_000_000))),
     }))
+}
+
+/// Whether `c` may take `record`: not a key it has, and not past [`MAX_KEYS`].
+fn room_for(c: &ClientRecord, record: &KeyRecord) -> Result<(), ApiError> {
+    if c.keys.iter().any(|k| k.hash == record.hash) {
+        return Err(ApiError::Conflict(
+            "this client has that key already".into(),
+        ));
+    }
+    if c.keys.len() >= MAX_KEYS {
+        return Err(ApiError::field(
+            "key",
+            format!("a client has at most {MAX_KEYS} keys"),
+        ));
+    }
+    Ok(())
 }
 
 /// An optional RFC 3339 time that must be in the future, as unix seconds.
@@ -660,17 +666,7 @@ pub async fn roll_key(
         Audit::new(&actor.sub, "key.roll"),
         None,
         async |c| {
-            if c.keys.iter().any(|k| k.hash == record.hash) {
-                return Err(ApiError::Conflict(
-                    "this client has that key already".into(),
-                ));
-            }
-            if c.keys.len() >= MAX_KEYS {
-                return Err(ApiError::field(
-                    "key",
-                    format!("a client has at most {MAX_KEYS} keys"),
-                ));
-            }
+            room_for(c, &record)?;
             let Some(old) = c.keys.iter_mut().find(|k| k.key_id == old_id) else {
                 return Err(ApiError::NotFound(format!(
                     "client {id} has no key {old_id}"

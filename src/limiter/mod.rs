@@ -777,16 +777,9 @@ impl Limiter {
 
 /// A decision of `outcome` for `cost` with nothing applied or ruled yet.
 fn opening(client: &ClientEntry, limits: &Limits, cost: f64, outcome: Outcome) -> Decision {
-    Decision {
-        outcome,
-        applied: Vec::new(),
-        ruling: None,
-        safety_wait_us: None,
-        fail_open_reason: None,
-        as_planned: !limits.has_scoped() && client.record.overrides.is_empty(),
-        cost,
-        sharded: false,
-    }
+    let mut decision = anonymous_opening(limits, cost, outcome);
+    decision.as_planned &= client.record.overrides.is_empty();
+    decision
 }
 
 /// The quotas' amounts together: a block learned under other amounts no longer holds.

@@ -16,7 +16,8 @@ pub struct Anonymous {
     pub plan: Arc<PlanSlot>,
 }
 
-/// A decision of `outcome` for a request without a key, nothing applied yet.
+/// A decision of `outcome` for `cost` with nothing applied or ruled yet, under `limits`
+/// as planned (a request without a key; a client's adds its overrides).
 pub(super) fn anonymous_opening(limits: &Limits, cost: f64, outcome: Outcome) -> Decision {
     Decision {
         outcome,
