@@ -67,7 +67,7 @@ impl KeyView {
 async fn with_last_use(state: &AppState, mut views: Vec<ClientView>) -> Vec<ClientView> {
     let members: Vec<String> = views
         .iter()
-        .flat_map(|c| c.keys.iter().map(move |k| format!("{}/{}", c.id, k.key_id)))
+        .flat_map(|c| c.keys.iter().map(move |k| key_member(&c.id, &k.key_id)))
         .collect();
     let Ok(times) = state.store.key_use.last_used(&members).await else {
         return views;

@@ -796,7 +796,7 @@ struct KeySlot {
 }
 
 /// A key's member in the store's key-use set: `<client>/<key_id>` (`/` is in neither).
-pub fn key_member(client: &ClientId, key_id: &str) -> String {
+pub fn key_member(client: &(impl std::fmt::Display + ?Sized), key_id: &str) -> String {
     format!("{client}/{key_id}")
 }
 

@@ -317,18 +317,23 @@ pub(super) fn client_of(
 /// The address group of the request's client (see [`anonymous`]); without an address,
 /// the unspecified one.
 fn address_group_of(req: &HttpRequest, state: &AppState) -> (IpAddr, u8) {
+    match client_ip(req, state) {
+        Some(ip) => address_group(ip, state.edge.ipv4_prefix, state.edge.ipv6_prefix),
+        None => (Ipv4Addr::UNSPECIFIED.into(), 0),
+    }
+}
+
+/// The request's client address, as it is forwarded (see [`client_addr`]).
+fn client_ip(req: &HttpRequest, state: &AppState) -> Option<IpAddr> {
     let lines = req
         .headers()
         .get_all(&X_FORWARDED_FOR)
         .map(HeaderValue::as_bytes);
-    match client_addr(
+    client_addr(
         lines,
         req.peer_addr().map(|a| a.ip()),
         &state.trusted_proxies,
-    ) {
-        Some(ip) => address_group(ip, state.edge.ipv4_prefix, state.edge.ipv6_prefix),
-        None => (Ipv4Addr::UNSPECIFIED.into(), 0),
-    }
+    )
 }
 
 /// The answer to an address past its allowance of unknown keys, `wait_us` before it has
@@ -350,15 +355,7 @@ fn anonymous(
         state.metrics.count_outcome("public_plan_missing");
         return Err(ApiError::PublicPlanMissing(plan.to_string()));
     };
-    let lines = req
-        .headers()
-        .get_all(&X_FORWARDED_FOR)
-        .map(HeaderValue::as_bytes);
-    let ip = client_addr(
-        lines,
-        req.peer_addr().map(|a| a.ip()),
-        &state.trusted_proxies,
-    );
+    let ip = client_ip(req.request(), state);
     let tag = address_tag(
         plan.as_str(),
         ip,

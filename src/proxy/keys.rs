@@ -151,25 +151,24 @@ fn from_query<'q>(
     query: &'q str,
     name: &str,
 ) -> Result<Option<(Cow<'q, str>, Option<String>)>, ApiError> {
-    let mut key = None;
-    let mut rest = String::new();
-    for part in query.split('&') {
-        let (n, v) = part.split_once('=').unwrap_or((part, ""));
-        if decoded(n).as_deref() == Some(name) {
-            if key.is_some() {
-                return Err(ApiError::BadRequest(format!(
-                    "the {name} query parameter was sent more than once; send one API key"
-                )));
-            }
-            key = Some(decoded(v).unwrap_or(Cow::Borrowed("")));
-            continue;
-        }
-        if !rest.is_empty() {
-            rest.push('&');
-        }
-        rest.push_str(part);
+    let is_key = |part: &&str| {
+        let n = part.split_once('=').map_or(*part, |(n, _)| n);
+        decoded(n).as_deref() == Some(name)
+    };
+    // Most queries carry no key: nothing is built for them.
+    let mut keys = query.split('&').filter(is_key);
+    let Some(part) = keys.next() else {
+        return Ok(None);
+    };
+    if keys.next().is_some() {
+        return Err(ApiError::BadRequest(format!(
+            "the {name} query parameter was sent more than once; send one API key"
+        )));
     }
-    Ok(key.map(|k| (k, (!rest.is_empty()).then_some(rest))))
+    let value = part.split_once('=').map_or("", |(_, v)| v);
+    let key = decoded(value).unwrap_or(Cow::Borrowed(""));
+    let rest: Vec<&str> = query.split('&').filter(|p| !is_key(p)).collect();
+    Ok(Some((key, (!rest.is_empty()).then(|| rest.join("&")))))
 }
 
 /// Percent-decoded text; `None` when it is not UTF-8.
