@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use actix_web::dev::{Server, ServerHandle};
 use actix_web::middleware::from_fn;
-use actix_web::{web, App, HttpServer, ResponseError};
+use actix_web::{web, App, HttpServer};
 use anyhow::Context;
 use arc_swap::ArcSwap;
 use tracing_actix_web::TracingLogger;
@@ -25,7 +25,6 @@ use tracing_actix_web::TracingLogger;
 use crate::admin::{self, JwtVerifier};
 use crate::catalog::{self, Catalog};
 use crate::configuration::Settings;
-use crate::error::ApiError;
 use crate::limiter::{Limiter, LimiterParts};
 use crate::metrics::Metrics;
 use crate::proxy::{self, RouteTable};
@@ -334,20 +333,12 @@ fn public_server(
                     admin::configure(cfg);
                 }
             });
-        // A client's own limits, spending nothing (one exact path, before the proxy).
-        let app = match &limits_path {
-            Some(path) => app.service(
-                web::resource(path.as_str())
-                    .route(web::get().to(proxy::own_limits))
-                    .route(web::head().to(proxy::own_limits))
-                    .default_service(web::to(|| async {
-                        ApiError::MethodNotAllowed("GET, HEAD").error_response()
-                    })),
-            ),
-            None => app,
+        // Every path no other service claims: a client's own view, or the limiter, then
+        // the forward.
+        let proxy = proxy::Guard {
+            upstream,
+            limits_path: limits_path.clone(),
         };
-        // Every path no other service claims: the limiter, then the forward.
-        let proxy = proxy::Guard(upstream);
         if traced {
             // The request span around both, only when spans are exported.
             app.service(

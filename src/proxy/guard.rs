@@ -2,26 +2,24 @@
 //! the forward of an admitted request.
 
 use std::future::{ready, Ready};
-use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
-use std::time::Instant;
 
 use actix_web::body::BoxBody;
 use actix_web::dev::{always_ready, Service, ServiceFactory, ServiceRequest, ServiceResponse};
 use actix_web::http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use actix_web::http::uri::PathAndQuery;
-use actix_web::{web, HttpRequest, ResponseError};
+use actix_web::{web, ResponseError};
 use futures_util::future::LocalBoxFuture;
 
-use super::edge;
+use super::caller::{client_ip, client_of};
 use super::forward::{self, Admitted, Who};
-use super::headers::{drop_client_ip_claims, has_client_ip_claims, peer_trusted, X_FORWARDED_FOR};
+use super::headers::{drop_client_ip_claims, has_client_ip_claims, peer_trusted};
 use super::keys::FoundKey;
+use super::{edge, view};
 use super::{NormalPath, Route};
-use crate::catalog::ClientEntry;
 use crate::configuration::{KeySource, UpstreamSettings};
 use crate::domain::ratelimit::policy_name;
-use crate::domain::{address_group, address_tag, client_addr, KeyHash, Mode, PlanName};
+use crate::domain::{address_tag, Mode, PlanName};
 use crate::domain::{Decision, Outcome, RateLimitHeaders};
 use crate::error::ApiError;
 use crate::limiter::Anonymous;
@@ -33,8 +31,13 @@ use crate::trace::DecisionTimer;
 /// and, when admitted, forwarded by `forward` within the same future. One service rather
 /// than a middleware over a forwarding service: the admission goes to the forward as an
 /// argument, not through the request's extensions (a boxed value and a map insert and
-/// removal per request), and one boxed future serves both.
-pub struct Guard(pub UpstreamSettings);
+/// removal per request), and one boxed future serves both. A client's own view
+/// (`edge.limits_path`) is answered here too.
+pub struct Guard {
+    pub upstream: UpstreamSettings,
+    /// `edge.limits_path` (`None`: off, the path is forwarded like any other).
+    pub limits_path: Option<String>,
+}
 
 impl ServiceFactory<ServiceRequest> for Guard {
     type Response = ServiceResponse<BoxBody>;
@@ -46,7 +49,8 @@ impl ServiceFactory<ServiceRequest> for Guard {
 
     fn new_service(&self, _: ()) -> Self::Future {
         ready(Ok(GuardService {
-            client: forward::upstream_client(&self.0),
+            client: forward::upstream_client(&self.upstream),
+            limits_path: self.limits_path.clone(),
         }))
     }
 }
@@ -55,6 +59,9 @@ impl ServiceFactory<ServiceRequest> for Guard {
 /// alive).
 pub struct GuardService {
     client: awc::Client,
+    /// `edge.limits_path`: answered here (one string compare) rather than by a resource
+    /// of its own, which the router would try before every proxied request.
+    limits_path: Option<String>,
 }
 
 impl Service<ServiceRequest> for GuardService {
@@ -65,6 +72,9 @@ impl Service<ServiceRequest> for GuardService {
     always_ready!();
 
     fn call(&self, req: ServiceRequest) -> Self::Future {
+        if self.limits_path.as_deref() == Some(req.path()) {
+            return Box::pin(view::answer(req));
+        }
         Box::pin(guard(req, self.client.clone()))
     }
 }
@@ -103,7 +113,9 @@ async fn guard(
     };
     let client = match &admitted.who {
         Who::Client(client) => client,
-        Who::Anonymous(_) => return public(req, admitted, upstream).await,
+        // Boxed: `public`'s state is not carried in every keyed request's future (which is
+        // moved into its box, and polled, at its full size).
+        Who::Anonymous(_) => return Box::pin(public(req, admitted, upstream)).await,
     };
     let route = &admitted.route;
 
@@ -275,72 +287,6 @@ fn recognised(req: &ServiceRequest, state: &AppState) -> Result<Admitted, ApiErr
         path_and_query,
         key_source,
     })
-}
-
-/// The client whose key `found` is (`None`: the request sent none). A key that is sent
-/// must be known, on a public route too (a guess that misses is not let through as a
-/// request without a key): `401`, or `401` `key-expired`. Unknown keys are counted per
-/// address; past its allowance an address waits (`429`), with a valid key too.
-pub(super) fn client_of(
-    req: &HttpRequest,
-    state: &AppState,
-    found: Option<&FoundKey<'_>>,
-) -> Result<Option<Arc<ClientEntry>>, ApiError> {
-    let Some(found) = found else {
-        return Ok(None);
-    };
-    let hash = KeyHash::of(&found.key);
-    if let Some(client) = state.catalog.by_key(&hash) {
-        if let Some(wait_us) = state
-            .failed_keys
-            .as_ref()
-            .and_then(|f| f.held(|| address_group_of(req, state)))
-        {
-            return Err(failed_keys_limited(state, wait_us));
-        }
-        return Ok(Some(client));
-    }
-    let noted = state
-        .failed_keys
-        .as_ref()
-        .and_then(|f| f.note(address_group_of(req, state), Instant::now()));
-    if let Some(wait_us) = noted {
-        return Err(failed_keys_limited(state, wait_us));
-    }
-    state.metrics.count_outcome("unknown_key");
-    Err(match state.catalog.expired_at(&hash) {
-        Some(at) => ApiError::KeyExpired(at),
-        None => state.key_sources.missing(),
-    })
-}
-
-/// The address group of the request's client (see [`anonymous`]); without an address,
-/// the unspecified one.
-fn address_group_of(req: &HttpRequest, state: &AppState) -> (IpAddr, u8) {
-    match client_ip(req, state) {
-        Some(ip) => address_group(ip, state.edge.ipv4_prefix, state.edge.ipv6_prefix),
-        None => (Ipv4Addr::UNSPECIFIED.into(), 0),
-    }
-}
-
-/// The request's client address, as it is forwarded (see [`client_addr`]).
-fn client_ip(req: &HttpRequest, state: &AppState) -> Option<IpAddr> {
-    let lines = req
-        .headers()
-        .get_all(&X_FORWARDED_FOR)
-        .map(HeaderValue::as_bytes);
-    client_addr(
-        lines,
-        req.peer_addr().map(|a| a.ip()),
-        &state.trusted_proxies,
-    )
-}
-
-/// The answer to an address past its allowance of unknown keys, `wait_us` before it has
-/// one again: counted, and no store call.
-fn failed_keys_limited(state: &AppState, wait_us: u64) -> ApiError {
-    state.metrics.count_outcome("failed_keys_limited");
-    ApiError::TooManyFailedKeys(wait_us.div_ceil(1_000_000).max(1))
 }
 
 /// Who a request without a key on a public route with `plan` is: the group of its client

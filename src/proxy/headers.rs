@@ -112,8 +112,10 @@ fn is_client_ip_claim(name: &HeaderName) -> bool {
 }
 
 /// Whether the peer is one of `server.trusted_proxies`.
+#[inline]
 pub fn peer_trusted(peer: Option<IpAddr>, trusted: &[IpNet]) -> bool {
-    peer.is_some_and(|ip| trusted.iter().any(|n| n.contains(&ip.to_canonical())))
+    !trusted.is_empty()
+        && peer.is_some_and(|ip| trusted.iter().any(|n| n.contains(&ip.to_canonical())))
 }
 
 /// Whether the request claims a client address in a header [`drop_client_ip_claims`]

@@ -1,10 +1,13 @@
 //! The data plane: [`guard`] (path → API key → client → route → decision), then, for an
-//! admitted request, [`forward`] (one upstream replica, streamed both ways), in one service. [`NormalPath`] is the one form
+//! admitted request, [`forward`] (one upstream replica, streamed both ways), in one service;
+//! [`caller`] tells who sent a request (its key's client, its address), for the guard and
+//! a client's own view ([`view`]). [`NormalPath`] is the one form
 //! a path is routed and forwarded in. [`wire`] sits under awc on every upstream connection,
 //! holding its responses to RFC 9112 (interim responses, bodiless and close-delimited
 //! bodies, truncation). [`health`] runs the routes' active health checks, one checker per
 //! process.
 
+mod caller;
 mod edge;
 mod forward;
 mod guard;
@@ -24,5 +27,4 @@ pub use keys::KeySources;
 pub use path::{NormalPath, PathError, MAX_PATH_BYTES};
 pub use replicas::{Replica, Replicas, RetryBudget};
 pub use routes::{Route, RouteTable};
-pub use view::own_limits;
 pub use wire::{checked_body, client, connector, CheckedBody, Probe, Wire};

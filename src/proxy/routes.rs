@@ -115,6 +115,7 @@ impl RouteTable {
     }
 
     /// The route with the longest prefix that matches `path` on a segment boundary.
+    #[inline]
     pub fn find(&self, path: &str) -> Option<&Arc<Route>> {
         self.routes.iter().find(|r| r.matches(path))
     }

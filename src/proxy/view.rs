@@ -9,10 +9,13 @@
 
 use std::time::Instant;
 
+use actix_web::body::BoxBody;
+use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::http::header::{self, HeaderValue};
-use actix_web::{web, HttpRequest, HttpResponse};
+use actix_web::http::Method;
+use actix_web::{web, HttpRequest, HttpResponse, ResponseError};
 
-use super::guard::client_of;
+use super::caller::client_of;
 use crate::admin::UsageView;
 use crate::domain::{bucket, Bucket, Decision, Outcome, RateLimitHeaders};
 use crate::error::ApiError;
@@ -23,8 +26,33 @@ pub const VIEW_BURST: f64 = 5.0;
 /// ...then one every this many seconds, per gateway.
 pub const VIEW_EVERY_S: f64 = 2.0;
 
+/// A request for `edge.limits_path` (matched by the proxy's service: one comparison, not a
+/// route the router would try before every proxied request): `GET`/`HEAD` read the
+/// client's own limits, anything else is `405`.
+pub(super) async fn answer(
+    req: ServiceRequest,
+) -> Result<ServiceResponse<BoxBody>, actix_web::Error> {
+    let (http, _payload) = req.into_parts();
+    let resp = match (
+        http.method(),
+        http.app_data::<web::Data<AppState>>().cloned(),
+    ) {
+        (&Method::GET | &Method::HEAD, Some(state)) => {
+            match own_limits(http.clone(), state).await {
+                Ok(resp) => resp,
+                Err(e) => e.error_response(),
+            }
+        }
+        (&Method::GET | &Method::HEAD, None) => {
+            ApiError::Internal(anyhow::anyhow!("no AppState")).error_response()
+        }
+        _ => ApiError::MethodNotAllowed("GET, HEAD").error_response(),
+    };
+    Ok(ServiceResponse::new(http, resp))
+}
+
 /// `GET`/`HEAD` on `edge.limits_path`.
-pub async fn own_limits(
+async fn own_limits(
     req: HttpRequest,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {

@@ -1,0 +1,83 @@
+//! Who sent a request: the client its key names, if it sent one, and its client address.
+//! Shared by the guard (every proxied request) and a client's own view, so both refuse
+//! an unknown or expired key and count it against its address the same way.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Arc;
+use std::time::Instant;
+
+use actix_web::http::header::HeaderValue;
+use actix_web::HttpRequest;
+
+use super::headers::X_FORWARDED_FOR;
+use super::keys::FoundKey;
+use crate::catalog::ClientEntry;
+use crate::domain::{address_group, client_addr, KeyHash};
+use crate::error::ApiError;
+use crate::state::AppState;
+
+/// The client whose key `found` is (`None`: the request sent none). A key that is sent
+/// must be known, on a public route too (a guess that misses is not let through as a
+/// request without a key): `401`, or `401` `key-expired`. Unknown keys are counted per
+/// address; past its allowance an address waits (`429`), with a valid key too.
+pub(super) fn client_of(
+    req: &HttpRequest,
+    state: &AppState,
+    found: Option<&FoundKey<'_>>,
+) -> Result<Option<Arc<ClientEntry>>, ApiError> {
+    let Some(found) = found else {
+        return Ok(None);
+    };
+    let hash = KeyHash::of(&found.key);
+    if let Some(client) = state.catalog.by_key(&hash) {
+        if let Some(wait_us) = state
+            .failed_keys
+            .as_ref()
+            .and_then(|f| f.held(|| address_group_of(req, state)))
+        {
+            return Err(failed_keys_limited(state, wait_us));
+        }
+        return Ok(Some(client));
+    }
+    let noted = state
+        .failed_keys
+        .as_ref()
+        .and_then(|f| f.note(address_group_of(req, state), Instant::now()));
+    if let Some(wait_us) = noted {
+        return Err(failed_keys_limited(state, wait_us));
+    }
+    state.metrics.count_outcome("unknown_key");
+    Err(match state.catalog.expired_at(&hash) {
+        Some(at) => ApiError::KeyExpired(at),
+        None => state.key_sources.missing(),
+    })
+}
+
+/// The address group of the request's client (as public routes group them); without an address,
+/// the unspecified one.
+fn address_group_of(req: &HttpRequest, state: &AppState) -> (IpAddr, u8) {
+    match client_ip(req, state) {
+        Some(ip) => address_group(ip, state.edge.ipv4_prefix, state.edge.ipv6_prefix),
+        None => (Ipv4Addr::UNSPECIFIED.into(), 0),
+    }
+}
+
+/// The request's client address, as it is forwarded (see [`client_addr`]).
+pub(super) fn client_ip(req: &HttpRequest, state: &AppState) -> Option<IpAddr> {
+    let lines = req
+        .headers()
+        .get_all(&X_FORWARDED_FOR)
+        .map(HeaderValue::as_bytes);
+    client_addr(
+        lines,
+        req.peer_addr().map(|a| a.ip()),
+        &state.trusted_proxies,
+    )
+}
+
+/// The answer to an address past its allowance of unknown keys, `wait_us` before it has
+/// one again: counted, and no store call.
+fn failed_keys_limited(state: &AppState, wait_us: u64) -> ApiError {
+    state.metrics.count_outcome("failed_keys_limited");
+    ApiError::TooManyFailedKeys(wait_us.div_ceil(1_000_000).max(1))
+}
