@@ -9,6 +9,7 @@
 # run gives the direct, through-tollgate and added p99 and the host's CPU steal.
 set -euo pipefail
 old=$1 new=$2 runs=${3:-5} out=${4:-$(mktemp -d)}
+mkdir -p "$out"
 for i in $(seq "$runs"); do
   for side in old new; do
     bin=$old; [ "$side" = new ] && bin=$new

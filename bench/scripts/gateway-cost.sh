@@ -9,7 +9,13 @@
 # It runs the `latency` scenario twice (10 s and 30 s per side, RATE requests/s, 10,000
 # clients, a decision budget of 1 s so nothing fails open under valgrind), the gateway
 # and the floor each under callgrind, and divides the difference between the two runs by
-# the difference in requests: start-up and warm-up cancel out. The release build in
+# the difference in requests. Start-up and warm-up do not quite cancel out: the catalog's
+# seed into a fresh Redis (10,000 clients) is polled a different number of times in each
+# process, and a timer's work (the key-use flush, every minute) lands in one run and not
+# the other, by up to ±5,000 instructions per request at 2,000 requests counted. So two
+# more lines count only the gateway's actix worker threads (every request is handled
+# there) and, within them, the HTTP/1.1 dispatcher (all request handling; the floor's too):
+# those are the figures to compare builds by, to within a few hundred. The release build in
 # target/release is used, or BIN=path/to/tollgate-bench (the gateway beside it: to count a
 # build kept aside); KEEP=dir keeps the profiles (callgrind_annotate them).
 # Per request counts depend on how many takes share a Redis call (printed): at low
@@ -18,6 +24,7 @@ set -euo pipefail
 rate=${1:-400}
 shift || true
 out=${KEEP:-$(mktemp -d)}
+mkdir -p "$out"
 [ -n "${KEEP:-}" ] || trap 'rm -rf "$out"' EXIT
 bin=${BIN:-target/release/tollgate-bench}
 [ -x "$bin" ] || { echo "build first: cargo build --release --workspace" >&2; exit 1; }
@@ -30,8 +37,10 @@ for d in 10 30; do
 done
 PYTHONPATH="$(dirname "$0")" python3 - "$out" <<'PY'
 import glob, re, sys
-from callgrind_profile import profile
+from callgrind_profile import inclusive, profile
 out = sys.argv[1]
+worker = "tokio::runtime::local_runtime::runtime::LocalRuntime::block_on"
+dispatch = "<actix_http::h1::dispatcher::Dispatcher<T,S,B,X,U> as core::future::future::Future>::poll"
 
 def requests(d, row):
     for line in open(f"{out}/run-{d}.log"):
@@ -48,6 +57,11 @@ for kind, row in (("floor", "floor"), ("gw", "through tollgate")):
         c -= sum(v for k, v in runs[0][1].items() if k and re.search(pat, k))
         line += f", {c / n:.2f} {name}"
     print(line + f" ({n} requests)")
+    parts = [inclusive(glob.glob(f"{out}/{kind}-{d}.*.out")[0], {worker, dispatch}) for d in (10, 30)]
+    for label, fn in (("  actix workers", worker), ("  h1 dispatch", dispatch)):
+        # The floor's workers run on actix-rt's runtime, not tokio's LocalRuntime: none.
+        if parts[1][fn]:
+            print(f"{label:18s} {(parts[1][fn] - parts[0][fn]) / n:9,.0f} instructions per request")
 for line in open(f"{out}/run-30.log"):
     if line.startswith("Redis calls"):
         print(line.split(".  ")[0].split(" Fail-opens")[0])
