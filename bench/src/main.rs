@@ -17,7 +17,7 @@
 //!   forwards), nginx and the floor proxy; `redis-server`, the config builder and the
 //!   process plumbing come from `tollgate-testkit`, shared with the tests.
 //! - [`scenarios`]: latency, throughput, accuracy, plans, redis, failopen, slowredis,
-//!   overload, replay, upstreams.
+//!   overload, replay, upstreams, edge.
 //! - [`report`] and [`svg`]: the table, the JSON and the charts.
 
 mod floor;
@@ -90,6 +90,10 @@ enum Scenario {
     /// Replicas that die, hang, close idle connections and restart, behind tollgate and
     /// nginx side by side: the 5xx, the waits and the latency each passes on (issue 32).
     Upstreams(scenarios::upstreams::Args),
+    /// The edge for everyone (issue 34): a public route at 10x its per-address plan from
+    /// one address and from one IPv6 /64, through two gateways; guessed keys from one
+    /// address and from everywhere: the 401s, the Redis commands, the gateway's memory.
+    Edge(scenarios::edge::Args),
     /// (Internal) the bare actix-web + awc proxy `throughput` measures as the stack's floor.
     #[command(hide = true)]
     Floor(floor::Args),
@@ -128,6 +132,7 @@ fn main() -> ExitCode {
         Scenario::Slowredis(a) => scenarios::slowredis::run(&a),
         Scenario::Overload(a) => scenarios::overload::run(&a),
         Scenario::Upstreams(a) => scenarios::upstreams::run(&a),
+        Scenario::Edge(a) => scenarios::edge::run(&a),
         Scenario::Floor(_) => unreachable!("handled above"),
     };
     let mut outcome = match result {

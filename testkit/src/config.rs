@@ -63,6 +63,9 @@ pub struct GatewayConfig {
     /// `server.workers`.
     pub workers: usize,
     pub shutdown_timeout_s: Option<u64>,
+    /// More `[server]` settings, TOML lines written into that table as they are (e.g.
+    /// `trusted_proxies = ["127.0.0.1"]`).
+    pub server: String,
     /// `redis.url` (`""`: the embedded store).
     pub redis_url: Option<String>,
     /// `redis.timeout_ms`, the decision budget.
@@ -85,6 +88,7 @@ impl Default for GatewayConfig {
         GatewayConfig {
             workers: 1,
             shutdown_timeout_s: None,
+            server: String::new(),
             redis_url: None,
             timeout_ms: None,
             default_mode: None,
@@ -122,6 +126,7 @@ impl GatewayConfig {
         if let Some(s) = self.shutdown_timeout_s {
             let _ = writeln!(t, "shutdown_timeout_s = {s}");
         }
+        t.push_str(&self.server);
         if self.redis_url.is_some() || self.timeout_ms.is_some() {
             t.push_str("[redis]\n");
             if let Some(url) = &self.redis_url {

@@ -332,7 +332,7 @@ impl Fleet {
 }
 
 /// `tollgate_decisions_total` by outcome, summed over the gateways.
-fn decisions(gateways: &[Gateway]) -> anyhow::Result<BTreeMap<String, f64>> {
+pub fn decisions(gateways: &[Gateway]) -> anyhow::Result<BTreeMap<String, f64>> {
     let mut outcomes = BTreeMap::new();
     for g in gateways {
         for (k, v) in g.metrics()? {

@@ -2,6 +2,7 @@
 
 pub mod accuracy;
 pub mod clients;
+pub mod edge;
 pub mod failopen;
 pub mod latency;
 pub mod overload;
