@@ -99,6 +99,17 @@ impl Worse {
     }
 }
 
+/// A figure a scenario of repeated runs reports about each run `R`: (its JSON name, its
+/// row label or table header, which way is worse, its value in one run, the cell's
+/// format). A scenario lists them once and reports each as [`OverRuns`].
+pub type Figure<R> = (
+    &'static str,
+    &'static str,
+    Worse,
+    fn(&R) -> f64,
+    fn(f64) -> String,
+);
+
 /// One figure over repeated runs: the median and the worst run's. On a shared host a run
 /// can be lucky as easily as unlucky, so a single run, or the best of several, says little:
 /// the median is the typical run, the worst what one must be ready for. The best is never

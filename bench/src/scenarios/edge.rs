@@ -35,8 +35,8 @@ use super::seconds;
 use crate::load::{run_open, Arrivals, Sample, Stream};
 use crate::procs::{gateway_config, raise_fd_limit, rss_kib, Gateway, RssWatch, PROBE_KEY};
 use crate::report::{
-    count, machine, pct, round, runs_disturbance, CpuWatch, Disturbance, Outcome, OverRuns, Table,
-    Worse,
+    self, count, machine, pct, round, runs_disturbance, CpuWatch, Disturbance, Outcome, OverRuns,
+    Table, Worse,
 };
 use crate::upstream::{Counts, Server, Upstreams};
 
@@ -546,15 +546,7 @@ fn guessed_everywhere(a: &Args, g: &Gateway) -> anyhow::Result<Flood> {
     Ok(Flood::of(&result.samples[0], rss.stop(), rss_before))
 }
 
-/// The figures the report gives over the runs: (JSON name, row label, which way is
-/// worse, the figure of one run, the cell's format).
-type Figure = (
-    &'static str,
-    &'static str,
-    Worse,
-    fn(&Run) -> f64,
-    fn(f64) -> String,
-);
+type Figure = report::Figure<Run>;
 
 fn signed_pct(v: f64) -> String {
     format!("{v:+.2}%")

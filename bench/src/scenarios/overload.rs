@@ -25,7 +25,7 @@ use crate::http::get_request;
 use crate::load::{run_closed, ClosedResult};
 use crate::procs::{one_unlimited_client, raise_fd_limit, Gateway, RssWatch};
 use crate::report::{
-    count, machine, median, ms, pct, round, runs_disturbance, CpuWatch, Disturbance, Outcome,
+    self, count, machine, median, ms, pct, round, runs_disturbance, CpuWatch, Disturbance, Outcome,
     OverRuns, Table, Worse,
 };
 use crate::upstream::{Server, Upstreams};
@@ -276,15 +276,7 @@ impl Run {
     }
 }
 
-/// The figures the report gives over the runs: (JSON name, row label, which way is worse,
-/// the figure of one run, the cell's format).
-type Figure = (
-    &'static str,
-    &'static str,
-    Worse,
-    fn(&Run) -> f64,
-    fn(f64) -> String,
-);
+type Figure = report::Figure<Run>;
 
 fn mib(v: f64) -> String {
     format!("{v:.1}")

@@ -25,8 +25,8 @@ use crate::procs::{
     one_unlimited_client, raise_fd_limit, realtime, threads_of, Gateway, Steal, StealSpec,
 };
 use crate::report::{
-    count, machine, median, ms, pct, round, runs_disturbance, CpuWatch, Outcome, OverRuns, Table,
-    Worse,
+    self, count, machine, median, ms, pct, round, runs_disturbance, CpuWatch, Outcome, OverRuns,
+    Table, Worse,
 };
 use crate::upstream::{Server, Upstreams};
 
@@ -124,15 +124,7 @@ impl Measured {
     }
 }
 
-/// The figures the report gives over the runs: (JSON name, table header, which way is
-/// worse, the figure of one run, the cell's format).
-type Figure = (
-    &'static str,
-    &'static str,
-    Worse,
-    fn(&Measured) -> f64,
-    fn(f64) -> String,
-);
+type Figure = report::Figure<Measured>;
 
 const FIGURES: [Figure; 9] = [
     (

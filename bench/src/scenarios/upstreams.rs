@@ -41,7 +41,7 @@ use crate::http::{get_request, Conn};
 use crate::load::{percentile, Arrivals, OpenRun, Sample, Stream};
 use crate::procs::{one_unlimited_client, raise_fd_limit, Gateway, Nginx};
 use crate::report::{
-    count, machine, ms, round, runs_disturbance, CpuWatch, Outcome, OverRuns, Table, Worse,
+    self, count, machine, ms, round, runs_disturbance, CpuWatch, Outcome, OverRuns, Table, Worse,
 };
 use crate::upstream::Faulty;
 
@@ -258,15 +258,7 @@ fn status_name(s: u16) -> String {
     }
 }
 
-/// The figures the report gives over the runs: (JSON name, table header, which way is
-/// worse, the figure of one run, the cell's format).
-type Figure = (
-    &'static str,
-    &'static str,
-    Worse,
-    fn(&Tally) -> f64,
-    fn(f64) -> String,
-);
+type Figure = report::Figure<Tally>;
 
 const FIGURES: [Figure; 6] = [
     (
