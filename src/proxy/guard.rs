@@ -108,7 +108,9 @@ async fn guard(
     };
 
     let admitted = match recognised(&req, state) {
-        Ok(admitted) => admitted,
+        Ok(Recognised::Forward(admitted)) => admitted,
+        // Boxed, as `public` below: a rare path's state is not in every request's future.
+        Ok(Recognised::OwnView) => return Box::pin(view::answer(req)).await,
         Err(e) => return Ok(reject(req, e, None).await),
     };
     let client = match &admitted.who {
@@ -224,11 +226,21 @@ async fn public(
     Ok(res)
 }
 
+/// What [`recognised`] found a request to be.
+enum Recognised {
+    /// For the limiter, then the forward.
+    Forward(Admitted),
+    /// A client's own view, in a form only its normal path shows (`/_tollgate/%6Cimits`,
+    /// `/_tollgate/./limits`; the exact path is answered before the guard): the gateway's
+    /// own path is routed by its normal form too, and never reaches a service.
+    OwnView,
+}
+
 /// What the guard checks before the limiter, in order: the method and head, the path, the
 /// key, the route, the declared body's size. These cost nothing (no store call), and a
 /// bad request must never be charged. The request's client, its route and the path to
 /// forward (see [`Admitted`]), or why it is refused.
-fn recognised(req: &ServiceRequest, state: &AppState) -> Result<Admitted, ApiError> {
+fn recognised(req: &ServiceRequest, state: &AppState) -> Result<Recognised, ApiError> {
     if let Some(err) = edge::refusal(
         req.method(),
         req.version(),
@@ -238,6 +250,9 @@ fn recognised(req: &ServiceRequest, state: &AppState) -> Result<Admitted, ApiErr
         return Err(err);
     }
     let path = NormalPath::parse(req.path())?;
+    if path.is_rewritten() && state.edge.limits_path.as_deref() == Some(path.as_str()) {
+        return Ok(Recognised::OwnView);
+    }
     let unknown = || {
         state.metrics.count_outcome("unknown_key");
         state.key_sources.missing()
@@ -281,12 +296,12 @@ fn recognised(req: &ServiceRequest, state: &AppState) -> Result<Admitted, ApiErr
     if declared_len.is_some_and(|n| n > state.max_body_bytes) {
         return Err(ApiError::PayloadTooLarge(state.max_body_bytes));
     }
-    Ok(Admitted {
+    Ok(Recognised::Forward(Admitted {
         who,
         route,
         path_and_query,
         key_source,
-    })
+    }))
 }
 
 /// Who a request without a key on a public route with `plan` is: the group of its client

@@ -346,3 +346,46 @@ async fn dot_segments_never_reach_the_admin_api_or_the_gateways_own_endpoints() 
     }
     assert_eq!(orders.hits() + billing.hits(), 0);
 }
+
+#[tokio::test]
+async fn a_clients_own_view_is_found_by_its_normal_path_and_never_reaches_a_service() {
+    // Arrange: a root route, so a path the gateway did not take for its own would be
+    // forwarded.
+    let up = Upstream::start(Behaviour::Echo).await;
+    let toml = format!(
+        "{}{}",
+        catalog_toml(("gold", 1000.0, 0.001), &["acme", "beta"]),
+        route_toml("all", "/", &[up.url()]),
+    );
+    let gw = TestGateway::spawn(settings(&toml)).await;
+    let acme = key("acme");
+
+    // Act and assert: every spelling whose normal form is the view's path is the view
+    // (its JSON names the client), and the service sees none of them. Two clients: each
+    // may read its view 5 times at once.
+    let spellings = [
+        "/_tollgate/limits",
+        "/_tollgate/%6Cimits",
+        "/_tollgate/%6cimits",
+        "/_tollgate/./limits",
+        "/_tollgate/x/../limits",
+        "//_tollgate/limits",
+        "/_tollgate//limits",
+    ];
+    for (i, target) in spellings.into_iter().enumerate() {
+        let client = if i < 4 { "acme" } else { "beta" };
+        let r = raw(&gw, "GET", target, Some(&key(client))).await;
+        assert_eq!(r.status, 200, "{target}: {}", r.body);
+        let named = format!("\"client\":\"{client}\"");
+        assert!(r.body.contains(&named), "{target}: {}", r.body);
+    }
+    assert_eq!(up.hits(), 0);
+    // A path beside it is the service's, as any other.
+    assert_eq!(
+        raw(&gw, "GET", "/_tollgate/limitsx", Some(&acme))
+            .await
+            .status,
+        200
+    );
+    assert_eq!(up.hits(), 1);
+}
