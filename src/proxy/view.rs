@@ -16,6 +16,7 @@ use actix_web::http::Method;
 use actix_web::{web, HttpRequest, HttpResponse, ResponseError};
 
 use super::caller::client_of;
+use super::edge;
 use crate::admin::UsageView;
 use crate::domain::{bucket, Bucket, Decision, Outcome, RateLimitHeaders};
 use crate::error::ApiError;
@@ -27,37 +28,48 @@ pub const VIEW_BURST: f64 = 5.0;
 pub const VIEW_EVERY_S: f64 = 2.0;
 
 /// A request for `edge.limits_path` (matched by the proxy's service: one comparison, not a
-/// route the router would try before every proxied request): `GET`/`HEAD` read the
-/// client's own limits, anything else is `405`.
+/// route the router would try before every proxied request). It meets the edge's checks
+/// as any proxied request does ([`edge::refusal`]: `TRACE`, `Host`, a key header sent
+/// twice), then `GET`/`HEAD` read the client's own limits and anything else is `405`. It
+/// reads no body: what has arrived is read, the rest held until the answer is written
+/// ([`edge::keep_payload`]), so a client can hold the connection no longer than any
+/// refused request's.
 pub(super) async fn answer(
     req: ServiceRequest,
 ) -> Result<ServiceResponse<BoxBody>, actix_web::Error> {
-    let (http, _payload) = req.into_parts();
-    let resp = match (
-        http.method(),
-        http.app_data::<web::Data<AppState>>().cloned(),
-    ) {
-        (&Method::GET | &Method::HEAD, Some(state)) => {
-            match own_limits(http.clone(), state).await {
-                Ok(resp) => resp,
-                Err(e) => e.error_response(),
+    let (http, mut payload) = req.into_parts();
+    let resp = match http.app_data::<web::Data<AppState>>().cloned() {
+        None => ApiError::Internal(anyhow::anyhow!("no AppState")).error_response(),
+        Some(state) => {
+            let refused = edge::refusal(
+                http.method(),
+                http.version(),
+                http.headers(),
+                state.key_sources.header(),
+            );
+            match (refused, http.method()) {
+                (Some(err), _) => err.error_response(),
+                (None, &Method::GET | &Method::HEAD) => own_limits(&http, state)
+                    .await
+                    .unwrap_or_else(|e| e.error_response()),
+                (None, _) => ApiError::MethodNotAllowed("GET, HEAD").error_response(),
             }
         }
-        (&Method::GET | &Method::HEAD, None) => {
-            ApiError::Internal(anyhow::anyhow!("no AppState")).error_response()
-        }
-        _ => ApiError::MethodNotAllowed("GET, HEAD").error_response(),
     };
-    Ok(ServiceResponse::new(http, resp))
+    edge::read_arrived(&mut payload).await;
+    Ok(ServiceResponse::new(
+        http,
+        edge::keep_payload(resp, payload),
+    ))
 }
 
 /// `GET`/`HEAD` on `edge.limits_path`.
 async fn own_limits(
-    req: HttpRequest,
+    req: &HttpRequest,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
     let found = state.key_sources.find(req.headers(), req.uri().query())?;
-    let Some(client) = client_of(&req, &state, found.as_ref())? else {
+    let Some(client) = client_of(req, &state, found.as_ref())? else {
         state.metrics.count_outcome("unknown_key");
         return Err(state.key_sources.missing());
     };

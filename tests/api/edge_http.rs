@@ -653,3 +653,67 @@ async fn a_pipelined_connection_close_closes_after_its_own_answer_not_the_one_be
         .expect("the connection is still open 5 s after the answer to `connection: close`");
     assert_eq!(up.hits(), 2);
 }
+
+// A client's own view answers without reading a body, as any refusal does: it holds none
+// for long, and a whole one leaves the connection usable.
+
+#[tokio::test]
+async fn a_body_trickled_to_the_own_view_does_not_hold_the_connection() {
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway(&up.url(), 100.0, "").await;
+    let (rx, mut tx) = connect(&gw).await.into_split();
+    let mut wire = Wire::new(rx);
+    let head = format!(
+        "POST /_tollgate/limits HTTP/1.1\r\nhost: {}\r\nx-api-key: {}\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n",
+        authority(&gw),
+        key("acme")
+    );
+    tx.write_all(head.as_bytes()).await.unwrap();
+
+    let r = wire.response().await;
+    assert_eq!(r.status, 405);
+    let trickle = tokio::spawn(async move {
+        for _ in 0..100 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if tx.write_all(b"5\r\nhello\r\n").await.is_err() {
+                return;
+            }
+        }
+    });
+    let closed = wire.closed_after(Duration::from_secs(6)).await;
+    trickle.abort();
+    let closed = closed.expect("the gateway still drains the body after 6 s");
+    assert!(
+        closed < Duration::from_millis(2500),
+        "closed after {closed:?}"
+    );
+    assert_eq!(up.hits(), 0);
+}
+
+#[tokio::test]
+async fn the_own_view_with_a_whole_body_keeps_the_connection_and_refuses_a_key_sent_twice() {
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway(&up.url(), 100.0, "").await;
+    let (rx, mut tx) = connect(&gw).await.into_split();
+    let mut wire = Wire::new(rx);
+    let (host, acme) = (authority(&gw).to_string(), key("acme"));
+
+    let with_body = format!(
+        "GET /_tollgate/limits HTTP/1.1\r\nhost: {host}\r\nx-api-key: {acme}\r\ncontent-length: 5\r\n\r\nhello"
+    );
+    tx.write_all(with_body.as_bytes()).await.unwrap();
+    let r = wire.response().await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_ne!(
+        r.headers.get("connection").map(String::as_str),
+        Some("close")
+    );
+    // The same connection: a key header sent twice is 400, as on every other path.
+    let twice = format!(
+        "GET /_tollgate/limits HTTP/1.1\r\nhost: {host}\r\nx-api-key: {acme}\r\nx-api-key: {acme}\r\n\r\n"
+    );
+    tx.write_all(twice.as_bytes()).await.unwrap();
+    let r = wire.response().await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(up.hits(), 0);
+}
