@@ -750,11 +750,14 @@ mod rustls_0_23 {
             InitError = (),
         > {
             let tcp_nodelay = self.cfg.tcp_nodelay();
-            let mut protos = vec![b"http/1.1".to_vec()];
-            #[cfg(feature = "http2")]
-            protos.insert(0, b"h2".to_vec());
-            protos.extend_from_slice(&config.alpn_protocols);
-            config.alpn_protocols = protos;
+            // tollgate: a configuration that names its protocols is served as it is (the
+            // gateway chooses when to offer `h2`); one that names none, as published.
+            if config.alpn_protocols.is_empty() {
+                let mut protos = vec![b"http/1.1".to_vec()];
+                #[cfg(feature = "http2")]
+                protos.insert(0, b"h2".to_vec());
+                config.alpn_protocols = protos;
+            }
 
             let mut acceptor = Acceptor::new(config);
 
