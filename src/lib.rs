@@ -34,4 +34,5 @@ pub mod state;
 pub mod store;
 pub mod tasks;
 pub mod telemetry;
+pub mod tls;
 pub mod trace;

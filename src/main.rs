@@ -70,7 +70,8 @@ async fn main() {
             }
         }
         Command::Healthcheck { path } => {
-            match tollgate::ops::probe(settings.server.listen, &path, PROBE_TIMEOUT) {
+            let tls = settings.tls.public.is_some();
+            match tollgate::ops::probe(settings.server.listen, &path, PROBE_TIMEOUT, tls) {
                 Ok(200) => {}
                 Ok(status) => {
                     eprintln!("tollgate healthcheck: {path} answered {status}");

@@ -65,11 +65,16 @@ async fn readyz(state: web::Data<AppState>) -> HttpResponse {
     }
 }
 
+/// A connection the probe reads and writes: TCP, or TLS over it.
+trait ReadWrite: Read + Write {}
+impl<T: Read + Write> ReadWrite for T {}
+
 /// `GET path` from the gateway listening on `listen` (`server.listen`); returns the
 /// response's status code. An unspecified address (`0.0.0.0`, `[::]`) is asked on
 /// loopback. For container health checks: the runtime image has no shell and no curl.
-/// `timeout` bounds the connect and each read and write.
-pub fn probe(listen: SocketAddr, path: &str, timeout: Duration) -> anyhow::Result<u16> {
+/// `timeout` bounds the connect and each read and write. `tls`: the listener serves TLS
+/// (`tls.cert_file`), and is asked over it, whatever certificate it serves.
+pub fn probe(listen: SocketAddr, path: &str, timeout: Duration, tls: bool) -> anyhow::Result<u16> {
     let mut addr = listen;
     if addr.ip().is_unspecified() {
         addr.set_ip(match addr.ip() {
@@ -77,10 +82,18 @@ pub fn probe(listen: SocketAddr, path: &str, timeout: Duration) -> anyhow::Resul
             IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::LOCALHOST),
         });
     }
-    let mut stream = TcpStream::connect_timeout(&addr, timeout)
+    let tcp = TcpStream::connect_timeout(&addr, timeout)
         .with_context(|| format!("cannot connect to {addr}"))?;
-    stream.set_read_timeout(Some(timeout))?;
-    stream.set_write_timeout(Some(timeout))?;
+    tcp.set_read_timeout(Some(timeout))?;
+    tcp.set_write_timeout(Some(timeout))?;
+    let mut stream: Box<dyn ReadWrite> = if tls {
+        let name = rustls::pki_types::ServerName::IpAddress(addr.ip().into());
+        let conn = rustls::ClientConnection::new(crate::tls::probe_client_config(), name)
+            .context("TLS client")?;
+        Box::new(rustls::StreamOwned::new(conn, tcp))
+    } else {
+        Box::new(tcp)
+    };
     // One write: `write!` on the stream could send the request in pieces.
     let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
     stream
@@ -124,6 +137,7 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     write_hot(&mut out, &state);
     write_catalog(&mut out, &state);
     write_tasks(&mut out, &state);
+    state.tls.write_metrics(&mut out);
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4")
         .body(out.finish())
@@ -299,6 +313,7 @@ mod tests {
             SocketAddr::from(([127, 0, 0, 1], port)),
             "/readyz",
             Duration::from_secs(2),
+            false,
         );
         assert_eq!(status.unwrap(), 503);
     }
@@ -310,6 +325,7 @@ mod tests {
             SocketAddr::from(([0, 0, 0, 0], port)),
             "/healthz",
             Duration::from_secs(2),
+            false,
         );
         assert_eq!(status.unwrap(), 200);
     }
@@ -321,6 +337,7 @@ mod tests {
             SocketAddr::from(([127, 0, 0, 1], port)),
             "/healthz",
             Duration::from_secs(2),
+            false,
         );
         assert!(err.unwrap_err().to_string().contains("not an HTTP answer"));
     }

@@ -8,7 +8,9 @@
 //!
 //! Only `routes` (upstreams, balance, health checks, prefixes, costs, timeouts, cost
 //! headers) is applied. Every other section is read once at start: a reload that changes
-//! one says so in a `WARN` naming the sections, and applies the routes alone.
+//! one says so in a `WARN` naming the sections, and applies the routes alone. The same
+//! `SIGHUP` loads the listeners' certificates again from the files named at start
+//! ([`crate::tls`]).
 
 use std::fmt::Debug;
 use std::path::PathBuf;
@@ -122,6 +124,7 @@ pub fn on_sighup(reloader: Reloader, tasks: &Tasks) -> std::io::Result<()> {
             while let Some(Some(())) = stop.run_until_cancelled(hangups.recv()).await {
                 tracing::info!(files = ?reloader.files, "SIGHUP: reloading the configuration");
                 reloader.reload();
+                reloader.state.tls.reload("SIGHUP");
             }
         }
     });
@@ -166,6 +169,10 @@ pub fn unapplied(running: &Settings, new: &Settings) -> Vec<&'static str> {
         ("overload", differ(&a.overload, &b.overload)),
         ("upstream", differ(&a.upstream, &b.upstream)),
         ("telemetry", differ(&a.telemetry, &b.telemetry)),
+        ("edge", differ(&a.edge, &b.edge)),
+        // The certificate files named at start are loaded again on SIGHUP; other files or
+        // settings need a restart.
+        ("tls", differ(&a.tls, &b.tls)),
     ];
     sections
         .into_iter()

@@ -33,7 +33,7 @@ use crate::state::AppState;
 use crate::store::{Keys, Store, StoreKind};
 use crate::tasks::{Policy, Supervisor, Tasks};
 use crate::trace::{self, Tracer};
-use crate::{ops, telemetry};
+use crate::{ops, telemetry, tls};
 
 /// How long a connection lingers after an answer that left the request body unread.
 const LINGER: Duration = Duration::from_secs(1);
@@ -84,7 +84,11 @@ impl Application {
             overload: settings.overload,
             tasks: tasks.clone(),
         });
-        let state = shared_state(&settings, catalog, limiter, store, metrics, &tasks)?;
+        let tls = tls::Listeners::load(&settings.tls)?;
+        if let Some(every) = settings.tls.watch {
+            tls::spawn_watch(&tls, every, &tasks);
+        }
+        let state = shared_state(&settings, catalog, limiter, store, metrics, tls, &tasks)?;
         start_health_checks(&state, &settings, &tasks);
         start_view_eviction(&state, &tasks);
         let jwt = web::Data::new(JwtVerifier::from_settings(&settings.admin)?);
@@ -104,7 +108,8 @@ impl Application {
     /// From now on, every `SIGHUP` reads the configuration again from the compiled-in
     /// defaults, `files` (the `--config` files it started with) and the environment, and
     /// applies its routes, or refuses it and keeps serving the routes it has (README,
-    /// "Upstreams"). Call it on a Tokio runtime.
+    /// "Upstreams"); and loads the listeners' certificates again (README, "TLS"). Call it
+    /// on a Tokio runtime.
     pub fn reload_on_sighup(&self, files: Vec<PathBuf>) -> std::io::Result<()> {
         let reloader = Reloader::new(files, self.settings.clone(), self.state.clone());
         reload::on_sighup(reloader, &self.supervisor.tasks())
@@ -232,6 +237,7 @@ fn shared_state(
     limiter: Arc<Limiter>,
     store: Store,
     metrics: Arc<Metrics>,
+    tls: tls::Listeners,
     tasks: &Tasks,
 ) -> anyhow::Result<web::Data<AppState>> {
     let traces = match &settings.telemetry.otlp_endpoint {
@@ -265,6 +271,7 @@ fn shared_state(
         safety_multiplier: settings.limits.safety_multiplier,
         traces,
         tasks: tasks.clone(),
+        tls,
     }))
 }
 
@@ -364,7 +371,11 @@ fn public_server(
         Some(n) => main.workers(n.get()),
         None => main,
     };
-    Ok(main.listen(listener)?.run())
+    let main = match &state.tls.public {
+        Some(served) => main.listen_rustls_0_23(listener, tls_config(served, settings)?)?,
+        None => main.listen(listener)?,
+    };
+    Ok(main.run())
 }
 
 /// The admin server, on `server.admin_listen`: the admin API, its docs, health and metrics.
@@ -387,7 +398,21 @@ fn admin_server(
     })
     .workers(1)
     .shutdown_timeout(settings.server.shutdown_timeout.as_secs());
-    Ok(admin.listen(listener)?.run())
+    let admin = match &state.tls.admin {
+        Some(served) => admin.listen_rustls_0_23(listener, tls_config(served, settings)?)?,
+        None => admin.listen(listener)?,
+    };
+    Ok(admin.run())
+}
+
+/// A TLS listener's configuration: `served`'s certificates, `tls.min_version`.
+fn tls_config(
+    served: &Arc<tls::Served>,
+    settings: &Settings,
+) -> std::io::Result<rustls::ServerConfig> {
+    served
+        .server_config(settings.tls.min_version)
+        .map_err(std::io::Error::other)
 }
 
 /// Logs where it listens and what it stands on.

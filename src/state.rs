@@ -40,4 +40,6 @@ pub struct AppState {
     pub traces: Option<Tracer>,
     /// The background tasks, for `/metrics` (their restarts).
     pub tasks: Tasks,
+    /// The listeners' certificates, for `/metrics` (their expiry and reloads).
+    pub tls: crate::tls::Listeners,
 }

@@ -14,13 +14,13 @@ use secrecy::{ExposeSecret, SecretString};
 use super::periods::{BackOff, Periods};
 use super::raw::{
     RawAdmin, RawCatalog, RawClient, RawEdge, RawHealthCheck, RawLimits, RawOverload, RawPeriods,
-    RawPlan, RawRedis, RawRoute, RawServer, RawSettings, RawTelemetry, RawUpstream,
+    RawPlan, RawRedis, RawRoute, RawServer, RawSettings, RawTelemetry, RawTls, RawUpstream,
 };
 use super::settings::{
-    AdminSettings, Balance, CatalogSettings, ClientSettings, EdgeSettings, HealthCheckSettings,
-    KeySource, LimitSettings, OtlpCompression, OtlpEndpoint, OtlpHeader, OtlpProtocol,
-    OverloadSettings, PlanSettings, RedisSettings, RouteSettings, ServerSettings, Settings,
-    TelemetrySettings, UpstreamSettings,
+    AdminSettings, Balance, CatalogSettings, CertificateFiles, Certificates, ClientSettings,
+    EdgeSettings, HealthCheckSettings, KeySource, LimitSettings, OtlpCompression, OtlpEndpoint,
+    OtlpHeader, OtlpProtocol, OverloadSettings, PlanSettings, RedisSettings, RouteSettings,
+    ServerSettings, Settings, TelemetrySettings, TlsSettings, TlsVersion, UpstreamSettings,
 };
 use crate::domain::{
     ApiKey, Bucket, Capacity, ClientId, KeyHash, Limit, LimitSpec, Limits, Mode, PlanName, Rate,
@@ -134,9 +134,11 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
     let upstream = upstream(raw.upstream, &mut p);
     let telemetry = telemetry(raw.telemetry, &mut p);
     let edge = edge(raw.edge, &mut p);
+    let tls = tls(raw.tls, server.as_ref(), &mut p);
     let routes = routes(raw.routes, &mut p);
     match (
-        server, redis, catalog, limits, admin, periods, overload, upstream, telemetry, edge, routes,
+        server, redis, catalog, limits, admin, periods, overload, upstream, telemetry, edge, tls,
+        routes,
     ) {
         (
             Some(server),
@@ -149,6 +151,7 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
             Some(upstream),
             Some(telemetry),
             Some(edge),
+            Some(tls),
             Some(routes),
         ) if p.0.is_empty() => Ok(Settings {
             server,
@@ -161,6 +164,7 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
             upstream,
             telemetry,
             edge,
+            tls,
             routes,
         }),
         _ => {
@@ -168,6 +172,83 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
             Err(p.0)
         }
     }
+}
+
+/// `[tls]`: the files are named here and read at start ([`crate::tls`]), where one that
+/// does not load is an error naming its key.
+fn tls(raw: RawTls, server: Option<&ServerSettings>, p: &mut Problems) -> Option<TlsSettings> {
+    fn pair(cert: PathBuf, key: PathBuf, at: &str, p: &mut Problems) -> Option<CertificateFiles> {
+        match (cert.as_os_str().is_empty(), key.as_os_str().is_empty()) {
+            (true, true) => None,
+            (false, false) => Some(CertificateFiles { cert, key }),
+            (false, true) => {
+                p.add(format!("{at}key_file"), "needs a key for its certificate");
+                None
+            }
+            (true, false) => {
+                p.add(format!("{at}cert_file"), "needs a certificate for its key");
+                None
+            }
+        }
+    }
+    let failed = p.0.len();
+    let default = pair(raw.cert_file, raw.key_file, "tls.", p);
+    let sni_listed = !raw.sni.is_empty();
+    let sni: Vec<CertificateFiles> = raw
+        .sni
+        .into_iter()
+        .enumerate()
+        .filter_map(|(i, c)| {
+            let at = format!("tls.sni[{i}].");
+            let before = p.0.len();
+            let files = pair(c.cert_file, c.key_file, &at, p);
+            if files.is_none() && p.0.len() == before {
+                p.add(format!("{at}cert_file"), "needs a certificate and its key");
+            }
+            files
+        })
+        .collect();
+    if default.is_none() && sni_listed {
+        p.add(
+            "tls.cert_file",
+            "tls.sni needs a default certificate (tls.cert_file and tls.key_file)",
+        );
+    }
+    let admin = pair(raw.admin_cert_file, raw.admin_key_file, "tls.admin_", p);
+    if admin.is_some() && server.is_some_and(|s| s.admin_listen.is_none()) {
+        p.add(
+            "tls.admin_cert_file",
+            "is for server.admin_listen, which is not set",
+        );
+    }
+    let min_version = p.take(
+        "tls.min_version",
+        match raw.min_version.as_str() {
+            "1.2" => Ok(TlsVersion::V1_2),
+            "1.3" => Ok(TlsVersion::V1_3),
+            other => Err(format!("{other:?} is not \"1.2\" or \"1.3\"")),
+        },
+    );
+    let watch = p.take(
+        "tls.watch_ms",
+        within(
+            raw.watch_ms,
+            0..=3_600_000,
+            "must be at most 3600000 (an hour)",
+        ),
+    );
+    if p.0.len() > failed {
+        return None;
+    }
+    Some(TlsSettings {
+        public: default.map(|default| Certificates { default, sni }),
+        admin: admin.map(|default| Certificates {
+            default,
+            sni: Vec::new(),
+        }),
+        min_version: min_version?,
+        watch: (watch? > 0).then(|| Duration::from_millis(raw.watch_ms)),
+    })
 }
 
 /// `[edge]`.
@@ -1127,6 +1208,37 @@ mod tests {
         assert_eq!(
             problems("[upstream]\nejection_ms = 5000\nmax_ejection_ms = 1000\n"),
             ["upstream.max_ejection_ms"]
+        );
+    }
+
+    #[test]
+    fn tls_is_off_by_default_and_a_half_pair_or_an_orphan_is_named() {
+        let s = load("", &[]).unwrap();
+        assert_eq!(s.tls.public, None);
+        assert_eq!(s.tls.admin, None);
+        assert_eq!(s.tls.watch, Some(Duration::from_secs(1)));
+        let s = load(
+            "[server]\nadmin_listen = \"127.0.0.1:0\"\n[tls]\ncert_file = \"c\"\nkey_file = \"k\"\nsni = [{ cert_file = \"c2\", key_file = \"k2\" }]\nadmin_cert_file = \"ac\"\nadmin_key_file = \"ak\"\nmin_version = \"1.3\"\nwatch_ms = 0\n",
+            &[],
+        )
+        .unwrap();
+        let public = s.tls.public.unwrap();
+        assert_eq!(public.default.cert, PathBuf::from("c"));
+        assert_eq!(public.sni[0].key, PathBuf::from("k2"));
+        assert_eq!(s.tls.admin.unwrap().default.key, PathBuf::from("ak"));
+        assert_eq!(s.tls.min_version, TlsVersion::V1_3);
+        assert_eq!(s.tls.watch, None);
+        assert_eq!(
+            problems("[tls]\ncert_file = \"c\"\nmin_version = \"1.1\"\nwatch_ms = 3600001\n"),
+            ["tls.key_file", "tls.min_version", "tls.watch_ms"]
+        );
+        assert_eq!(
+            problems("[tls]\nsni = [{ cert_file = \"\", key_file = \"k\" }, { cert_file = \"\", key_file = \"\" }]\n"),
+            ["tls.sni[0].cert_file", "tls.sni[1].cert_file", "tls.cert_file"]
+        );
+        assert_eq!(
+            problems("[tls]\nadmin_cert_file = \"c\"\nadmin_key_file = \"k\"\n"),
+            ["tls.admin_cert_file"]
         );
     }
 

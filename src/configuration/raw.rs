@@ -23,8 +23,29 @@ pub(super) struct RawSettings {
     pub(super) upstream: RawUpstream,
     pub(super) telemetry: RawTelemetry,
     pub(super) edge: RawEdge,
+    pub(super) tls: RawTls,
     #[serde(default)]
     pub(super) routes: Vec<RawRoute>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTls {
+    pub(super) cert_file: PathBuf,
+    pub(super) key_file: PathBuf,
+    #[serde(default)]
+    pub(super) sni: Vec<RawCertificate>,
+    pub(super) admin_cert_file: PathBuf,
+    pub(super) admin_key_file: PathBuf,
+    pub(super) min_version: String,
+    pub(super) watch_ms: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawCertificate {
+    pub(super) cert_file: PathBuf,
+    pub(super) key_file: PathBuf,
 }
 
 #[derive(Debug, Deserialize)]

@@ -30,6 +30,8 @@ pub struct Settings {
     pub telemetry: TelemetrySettings,
     /// `edge`: what the edge does for requests without a key.
     pub edge: EdgeSettings,
+    /// `tls`: TLS on the listeners.
+    pub tls: TlsSettings,
     /// `routes`: upstream services, matched by longest path prefix.
     pub routes: Vec<RouteSettings>,
 }
@@ -157,6 +159,49 @@ impl KeySource {
             _ => Err(format!("{s:?} is not one of header, bearer, query")),
         }
     }
+}
+
+/// TLS on the listeners (README, "TLS"): which certificates each serves, and how they are
+/// kept current.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsSettings {
+    /// `tls.cert_file`, `tls.key_file` and `tls.sni` (`None`: `server.listen` is plain
+    /// HTTP).
+    pub public: Option<Certificates>,
+    /// `tls.admin_cert_file` and `tls.admin_key_file` (`None`: `server.admin_listen` serves
+    /// the public certificates, or plain HTTP when there are none).
+    pub admin: Option<Certificates>,
+    /// `tls.min_version`: the oldest protocol version accepted (1.2 or 1.3).
+    pub min_version: TlsVersion,
+    /// `tls.watch_ms` (`0`: none): how often the files are checked for a change; a change
+    /// (and `SIGHUP`, always) loads them again.
+    pub watch: Option<Duration>,
+}
+
+/// The certificates one listener serves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Certificates {
+    /// Served when the client names no host, or one no certificate has.
+    pub default: CertificateFiles,
+    /// `tls.sni`: more, each served to clients that name a host it is for (its subject
+    /// alternative names, wildcards included).
+    pub sni: Vec<CertificateFiles>,
+}
+
+/// A certificate chain and its private key, as PEM files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CertificateFiles {
+    /// The chain, leaf first.
+    pub cert: PathBuf,
+    /// The leaf's private key (PKCS #8, PKCS #1 or SEC 1).
+    pub key: PathBuf,
+}
+
+/// A TLS protocol version a listener accepts at least.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TlsVersion {
+    V1_2,
+    V1_3,
 }
 
 /// How requests without a key are told apart (README, "Public routes").

@@ -35,5 +35,6 @@ mod slow_redis;
 mod stopping;
 mod stores;
 mod swagger_ui;
+mod tls;
 mod traces;
 mod upstreams;
