@@ -114,9 +114,16 @@ where
             match Pin::new(&mut this.connection).poll_accept(cx)? {
                 Poll::Ready(Some((req, tx))) => {
                     let (parts, body) = req.into_parts();
-                    let payload = crate::h2::Payload::new(body);
-                    let pl = Payload::H2 { payload };
-                    let mut req = Request::with_payload(pl);
+                    // tollgate: a request whose HEADERS ended its stream has no body, and
+                    // says so as HTTP/1's bodiless requests do (`Payload::None`): HTTP/2
+                    // needs no Content-Length, so this is how the service tells a `GET`
+                    // from a `POST` of unknown length. PATCHES.md, "HTTP/2 bodies".
+                    let mut req = if body.is_end_stream() {
+                        Request::new()
+                    } else {
+                        let payload = crate::h2::Payload::new(body);
+                        Request::with_payload(Payload::H2 { payload })
+                    };
                     let head_req = parts.method == Method::HEAD;
 
                     let head = req.head_mut();
@@ -133,8 +140,25 @@ where
 
                     // multiplex request handling with spawn task
                     tokio::task::spawn_local(async move {
+                        let mut tx = tx;
+                        // tollgate: the service's work for a stream ends when the client
+                        // resets it, or the connection goes (h2 then fails every stream):
+                        // a reset request is not worked on, nor forwarded (rapid reset,
+                        // CVE-2023-44487; hyper does the same). PATCHES.md, "HTTP/2 limits".
+                        let mut fut = std::pin::pin!(fut);
+                        let served = std::future::poll_fn(|cx| {
+                            if let Poll::Ready(res) = fut.as_mut().poll(cx) {
+                                return Poll::Ready(Some(res));
+                            }
+                            tx.poll_reset(cx).map(|_| None)
+                        })
+                        .await;
+                        let Some(served) = served else {
+                            tracing::trace!("stream reset before its response: request dropped");
+                            return;
+                        };
                         // resolve service call and send response.
-                        let res = match fut.await {
+                        let res = match served {
                             Ok(res) => handle_response(res.into(), tx, config, head_req).await,
                             Err(err) => {
                                 let res: Response<BoxBody> = err.into();

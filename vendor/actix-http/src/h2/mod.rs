@@ -57,6 +57,28 @@ impl Stream for Payload {
     }
 }
 
+/// tollgate: streams one connection may have open at once (nginx's
+/// `http2_max_concurrent_streams` default); h2 sets no limit. A client past it gets
+/// `REFUSED_STREAM` for the excess.
+pub const MAX_CONCURRENT_STREAMS: u32 = 128;
+
+/// tollgate: the largest header list (decoded, with h2's 32 bytes per field) a request may
+/// have; h2 allows 16 MiB. It also bounds the CONTINUATION frames of one header block.
+pub const MAX_HEADER_LIST_SIZE: u32 = 64 * 1024;
+
+/// tollgate: streams a client may reset before the server has accepted them (rapid
+/// reset, CVE-2023-44487), past which the connection is closed with `ENHANCE_YOUR_CALM`;
+/// h2's default, stated.
+pub const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 20;
+
+/// tollgate: streams the server may reset for a client's protocol errors before it closes
+/// the connection (h2's default, stated).
+pub const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 1024;
+
+/// tollgate: bytes buffered per stream for a client that does not read (h2's default,
+/// stated): with `MAX_CONCURRENT_STREAMS` it bounds one connection's send buffers.
+pub const MAX_SEND_BUFFER_SIZE: usize = 400 * 1024;
+
 pub(crate) fn handshake_with_timeout<T>(io: T, config: &ServiceConfig) -> HandshakeWithTimeout<T>
 where
     T: AsyncRead + AsyncWrite + Unpin,
@@ -64,7 +86,13 @@ where
     let mut builder = Builder::new();
     builder
         .initial_window_size(config.h2_initial_window_size())
-        .initial_connection_window_size(config.h2_initial_connection_window_size());
+        .initial_connection_window_size(config.h2_initial_connection_window_size())
+        // tollgate: the limits h2 leaves open by default (PATCHES.md, "HTTP/2 limits").
+        .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
+        .max_header_list_size(MAX_HEADER_LIST_SIZE)
+        .max_pending_accept_reset_streams(MAX_PENDING_ACCEPT_RESET_STREAMS)
+        .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESET_STREAMS))
+        .max_send_buffer_size(MAX_SEND_BUFFER_SIZE);
 
     HandshakeWithTimeout {
         handshake: builder.handshake(io),
