@@ -373,6 +373,8 @@ fn public_server(
     };
     let main = match &state.tls.public {
         Some(served) => main.listen_rustls_0_23(listener, tls_config(served, settings)?)?,
+        // HTTP/1.1, or HTTP/2 to a client that opens with its preface (h2c).
+        None if settings.server.http2 => main.listen_auto_h2c(listener)?,
         None => main.listen(listener)?,
     };
     Ok(main.run())
@@ -400,18 +402,20 @@ fn admin_server(
     .shutdown_timeout(settings.server.shutdown_timeout.as_secs());
     let admin = match &state.tls.admin {
         Some(served) => admin.listen_rustls_0_23(listener, tls_config(served, settings)?)?,
+        None if settings.server.http2 => admin.listen_auto_h2c(listener)?,
         None => admin.listen(listener)?,
     };
     Ok(admin.run())
 }
 
-/// A TLS listener's configuration: `served`'s certificates, `tls.min_version`.
+/// A TLS listener's configuration: `served`'s certificates, `tls.min_version`, and `h2` by
+/// ALPN unless `server.http2` is off.
 fn tls_config(
     served: &Arc<tls::Served>,
     settings: &Settings,
 ) -> std::io::Result<rustls::ServerConfig> {
     served
-        .server_config(settings.tls.min_version)
+        .server_config(settings.tls.min_version, settings.server.http2)
         .map_err(std::io::Error::other)
 }
 

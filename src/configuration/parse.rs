@@ -618,6 +618,7 @@ fn server(raw: RawServer, p: &mut Problems) -> Option<ServerSettings> {
         trusted_proxies: trusted_proxies?,
         max_body_bytes: max_body_bytes?,
         shutdown_timeout: Duration::from_secs(raw.shutdown_timeout_s),
+        http2: raw.http2,
     })
 }
 

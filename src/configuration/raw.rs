@@ -72,6 +72,7 @@ pub(super) struct RawServer {
     pub(super) trusted_proxies: Vec<String>,
     pub(super) max_body_bytes: u64,
     pub(super) shutdown_timeout_s: u64,
+    pub(super) http2: bool,
 }
 
 #[derive(Debug, Deserialize)]

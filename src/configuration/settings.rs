@@ -62,6 +62,9 @@ pub struct ServerSettings {
     /// `server.shutdown_timeout_s`: after SIGTERM/SIGINT, in-flight requests get this long
     /// to finish (whole seconds).
     pub shutdown_timeout: Duration,
+    /// `server.http2`: the listeners speak HTTP/2 too: over TLS when the client asks by
+    /// ALPN, and in cleartext to a client that starts with HTTP/2's preface (h2c).
+    pub http2: bool,
 }
 
 #[derive(Debug, Clone)]

@@ -21,7 +21,8 @@ use std::task::{Context, Poll};
 
 use actix_web::body::{BodySize, BoxBody, MessageBody};
 use actix_web::dev::Payload;
-use actix_web::http::header::{self, HeaderMap, HeaderName};
+use actix_web::http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use actix_web::http::uri::Authority;
 use actix_web::http::{Method, Version};
 use actix_web::HttpResponse;
 use bytes::Bytes;
@@ -38,6 +39,7 @@ pub(super) const ALLOWED_METHODS: &str = "GET, HEAD, POST, PUT, PATCH, DELETE, O
 pub(super) fn refusal(
     method: &Method,
     version: Version,
+    authority: Option<&Authority>,
     headers: &HeaderMap,
     api_key_header: Option<&HeaderName>,
 ) -> Option<ApiError> {
@@ -65,6 +67,18 @@ pub(super) fn refusal(
                 "an HTTP/1.1 request needs a Host header".into(),
             ))
         }
+        // RFC 9113 §8.3.1: a Host that names another host than :authority is malformed
+        // (the service would be told one host and the client have asked another).
+        (Some(host), None)
+            if version == Version::HTTP_2
+                && authority.is_some_and(|a| {
+                    !a.as_str().as_bytes().eq_ignore_ascii_case(host.as_bytes())
+                }) =>
+        {
+            return Some(ApiError::BadRequest(
+                "the Host header and :authority name different hosts".into(),
+            ))
+        }
         _ => {}
     }
     if let Some(name) = api_key_header {
@@ -76,6 +90,19 @@ pub(super) fn refusal(
         }
     }
     None
+}
+
+/// An HTTP/2 request names its host in `:authority`, and usually sends no `Host` (RFC 9113
+/// §8.3.1); it is given one from `:authority`, so that everything after (the checks above,
+/// `X-Forwarded-Host`, `Forwarded: host=`) reads the host from one place, whatever the
+/// version. A `Host` it did send is left for [`refusal`] to compare.
+pub(super) fn authority_as_host(authority: Option<&Authority>, headers: &mut HeaderMap) {
+    if headers.contains_key(header::HOST) {
+        return;
+    }
+    if let Some(host) = authority.and_then(|a| HeaderValue::from_str(a.as_str()).ok()) {
+        headers.insert(header::HOST, host);
+    }
 }
 
 /// The most of an unwanted body [`read_arrived`] reads: a body that fits has usually
@@ -148,7 +175,6 @@ impl<B: MessageBody + Unpin> MessageBody for Holding<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use actix_web::http::header::HeaderValue;
 
     fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
         let mut h = HeaderMap::new();
@@ -160,7 +186,7 @@ mod tests {
 
     fn refused(method: Method, pairs: &[(&'static str, &'static str)]) -> Option<String> {
         let key = HeaderName::from_static("x-api-key");
-        refusal(&method, Version::HTTP_11, &headers(pairs), Some(&key)).map(|e| e.to_string())
+        refusal(&method, Version::HTTP_11, None, &headers(pairs), Some(&key)).map(|e| e.to_string())
     }
 
     #[test]
@@ -181,10 +207,45 @@ mod tests {
         assert!(refusal(
             &Method::GET,
             Version::HTTP_10,
+            None,
             &HeaderMap::new(),
             Some(&key)
         )
         .is_none());
+    }
+
+    #[test]
+    fn an_http2_request_takes_its_host_from_authority_and_may_not_contradict_it() {
+        let authority: Authority = "API.example:8443".parse().unwrap();
+        let mut h = HeaderMap::new();
+        authority_as_host(Some(&authority), &mut h);
+        assert_eq!(h.get(header::HOST).unwrap(), "API.example:8443");
+        let h2 = |host: &'static str| {
+            refusal(
+                &Method::GET,
+                Version::HTTP_2,
+                Some(&authority),
+                &headers(&[("host", host)]),
+                None,
+            )
+        };
+        assert!(h2("api.example:8443").is_none(), "case does not matter");
+        let e = h2("other.example").unwrap().to_string();
+        assert!(e.contains(":authority"), "{e}");
+        // HTTP/1.1 in absolute form: the target's authority wins (RFC 9112 §3.2.2); the
+        // Host is not compared.
+        let h1 = refusal(
+            &Method::GET,
+            Version::HTTP_11,
+            Some(&authority),
+            &headers(&[("host", "other.example")]),
+            None,
+        );
+        assert!(h1.is_none());
+        // A Host sent is kept, to be compared.
+        let mut sent = headers(&[("host", "other.example")]);
+        authority_as_host(Some(&authority), &mut sent);
+        assert_eq!(sent.get(header::HOST).unwrap(), "other.example");
     }
 
     #[test]

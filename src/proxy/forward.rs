@@ -14,7 +14,7 @@ use actix_web::dev::{Payload, ServiceRequest, ServiceResponse};
 use actix_web::error::PayloadError;
 use actix_web::http::header::{self, HeaderValue};
 use actix_web::http::uri::PathAndQuery;
-use actix_web::http::{Method, StatusCode};
+use actix_web::http::{Method, StatusCode, Version};
 use actix_web::{web, HttpMessage, HttpRequest, HttpResponse};
 use awc::error::{ConnectError, SendRequestError};
 use bytes::{Bytes, BytesMut};
@@ -514,7 +514,19 @@ async fn read_body(
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    let chunked = req.headers().contains_key(header::TRANSFER_ENCODING);
+    // HTTP/1.1 says a body's length with one of two fields, and a request with neither has
+    // no body. HTTP/2 needs neither: a request whose stream did not end with its head has
+    // a body, of the length its DATA frames come to (actix-http gives a request whose head
+    // ended the stream no payload).
+    let unframed = || {
+        req.version() == Version::HTTP_2
+            && declared.is_none()
+            && payload
+                .borrow()
+                .as_ref()
+                .is_some_and(|p| !matches!(p, Payload::None))
+    };
+    let chunked = req.headers().contains_key(header::TRANSFER_ENCODING) || unframed();
     match (declared, chunked) {
         (_, true) => Ok(Body::Streamed { payload, len: None }),
         (Some(len), _) if len > state.max_body_bytes => Err(BodyFault::TooLarge),

@@ -8,6 +8,7 @@ use actix_web::body::BoxBody;
 use actix_web::dev::{always_ready, Service, ServiceFactory, ServiceRequest, ServiceResponse};
 use actix_web::http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use actix_web::http::uri::PathAndQuery;
+use actix_web::http::Version;
 use actix_web::{web, ResponseError};
 use futures_util::future::LocalBoxFuture;
 
@@ -71,7 +72,11 @@ impl Service<ServiceRequest> for GuardService {
 
     always_ready!();
 
-    fn call(&self, req: ServiceRequest) -> Self::Future {
+    fn call(&self, mut req: ServiceRequest) -> Self::Future {
+        if req.version() == Version::HTTP_2 {
+            let authority = req.uri().authority().cloned();
+            edge::authority_as_host(authority.as_ref(), req.headers_mut());
+        }
         if self.limits_path.as_deref() == Some(req.path()) {
             return Box::pin(view::answer(req));
         }
@@ -244,6 +249,7 @@ fn recognised(req: &ServiceRequest, state: &AppState) -> Result<Recognised, ApiE
     if let Some(err) = edge::refusal(
         req.method(),
         req.version(),
+        req.uri().authority(),
         req.headers(),
         state.key_sources.header(),
     ) {

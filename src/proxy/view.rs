@@ -44,6 +44,7 @@ pub(super) async fn answer(
             let refused = edge::refusal(
                 http.method(),
                 http.version(),
+                http.uri().authority(),
                 http.headers(),
                 state.key_sources.header(),
             );

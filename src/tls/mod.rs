@@ -32,9 +32,6 @@ use crate::metrics::{Exposition, Kind};
 use crate::tasks::{Policy, Tasks};
 use certificate::{Leaf, Stamp};
 
-/// The one protocol offered by ALPN: HTTP/2 is not offered (README, "TLS").
-const ALPN: &[&[u8]] = &[b"http/1.1"];
-
 /// One listener's certificates: what it serves now, and how it reloads them.
 #[derive(Debug)]
 pub struct Served {
@@ -80,10 +77,12 @@ impl Served {
         }))
     }
 
-    /// The rustls configuration of a listener serving these certificates.
+    /// The rustls configuration of a listener serving these certificates, offering `h2`
+    /// (preferred) and `http/1.1` by ALPN, or `http/1.1` alone.
     pub fn server_config(
         self: &Arc<Self>,
         min_version: TlsVersion,
+        http2: bool,
     ) -> Result<ServerConfig, rustls::Error> {
         let versions: &[&rustls::SupportedProtocolVersion] = match min_version {
             TlsVersion::V1_2 => &[&rustls::version::TLS13, &rustls::version::TLS12],
@@ -93,7 +92,10 @@ impl Served {
             .with_protocol_versions(versions)?
             .with_no_client_auth()
             .with_cert_resolver(Arc::clone(self) as Arc<dyn ResolvesServerCert>);
-        config.alpn_protocols = ALPN.iter().map(|p| p.to_vec()).collect();
+        config.alpn_protocols = match http2 {
+            true => vec![b"h2".to_vec(), b"http/1.1".to_vec()],
+            false => vec![b"http/1.1".to_vec()],
+        };
         Ok(config)
     }
 

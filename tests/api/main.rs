@@ -15,6 +15,7 @@ mod edge_http;
 mod failed_keys;
 mod faults;
 mod forwarding;
+mod http2;
 mod key_lifecycle;
 mod key_sources;
 mod key_use;

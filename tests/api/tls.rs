@@ -17,21 +17,21 @@ use tokio_rustls::client::TlsStream;
 use crate::helpers::*;
 
 /// A test CA, and leaves it signs.
-struct Ca {
+pub(crate) struct Ca {
     issuer: Issuer<'static, KeyPair>,
     pem: String,
 }
 
 /// A certificate and its key, in PEM, and the leaf's DER (to recognise it on the wire).
 #[derive(Clone)]
-struct Leaf {
+pub(crate) struct Leaf {
     cert_pem: String,
     key_pem: String,
     der: Vec<u8>,
 }
 
 impl Ca {
-    fn new() -> Ca {
+    pub(crate) fn new() -> Ca {
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         // rcgen names every certificate alike; a leaf named as its issuer looks
@@ -47,7 +47,7 @@ impl Ca {
         }
     }
 
-    fn leaf(&self, names: &[&str]) -> Leaf {
+    pub(crate) fn leaf(&self, names: &[&str]) -> Leaf {
         let params =
             CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
                 .unwrap();
@@ -68,13 +68,13 @@ impl Ca {
 
 /// Where a certificate's files live: written as a deploy tool writes them (a new file
 /// renamed over the old), so a reader never sees half of one.
-struct Files {
+pub(crate) struct Files {
     cert: PathBuf,
     key: PathBuf,
 }
 
 impl Files {
-    fn write(dir: &Path, name: &str, leaf: &Leaf) -> Files {
+    pub(crate) fn write(dir: &Path, name: &str, leaf: &Leaf) -> Files {
         let files = Files {
             cert: dir.join(format!("{name}.crt")),
             key: dir.join(format!("{name}.key")),
@@ -88,7 +88,7 @@ impl Files {
         replace(&self.cert, &leaf.cert_pem);
     }
 
-    fn toml(&self) -> String {
+    pub(crate) fn toml(&self) -> String {
         format!(
             "cert_file = \"{}\"\nkey_file = \"{}\"\n",
             self.cert.display(),
@@ -143,10 +143,19 @@ impl rustls::client::danger::ServerCertVerifier for AnyCertificate {
 }
 
 /// A TLS connection to `addr`, naming `sni` (`None`: no name, as a client asking by IP
-/// address), offering `h2` and `http/1.1`.
-async fn connect(
+/// address), offering `http/1.1` by ALPN.
+pub(crate) async fn connect(
     addr: SocketAddr,
     sni: Option<&str>,
+) -> std::io::Result<TlsStream<tokio::net::TcpStream>> {
+    connect_offering(addr, sni, &[b"http/1.1"]).await
+}
+
+/// [`connect`], offering `alpn`.
+pub(crate) async fn connect_offering(
+    addr: SocketAddr,
+    sni: Option<&str>,
+    alpn: &[&[u8]],
 ) -> std::io::Result<TlsStream<tokio::net::TcpStream>> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut config = rustls::ClientConfig::builder_with_provider(provider)
@@ -155,7 +164,7 @@ async fn connect(
         .dangerous()
         .with_custom_certificate_verifier(Arc::new(AnyCertificate))
         .with_no_client_auth();
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     let name = match sni {
         Some(host) => ServerName::try_from(host.to_owned()).unwrap(),
         None => ServerName::IpAddress(addr.ip().into()),
@@ -242,13 +251,24 @@ async fn gateway(tls: &str, up: &Upstream) -> TestGateway {
 }
 
 #[tokio::test]
-async fn a_tls_listener_forwards_as_https_and_offers_only_http1() {
+async fn a_tls_listener_forwards_as_https_and_offers_h2_unless_http2_is_off() {
     let dir = tempfile::tempdir().unwrap();
     let ca = Ca::new();
     let files = Files::write(dir.path(), "gw", &ca.leaf(&["gw.test"]));
     let up = Upstream::start(Behaviour::Echo).await;
     let gw = gateway(&files.toml(), &up).await;
+    let h1_only = gateway(&format!("{}[server]\nhttp2 = false\n", files.toml()), &up).await;
+    let both: &[&[u8]] = &[b"h2", b"http/1.1"];
 
+    let h2 = connect_offering(addr_of(&gw), Some("gw.test"), both)
+        .await
+        .unwrap();
+    let h1 = connect_offering(addr_of(&h1_only), Some("gw.test"), both)
+        .await
+        .unwrap();
+    assert_eq!(h2.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    assert_eq!(h1.get_ref().1.alpn_protocol(), Some(&b"http/1.1"[..]));
+    h1_only.stop().await;
     let mut tls = connect(addr_of(&gw), Some("gw.test")).await.unwrap();
     assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"http/1.1"[..]));
     let (status, _) = get(&mut tls, "/orders/1").await.unwrap();
@@ -272,7 +292,7 @@ async fn a_tls_listener_forwards_as_https_and_offers_only_http1() {
 }
 
 #[tokio::test]
-async fn curl_verifies_the_chain_and_the_name_and_speaks_http1_when_it_asks_for_http2() {
+async fn curl_verifies_the_chain_and_the_name_and_speaks_http2_when_it_asks() {
     let dir = tempfile::tempdir().unwrap();
     let ca = Ca::new();
     let files = Files::write(dir.path(), "gw", &ca.leaf(&["gw.test"]));
@@ -300,13 +320,15 @@ async fn curl_verifies_the_chain_and_the_name_and_speaks_http1_when_it_asks_for_
     let tls13 = get("gw.test", &["--tlsv1.3"]).await;
     let tls12_only = get("gw.test", &["--tlsv1.2", "--tls-max", "1.2"]).await;
 
-    assert_eq!(String::from_utf8_lossy(&ok.stdout), "200 1.1", "{ok:?}");
+    assert_eq!(String::from_utf8_lossy(&ok.stdout), "200 2", "{ok:?}");
     assert!(
         !wrong_name.status.success(),
         "a certificate for another name is refused"
     );
-    assert_eq!(String::from_utf8_lossy(&tls13.stdout), "200 1.1");
-    assert_eq!(String::from_utf8_lossy(&tls12_only.stdout), "200 1.1");
+    assert_eq!(String::from_utf8_lossy(&tls13.stdout), "200 2");
+    assert_eq!(String::from_utf8_lossy(&tls12_only.stdout), "200 2");
+    let h1 = get("gw.test", &["--http1.1"]).await;
+    assert_eq!(String::from_utf8_lossy(&h1.stdout), "200 1.1");
     gw.stop().await;
 }
 

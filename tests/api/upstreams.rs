@@ -179,15 +179,15 @@ async fn a_spent_retry_budget_answers_the_failed_try() {
 /// when it says so, or, given `idle_close`, when a request comes on a connection idle for
 /// longer: unanswered, as a service closing an idle connection just as the request crosses
 /// its close (the keep-alive race, made certain).
-struct RawService {
+pub(crate) struct RawService {
     port: u16,
     requests: Arc<AtomicUsize>,
 }
 
-type Answer = dyn Fn(&str) -> (Vec<u8>, bool) + Send + Sync;
+pub(crate) type Answer = dyn Fn(&str) -> (Vec<u8>, bool) + Send + Sync;
 
 impl RawService {
-    fn start(idle_close: Option<Duration>, answer: Arc<Answer>) -> RawService {
+    pub(crate) fn start(idle_close: Option<Duration>, answer: Arc<Answer>) -> RawService {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let requests = Arc::new(AtomicUsize::new(0));
@@ -250,11 +250,11 @@ impl RawService {
         RawService { port, requests }
     }
 
-    fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
     }
 
-    fn requests(&self) -> usize {
+    pub(crate) fn requests(&self) -> usize {
         self.requests.load(Ordering::SeqCst)
     }
 }
