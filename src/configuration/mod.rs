@@ -16,5 +16,5 @@ pub use settings::{
     AdminSettings, Balance, CatalogSettings, ClientSettings, EdgeSettings, HealthCheckSettings,
     KeySource, LimitSettings, OtlpCompression, OtlpEndpoint, OtlpHeader, OtlpProtocol,
     OverloadSettings, PlanSettings, RedisSettings, RouteSettings, ServerSettings, Settings,
-    TelemetrySettings, UpstreamSettings,
+    TelemetrySettings, TrustRoots, UpstreamSettings,
 };

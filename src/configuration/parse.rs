@@ -5,6 +5,7 @@ use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::num::{NonZeroU64, NonZeroUsize};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::http::header::HeaderName;
@@ -20,7 +21,7 @@ use super::settings::{
     AdminSettings, Balance, CatalogSettings, ClientSettings, EdgeSettings, HealthCheckSettings,
     KeySource, LimitSettings, OtlpCompression, OtlpEndpoint, OtlpHeader, OtlpProtocol,
     OverloadSettings, PlanSettings, RedisSettings, RouteSettings, ServerSettings, Settings,
-    TelemetrySettings, UpstreamSettings,
+    TelemetrySettings, TrustRoots, UpstreamSettings,
 };
 use crate::domain::{
     ApiKey, Bucket, Capacity, ClientId, KeyHash, Limit, LimitSpec, Limits, Mode, PlanName, Rate,
@@ -285,6 +286,7 @@ fn upstream(raw: RawUpstream, p: &mut Problems) -> Option<UpstreamSettings> {
             "must be between 0 and 16777216",
         ),
     );
+    let trust = p.take("upstream.ca_file", trust_roots(&raw.ca_file));
     if let (Some(first), Some(max)) = (ejection, max_ejection) {
         if max < first {
             p.add("upstream.max_ejection_ms", "must be at least ejection_ms");
@@ -302,6 +304,60 @@ fn upstream(raw: RawUpstream, p: &mut Problems) -> Option<UpstreamSettings> {
         retry_min_concurrency: retry_min_concurrency?,
         replay_body_bytes: replay_body_bytes?,
         body_timeout: body_timeout?,
+        trust: trust?,
+    })
+}
+
+/// Where distributions keep the system's bundle of trusted roots, one PEM file each
+/// (Debian, Ubuntu and Alpine; Fedora and RHEL; openSUSE; macOS and BSDs): the files
+/// OpenSSL and `rustls-native-certs` read on Linux.
+const SYSTEM_BUNDLES: [&str; 4] = [
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/pki/tls/certs/ca-bundle.crt",
+    "/etc/ssl/ca-bundle.pem",
+    "/etc/ssl/cert.pem",
+];
+
+/// `upstream.ca_file`: every certificate in it, each a usable trust anchor, at least one;
+/// or, when empty, the system's bundle (the first of [`SYSTEM_BUNDLES`] there is, its
+/// unusable entries skipped as OpenSSL does), none when the host has none.
+fn trust_roots(ca_file: &str) -> Result<TrustRoots, String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::CertificateDer;
+    let mut store = rustls::RootCertStore::empty();
+    if ca_file.is_empty() {
+        let Some(bundle) = SYSTEM_BUNDLES.iter().map(Path::new).find(|p| p.is_file()) else {
+            return Ok(TrustRoots {
+                file: None,
+                configured: false,
+                store: Arc::new(store),
+            });
+        };
+        let certs = CertificateDer::pem_file_iter(bundle)
+            .map(|certs| certs.filter_map(Result::ok).collect::<Vec<_>>())
+            .unwrap_or_default();
+        store.add_parsable_certificates(certs);
+        return Ok(TrustRoots {
+            file: Some(bundle.to_path_buf()),
+            configured: false,
+            store: Arc::new(store),
+        });
+    }
+    let certs = CertificateDer::pem_file_iter(ca_file)
+        .map_err(|e| format!("{ca_file:?} cannot be read: {e}"))?;
+    for cert in certs {
+        let cert = cert.map_err(|e| format!("{ca_file:?}: not PEM: {e}"))?;
+        store
+            .add(cert)
+            .map_err(|e| format!("{ca_file:?}: a certificate that cannot be a root: {e}"))?;
+    }
+    if store.is_empty() {
+        return Err(format!("{ca_file:?}: no certificate in it"));
+    }
+    Ok(TrustRoots {
+        file: Some(PathBuf::from(ca_file)),
+        configured: true,
+        store: Arc::new(store),
     })
 }
 
@@ -1128,6 +1184,54 @@ mod tests {
             problems("[upstream]\nejection_ms = 5000\nmax_ejection_ms = 1000\n"),
             ["upstream.max_ejection_ms"]
         );
+    }
+
+    /// A CA's certificate in PEM.
+    fn ca_pem() -> String {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let key = rcgen::KeyPair::generate().unwrap();
+        params.self_signed(&key).unwrap().pem()
+    }
+
+    #[test]
+    fn an_upstream_ca_file_replaces_the_system_roots_and_must_hold_certificates() {
+        let dir = tempfile::tempdir().unwrap();
+        let two = dir.path().join("two.pem");
+        std::fs::write(&two, format!("{}{}", ca_pem(), ca_pem())).unwrap();
+        let s = load(&format!("[upstream]\nca_file = {two:?}\n"), &[]).unwrap();
+        assert!(s.upstream.trust.configured);
+        assert_eq!(s.upstream.trust.file.as_deref(), Some(two.as_path()));
+        assert_eq!(s.upstream.trust.store.len(), 2);
+
+        let garbage = dir.path().join("garbage.pem");
+        std::fs::write(&garbage, "not a certificate\n").unwrap();
+        let key_only = dir.path().join("key.pem");
+        std::fs::write(
+            &key_only,
+            rcgen::KeyPair::generate().unwrap().serialize_pem(),
+        )
+        .unwrap();
+        for bad in [garbage, key_only, dir.path().join("absent.pem")] {
+            assert_eq!(
+                problems(&format!("[upstream]\nca_file = {bad:?}\n")),
+                ["upstream.ca_file"],
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn without_a_ca_file_the_systems_bundle_is_trusted() {
+        let s = load("", &[]).unwrap();
+        assert!(!s.upstream.trust.configured);
+        if Path::new(SYSTEM_BUNDLES[0]).is_file() {
+            assert_eq!(
+                s.upstream.trust.file.as_deref(),
+                Some(Path::new(SYSTEM_BUNDLES[0]))
+            );
+            assert!(s.upstream.trust.store.len() > 10);
+        }
     }
 
     #[test]

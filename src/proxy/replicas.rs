@@ -296,6 +296,11 @@ mod tests {
             retry_min_concurrency: 2,
             replay_body_bytes: 1024,
             body_timeout: Duration::from_secs(1),
+            trust: crate::configuration::TrustRoots {
+                file: None,
+                configured: false,
+                store: Arc::new(rustls::RootCertStore::empty()),
+            },
         }
     }
 
