@@ -135,7 +135,7 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
     let upstream = upstream(raw.upstream, &mut p);
     let telemetry = telemetry(raw.telemetry, &mut p);
     let edge = edge(raw.edge, &mut p);
-    let routes = routes(raw.routes, &mut p);
+    let routes = routes(raw.routes, upstream.as_ref(), &mut p);
     match (
         server, redis, catalog, limits, admin, periods, overload, upstream, telemetry, edge, routes,
     ) {
@@ -962,7 +962,14 @@ fn admin(raw: RawAdmin, p: &mut Problems) -> Option<AdminSettings> {
     })
 }
 
-fn routes(raw: Vec<RawRoute>, p: &mut Problems) -> Option<Vec<RouteSettings>> {
+/// `[[routes]]`; `upstream` (when it parsed) tells whether an `https://` replica can be
+/// verified at all.
+fn routes(
+    raw: Vec<RawRoute>,
+    upstream: Option<&UpstreamSettings>,
+    p: &mut Problems,
+) -> Option<Vec<RouteSettings>> {
+    let unverifiable = upstream.is_some_and(|u| u.trust.is_empty());
     let mut prefixes = HashSet::new();
     each(raw, |i, route| {
         let key = format!("routes[{i}]");
@@ -983,7 +990,19 @@ fn routes(raw: Vec<RawRoute>, p: &mut Problems) -> Option<Vec<RouteSettings>> {
             p.add(format!("{key}.upstreams"), "needs at least one upstream");
         }
         let upstreams = each(&route.upstreams, |j, u| {
-            p.take(format!("{key}.upstreams[{j}]"), Upstream::parse(u))
+            let parsed = Upstream::parse(u).and_then(|u| {
+                if u.tls() && unverifiable {
+                    Err(format!(
+                        "{:?}: no trusted roots to verify it with (no system bundle at {}); \
+                         set upstream.ca_file",
+                        u.base(),
+                        SYSTEM_BUNDLES[0]
+                    ))
+                } else {
+                    Ok(u)
+                }
+            });
+            p.take(format!("{key}.upstreams[{j}]"), parsed)
         })
         .filter(|u| !u.is_empty());
         let cost = if route.cost.is_finite() && route.cost > 0.0 && route.cost <= 1e9 {
@@ -1232,6 +1251,40 @@ mod tests {
             );
             assert!(s.upstream.trust.store.len() > 10);
         }
+    }
+
+    #[test]
+    fn an_https_upstream_with_nothing_to_verify_it_against_is_named() {
+        let mut upstream = load("", &[]).unwrap().upstream;
+        upstream.trust = TrustRoots {
+            file: None,
+            configured: false,
+            store: Arc::new(rustls::RootCertStore::empty()),
+        };
+        let route = |upstreams: &[&str]| RawRoute {
+            service: "orders".into(),
+            prefix: "/orders".into(),
+            upstreams: upstreams.iter().map(|u| u.to_string()).collect(),
+            cost: 1.0,
+            timeout_ms: 1000,
+            cost_header: None,
+            balance: "least_request".into(),
+            health_check: None,
+            public_plan: None,
+        };
+        let mut p = Problems::default();
+        let parsed = routes(
+            vec![route(&["http://10.0.0.1", "https://10.0.0.2"])],
+            Some(&upstream),
+            &mut p,
+        );
+        assert!(parsed.is_none());
+        let keys: Vec<&str> = p.0.iter().map(|p| p.key.as_str()).collect();
+        assert_eq!(keys, ["routes[0].upstreams[1]"]);
+        assert!(p.0[0].message.contains("upstream.ca_file"), "{:?}", p.0);
+
+        let mut p = Problems::default();
+        assert!(routes(vec![route(&["http://10.0.0.1"])], Some(&upstream), &mut p).is_some());
     }
 
     #[test]

@@ -202,8 +202,9 @@ pub struct OverloadSettings {
 /// "Upstreams").
 #[derive(Debug, Clone, PartialEq)]
 pub struct UpstreamSettings {
-    /// `upstream.connect_timeout_ms`: a replica that has not accepted a connection by then
-    /// has failed; the request is tried on another (nothing was sent).
+    /// `upstream.connect_timeout_ms`: a replica that has not accepted a connection (and,
+    /// for `https://`, finished the TLS handshake) by then has failed; the request is
+    /// tried on another (nothing was sent).
     pub connect_timeout: Duration,
     /// `upstream.idle_timeout_ms`: a pooled connection idle this long is closed, before the
     /// service closes it itself (the keep-alive race).

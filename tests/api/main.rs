@@ -37,3 +37,4 @@ mod stores;
 mod swagger_ui;
 mod traces;
 mod upstreams;
+mod upstreams_tls;
