@@ -273,6 +273,7 @@ async fn forward(
             span.finish(err_status(&err), false);
         }
         if matches!(err, ApiError::UpstreamTls(_)) {
+            replica.count_tls_failure();
             // The precise reason (unknown issuer, name, expiry) is for the operator only.
             tracing::warn!(service = %route.service, upstream = replica.upstream.base(), error = %e, "upstream TLS handshake failed");
         } else {

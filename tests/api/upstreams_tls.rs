@@ -440,6 +440,11 @@ async fn a_replica_whose_certificate_fails_is_tried_around_and_set_aside() {
         bad.url("localhost")
     );
     assert!(gw.sample(&ejected).await >= 1.0);
+    let tls_failures = |replica: String| {
+        format!("tollgate_upstream_tls_failures_total{{service=\"orders\",replica=\"{replica}\"}}")
+    };
+    assert!(gw.sample(&tls_failures(bad.url("localhost"))).await >= 1.0);
+    assert_eq!(gw.sample(&tls_failures(good.url("localhost"))).await, 0.0);
 }
 
 #[tokio::test]
