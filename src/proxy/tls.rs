@@ -181,3 +181,43 @@ impl fmt::Debug for TlsIo {
             .finish()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn connect_error(e: io::Error) -> SendRequestError {
+        SendRequestError::Connect(awc::error::ConnectError::Io(e))
+    }
+
+    fn rustls_error(e: rustls::Error) -> SendRequestError {
+        connect_error(io::Error::new(io::ErrorKind::InvalidData, e))
+    }
+
+    #[test]
+    fn certificate_errors_are_told_from_other_handshake_failures_and_from_tcp_ones() {
+        use rustls::CertificateError::{Expired, NotValidForName, UnknownIssuer};
+        for e in [UnknownIssuer, NotValidForName, Expired] {
+            assert_eq!(
+                failure(&rustls_error(rustls::Error::InvalidCertificate(e))),
+                Some(UpstreamTls::Certificate)
+            );
+        }
+        assert_eq!(
+            failure(&rustls_error(rustls::Error::AlertReceived(
+                rustls::AlertDescription::HandshakeFailure
+            ))),
+            Some(UpstreamTls::Handshake)
+        );
+        assert_eq!(
+            failure(&connect_error(io::ErrorKind::ConnectionRefused.into())),
+            None
+        );
+        assert_eq!(
+            failure(&SendRequestError::Connect(
+                awc::error::ConnectError::Timeout
+            )),
+            None
+        );
+    }
+}

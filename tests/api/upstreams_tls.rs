@@ -101,9 +101,18 @@ struct TlsService {
 
 impl TlsService {
     async fn start(leaf: Leaf, script: Arc<Script>) -> TlsService {
+        TlsService::start_with(leaf, rustls::DEFAULT_VERSIONS, script).await
+    }
+
+    /// [`TlsService::start`] speaking only the TLS `versions`.
+    async fn start_with(
+        leaf: Leaf,
+        versions: &[&'static rustls::SupportedProtocolVersion],
+        script: Arc<Script>,
+    ) -> TlsService {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let mut config = rustls::ServerConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
+            .with_protocol_versions(versions)
             .unwrap()
             .with_no_client_auth()
             .with_single_cert(vec![leaf.cert], leaf.key)
@@ -290,6 +299,24 @@ async fn a_request_reaches_an_https_replica_verified_by_the_configured_ca() {
     assert_eq!(handshakes[1].sni, None);
     for h in &handshakes {
         assert_eq!(h.alpn.as_deref(), Some(&b"http/1.1"[..]));
+    }
+}
+
+#[tokio::test]
+async fn replicas_speaking_only_tls_1_2_or_only_tls_1_3_are_reached() {
+    let ca = TestCa::new("tollgate test CA");
+    for version in [&rustls::version::TLS12, &rustls::version::TLS13] {
+        let service = TlsService::start_with(
+            ca.leaf(&["localhost"]),
+            &[version],
+            Arc::new(|_, _| ok("either")),
+        )
+        .await;
+        let gw = gateway(&[service.url("localhost")], &ca.upstream_toml("")).await;
+        let r = gw.get("/orders", Some(&key("acme"))).await;
+        assert_eq!(r.status(), 200, "{version:?}");
+        assert_eq!(r.text().await.unwrap(), "either");
+        gw.stop().await;
     }
 }
 
