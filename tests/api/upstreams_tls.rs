@@ -86,8 +86,20 @@ struct Handshake {
     alpn: Option<Vec<u8>>,
 }
 
-/// What a [`TlsService`] answers the `n`th request (from 0) it reads with.
-type Script = dyn Fn(usize, &str) -> Vec<u8> + Send + Sync;
+/// What a [`TlsService`] answers the `n`th request (from 0) it reads with, and what it
+/// does with the connection after.
+type Script = dyn Fn(usize, &str) -> (Vec<u8>, Then) + Send + Sync;
+
+/// What a [`TlsService`] does with a connection after an answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Then {
+    KeepOpen,
+    /// Ends TLS (`close_notify`), then the TCP connection.
+    CloseNotify,
+    /// Closes the TCP connection without ending TLS: a cut, as far as TLS can tell.
+    Cut,
+}
+use Then::*;
 
 /// An HTTPS service on a raw socket, so a test controls every byte it answers: each
 /// connection is TLS (`leaf`, ALPN `http/1.1`), each request head read in turn and answered
@@ -169,10 +181,19 @@ impl TlsService {
                             heads.push(head.clone());
                             heads.len() - 1
                         };
-                        if tls.write_all(&script(n, &head)).await.is_err() {
+                        let (answer, then) = script(n, &head);
+                        if tls.write_all(&answer).await.is_err() {
                             return;
                         }
                         let _ = tls.flush().await;
+                        match then {
+                            KeepOpen => {}
+                            CloseNotify => {
+                                let _ = tls.shutdown().await;
+                                return;
+                            }
+                            Cut => return,
+                        }
                     }
                 });
             }
@@ -182,7 +203,7 @@ impl TlsService {
 
     /// A service answering every request `200` with `body`.
     async fn ok(leaf: Leaf, body: &'static str) -> TlsService {
-        TlsService::start(leaf, Arc::new(move |_, _| ok(body))).await
+        TlsService::start(leaf, Arc::new(move |_, _| (ok(body), KeepOpen))).await
     }
 
     fn url(&self, host: &str) -> String {
@@ -309,7 +330,7 @@ async fn replicas_speaking_only_tls_1_2_or_only_tls_1_3_are_reached() {
         let service = TlsService::start_with(
             ca.leaf(&["localhost"]),
             &[version],
-            Arc::new(|_, _| ok("either")),
+            Arc::new(|_, _| (ok("either"), KeepOpen)),
         )
         .await;
         let gw = gateway(&[service.url("localhost")], &ca.upstream_toml("")).await;
@@ -397,17 +418,19 @@ async fn early_hints_and_not_modified_are_read_right_over_tls() {
     let ca = TestCa::new("tollgate test CA");
     let service = TlsService::start(
         ca.leaf(&["localhost"]),
-        Arc::new(|n, _| match n {
-            0 => [
-                &b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n"[..],
-                &ok("final")[..],
-            ]
-            .concat(),
-            // A body it announces but may not have (RFC 9112 §6.3): awc would wait for it.
-            1 => {
-                b"HTTP/1.1 304 Not Modified\r\nETag: \"v1\"\r\nContent-Length: 10\r\n\r\n".to_vec()
-            }
-            _ => ok("after"),
+        Arc::new(|n, _| {
+            let answer = match n {
+                0 => [
+                    &b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n"[..],
+                    &ok("final")[..],
+                ]
+                .concat(),
+                // A body it announces but may not have (RFC 9112 §6.3): awc would wait.
+                1 => b"HTTP/1.1 304 Not Modified\r\nETag: \"v1\"\r\nContent-Length: 10\r\n\r\n"
+                    .to_vec(),
+                _ => ok("after"),
+            };
+            (answer, KeepOpen)
         }),
     )
     .await;
@@ -430,6 +453,48 @@ async fn early_hints_and_not_modified_are_read_right_over_tls() {
     assert_eq!(r.text().await.unwrap(), "after");
     // One connection carried all three: the 103 and the 304 left it in step.
     assert_eq!(service.accepted(), 1);
+}
+
+#[tokio::test]
+async fn a_body_delimited_by_the_close_ends_at_close_notify_and_a_cut_one_is_an_error() {
+    let ca = TestCa::new("tollgate test CA");
+    let body: String = (0..100_000)
+        .map(|i| (b'a' + (i % 26) as u8) as char)
+        .collect();
+    let sent = body.clone();
+    let service = TlsService::start(
+        ca.leaf(&["localhost"]),
+        Arc::new(move |n, _| match n {
+            0 => {
+                let head = "HTTP/1.1 200 OK\r\nConnection: keep-alive\r\n\r\n";
+                (format!("{head}{sent}").into_bytes(), CloseNotify)
+            }
+            // Neither a length nor TLS's end: it may have been cut short.
+            1 => (b"HTTP/1.1 200 OK\r\n\r\nthe start".to_vec(), Cut),
+            _ => (ok("fresh"), KeepOpen),
+        }),
+    )
+    .await;
+    let gw = gateway(&[service.url("localhost")], &ca.upstream_toml("")).await;
+
+    let r = gw.get("/orders", Some(&key("acme"))).await;
+    assert_eq!(r.status(), 200);
+    let got = r.text().await.unwrap();
+    assert_eq!(got.len(), body.len());
+    assert!(got == body, "the body read differs from the one sent");
+    // The client's response ends in an error (its head may not even have left).
+    let cut = gw
+        .http
+        .get(format!("{}/orders", gw.address))
+        .header("x-api-key", key("acme"))
+        .send()
+        .await;
+    if let Ok(r) = cut {
+        assert!(r.text().await.is_err(), "a cut body was forwarded as whole");
+    }
+    let r = gw.get("/orders", Some(&key("acme"))).await;
+    assert_eq!(r.text().await.unwrap(), "fresh");
+    assert_eq!(service.accepted(), 3);
 }
 
 #[tokio::test]
