@@ -45,6 +45,10 @@ pub enum ApiError {
     BadGateway,
     #[error("the upstream service did not answer in time")]
     GatewayTimeout,
+    /// No TLS connection to an `https://` replica: the client is told which kind of
+    /// failure, never rustls's reason (that is logged).
+    #[error("{0}")]
+    UpstreamTls(UpstreamTls),
     #[error("{0}")]
     BadRequest(String),
     #[error("{0}")]
@@ -79,6 +83,17 @@ pub enum ApiError {
     BodyTimeout(u64),
     #[error("an internal error occurred")]
     Internal(#[source] anyhow::Error),
+}
+
+/// How a TLS handshake with an upstream replica failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum UpstreamTls {
+    /// Its certificate is not trusted, not valid now, or not for its host.
+    #[error("the upstream service's TLS certificate could not be verified")]
+    Certificate,
+    /// Anything else (a protocol error, an alert, a service that does not speak TLS).
+    #[error("no TLS connection to the upstream service could be established")]
+    Handshake,
 }
 
 fn by(limit: &Option<String>) -> String {
@@ -153,6 +168,7 @@ impl ApiError {
             ApiError::PayloadTooLarge(_) => "payload-too-large",
             ApiError::BadGateway => "bad-gateway",
             ApiError::GatewayTimeout => "gateway-timeout",
+            ApiError::UpstreamTls(_) => "upstream-tls",
             ApiError::BadRequest(_) => "bad-request",
             ApiError::InvalidToken(_) => "invalid-token",
             ApiError::Forbidden(_) => "forbidden",
@@ -182,7 +198,7 @@ impl ResponseError for ApiError {
             | ApiError::CostExceedsCapacity { .. }
             | ApiError::TooManyFailedKeys(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::BadGateway => StatusCode::BAD_GATEWAY,
+            ApiError::BadGateway | ApiError::UpstreamTls(_) => StatusCode::BAD_GATEWAY,
             ApiError::GatewayTimeout => StatusCode::GATEWAY_TIMEOUT,
             ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ApiError::InvalidToken(_) => StatusCode::UNAUTHORIZED,

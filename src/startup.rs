@@ -267,7 +267,7 @@ fn shared_state(
             settings.edge.failed_keys_per_minute,
         ),
         max_body_bytes: settings.server.max_body_bytes.get(),
-        upstream: settings.upstream,
+        upstream: settings.upstream.clone(),
         safety_multiplier: settings.limits.safety_multiplier,
         traces,
         tasks: tasks.clone(),
@@ -323,7 +323,7 @@ fn public_server(
     let (data, jwt_data) = (state.clone(), jwt.clone());
     let separate_admin = settings.server.admin_listen.is_some();
     let traced = state.traces.is_some();
-    let upstream = settings.upstream;
+    let upstream = settings.upstream.clone();
     let limits_path = settings.edge.limits_path.clone();
     let main = HttpServer::new(move || {
         // This closure runs once on each worker's thread.
@@ -343,7 +343,7 @@ fn public_server(
         // Every path no other service claims: a client's own view, or the limiter, then
         // the forward.
         let proxy = proxy::Guard {
-            upstream,
+            upstream: upstream.clone(),
             limits_path: limits_path.clone(),
         };
         if traced {

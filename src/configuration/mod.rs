@@ -16,5 +16,6 @@ pub use settings::{
     AdminSettings, Balance, CatalogSettings, CertificateFiles, Certificates, ClientSettings,
     EdgeSettings, HealthCheckSettings, KeySource, LimitSettings, OtlpCompression, OtlpEndpoint,
     OtlpHeader, OtlpProtocol, OverloadSettings, PlanSettings, RedisSettings, RouteSettings,
-    ServerSettings, Settings, TelemetrySettings, TlsSettings, TlsVersion, UpstreamSettings,
+    ServerSettings, Settings, TelemetrySettings, TlsSettings, TlsVersion, TrustRoots,
+    UpstreamSettings,
 };

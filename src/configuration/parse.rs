@@ -5,6 +5,7 @@ use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::num::{NonZeroU64, NonZeroUsize};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::http::header::HeaderName;
@@ -20,7 +21,8 @@ use super::settings::{
     AdminSettings, Balance, CatalogSettings, CertificateFiles, Certificates, ClientSettings,
     EdgeSettings, HealthCheckSettings, KeySource, LimitSettings, OtlpCompression, OtlpEndpoint,
     OtlpHeader, OtlpProtocol, OverloadSettings, PlanSettings, RedisSettings, RouteSettings,
-    ServerSettings, Settings, TelemetrySettings, TlsSettings, TlsVersion, UpstreamSettings,
+    ServerSettings, Settings, TelemetrySettings, TlsSettings, TlsVersion, TrustRoots,
+    UpstreamSettings,
 };
 use crate::domain::{
     ApiKey, Bucket, Capacity, ClientId, KeyHash, Limit, LimitSpec, Limits, Mode, PlanName, Rate,
@@ -135,7 +137,7 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
     let telemetry = telemetry(raw.telemetry, &mut p);
     let edge = edge(raw.edge, &mut p);
     let tls = tls(raw.tls, server.as_ref(), &mut p);
-    let routes = routes(raw.routes, &mut p);
+    let routes = routes(raw.routes, upstream.as_ref(), &mut p);
     match (
         server, redis, catalog, limits, admin, periods, overload, upstream, telemetry, edge, tls,
         routes,
@@ -366,6 +368,7 @@ fn upstream(raw: RawUpstream, p: &mut Problems) -> Option<UpstreamSettings> {
             "must be between 0 and 16777216",
         ),
     );
+    let trust = p.take("upstream.ca_file", trust_roots(&raw.ca_file));
     if let (Some(first), Some(max)) = (ejection, max_ejection) {
         if max < first {
             p.add("upstream.max_ejection_ms", "must be at least ejection_ms");
@@ -383,6 +386,60 @@ fn upstream(raw: RawUpstream, p: &mut Problems) -> Option<UpstreamSettings> {
         retry_min_concurrency: retry_min_concurrency?,
         replay_body_bytes: replay_body_bytes?,
         body_timeout: body_timeout?,
+        trust: trust?,
+    })
+}
+
+/// Where distributions keep the system's bundle of trusted roots, one PEM file each
+/// (Debian, Ubuntu and Alpine; Fedora and RHEL; openSUSE; macOS and BSDs): the files
+/// OpenSSL and `rustls-native-certs` read on Linux.
+const SYSTEM_BUNDLES: [&str; 4] = [
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/pki/tls/certs/ca-bundle.crt",
+    "/etc/ssl/ca-bundle.pem",
+    "/etc/ssl/cert.pem",
+];
+
+/// `upstream.ca_file`: every certificate in it, each a usable trust anchor, at least one;
+/// or, when empty, the system's bundle (the first of [`SYSTEM_BUNDLES`] there is, its
+/// unusable entries skipped as OpenSSL does), none when the host has none.
+fn trust_roots(ca_file: &str) -> Result<TrustRoots, String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::CertificateDer;
+    let mut store = rustls::RootCertStore::empty();
+    if ca_file.is_empty() {
+        let Some(bundle) = SYSTEM_BUNDLES.iter().map(Path::new).find(|p| p.is_file()) else {
+            return Ok(TrustRoots {
+                file: None,
+                configured: false,
+                store: Arc::new(store),
+            });
+        };
+        let certs = CertificateDer::pem_file_iter(bundle)
+            .map(|certs| certs.filter_map(Result::ok).collect::<Vec<_>>())
+            .unwrap_or_default();
+        store.add_parsable_certificates(certs);
+        return Ok(TrustRoots {
+            file: Some(bundle.to_path_buf()),
+            configured: false,
+            store: Arc::new(store),
+        });
+    }
+    let certs = CertificateDer::pem_file_iter(ca_file)
+        .map_err(|e| format!("{ca_file:?} cannot be read: {e}"))?;
+    for cert in certs {
+        let cert = cert.map_err(|e| format!("{ca_file:?}: not PEM: {e}"))?;
+        store
+            .add(cert)
+            .map_err(|e| format!("{ca_file:?}: a certificate that cannot be a root: {e}"))?;
+    }
+    if store.is_empty() {
+        return Err(format!("{ca_file:?}: no certificate in it"));
+    }
+    Ok(TrustRoots {
+        file: Some(PathBuf::from(ca_file)),
+        configured: true,
+        store: Arc::new(store),
     })
 }
 
@@ -988,7 +1045,14 @@ fn admin(raw: RawAdmin, p: &mut Problems) -> Option<AdminSettings> {
     })
 }
 
-fn routes(raw: Vec<RawRoute>, p: &mut Problems) -> Option<Vec<RouteSettings>> {
+/// `[[routes]]`; `upstream` (when it parsed) tells whether an `https://` replica can be
+/// verified at all.
+fn routes(
+    raw: Vec<RawRoute>,
+    upstream: Option<&UpstreamSettings>,
+    p: &mut Problems,
+) -> Option<Vec<RouteSettings>> {
+    let unverifiable = upstream.is_some_and(|u| u.trust.is_empty());
     let mut prefixes = HashSet::new();
     each(raw, |i, route| {
         let key = format!("routes[{i}]");
@@ -1009,7 +1073,19 @@ fn routes(raw: Vec<RawRoute>, p: &mut Problems) -> Option<Vec<RouteSettings>> {
             p.add(format!("{key}.upstreams"), "needs at least one upstream");
         }
         let upstreams = each(&route.upstreams, |j, u| {
-            p.take(format!("{key}.upstreams[{j}]"), Upstream::parse(u))
+            let parsed = Upstream::parse(u).and_then(|u| {
+                if u.tls() && unverifiable {
+                    Err(format!(
+                        "{:?}: no trusted roots to verify it with (no system bundle at {}); \
+                         set upstream.ca_file",
+                        u.base(),
+                        SYSTEM_BUNDLES[0]
+                    ))
+                } else {
+                    Ok(u)
+                }
+            });
+            p.take(format!("{key}.upstreams[{j}]"), parsed)
         })
         .filter(|u| !u.is_empty());
         let cost = if route.cost.is_finite() && route.cost > 0.0 && route.cost <= 1e9 {
@@ -1210,6 +1286,88 @@ mod tests {
             problems("[upstream]\nejection_ms = 5000\nmax_ejection_ms = 1000\n"),
             ["upstream.max_ejection_ms"]
         );
+    }
+
+    /// A CA's certificate in PEM.
+    fn ca_pem() -> String {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let key = rcgen::KeyPair::generate().unwrap();
+        params.self_signed(&key).unwrap().pem()
+    }
+
+    #[test]
+    fn an_upstream_ca_file_replaces_the_system_roots_and_must_hold_certificates() {
+        let dir = tempfile::tempdir().unwrap();
+        let two = dir.path().join("two.pem");
+        std::fs::write(&two, format!("{}{}", ca_pem(), ca_pem())).unwrap();
+        let s = load(&format!("[upstream]\nca_file = {two:?}\n"), &[]).unwrap();
+        assert!(s.upstream.trust.configured);
+        assert_eq!(s.upstream.trust.file.as_deref(), Some(two.as_path()));
+        assert_eq!(s.upstream.trust.store.len(), 2);
+
+        let garbage = dir.path().join("garbage.pem");
+        std::fs::write(&garbage, "not a certificate\n").unwrap();
+        let key_only = dir.path().join("key.pem");
+        std::fs::write(
+            &key_only,
+            rcgen::KeyPair::generate().unwrap().serialize_pem(),
+        )
+        .unwrap();
+        for bad in [garbage, key_only, dir.path().join("absent.pem")] {
+            assert_eq!(
+                problems(&format!("[upstream]\nca_file = {bad:?}\n")),
+                ["upstream.ca_file"],
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn without_a_ca_file_the_systems_bundle_is_trusted() {
+        let s = load("", &[]).unwrap();
+        assert!(!s.upstream.trust.configured);
+        if Path::new(SYSTEM_BUNDLES[0]).is_file() {
+            assert_eq!(
+                s.upstream.trust.file.as_deref(),
+                Some(Path::new(SYSTEM_BUNDLES[0]))
+            );
+            assert!(s.upstream.trust.store.len() > 10);
+        }
+    }
+
+    #[test]
+    fn an_https_upstream_with_nothing_to_verify_it_against_is_named() {
+        let mut upstream = load("", &[]).unwrap().upstream;
+        upstream.trust = TrustRoots {
+            file: None,
+            configured: false,
+            store: Arc::new(rustls::RootCertStore::empty()),
+        };
+        let route = |upstreams: &[&str]| RawRoute {
+            service: "orders".into(),
+            prefix: "/orders".into(),
+            upstreams: upstreams.iter().map(|u| u.to_string()).collect(),
+            cost: 1.0,
+            timeout_ms: 1000,
+            cost_header: None,
+            balance: "least_request".into(),
+            health_check: None,
+            public_plan: None,
+        };
+        let mut p = Problems::default();
+        let parsed = routes(
+            vec![route(&["http://10.0.0.1", "https://10.0.0.2"])],
+            Some(&upstream),
+            &mut p,
+        );
+        assert!(parsed.is_none());
+        let keys: Vec<&str> = p.0.iter().map(|p| p.key.as_str()).collect();
+        assert_eq!(keys, ["routes[0].upstreams[1]"]);
+        assert!(p.0[0].message.contains("upstream.ca_file"), "{:?}", p.0);
+
+        let mut p = Problems::default();
+        assert!(routes(vec![route(&["http://10.0.0.1"])], Some(&upstream), &mut p).is_some());
     }
 
     #[test]

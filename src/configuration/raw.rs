@@ -169,6 +169,7 @@ pub(super) struct RawUpstream {
     pub(super) retry_min_concurrency: u64,
     pub(super) replay_body_bytes: u64,
     pub(super) body_timeout_ms: u64,
+    pub(super) ca_file: String,
 }
 
 #[derive(Debug, Deserialize)]

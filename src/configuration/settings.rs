@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 use std::num::{NonZeroU64, NonZeroUsize};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::http::header::HeaderName;
@@ -245,11 +246,13 @@ pub struct OverloadSettings {
     pub max_wait: Duration,
 }
 
-/// How routes reach their replicas: connections, ejection, retries (README, "Upstreams").
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// How routes reach their replicas: connections, ejection, retries, TLS (README,
+/// "Upstreams").
+#[derive(Debug, Clone, PartialEq)]
 pub struct UpstreamSettings {
-    /// `upstream.connect_timeout_ms`: a replica that has not accepted a connection by then
-    /// has failed; the request is tried on another (nothing was sent).
+    /// `upstream.connect_timeout_ms`: a replica that has not accepted a connection (and,
+    /// for `https://`, finished the TLS handshake) by then has failed; the request is
+    /// tried on another (nothing was sent).
     pub connect_timeout: Duration,
     /// `upstream.idle_timeout_ms`: a pooled connection idle this long is closed, before the
     /// service closes it itself (the keep-alive race).
@@ -274,6 +277,49 @@ pub struct UpstreamSettings {
     /// `upstream.body_timeout_ms`: a request body that sends nothing for this long is cut
     /// off, and its connection closed.
     pub body_timeout: Duration,
+    /// `upstream.ca_file` (`""`: the system's roots): what the certificates of `https://`
+    /// replicas are verified against.
+    pub trust: TrustRoots,
+}
+
+/// The certificates an `https://` replica's chain must lead to: those of
+/// `upstream.ca_file`, or the system's bundle. Read once per load of the configuration.
+#[derive(Clone)]
+pub struct TrustRoots {
+    /// The PEM file they were read from (`None`: no `ca_file`, and the host has no bundle).
+    pub file: Option<PathBuf>,
+    /// Whether `file` is `upstream.ca_file` (else the system's bundle).
+    pub configured: bool,
+    /// Shared by every TLS client built from them (one per worker, the health checker's).
+    pub store: Arc<rustls::RootCertStore>,
+}
+
+impl TrustRoots {
+    /// No certificate: an `https://` replica cannot be verified.
+    pub fn is_empty(&self) -> bool {
+        self.store.is_empty()
+    }
+}
+
+/// Certificates are compared, not just the file's name: a reload that reads a changed
+/// file is a change (one that needs a restart).
+impl PartialEq for TrustRoots {
+    fn eq(&self, other: &TrustRoots) -> bool {
+        self.file == other.file
+            && self.configured == other.configured
+            && self.store.roots == other.store.roots
+    }
+}
+
+/// The file and a count: a bundle's certificates would fill a settings dump.
+impl std::fmt::Debug for TrustRoots {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TrustRoots")
+            .field("file", &self.file)
+            .field("configured", &self.configured)
+            .field("certificates", &self.store.len())
+            .finish()
+    }
 }
 
 /// How a route picks a replica (`routes[].balance`).

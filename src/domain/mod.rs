@@ -30,4 +30,4 @@ pub use tollgate_engine::limits::{
     window_end, Bounds, Bucket, BucketState, Capacity, Period, PlanError, QuotaClock, QuotaError,
     Rate, Reset, MAX_CAPACITY, MAX_RATE, MAX_REFILL_SECS, MIN_CAPACITY, MIN_RATE,
 };
-pub use upstream::Upstream;
+pub use upstream::{server_name, Upstream};

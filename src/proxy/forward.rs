@@ -20,13 +20,15 @@ use awc::error::{ConnectError, SendRequestError};
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 
+use super::clients::Clients;
 use super::edge;
 use super::headers::{
     connection_headers, forwardable, response_headers, Origin, RequestId, X_CLIENT_ID,
     X_FORWARDED_FOR, X_FORWARDED_HOST, X_FORWARDED_PROTO, X_REQUEST_ID,
 };
 use super::replicas::{now_ms, InFlight, Replica, TryResult};
-use super::wire::{self, checked_body, Probe};
+use super::tls;
+use super::wire::{checked_body, Probe};
 use super::Route;
 use crate::catalog::{ClientEntry, PlanSlot};
 use crate::configuration::{KeySource, UpstreamSettings};
@@ -70,11 +72,11 @@ pub(super) struct Admitted {
 pub(super) async fn respond(
     req: ServiceRequest,
     admitted: Admitted,
-    client: &awc::Client,
+    clients: &Clients,
 ) -> ServiceResponse<BoxBody> {
     let (req, payload) = req.into_parts();
     let payload = Rc::new(RefCell::new(Some(payload)));
-    let res = match forward(&req, Rc::clone(&payload), admitted, client).await {
+    let res = match forward(&req, Rc::clone(&payload), admitted, clients).await {
         Ok(res) => res,
         Err(e) => HttpResponse::from_error(e),
     };
@@ -87,14 +89,6 @@ pub(super) async fn respond(
         None => res,
     };
     ServiceResponse::new(req, res)
-}
-
-/// One awc client per worker, over [`super::wire`]'s connections (responses held to RFC
-/// 9112): its pool keeps upstream connections alive, each for at most `idle_timeout`
-/// unused (before a service closes it itself), and a replica that does not accept a
-/// connection within `connect_timeout` has failed.
-pub(super) fn upstream_client(s: &UpstreamSettings) -> awc::Client {
-    wire::client(s.connect_timeout, s.idle_timeout)
 }
 
 /// What the client's own body did wrong: answered as the client's fault, never counted
@@ -144,7 +138,8 @@ struct BodyState {
 /// How a try failed, by what the service may have seen of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum TryFailure {
-    /// No connection: nothing was sent (refused, connect timeout, no address).
+    /// No connection: nothing was sent (refused, connect timeout, no address, or a TLS
+    /// handshake that failed, e.g. on a certificate not verified).
     NothingSent,
     /// The connection broke before any response: the service may have seen the request.
     NoResponse,
@@ -195,6 +190,9 @@ impl TryFailure {
     }
 
     fn error(self, e: &SendRequestError) -> ApiError {
+        if let Some(failure) = tls::failure(e) {
+            return ApiError::UpstreamTls(failure);
+        }
         match (self, e) {
             (TryFailure::TimedOut, _) | (_, SendRequestError::Connect(ConnectError::Timeout)) => {
                 ApiError::GatewayTimeout
@@ -221,7 +219,7 @@ async fn forward(
     req: &HttpRequest,
     payload: Rc<RefCell<Option<Payload>>>,
     admitted: Admitted,
-    client: &awc::Client,
+    clients: &Clients,
 ) -> Result<HttpResponse, ApiError> {
     // Borrowed from the request rather than extracted (an extractor clones the `Arc`
     // every worker shares).
@@ -247,6 +245,7 @@ async fn forward(
         let replica = tries.next_replica()?;
         span.record("upstream", replica.upstream.base());
         let remaining = deadline.saturating_duration_since(Instant::now());
+        let client = clients.of(&replica.upstream);
         let (out, upstream_span) = prepare(req, &admitted, replica, state, client, remaining)?;
         let in_flight = replica.start();
         let probe = Probe::sending(out.headers().contains_key(header::EXPECT));
@@ -273,7 +272,13 @@ async fn forward(
         if let Some(span) = upstream_span {
             span.finish(err_status(&err), false);
         }
-        tracing::warn!(service = %route.service, upstream = replica.upstream.base(), error = %e, "upstream try failed");
+        if matches!(err, ApiError::UpstreamTls(_)) {
+            replica.count_tls_failure();
+            // The precise reason (unknown issuer, name, expiry) is for the operator only.
+            tracing::warn!(service = %route.service, upstream = replica.upstream.base(), error = %e, "upstream TLS handshake failed");
+        } else {
+            tracing::warn!(service = %route.service, upstream = replica.upstream.base(), error = %e, "upstream try failed");
+        }
         if tries.again(failure, req.method(), &e, body.replayable(&body_state)) {
             continue;
         }

@@ -2,6 +2,7 @@
 //! the forward of an admitted request.
 
 use std::future::{ready, Ready};
+use std::rc::Rc;
 use std::sync::Arc;
 
 use actix_web::body::BoxBody;
@@ -13,6 +14,7 @@ use actix_web::{web, ResponseError};
 use futures_util::future::LocalBoxFuture;
 
 use super::caller::{client_ip, client_of};
+use super::clients::Clients;
 use super::forward::{self, Admitted, Who};
 use super::headers::{drop_client_ip_claims, has_client_ip_claims, peer_trusted};
 use super::keys::FoundKey;
@@ -49,17 +51,23 @@ impl ServiceFactory<ServiceRequest> for Guard {
     type Future = Ready<Result<GuardService, ()>>;
 
     fn new_service(&self, _: ()) -> Self::Future {
-        ready(Ok(GuardService {
-            client: forward::upstream_client(&self.upstream),
-            limits_path: self.limits_path.clone(),
-        }))
+        ready(match Clients::new(&self.upstream) {
+            Ok(clients) => Ok(GuardService {
+                clients: Rc::new(clients),
+                limits_path: self.limits_path.clone(),
+            }),
+            Err(e) => {
+                tracing::error!(error = %e, "the upstream TLS client could not be built");
+                Err(())
+            }
+        })
     }
 }
 
-/// One per worker, each with its own awc client (its pool keeps upstream connections
+/// One per worker, each with its own awc clients (their pools keep upstream connections
 /// alive).
 pub struct GuardService {
-    client: awc::Client,
+    clients: Rc<Clients>,
     /// `edge.limits_path`: answered here (one string compare) rather than by a resource
     /// of its own, which the router would try before every proxied request.
     limits_path: Option<String>,
@@ -80,7 +88,7 @@ impl Service<ServiceRequest> for GuardService {
         if self.limits_path.as_deref() == Some(req.path()) {
             return Box::pin(view::answer(req));
         }
-        Box::pin(guard(req, self.client.clone()))
+        Box::pin(guard(req, Rc::clone(&self.clients)))
     }
 }
 
@@ -99,7 +107,7 @@ const MAX_REPORTED_COST: f64 = 1e9;
 #[tracing::instrument(name = "guard", level = "debug", skip_all, fields(client_id = tracing::field::Empty))]
 async fn guard(
     mut req: ServiceRequest,
-    upstream: awc::Client,
+    upstream: Rc<Clients>,
 ) -> Result<ServiceResponse<BoxBody>, actix_web::Error> {
     // Borrowed, not cloned: every worker shares `AppState`, and an `Arc` count bumped by
     // both workers on every request is a cache line bouncing between their cores.
@@ -186,7 +194,7 @@ async fn guard(
 async fn public(
     mut req: ServiceRequest,
     admitted: Admitted,
-    upstream: awc::Client,
+    upstream: Rc<Clients>,
 ) -> Result<ServiceResponse<BoxBody>, actix_web::Error> {
     let (Some(state), Who::Anonymous(who)) = (
         req.app_data::<web::Data<AppState>>().cloned(),

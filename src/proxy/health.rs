@@ -17,10 +17,12 @@
 //! its count, a new one starts passing and is checked at once, and a replica no route
 //! checks any more is let back in. Checks go from the gateway to the replica directly:
 //! they never pass the rate limiter, count as a client's request, or feed the passive
-//! ejection (`upstream.eject_after`).
+//! ejection (`upstream.eject_after`). They use the forwards' clients ([`Clients`]): an
+//! `https://` replica is checked over TLS, its certificate verified as for a request.
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,6 +32,7 @@ use actix_web::http::StatusCode;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
+use super::clients::Clients;
 use super::replicas::Replica;
 use super::routes::RouteTable;
 use crate::configuration::{HealthCheckSettings, UpstreamSettings};
@@ -76,19 +79,20 @@ pub fn spawn_health_checker(
     routes: impl Fn() -> Option<Arc<RouteTable>> + Send + Sync + 'static,
     upstream: &UpstreamSettings,
 ) {
-    let (connect_timeout, idle_timeout) = (upstream.connect_timeout, upstream.idle_timeout);
+    let upstream = upstream.clone();
     tasks.spawn_thread("health-checks", Policy::Restart, move |stop| {
         actix_web::rt::System::new().block_on(async {
-            let client = awc::Client::builder()
-                .no_default_headers()
-                .disable_redirects()
-                .connector(
-                    awc::Connector::new()
-                        .timeout(connect_timeout)
-                        .conn_keep_alive(idle_timeout),
-                )
-                .finish();
-            stop.run_until_cancelled(run(&routes, client)).await;
+            // The forwards' clients: `https://` replicas are checked over TLS, verified as
+            // requests are.
+            match Clients::new(&upstream) {
+                Ok(clients) => {
+                    stop.run_until_cancelled(run(&routes, Rc::new(clients)))
+                        .await;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "the upstream TLS client could not be built: no health checks");
+                }
+            }
         })
     });
 }
@@ -116,7 +120,7 @@ fn id(replica: &Arc<Replica>) -> usize {
     Arc::as_ptr(replica) as usize
 }
 
-async fn run(routes: impl Fn() -> Option<Arc<RouteTable>>, client: awc::Client) {
+async fn run(routes: impl Fn() -> Option<Arc<RouteTable>>, clients: Rc<Clients>) {
     let (tx, mut rx) = mpsc::unbounded_channel::<Outcome>();
     let mut targets: HashMap<usize, Target> = HashMap::new();
     let mut seen: Option<Arc<RouteTable>> = None;
@@ -133,14 +137,14 @@ async fn run(routes: impl Fn() -> Option<Arc<RouteTable>>, client: awc::Client) 
             }
             t.checking = true;
             t.due = now + t.settings.interval;
-            let (client, replica, settings, tx) = (
-                client.clone(),
+            let (clients, replica, settings, tx) = (
+                Rc::clone(&clients),
                 Arc::clone(&t.replica),
                 t.settings.clone(),
                 tx.clone(),
             );
             actix_web::rt::spawn(async move {
-                let outcome = check(&client, &replica, &settings).await;
+                let outcome = check(&clients, &replica, &settings).await;
                 let _ = tx.send((replica, outcome));
             });
         }
@@ -250,7 +254,7 @@ fn apply(t: &mut Target, outcome: Result<StatusCode, String>) {
 /// One check: `GET path` on the replica within the check's timeout; its status, or why
 /// there was none.
 async fn check(
-    client: &awc::Client,
+    clients: &Clients,
     replica: &Replica,
     s: &HealthCheckSettings,
 ) -> Result<StatusCode, String> {
@@ -259,7 +263,8 @@ async fn check(
         .upstream
         .uri(Some(&path))
         .map_err(|e| format!("bad URI: {e}"))?;
-    let request = client
+    let request = clients
+        .of(&replica.upstream)
         .get(uri)
         .insert_header((header::HOST, replica.upstream.host().clone()))
         .insert_header((header::USER_AGENT, HeaderValue::from_static(USER_AGENT)))

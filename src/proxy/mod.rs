@@ -4,10 +4,12 @@
 //! a client's own view ([`view`]). [`NormalPath`] is the one form
 //! a path is routed and forwarded in. [`wire`] sits under awc on every upstream connection,
 //! holding its responses to RFC 9112 (interim responses, bodiless and close-delimited
-//! bodies, truncation). [`health`] runs the routes' active health checks, one checker per
+//! bodies, truncation); for `https://` replicas [`tls`] shakes hands beneath it, and
+//! [`clients`] holds the plain and the TLS awc client. [`health`] runs the routes' active health checks, one checker per
 //! process.
 
 mod caller;
+mod clients;
 mod edge;
 mod forward;
 mod guard;
@@ -17,6 +19,7 @@ mod keys;
 mod path;
 mod replicas;
 mod routes;
+mod tls;
 mod view;
 mod wire;
 

@@ -45,6 +45,8 @@ pub struct Replica {
     streak: AtomicU32,
     /// Times ejected (the metric's counter).
     ejections: AtomicU64,
+    /// Tries whose TLS handshake failed (the metric's counter).
+    tls_failures: AtomicU64,
     /// The active checks' result (true without checks).
     checks_pass: AtomicBool,
 }
@@ -58,6 +60,7 @@ impl Replica {
             ejected_until: AtomicU64::new(0),
             streak: AtomicU32::new(0),
             ejections: AtomicU64::new(0),
+            tls_failures: AtomicU64::new(0),
             checks_pass: AtomicBool::new(true),
         }
     }
@@ -78,6 +81,15 @@ impl Replica {
 
     pub fn ejections(&self) -> u64 {
         self.ejections.load(Relaxed)
+    }
+
+    pub fn tls_failures(&self) -> u64 {
+        self.tls_failures.load(Relaxed)
+    }
+
+    /// Counts a try whose TLS handshake with it failed.
+    pub fn count_tls_failure(&self) {
+        self.tls_failures.fetch_add(1, Relaxed);
     }
 
     pub fn checks_pass(&self) -> bool {
@@ -296,6 +308,11 @@ mod tests {
             retry_min_concurrency: 2,
             replay_body_bytes: 1024,
             body_timeout: Duration::from_secs(1),
+            trust: crate::configuration::TrustRoots {
+                file: None,
+                configured: false,
+                store: Arc::new(rustls::RootCertStore::empty()),
+            },
         }
     }
 

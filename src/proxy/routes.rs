@@ -179,6 +179,12 @@ impl RouteTable {
             "Times a replica was ejected.",
             &|r| r.ejections(),
         );
+        per_replica(
+            "tollgate_upstream_tls_failures_total",
+            Kind::Counter,
+            "Tries whose TLS handshake with an https replica failed (its certificate not verified, or another handshake error; the reason is logged).",
+            &|r| r.tls_failures(),
+        );
         let mut f = out.family(
             "tollgate_upstream_retries_total",
             Kind::Counter,

@@ -1,5 +1,6 @@
 //! The upstream connection's bytes, kept to RFC 9112 where awc is not: an IO wrapper under
-//! awc's HTTP/1.1 codec, put on every upstream TCP connection by [`connector`].
+//! awc's HTTP/1.1 codec, put on every upstream connection by the connector services of
+//! [`client`] (TCP) and `super::tls` (on TLS's plaintext).
 //!
 //! awc (3.11, actix-http 3.20) reads one response head per request and believes it, and
 //! has no hook to change that. Three ways that goes wrong, each fixed here by rewriting
@@ -32,8 +33,8 @@
 //! same moment tells the [`Probe`] in scope, if any, whether the connection was fresh or
 //! came back from the pool, and the probe counts the bytes the upstream answered.
 //!
-//! Upstreams are plain HTTP (`domain::upstream` refuses other schemes); a TLS connection
-//! would be wrapped below the TLS layer, so for `https` the wrapper stays out of the way.
+//! For an `https://` replica the wrapper sits above TLS, on the plaintext stream
+//! (`super::tls` shakes hands inside the connector service), so the same fixes hold there.
 
 use std::cell::Cell;
 use std::fmt;
@@ -64,14 +65,34 @@ const HEAD_READ: usize = 8 * 1024;
 /// An awc client whose upstream connections go through the wrapper: no default headers,
 /// no redirects, a request timeout of an hour (each route sets its own), up to 4096
 /// connections, `connect_timeout` for DNS and TCP connect, and pooled connections reused
-/// only within `idle_timeout` of their last use.
+/// only within `idle_timeout` of their last use. Plain TCP; `https://` replicas have
+/// their own client (`super::tls`).
 pub fn client(connect_timeout: Duration, idle_timeout: Duration) -> awc::Client {
+    client_over(tcp(), connect_timeout, idle_timeout)
+}
+
+/// [`client`]'s settings over the connector service `connect`, which opens a connection
+/// and wraps it in [`Wire`] (plain TCP here, TLS in `super::tls`); `connect_timeout`
+/// bounds all of its work.
+pub fn client_over<S, Io>(
+    connect: S,
+    connect_timeout: Duration,
+    idle_timeout: Duration,
+) -> awc::Client
+where
+    S: Service<ConnectInfo<Uri>, Response = Connection<Uri, Wire<Io>>, Error = ConnectError>
+        + Clone
+        + 'static,
+    Io: ActixStream + fmt::Debug + 'static,
+{
     awc::Client::builder()
         .no_default_headers()
         .disable_redirects()
         .timeout(Duration::from_secs(3600))
         .connector(
-            connector(connect_timeout)
+            awc::Connector::new()
+                .connector(connect)
+                .timeout(connect_timeout)
                 .limit(4096)
                 .conn_keep_alive(idle_timeout),
         )
@@ -87,17 +108,23 @@ pub fn connector(
         + Clone
         + 'static,
 > {
-    // The TCP service awc's own `Connector::new` builds (same resolver), mapped.
-    let tcp = actix_tls::connect::Connector::new(Resolver::default())
+    awc::Connector::new()
+        .connector(tcp())
+        .timeout(connect_timeout)
+}
+
+/// The TCP service awc's own `Connector::new` builds (same resolver), each connection
+/// wrapped. Its URLs are all `http` (`domain::Upstream::uri`), so every one is inspected.
+fn tcp(
+) -> impl Service<ConnectInfo<Uri>, Response = Connection<Uri, Wire<TcpStream>>, Error = ConnectError>
+       + Clone
+       + 'static {
+    actix_tls::connect::Connector::new(Resolver::default())
         .service()
         .map(|conn: Connection<Uri, TcpStream>| {
-            let inspect = conn.request().scheme_str() != Some("https");
             let (io, conn) = conn.replace_io(());
-            conn.replace_io(Wire::new(io, inspect)).1
-        });
-    awc::Connector::new()
-        .connector(tcp)
-        .timeout(connect_timeout)
+            conn.replace_io(Wire::new(io, true)).1
+        })
 }
 
 /// What one exchange on the wire showed, for whoever sent the request.
@@ -234,7 +261,7 @@ enum ReadState {
 /// close-delimited heads rewritten, EOF in a framed body recorded (see the module doc).
 pub struct Wire<Io> {
     io: Io,
-    /// `false`: pass everything through untouched (TLS underneath, or after `101`).
+    /// `false`: pass everything through untouched (after `101`).
     inspect: bool,
     read: ReadState,
     /// Bytes read but not yet parsed (a head being gathered).

@@ -39,3 +39,4 @@ mod swagger_ui;
 mod tls;
 mod traces;
 mod upstreams;
+mod upstreams_tls;

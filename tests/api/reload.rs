@@ -167,7 +167,7 @@ async fn routes_of_one_service_check_their_shared_replicas_once() {
 
 /// The configuration file of a gateway process, its `extra` replaced by `new`, and the
 /// gateway told to read it again.
-fn reload(gw: &GatewayProcess, old: &str, new: &str) {
+pub(crate) fn reload(gw: &GatewayProcess, old: &str, new: &str) {
     let file = gw.dir().join("gateway.toml");
     let text = std::fs::read_to_string(&file).unwrap();
     assert!(text.ends_with(old), "{text}");

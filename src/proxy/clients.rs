@@ -1,0 +1,38 @@
+//! The awc clients replicas are reached with: one over plain TCP, one over TLS (for
+//! `https://` replicas), both under [`super::wire`]. Each worker's forwards have a pair
+//! (their pools keep connections alive), and so has the health checker.
+
+use super::{tls, wire};
+use crate::configuration::UpstreamSettings;
+use crate::domain::Upstream;
+
+pub struct Clients {
+    plain: awc::Client,
+    tls: awc::Client,
+}
+
+impl Clients {
+    /// A replica that does not accept a connection (and, over TLS, finish the handshake)
+    /// within `connect_timeout` has failed; a pooled connection unused for `idle_timeout`
+    /// is closed before a service closes it itself.
+    pub fn new(s: &UpstreamSettings) -> Result<Clients, rustls::Error> {
+        Ok(Clients {
+            plain: wire::client(s.connect_timeout, s.idle_timeout),
+            tls: tls::client(
+                s.connect_timeout,
+                s.idle_timeout,
+                tls::client_config(&s.trust)?,
+            ),
+        })
+    }
+
+    /// The client whose connections `upstream` takes.
+    #[inline]
+    pub fn of(&self, upstream: &Upstream) -> &awc::Client {
+        if upstream.tls() {
+            &self.tls
+        } else {
+            &self.plain
+        }
+    }
+}
