@@ -637,3 +637,31 @@ async fn ping_and_settings_floods_do_not_stop_others_being_served() {
     let r = gw.get("/fast/1", Some(&key("acme"))).await;
     assert_eq!(r.status(), 200);
 }
+
+#[tokio::test]
+async fn a_connection_that_sends_nothing_is_closed_as_over_http1_only() {
+    // Telling h2c from HTTP/1.1 waits for the first bytes: no longer than a first request's
+    // head may take (actix's client_request_timeout, 5 s), as with HTTP/1.1 alone.
+    let up = Upstream::start(Behaviour::Echo).await;
+    let both = gateway(&up, 100.0, 100.0, "").await;
+    let h1_only = gateway(&up, 100.0, 100.0, "[server]\nhttp2 = false\n").await;
+
+    let silent = |addr: SocketAddr| async move {
+        let mut tcp = TcpStream::connect(addr).await.unwrap();
+        let started = std::time::Instant::now();
+        // Read to the end: HTTP/1.1 alone answers `408` first, then closes.
+        let mut got = Vec::new();
+        let closed = tokio::time::timeout(Duration::from_secs(15), tcp.read_to_end(&mut got))
+            .await
+            .is_ok();
+        (closed, started.elapsed())
+    };
+    let ((closed, took), (closed_h1, took_h1)) =
+        tokio::join!(silent(addr_of(&both)), silent(addr_of(&h1_only)));
+
+    eprintln!("closed after {took:?} (HTTP/1.1 only: {took_h1:?})");
+    assert!(closed_h1, "HTTP/1.1 alone kept a silent connection");
+    assert!(closed, "a silent connection was kept open");
+    both.stop().await;
+    h1_only.stop().await;
+}

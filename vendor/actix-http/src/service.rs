@@ -233,30 +233,46 @@ where
     ) -> impl ServiceFactory<TcpStream, Config = (), Response = (), Error = DispatchError, InitError = ()>
     {
         let tcp_nodelay = self.cfg.tcp_nodelay();
+        let cfg = self.cfg.clone();
 
-        fn_service(move |io: TcpStream| async move {
-            // subset of HTTP/2 preface defined by RFC 9113 §3.4
-            // this subset was chosen to maximize likelihood that peeking only once will allow us to
-            // reliably determine version or else it should fallback to h1 and fail quickly if data
-            // on the wire is junk
-            const H2_PREFACE: &[u8] = b"PRI * HTTP/2";
+        fn_service(move |io: TcpStream| {
+            let cfg = cfg.clone();
+            async move {
+                // subset of HTTP/2 preface defined by RFC 9113 §3.4
+                // this subset was chosen to maximize likelihood that peeking only once will allow us to
+                // reliably determine version or else it should fallback to h1 and fail quickly if data
+                // on the wire is junk
+                const H2_PREFACE: &[u8] = b"PRI * HTTP/2";
 
-            let mut buf = [0; 12];
+                let mut buf = [0; 12];
 
-            io.peek(&mut buf).await?;
+                // tollgate: the first bytes are waited for no longer than the first request's
+                // head would be (`client_request_timeout`); as published, a client that sent
+                // nothing held its connection for ever. PATCHES.md, "h2c detection".
+                match cfg.client_request_deadline() {
+                    Some(deadline) => {
+                        tokio::time::timeout_at(deadline.into(), io.peek(&mut buf))
+                            .await
+                            .map_err(|_| DispatchError::SlowRequestTimeout)??;
+                    }
+                    None => {
+                        io.peek(&mut buf).await?;
+                    }
+                }
 
-            let proto = if buf == H2_PREFACE {
-                Protocol::Http2
-            } else {
-                Protocol::Http1
-            };
+                let proto = if buf == H2_PREFACE {
+                    Protocol::Http2
+                } else {
+                    Protocol::Http1
+                };
 
-            if let Some(nodelay) = desired_nodelay(tcp_nodelay) {
-                set_nodelay(&io, nodelay);
+                if let Some(nodelay) = desired_nodelay(tcp_nodelay) {
+                    set_nodelay(&io, nodelay);
+                }
+
+                let peer_addr = io.peer_addr().ok();
+                Ok((io, proto, peer_addr))
             }
-
-            let peer_addr = io.peer_addr().ok();
-            Ok((io, proto, peer_addr))
         })
         .and_then(self)
     }
