@@ -369,8 +369,9 @@ async fn a_real_prometheus_scraping_a_busy_gateway_answers_every_dashboard_query
     )
     .await;
 
-    // Every metric the rules, their tests and the dashboard name is one the gateway exports.
-    let exported = busy.metrics().await;
+    // Every metric the rules, their tests and the dashboard name is one the gateway exports:
+    // this busy one, or (the certificates' families) one serving TLS.
+    let exported = busy.metrics().await + &tls_gateway_metrics().await;
     let deployed = [
         rules.clone(),
         std::fs::read_to_string(repo_file("deploy/prometheus/alerts_test.yml")).unwrap(),
@@ -489,4 +490,17 @@ async fn a_real_prometheus_scraping_a_busy_gateway_answers_every_dashboard_query
         seen.len(),
         started.elapsed()
     );
+}
+
+/// The `/metrics` of a gateway serving TLS (read over TLS): the families only such a
+/// gateway has (its certificates' expiry and reloads).
+async fn tls_gateway_metrics() -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = crate::tls::Ca::new();
+    let files = crate::tls::Files::write(dir.path(), "gw", &ca.leaf(&["gw.test"]));
+    let gw = TestGateway::spawn(settings(&format!("[tls]\n{}", files.toml()))).await;
+    let addr = gw.address.trim_start_matches("http://").parse().unwrap();
+    let text = crate::tls::metrics(addr).await;
+    gw.stop().await;
+    text
 }

@@ -233,7 +233,7 @@ fn addr_of(gw: &TestGateway) -> SocketAddr {
     gw.address.trim_start_matches("http://").parse().unwrap()
 }
 
-async fn metrics(addr: SocketAddr) -> String {
+pub(crate) async fn metrics(addr: SocketAddr) -> String {
     let mut tls = connect(addr, None).await.unwrap();
     let (status, body) = get(&mut tls, "/metrics").await.unwrap();
     assert_eq!(status, 200);
