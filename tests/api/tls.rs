@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
-use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::pki_types::ServerName;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_rustls::client::TlsStream;
 
@@ -103,45 +103,6 @@ fn replace(path: &Path, text: &str) {
     std::fs::rename(&tmp, path).unwrap();
 }
 
-/// Accepts any certificate: these tests look at which one is served; verification is
-/// curl's test below.
-#[derive(Debug)]
-struct AnyCertificate;
-
-impl rustls::client::danger::ServerCertVerifier for AnyCertificate {
-    fn verify_server_cert(
-        &self,
-        _: &CertificateDer<'_>,
-        _: &[CertificateDer<'_>],
-        _: &ServerName<'_>,
-        _: &[u8],
-        _: UnixTime,
-    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
-        Ok(rustls::client::danger::ServerCertVerified::assertion())
-    }
-    fn verify_tls12_signature(
-        &self,
-        _: &[u8],
-        _: &CertificateDer<'_>,
-        _: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        Ok(rustls::client::danger::HandshakeSignatureValid::assertion())
-    }
-    fn verify_tls13_signature(
-        &self,
-        _: &[u8],
-        _: &CertificateDer<'_>,
-        _: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        Ok(rustls::client::danger::HandshakeSignatureValid::assertion())
-    }
-    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        rustls::crypto::ring::default_provider()
-            .signature_verification_algorithms
-            .supported_schemes()
-    }
-}
-
 /// A TLS connection to `addr`, naming `sni` (`None`: no name, as a client asking by IP
 /// address), offering `http/1.1` by ALPN.
 pub(crate) async fn connect(
@@ -157,13 +118,9 @@ pub(crate) async fn connect_offering(
     sni: Option<&str>,
     alpn: &[&[u8]],
 ) -> std::io::Result<TlsStream<tokio::net::TcpStream>> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .dangerous()
-        .with_custom_certificate_verifier(Arc::new(AnyCertificate))
-        .with_no_client_auth();
+    // Any certificate is taken (as `tollgate healthcheck` takes it): these tests look at
+    // which one is served; verification is curl's test.
+    let mut config = (*tollgate::tls::probe_client_config()).clone();
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     let name = match sni {
         Some(host) => ServerName::try_from(host.to_owned()).unwrap(),
