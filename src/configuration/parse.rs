@@ -345,6 +345,11 @@ fn upstream(raw: RawUpstream, p: &mut Problems) -> Option<UpstreamSettings> {
     let ejection = ms("ejection_ms", raw.ejection_ms, 1..=86_400_000);
     let max_ejection = ms("max_ejection_ms", raw.max_ejection_ms, 1..=86_400_000);
     let body_timeout = ms("body_timeout_ms", raw.body_timeout_ms, 1..=3_600_000);
+    let websocket_idle_timeout = ms(
+        "websocket_idle_timeout_ms",
+        raw.websocket_idle_timeout_ms,
+        1..=86_400_000,
+    );
     let mut count = |key: &str, v: u64, range: std::ops::RangeInclusive<u64>| {
         let message = format!("must be between {} and {}", range.start(), range.end());
         p.take(format!("upstream.{key}"), within(v, range, &message))
@@ -383,6 +388,7 @@ fn upstream(raw: RawUpstream, p: &mut Problems) -> Option<UpstreamSettings> {
         retry_min_concurrency: retry_min_concurrency?,
         replay_body_bytes: replay_body_bytes?,
         body_timeout: body_timeout?,
+        websocket_idle_timeout: websocket_idle_timeout?,
     })
 }
 
@@ -1204,6 +1210,16 @@ mod tests {
                 "upstream.max_tries",
                 "upstream.retry_budget_percent"
             ]
+        );
+        let idle = |toml: &str| load(toml, &[]).unwrap().upstream.websocket_idle_timeout;
+        assert_eq!(idle(""), Duration::from_secs(60));
+        assert_eq!(
+            idle("[upstream]\nwebsocket_idle_timeout_ms = 300\n"),
+            Duration::from_millis(300)
+        );
+        assert_eq!(
+            problems("[upstream]\nwebsocket_idle_timeout_ms = 0\n"),
+            ["upstream.websocket_idle_timeout_ms"]
         );
         assert_eq!(
             problems("[upstream]\nejection_ms = 5000\nmax_ejection_ms = 1000\n"),

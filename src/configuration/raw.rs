@@ -168,6 +168,7 @@ pub(super) struct RawUpstream {
     pub(super) retry_min_concurrency: u64,
     pub(super) replay_body_bytes: u64,
     pub(super) body_timeout_ms: u64,
+    pub(super) websocket_idle_timeout_ms: u64,
 }
 
 #[derive(Debug, Deserialize)]

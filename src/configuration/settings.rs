@@ -271,6 +271,9 @@ pub struct UpstreamSettings {
     /// `upstream.body_timeout_ms`: a request body that sends nothing for this long is cut
     /// off, and its connection closed.
     pub body_timeout: Duration,
+    /// `upstream.websocket_idle_timeout_ms`: an upgraded (WebSocket) connection that carries
+    /// no byte either way for this long is closed (README, "WebSocket").
+    pub websocket_idle_timeout: Duration,
 }
 
 /// How a route picks a replica (`routes[].balance`).

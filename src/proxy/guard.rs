@@ -15,6 +15,7 @@ use super::caller::{client_ip, client_of};
 use super::forward::{self, Admitted, Who};
 use super::headers::{drop_client_ip_claims, has_client_ip_claims, peer_trusted};
 use super::keys::FoundKey;
+use super::websocket::{self, Upgrade};
 use super::{edge, view};
 use super::{NormalPath, Route};
 use crate::configuration::{KeySource, UpstreamSettings};
@@ -113,11 +114,17 @@ async fn guard(
         Ok(Recognised::OwnView) => return Box::pin(view::answer(req)).await,
         Err(e) => return Ok(reject(req, e, None).await),
     };
+    // A WebSocket upgrade (nearly every request is none: a flag test) is checked before
+    // its decision, as the rest above: a body, or a client at its `max_connections`.
+    let upgrade = match Upgrade::of(&req, state, &admitted) {
+        Ok(upgrade) => upgrade,
+        Err(e) => return Ok(reject(req, e, None).await),
+    };
     let client = match &admitted.who {
         Who::Client(client) => client,
         // Boxed: `public`'s state is not carried in every keyed request's future (which is
         // moved into its box, and polled, at its full size).
-        Who::Anonymous(_) => return Box::pin(public(req, admitted, upstream)).await,
+        Who::Anonymous(_) => return Box::pin(public(req, admitted, upstream, upgrade)).await,
     };
     let route = &admitted.route;
 
@@ -161,7 +168,7 @@ async fn guard(
     {
         drop_client_ip_claims(req.headers_mut());
     }
-    let mut res = forward::respond(req, admitted, &upstream).await;
+    let mut res = pass_on(req, admitted, &upstream, upgrade).await;
     if let Some((limiter, client)) = shadow {
         limiter.compare(&client, &decision, res.status().as_u16());
     }
@@ -182,6 +189,7 @@ async fn public(
     mut req: ServiceRequest,
     admitted: Admitted,
     upstream: awc::Client,
+    upgrade: Option<Upgrade>,
 ) -> Result<ServiceResponse<BoxBody>, actix_web::Error> {
     let (Some(state), Who::Anonymous(who)) = (
         req.app_data::<web::Data<AppState>>().cloned(),
@@ -216,7 +224,7 @@ async fn public(
     {
         drop_client_ip_claims(req.headers_mut());
     }
-    let mut res = forward::respond(req, admitted, &upstream).await;
+    let mut res = pass_on(req, admitted, &upstream, upgrade).await;
     if let Some(costed) = costed {
         if costed.settle(&mut decision, res.headers_mut()) {
             rl = RateLimitHeaders::with_policy(&plan.name, &decision, plan.policy(&decision));
@@ -224,6 +232,20 @@ async fn public(
     }
     rl.apply(res.headers_mut());
     Ok(res)
+}
+
+/// An admitted request to its service: forwarded, or, an upgrade, relayed (boxed: its
+/// state is not in every request's future).
+async fn pass_on(
+    req: ServiceRequest,
+    admitted: Admitted,
+    upstream: &awc::Client,
+    upgrade: Option<Upgrade>,
+) -> ServiceResponse<BoxBody> {
+    match upgrade {
+        None => forward::respond(req, admitted, upstream).await,
+        Some(upgrade) => Box::pin(websocket::respond(req, admitted, upgrade)).await,
+    }
 }
 
 /// What [`recognised`] found a request to be.

@@ -18,6 +18,7 @@ mod path;
 mod replicas;
 mod routes;
 mod view;
+mod websocket;
 mod wire;
 
 pub use guard::Guard;
@@ -27,4 +28,5 @@ pub use keys::KeySources;
 pub use path::{NormalPath, PathError, MAX_PATH_BYTES};
 pub use replicas::{Replica, Replicas, RetryBudget};
 pub use routes::{Route, RouteTable};
+pub use websocket::{close_on_sigterm, Relays};
 pub use wire::{checked_body, client, connector, CheckedBody, Probe, Wire};

@@ -296,6 +296,7 @@ mod tests {
             retry_min_concurrency: 2,
             replay_body_bytes: 1024,
             body_timeout: Duration::from_secs(1),
+            websocket_idle_timeout: Duration::from_secs(60),
         }
     }
 

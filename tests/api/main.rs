@@ -38,3 +38,4 @@ mod swagger_ui;
 mod tls;
 mod traces;
 mod upstreams;
+mod websocket;
