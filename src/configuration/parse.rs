@@ -23,8 +23,8 @@ use super::settings::{
     ServerSettings, Settings, TelemetrySettings, TlsSettings, TlsVersion, UpstreamSettings,
 };
 use crate::domain::{
-    ApiKey, Bucket, Capacity, ClientId, KeyHash, Limit, LimitSpec, Limits, Mode, PlanName, Rate,
-    Region, ServiceName, Upstream,
+    ApiKey, Bucket, Capacity, ClientId, KeyHash, Limit, LimitSpec, Limits, MaxConnections, Mode,
+    PlanName, Rate, Region, ServiceName, Upstream,
 };
 
 /// RFC 7518 3.2: an HS256 key must be at least as long as the hash, 256 bits.
@@ -752,10 +752,15 @@ fn plan(
         }
         plan_limits(&key, &plan.limits, p)
     };
+    let max_connections = match plan.max_connections {
+        Some(n) => Some(p.take(format!("{key}.max_connections"), MaxConnections::parse(n))?),
+        None => None,
+    };
     Some(PlanSettings {
         name: name?,
         limits: limits?,
         description: plan.description,
+        max_connections,
     })
 }
 
@@ -1442,6 +1447,24 @@ mod tests {
             "routes[0].upstreams[0]",
         ] {
             assert!(keys.contains(&k.to_string()), "{k} not in {keys:?}");
+        }
+    }
+
+    #[test]
+    fn a_plans_max_connections_is_one_to_a_million_or_absent() {
+        let plan = |cap: &str| {
+            format!("[[catalog.plans]]\nname = \"gold\"\ncapacity = 1\nrate = 1\n{cap}")
+        };
+        let s = load(&plan("max_connections = 3\n"), &[]).unwrap();
+        assert_eq!(s.catalog.plans[0].max_connections.map(|m| m.get()), Some(3));
+        let s = load(&plan(""), &[]).unwrap();
+        assert_eq!(s.catalog.plans[0].max_connections, None);
+        for bad in ["0", "1000001"] {
+            assert_eq!(
+                problems(&plan(&format!("max_connections = {bad}\n"))),
+                ["catalog.plans[0].max_connections"],
+                "{bad}"
+            );
         }
     }
 

@@ -111,6 +111,9 @@ pub(super) struct RawPlan {
     pub(super) limits: Vec<crate::domain::LimitSpec>,
     #[serde(default)]
     pub(super) description: Option<String>,
+    /// A client's open upgraded connections at most (absent: no cap).
+    #[serde(default)]
+    pub(super) max_connections: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -11,7 +11,9 @@ use ipnet::IpNet;
 use secrecy::SecretString;
 
 use super::periods::Periods;
-use crate::domain::{ClientId, KeyHash, Limits, Mode, PlanName, Region, ServiceName, Upstream};
+use crate::domain::{
+    ClientId, KeyHash, Limits, MaxConnections, Mode, PlanName, Region, ServiceName, Upstream,
+};
 
 /// Everything the gateway is configured with.
 #[derive(Debug, Clone)]
@@ -114,6 +116,9 @@ pub struct PlanSettings {
     pub limits: Limits,
     /// `description`.
     pub description: Option<String>,
+    /// `max_connections`: a client's open upgraded (WebSocket) connections at most, on each
+    /// gateway (`None`: no cap).
+    pub max_connections: Option<MaxConnections>,
 }
 
 /// A declared client (`[[catalog.clients]]`).

@@ -519,3 +519,91 @@ async fn sigterm_closes_every_relay_going_away_well_within_the_grace() {
     };
     assert!(exited.success(), "{exited:?}");
 }
+
+#[tokio::test]
+async fn a_client_at_its_plans_max_connections_is_refused_before_its_decision_until_one_closes() {
+    // Arrange: a plan of at most 2 upgraded connections per client, 10 tokens.
+    let service = WsService::start(WsBehaviour::Echo).await;
+    let toml = format!(
+        "[[catalog.plans]]\nname = \"gold\"\ncapacity = 10\nrate = 0.001\nmax_connections = 2\n\
+         [[catalog.clients]]\nid = \"acme\"\nplan = \"gold\"\nkeys = [\"{}\"]\n{}",
+        key("acme"),
+        route_toml("chat", "/ws", &[service.url()]),
+    );
+    let gw = TestGateway::spawn(settings(&toml)).await;
+    let (mut first, _) = open(&gw.address, "/ws", &key("acme")).await.unwrap();
+    let (_second, _) = open(&gw.address, "/ws", &key("acme")).await.unwrap();
+
+    // Act: a third while two are open.
+    let (status, body) = refused_with(open(&gw.address, "/ws", &key("acme")).await);
+
+    // Assert: 429 of its own kind, before the decision (no token spent) and the service.
+    assert_eq!(status, 429);
+    let problem: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        problem["type"],
+        "https://tollgate.dev/problems/too-many-connections"
+    );
+    assert_eq!(service.handshakes(), 2);
+    let plain = gw.get("/ws/plain", Some(&key("acme"))).await;
+    assert_eq!(
+        RateLimit::of(&plain).remaining,
+        7,
+        "2 upgrades and this request"
+    );
+    let refused = "tollgate_websocket_upgrades_total{result=\"too_many_connections\"}";
+    assert_eq!(gw.sample(refused).await, 1.0);
+
+    // Act 2: one closes; its slot is given back.
+    first.close(None).await.unwrap();
+    while next(&mut first).await.is_some() {}
+    eventually(
+        Duration::from_secs(3),
+        "a third upgrade is admitted",
+        || async { open(&gw.address, "/ws", &key("acme")).await.is_ok() },
+    )
+    .await;
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn max_connections_set_through_the_admin_api_is_shown_and_enforced() {
+    // Arrange: a plan without a cap.
+    let service = WsService::start(WsBehaviour::Echo).await;
+    let gw = TestGateway::spawn(settings(&format!(
+        "{}{}",
+        admin_toml(),
+        gateway_toml(&service, ("gold", 100.0, 10.0), "")
+    )))
+    .await;
+    let token = admin_token("alice", "admin:read admin:write");
+    let put = |body: serde_json::Value| {
+        gw.admin(reqwest::Method::PUT, "/plans/gold", &token)
+            .json(&body)
+            .send()
+    };
+
+    // Act: a cap of 0 (refused), then of 1.
+    let zero = put(serde_json::json!({"capacity": 100, "rate": 10, "max_connections": 0}))
+        .await
+        .unwrap();
+    let one = put(serde_json::json!({"capacity": 100, "rate": 10, "max_connections": 1}))
+        .await
+        .unwrap();
+
+    // Assert: named when bad, shown when set, enforced once the mirror has it.
+    assert_eq!(zero.status(), 422);
+    let problem: serde_json::Value = zero.json().await.unwrap();
+    assert_eq!(
+        problem["errors"][0]["field"], "max_connections",
+        "{problem}"
+    );
+    assert_eq!(one.status(), 200);
+    gw.wait_for_catalog(etag_version(&one)).await;
+    let shown: serde_json::Value = one.json().await.unwrap();
+    assert_eq!(shown["max_connections"], 1);
+    let (_open, _) = open(&gw.address, "/ws", &key("acme")).await.unwrap();
+    let (status, _) = refused_with(open(&gw.address, "/ws", &key("acme")).await);
+    assert_eq!(status, 429);
+    gw.stop().await;
+}

@@ -63,15 +63,9 @@ impl Upgrade {
             Who::Client(c) => (c.id.as_str(), &c.plan),
             Who::Anonymous(a) => (a.tag.as_str(), &a.plan),
         };
-        let slot = state.websockets.take(client, max_connections(plan))?;
+        let slot = state.websockets.take(client, plan.max_connections())?;
         Ok(Some(Upgrade { slot }))
     }
-}
-
-/// The plan's cap on a client's open upgraded connections: none yet (plans gain
-/// `max_connections` next).
-fn max_connections(_plan: &crate::catalog::PlanSlot) -> Option<u32> {
-    None
 }
 
 /// `GET`, HTTP/1.1, `Upgrade: websocket` (the `Connection: upgrade` is the caller's test).
