@@ -607,3 +607,106 @@ async fn max_connections_set_through_the_admin_api_is_shown_and_enforced() {
     assert_eq!(status, 429);
     gw.stop().await;
 }
+
+/// Issue 35's goal, measured: 1,000 upgraded connections open and echoing through one
+/// gateway worker, and the time a message's round trip gains through the gateway (median
+/// and p99 of 2,000 sequential round trips while the 1,000 are open, against the same
+/// service directly). A measurement, not a check: `cargo test --release -p tollgate --test
+/// api thousand -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement; run it on a quiet host"]
+async fn thousand_open_relays_echo_and_what_a_message_gains() {
+    const OPEN: usize = 1000;
+    const ROUNDS: usize = 2000;
+    let service = WsService::start(WsBehaviour::Echo).await;
+    let gw = TestGateway::spawn(settings(&gateway_toml(&service, ("gold", 1e6, 1e6), ""))).await;
+
+    let mut relays = Vec::with_capacity(OPEN);
+    for _ in 0..OPEN {
+        relays.push(open(&gw.address, "/ws", &key("acme")).await.unwrap().0);
+    }
+    let gauge = gw
+        .sample("tollgate_websocket_connections{service=\"chat\"}")
+        .await;
+    // Every one echoes, all at once.
+    let began = Instant::now();
+    let echoed =
+        futures_util::future::join_all(relays.iter_mut().enumerate().map(|(i, ws)| async move {
+            ws.send(Message::text(format!("m{i}"))).await.unwrap();
+            next(ws).await == Some(Message::text(format!("m{i}")))
+        }))
+        .await;
+    let all_at_once = began.elapsed();
+    assert!(echoed.iter().all(|ok| *ok));
+
+    let round_trips = |mut ws: Ws| async move {
+        let mut took = Vec::with_capacity(ROUNDS);
+        let payload = "x".repeat(64);
+        for _ in 0..ROUNDS {
+            let t = Instant::now();
+            ws.send(Message::text(payload.clone())).await.unwrap();
+            next(&mut ws).await.unwrap();
+            took.push(t.elapsed());
+        }
+        took.sort();
+        (took[ROUNDS / 2], took[ROUNDS * 99 / 100])
+    };
+    let direct = open(&service.url(), "", "").await.unwrap().0;
+    let (direct_p50, direct_p99) = round_trips(direct).await;
+    let through = open(&gw.address, "/ws", &key("acme")).await.unwrap().0;
+    let (via_p50, via_p99) = round_trips(through).await;
+    println!(
+        "{OPEN} open (gauge {gauge}), all echoed at once in {all_at_once:?}; \
+         round trip direct p50 {direct_p50:?} p99 {direct_p99:?}, \
+         through the gateway p50 {via_p50:?} p99 {via_p99:?}; \
+         added p50 {:?} p99 {:?}",
+        via_p50.saturating_sub(direct_p50),
+        via_p99.saturating_sub(direct_p99)
+    );
+    assert_eq!(gauge, OPEN as f64);
+    drop(relays);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_replica_that_refuses_the_connection_is_followed_by_another_and_none_is_502_or_504() {
+    // Arrange: a route whose first replica refuses connections (round robin, so it is
+    // tried first), and routes to nothing at all and to a service that never answers.
+    let service = WsService::start(WsBehaviour::Echo).await;
+    let dead = format!("http://127.0.0.1:{}", free_port().unwrap());
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_url = format!("http://{}", silent.local_addr().unwrap());
+    let toml = format!(
+        "{}{}balance = \"round_robin\"\n{}{}timeout_ms = 300\n",
+        catalog_toml(("gold", 100.0, 10.0), &["acme"]),
+        route_toml("chat", "/ws", &[dead.clone(), service.url()]),
+        route_toml("void", "/void", &[dead]),
+        route_toml("mute", "/mute", &[silent_url]),
+    );
+    let gw = TestGateway::spawn(settings(&toml)).await;
+
+    // Act
+    let mut upgraded = Vec::new();
+    for _ in 0..2 {
+        upgraded.push(open(&gw.address, "/ws", &key("acme")).await);
+    }
+    let nowhere = refused_with(open(&gw.address, "/void", &key("acme")).await);
+    let began = Instant::now();
+    let unanswered = refused_with(open(&gw.address, "/mute", &key("acme")).await);
+
+    // Assert: every upgrade on the route reached the live replica; the others are the
+    // gateway's problems, the silent one after the route's timeout.
+    assert!(upgraded.iter().all(Result::is_ok));
+    assert_eq!(service.handshakes(), 2);
+    assert_eq!(nowhere.0, 502);
+    assert_eq!(unanswered.0, 504);
+    assert!(
+        began.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        began.elapsed()
+    );
+    let failed = "tollgate_websocket_upgrades_total{result=\"failed\"}";
+    assert_eq!(gw.sample(failed).await, 2.0);
+    drop(silent);
+    gw.stop().await;
+}
