@@ -275,6 +275,23 @@ async fn a_service_that_declines_the_upgrade_is_passed_on_and_the_connection_clo
 }
 
 #[tokio::test]
+async fn a_quiet_relay_outlives_actixs_keep_alive_and_request_timers() {
+    // Arrange: a relay, then 6 s of silence: past actix-web's keep-alive (5 s) and its
+    // client request timeout (5 s), well within the WebSocket idle timeout (60 s).
+    let service = WsService::start(WsBehaviour::Echo).await;
+    let gw = TestGateway::spawn(settings(&gateway_toml(&service, ("gold", 100.0, 10.0), ""))).await;
+    let (mut ws, _) = open(&gw.address, "/ws", &key("acme")).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(6)).await;
+
+    // Act
+    ws.send(Message::text("still open")).await.unwrap();
+
+    // Assert
+    assert_eq!(next(&mut ws).await, Some(Message::text("still open")));
+    gw.stop().await;
+}
+
+#[tokio::test]
 async fn an_idle_connection_is_closed_going_away() {
     // Arrange: an idle timeout of 300 ms.
     let service = WsService::start(WsBehaviour::Echo).await;

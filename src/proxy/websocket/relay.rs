@@ -267,3 +267,83 @@ impl Drop for Relay {
         self.relays().metrics().websockets.closed(&self.service);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    use super::*;
+    use crate::metrics::Metrics;
+
+    /// A relay whose client sends nothing, over a real connection to a "service" (the
+    /// other end, returned).
+    async fn relay() -> (Relay, TcpStream, Relays) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let upstream = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (service, _) = listener.accept().await.unwrap();
+        let relays = Relays::new(
+            Duration::from_secs(60),
+            Duration::from_secs(30),
+            Arc::new(Metrics::default()),
+        );
+        let slot = relays.take("acme", None).unwrap();
+        let nothing: actix_http::BoxedPayloadStream = Box::pin(futures_util::stream::pending());
+        let client = Payload::Stream { payload: nothing };
+        let relay = Relay::new(client, upstream, Bytes::new(), Arc::from("chat"), slot);
+        (relay, service, relays)
+    }
+
+    /// The relay's next bytes for the client, or `None` if it has none within 200 ms.
+    async fn next_out(relay: &mut Relay) -> Option<Option<Bytes>> {
+        let next = std::future::poll_fn(|cx| Pin::new(&mut *relay).poll_next(cx));
+        tokio::time::timeout(Duration::from_millis(200), next)
+            .await
+            .ok()
+            .map(|r| r.map(|b| b.unwrap()))
+    }
+
+    #[tokio::test]
+    async fn a_stop_mid_frame_closes_the_client_at_the_frame_end_and_the_service_at_once() {
+        // Arrange: the service has sent 4 bytes of a frame of 10.
+        let (mut relay, mut service, relays) = relay().await;
+        service.write_all(&[0x82, 10, 1, 2, 3, 4]).await.unwrap();
+        assert_eq!(
+            next_out(&mut relay).await,
+            Some(Some(Bytes::from_static(&[0x82, 10, 1, 2, 3, 4])))
+        );
+
+        // Act: the gateway stops.
+        relays.close_all();
+
+        // Assert: nothing for the client until the frame ends: then its rest, and a Close
+        // 1001 instead of the next frame; the service gets a masked Close 1001 at once.
+        assert_eq!(next_out(&mut relay).await, None, "no Close mid-frame");
+        let mut close = [0u8; 8];
+        service.read_exact(&mut close).await.unwrap();
+        assert_eq!(close[..2], [0x88, 0x82]);
+        let code = [close[6] ^ close[2], close[7] ^ close[3]];
+        assert_eq!(u16::from_be_bytes(code), GOING_AWAY);
+        service
+            .write_all(&[5, 6, 7, 8, 9, 10, 0x81, 1, b'x'])
+            .await
+            .unwrap();
+        assert_eq!(
+            next_out(&mut relay).await,
+            Some(Some(Bytes::from_static(&[5, 6, 7, 8, 9, 10])))
+        );
+        assert_eq!(
+            next_out(&mut relay).await,
+            Some(Some(close_frame(GOING_AWAY, None)))
+        );
+        // The service answers the Close and ends the connection: so does the relay.
+        service.write_all(&[0x88, 0x02, 0x03, 0xe9]).await.unwrap();
+        drop(service);
+        assert_eq!(next_out(&mut relay).await, Some(None));
+    }
+}
