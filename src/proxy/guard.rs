@@ -87,8 +87,10 @@ const MAX_REPORTED_COST: f64 = 1e9;
 /// invalid `Host` or a repeated key header (see [`edge::refusal`]), `400`/`414` for a path
 /// it will not route (see [`NormalPath`]), `401` for a missing or unknown key (no store
 /// call), `404` without a route for the normal path, `413` for a declared body over the
-/// limit, `429` when the bucket is empty. All before a token is spent or a service is
-/// called. Admitted requests go on to the forwarder, and every answer carries the
+/// limit, `429` when the bucket is empty; for a WebSocket upgrade also `400` with a body
+/// and `429` `too-many-connections` at its plan's `max_connections` (see [`Upgrade::of`]).
+/// All before a token is spent or a service is called. Admitted requests go on to the
+/// forwarder (an upgrade to its relay, [`websocket::respond`]), and every answer carries the
 /// client's rate-limit headers. On a route with a `cost_header`, the real cost the
 /// service reports in its response is settled (see [`CostedRoute::settle`]) as soon as
 /// the response head is in, before its body streams.

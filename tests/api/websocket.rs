@@ -110,11 +110,13 @@ async fn serve(
 
 type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
-/// Opens a WebSocket through `gw` on `path` with `key`'s API key.
+/// Opens a WebSocket through `gw` on `path` with `key` as its API key (`""`: none).
 async fn open(address: &str, path: &str, key: &str) -> Result<(Ws, Response), WsError> {
     let url = format!("{}{path}", address.replacen("http://", "ws://", 1));
     let mut req = url.into_client_request().unwrap();
-    req.headers_mut().insert("x-api-key", key.parse().unwrap());
+    if !key.is_empty() {
+        req.headers_mut().insert("x-api-key", key.parse().unwrap());
+    }
     let (ws, res) = tokio_tungstenite::connect_async(req).await?;
     Ok((ws, res.map(|_| ())))
 }
@@ -725,5 +727,53 @@ async fn a_replica_that_refuses_the_connection_is_followed_by_another_and_none_i
     let failed = "tollgate_websocket_upgrades_total{result=\"failed\"}";
     assert_eq!(gw.sample(failed).await, 2.0);
     drop(silent);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_public_route_upgrades_without_a_key_limited_and_capped_per_address() {
+    // Arrange: a public route on a plan of 3 tokens and 1 connection per address.
+    let service = WsService::start(WsBehaviour::Echo).await;
+    let toml = format!(
+        "{}[[catalog.plans]]\nname = \"anonymous\"\ncapacity = 3\nrate = 0.001\nmax_connections = 1\n{}public_plan = \"anonymous\"\n",
+        catalog_toml(("gold", 100.0, 10.0), &[]),
+        route_toml("chat", "/ws", &[service.url()]),
+    );
+    let gw = TestGateway::spawn(settings(&toml)).await;
+
+    // Act: one upgrade without a key; a second while it is open; a third after it closed.
+    let (mut ws, res) = open(&gw.address, "/ws", "").await.expect("upgraded");
+    ws.send(Message::text("hi")).await.unwrap();
+    let echoed = next(&mut ws).await;
+    let second = refused_with(open(&gw.address, "/ws", "").await);
+    ws.close(None).await.unwrap();
+    while next(&mut ws).await.is_some() {}
+    let began = Instant::now();
+    let third = loop {
+        if let Ok((_, res)) = open(&gw.address, "/ws", "").await {
+            break res;
+        }
+        assert!(
+            began.elapsed() < Duration::from_secs(3),
+            "the slot stayed taken"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+
+    // Assert: decided on the address's plan, capped per address, no X-Client-Id.
+    assert_eq!(echoed, Some(Message::text("hi")));
+    assert!(res.headers()["ratelimit"]
+        .to_str()
+        .unwrap()
+        .starts_with("\"anonymous\";r=2"));
+    assert_eq!(second.0, 429);
+    assert!(second.1.contains("too-many-connections"), "{}", second.1);
+    assert!(third.headers()["ratelimit"]
+        .to_str()
+        .unwrap()
+        .starts_with("\"anonymous\";r=1"));
+    let seen = service.seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2);
+    assert!(seen.iter().all(|h| !h.contains_key("x-client-id")));
     gw.stop().await;
 }
