@@ -75,6 +75,10 @@ pub enum ApiError {
     /// Too many unknown keys from this client address: its requests wait (in seconds).
     #[error("too many requests with an unknown API key from this address; retry after {0} s")]
     TooManyFailedKeys(u64),
+    /// An upgrade request (WebSocket) from a client that has its plan's `max_connections`
+    /// upgraded connections open on this gateway.
+    #[error("this client already has {0} upgraded connections open, its plan's max_connections; close one first")]
+    TooManyConnections(u32),
     /// The gateway is overloaded and shed the request before deciding or forwarding it.
     #[error("the gateway is overloaded; retry after 1 s")]
     Overloaded,
@@ -181,6 +185,7 @@ impl ApiError {
             ApiError::Overloaded => "overloaded",
             ApiError::PublicPlanMissing(_) => "public-plan-unavailable",
             ApiError::TooManyFailedKeys(_) => "too-many-failed-keys",
+            ApiError::TooManyConnections(_) => "too-many-connections",
             ApiError::BodyTimeout(_) => "request-timeout",
             ApiError::Internal(_) => "internal",
         }
@@ -196,7 +201,8 @@ impl ResponseError for ApiError {
             ApiError::PathTooLong(_) => StatusCode::URI_TOO_LONG,
             ApiError::RateLimited { .. }
             | ApiError::CostExceedsCapacity { .. }
-            | ApiError::TooManyFailedKeys(_) => StatusCode::TOO_MANY_REQUESTS,
+            | ApiError::TooManyFailedKeys(_)
+            | ApiError::TooManyConnections(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::BadGateway | ApiError::UpstreamTls(_) => StatusCode::BAD_GATEWAY,
             ApiError::GatewayTimeout => StatusCode::GATEWAY_TIMEOUT,

@@ -126,6 +126,8 @@ pub struct Metrics {
     shards: Box<[Shard]>,
     /// Configuration reloads (`SIGHUP`).
     pub reloads: Reloads,
+    /// Upgraded (WebSocket) connections.
+    pub websockets: WebSockets,
 }
 
 impl Default for Metrics {
@@ -137,6 +139,7 @@ impl Default for Metrics {
             shadow: Default::default(),
             shards: (0..SHARDS).map(|_| Shard::default()).collect(),
             reloads: Reloads::default(),
+            websockets: WebSockets::default(),
         }
     }
 }
@@ -246,6 +249,7 @@ impl Metrics {
         self.write_upstreams(out);
         self.write_cost_reports(out);
         self.reloads.write(out);
+        self.websockets.write(out);
     }
 
     fn write_decisions(&self, out: &mut Exposition) {
@@ -452,6 +456,83 @@ impl Reloads {
             "When the configuration served now was loaded (start-up, or the last reload applied), Unix seconds.",
         )
         .sample(&[], UnixMillis(self.last_success_ms.load(Relaxed)));
+    }
+}
+
+/// How an upgrade request (WebSocket) that was admitted ended its handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpgradeResult {
+    /// The service answered `101`: the connection is relayed.
+    Upgraded,
+    /// The service answered something else, passed on to the client.
+    Declined,
+    /// No replica could be reached, or none answered in time (`502`/`504`).
+    Failed,
+    /// Refused before its decision: the client had its plan's `max_connections` open.
+    TooManyConnections,
+}
+
+/// The `result` label of `tollgate_websocket_upgrades_total`, in [`UpgradeResult`] order.
+const UPGRADE_RESULTS: [&str; 4] = ["upgraded", "declined", "failed", "too_many_connections"];
+
+/// Upgraded connections: open ones per service (a gauge) and handshakes by result. Written
+/// once per connection, not per message: plain shared atomics.
+#[derive(Default)]
+pub struct WebSockets {
+    open: DashMap<Arc<str>, AtomicU64, foldhash::fast::RandomState>,
+    upgrades: [AtomicU64; UPGRADE_RESULTS.len()],
+}
+
+impl WebSockets {
+    pub fn upgrade(&self, result: UpgradeResult) {
+        self.upgrades[result as usize].fetch_add(1, Relaxed);
+    }
+
+    /// A connection of `service` was upgraded; [`WebSockets::closed`] when it ends.
+    pub fn opened(&self, service: &Arc<str>) {
+        if let Some(n) = self.open.get(&**service) {
+            n.fetch_add(1, Relaxed);
+            return;
+        }
+        self.open
+            .entry(Arc::clone(service))
+            .or_default()
+            .fetch_add(1, Relaxed);
+    }
+
+    pub fn closed(&self, service: &str) {
+        if let Some(n) = self.open.get(service) {
+            n.fetch_sub(1, Relaxed);
+        }
+    }
+
+    /// Open upgraded connections of `service`.
+    pub fn open(&self, service: &str) -> u64 {
+        self.open.get(service).map_or(0, |n| n.load(Relaxed))
+    }
+
+    fn write(&self, out: &mut Exposition) {
+        let open: BTreeMap<Arc<str>, u64> = self
+            .open
+            .iter()
+            .map(|e| (Arc::clone(e.key()), e.value().load(Relaxed)))
+            .collect();
+        let mut f = out.family(
+            "tollgate_websocket_connections",
+            Kind::Gauge,
+            "Upgraded (WebSocket) connections open now, by service.",
+        );
+        for (service, n) in &open {
+            f.sample(&[("service", service)], *n);
+        }
+        let mut f = out.family(
+            "tollgate_websocket_upgrades_total",
+            Kind::Counter,
+            "WebSocket upgrade requests by result: upgraded (101, relayed), declined (the service answered something else, passed on), failed (no replica answered: 502/504), too_many_connections (429 before the decision: the plan's max_connections).",
+        );
+        for (r, n) in UPGRADE_RESULTS.iter().zip(&self.upgrades) {
+            f.sample(&[("result", r)], n.load(Relaxed));
+        }
     }
 }
 
@@ -685,6 +766,11 @@ mod tests {
         m.record_cost_report(&llm, CostReport::Refund);
         m.reloads.succeeded(1_712_345_678_042);
         m.reloads.rejected();
+        m.websockets.opened(&orders);
+        m.websockets.opened(&orders);
+        m.websockets.closed("orders");
+        m.websockets.upgrade(UpgradeResult::Upgraded);
+        m.websockets.upgrade(UpgradeResult::TooManyConnections);
         let text = m.render();
         let expected = include_str!("../tests/golden/metrics.txt");
         assert_eq!(text, expected);

@@ -90,6 +90,7 @@ impl Application {
         }
         let state = shared_state(&settings, catalog, limiter, store, metrics, tls, &tasks)?;
         start_health_checks(&state, &settings, &tasks);
+        proxy::close_on_sigterm(&state.websockets, &tasks)?;
         start_view_eviction(&state, &tasks);
         let jwt = web::Data::new(JwtVerifier::from_settings(&settings.admin)?);
         let listening = start_servers(&settings, &state, &jwt)?;
@@ -252,7 +253,7 @@ fn shared_state(
         limiter,
         store,
         routes: ArcSwap::from_pointee(RouteTable::new(&settings.routes)),
-        metrics,
+        metrics: Arc::clone(&metrics),
         key_sources: crate::proxy::KeySources::new(
             &settings.server.api_key_sources,
             &settings.server.api_key_header,
@@ -272,6 +273,11 @@ fn shared_state(
         traces,
         tasks: tasks.clone(),
         tls,
+        websockets: proxy::Relays::new(
+            settings.upstream.websocket_idle_timeout,
+            settings.server.shutdown_timeout,
+            metrics,
+        ),
     }))
 }
 

@@ -42,4 +42,6 @@ pub struct AppState {
     pub tasks: Tasks,
     /// The listeners' certificates, for `/metrics` (their expiry and reloads).
     pub tls: crate::tls::Listeners,
+    /// The open WebSocket relays: counted per client, closed at a stop.
+    pub websockets: crate::proxy::Relays,
 }

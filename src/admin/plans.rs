@@ -14,8 +14,8 @@ use super::Actor;
 use crate::catalog::{Audit, CatalogWrite, Condition, PlanRecord, Versioned, WriteOutcome};
 use crate::domain::limits::{MAX_LIMITS, MAX_QUOTA, MIN_QUOTA};
 use crate::domain::{
-    Bucket, Capacity, LimitError, LimitName, LimitSpec, Limits, Period, PlanName, QuotaClock,
-    QuotaError, Rate, Reset, ServiceName,
+    Bucket, Capacity, LimitError, LimitName, LimitSpec, Limits, MaxConnections, Period, PlanName,
+    QuotaClock, QuotaError, Rate, Reset, ServiceName,
 };
 use crate::error::{ApiError, Problem};
 use crate::state::AppState;
@@ -52,6 +52,11 @@ pub struct PlanView {
     pub rate: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
+    /// A client's open upgraded (WebSocket) connections at most, on each gateway; absent:
+    /// no cap.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<MaxConnections>, nullable = false)]
+    pub max_connections: Option<u32>,
 }
 
 /// One limit of a plan: a token bucket or a quota. Its `name` is what its state is kept
@@ -271,6 +276,11 @@ pub struct PlanInput {
     #[serde(default)]
     #[schema(value_type = Option<Description>)]
     description: Field<Description>,
+    /// A client's open upgraded (WebSocket) connections at most, on each gateway; absent:
+    /// no cap.
+    #[serde(default)]
+    #[schema(value_type = Option<MaxConnections>)]
+    max_connections: Field<MaxConnections>,
     /// Read-only: a plan read with GET may be sent back as it is; the name must then be
     /// the one in the path.
     #[serde(default)]
@@ -350,6 +360,7 @@ impl From<PlanRecord> for PlanView {
             capacity: headline.map(|b| b.capacity()),
             rate: headline.map(|b| b.rate()),
             description: p.description,
+            max_connections: p.max_connections,
         }
     }
 }
@@ -597,13 +608,18 @@ pub async fn put(
     let (mut input, mut f) = read_body::<PlanInput>(payload).await?;
     f.same_id("name", std::mem::take(&mut input.name), &name);
     let description = f.optional("description", std::mem::take(&mut input.description));
+    let max_connections = f.optional(
+        "max_connections",
+        std::mem::take(&mut input.max_connections),
+    );
     let limits = parse_limits(input, &mut f);
     f.finish()?;
     let rec = PlanRecord::new(
         name.clone(),
         &limits.expect("checked"),
         description.map(String::from),
-    );
+    )
+    .with_max_connections(max_connections);
     let cond = condition(&req, "plan", || async {
         Ok(state
             .store

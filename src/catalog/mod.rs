@@ -69,6 +69,15 @@ impl PlanSlot {
         self.current.load().record.clone()
     }
 
+    /// A client's open upgraded (WebSocket) connections at most (`None`: no cap).
+    pub fn max_connections(&self) -> Option<u32> {
+        self.current
+            .load()
+            .record
+            .max_connections
+            .filter(|&n| n > 0)
+    }
+
     /// The `RateLimit-Policy` value for a decision: the plan's, built once, when the
     /// decision was under the plan's own limits for every service, else built for it (a
     /// service's own limits, an override, a regional shard's portion).
@@ -733,7 +742,10 @@ fn declared(settings: &Settings) -> (Vec<PlanRecord>, Vec<ClientRecord>) {
         .catalog
         .plans
         .iter()
-        .map(|p| PlanRecord::new(p.name.clone(), &p.limits, p.description.clone()))
+        .map(|p| {
+            PlanRecord::new(p.name.clone(), &p.limits, p.description.clone())
+                .with_max_connections(p.max_connections)
+        })
         .collect();
     let clients = settings
         .catalog

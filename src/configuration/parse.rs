@@ -25,8 +25,8 @@ use super::settings::{
     UpstreamSettings,
 };
 use crate::domain::{
-    ApiKey, Bucket, Capacity, ClientId, KeyHash, Limit, LimitSpec, Limits, Mode, PlanName, Rate,
-    Region, ServiceName, Upstream,
+    ApiKey, Bucket, Capacity, ClientId, KeyHash, Limit, LimitSpec, Limits, MaxConnections, Mode,
+    PlanName, Rate, Region, ServiceName, Upstream,
 };
 
 /// RFC 7518 3.2: an HS256 key must be at least as long as the hash, 256 bits.
@@ -347,6 +347,11 @@ fn upstream(raw: RawUpstream, p: &mut Problems) -> Option<UpstreamSettings> {
     let ejection = ms("ejection_ms", raw.ejection_ms, 1..=86_400_000);
     let max_ejection = ms("max_ejection_ms", raw.max_ejection_ms, 1..=86_400_000);
     let body_timeout = ms("body_timeout_ms", raw.body_timeout_ms, 1..=3_600_000);
+    let websocket_idle_timeout = ms(
+        "websocket_idle_timeout_ms",
+        raw.websocket_idle_timeout_ms,
+        1..=86_400_000,
+    );
     let mut count = |key: &str, v: u64, range: std::ops::RangeInclusive<u64>| {
         let message = format!("must be between {} and {}", range.start(), range.end());
         p.take(format!("upstream.{key}"), within(v, range, &message))
@@ -387,6 +392,7 @@ fn upstream(raw: RawUpstream, p: &mut Problems) -> Option<UpstreamSettings> {
         replay_body_bytes: replay_body_bytes?,
         body_timeout: body_timeout?,
         trust: trust?,
+        websocket_idle_timeout: websocket_idle_timeout?,
     })
 }
 
@@ -804,10 +810,15 @@ fn plan(
         }
         plan_limits(&key, &plan.limits, p)
     };
+    let max_connections = match plan.max_connections {
+        Some(n) => Some(p.take(format!("{key}.max_connections"), MaxConnections::parse(n))?),
+        None => None,
+    };
     Some(PlanSettings {
         name: name?,
         limits: limits?,
         description: plan.description,
+        max_connections,
     })
 }
 
@@ -1282,6 +1293,16 @@ mod tests {
                 "upstream.retry_budget_percent"
             ]
         );
+        let idle = |toml: &str| load(toml, &[]).unwrap().upstream.websocket_idle_timeout;
+        assert_eq!(idle(""), Duration::from_secs(60));
+        assert_eq!(
+            idle("[upstream]\nwebsocket_idle_timeout_ms = 300\n"),
+            Duration::from_millis(300)
+        );
+        assert_eq!(
+            problems("[upstream]\nwebsocket_idle_timeout_ms = 0\n"),
+            ["upstream.websocket_idle_timeout_ms"]
+        );
         assert_eq!(
             problems("[upstream]\nejection_ms = 5000\nmax_ejection_ms = 1000\n"),
             ["upstream.max_ejection_ms"]
@@ -1585,6 +1606,24 @@ mod tests {
             "routes[0].upstreams[0]",
         ] {
             assert!(keys.contains(&k.to_string()), "{k} not in {keys:?}");
+        }
+    }
+
+    #[test]
+    fn a_plans_max_connections_is_one_to_a_million_or_absent() {
+        let plan = |cap: &str| {
+            format!("[[catalog.plans]]\nname = \"gold\"\ncapacity = 1\nrate = 1\n{cap}")
+        };
+        let s = load(&plan("max_connections = 3\n"), &[]).unwrap();
+        assert_eq!(s.catalog.plans[0].max_connections.map(|m| m.get()), Some(3));
+        let s = load(&plan(""), &[]).unwrap();
+        assert_eq!(s.catalog.plans[0].max_connections, None);
+        for bad in ["0", "1000001"] {
+            assert_eq!(
+                problems(&plan(&format!("max_connections = {bad}\n"))),
+                ["catalog.plans[0].max_connections"],
+                "{bad}"
+            );
         }
     }
 

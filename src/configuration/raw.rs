@@ -112,6 +112,9 @@ pub(super) struct RawPlan {
     pub(super) limits: Vec<crate::domain::LimitSpec>,
     #[serde(default)]
     pub(super) description: Option<String>,
+    /// A client's open upgraded connections at most (absent: no cap).
+    #[serde(default)]
+    pub(super) max_connections: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -170,6 +173,7 @@ pub(super) struct RawUpstream {
     pub(super) replay_body_bytes: u64,
     pub(super) body_timeout_ms: u64,
     pub(super) ca_file: String,
+    pub(super) websocket_idle_timeout_ms: u64,
 }
 
 #[derive(Debug, Deserialize)]

@@ -12,7 +12,9 @@ use ipnet::IpNet;
 use secrecy::SecretString;
 
 use super::periods::Periods;
-use crate::domain::{ClientId, KeyHash, Limits, Mode, PlanName, Region, ServiceName, Upstream};
+use crate::domain::{
+    ClientId, KeyHash, Limits, MaxConnections, Mode, PlanName, Region, ServiceName, Upstream,
+};
 
 /// Everything the gateway is configured with.
 #[derive(Debug, Clone)]
@@ -118,6 +120,9 @@ pub struct PlanSettings {
     pub limits: Limits,
     /// `description`.
     pub description: Option<String>,
+    /// `max_connections`: a client's open upgraded (WebSocket) connections at most, on each
+    /// gateway (`None`: no cap).
+    pub max_connections: Option<MaxConnections>,
 }
 
 /// A declared client (`[[catalog.clients]]`).
@@ -280,6 +285,9 @@ pub struct UpstreamSettings {
     /// `upstream.ca_file` (`""`: the system's roots): what the certificates of `https://`
     /// replicas are verified against.
     pub trust: TrustRoots,
+    /// `upstream.websocket_idle_timeout_ms`: an upgraded (WebSocket) connection that carries
+    /// no byte either way for this long is closed (README, "WebSocket").
+    pub websocket_idle_timeout: Duration,
 }
 
 /// The certificates an `https://` replica's chain must lead to: those of

@@ -8,6 +8,7 @@
 
 mod address;
 mod api_key;
+mod connections;
 mod decision;
 mod ids;
 pub mod limits;
@@ -17,6 +18,7 @@ mod upstream;
 
 pub use address::{address_group, address_tag, client_addr, hop_addr};
 pub use api_key::{ApiKey, KeyHash};
+pub use connections::MaxConnections;
 pub use decision::{Decision, FailOpenReason, Outcome};
 pub use ids::{ClientId, IdError, LimitName, PlanName, Region, ServiceName, ID_PATTERN};
 pub use limits::{

@@ -18,6 +18,7 @@ use super::clients::Clients;
 use super::forward::{self, Admitted, Who};
 use super::headers::{drop_client_ip_claims, has_client_ip_claims, peer_trusted};
 use super::keys::FoundKey;
+use super::websocket::{self, Upgrade};
 use super::{edge, view};
 use super::{NormalPath, Route};
 use crate::configuration::{KeySource, UpstreamSettings};
@@ -99,8 +100,10 @@ const MAX_REPORTED_COST: f64 = 1e9;
 /// invalid `Host` or a repeated key header (see [`edge::refusal`]), `400`/`414` for a path
 /// it will not route (see [`NormalPath`]), `401` for a missing or unknown key (no store
 /// call), `404` without a route for the normal path, `413` for a declared body over the
-/// limit, `429` when the bucket is empty. All before a token is spent or a service is
-/// called. Admitted requests go on to the forwarder, and every answer carries the
+/// limit, `429` when the bucket is empty; for a WebSocket upgrade also `400` with a body
+/// and `429` `too-many-connections` at its plan's `max_connections` (see [`Upgrade::of`]).
+/// All before a token is spent or a service is called. Admitted requests go on to the
+/// forwarder (an upgrade to its relay, [`websocket::respond`]), and every answer carries the
 /// client's rate-limit headers. On a route with a `cost_header`, the real cost the
 /// service reports in its response is settled (see [`CostedRoute::settle`]) as soon as
 /// the response head is in, before its body streams.
@@ -126,11 +129,17 @@ async fn guard(
         Ok(Recognised::OwnView) => return Box::pin(view::answer(req)).await,
         Err(e) => return Ok(reject(req, e, None).await),
     };
+    // A WebSocket upgrade (nearly every request is none: a flag test) is checked before
+    // its decision, as the rest above: a body, or a client at its `max_connections`.
+    let upgrade = match Upgrade::of(&req, state, &admitted) {
+        Ok(upgrade) => upgrade,
+        Err(e) => return Ok(reject(req, e, None).await),
+    };
     let client = match &admitted.who {
         Who::Client(client) => client,
         // Boxed: `public`'s state is not carried in every keyed request's future (which is
         // moved into its box, and polled, at its full size).
-        Who::Anonymous(_) => return Box::pin(public(req, admitted, upstream)).await,
+        Who::Anonymous(_) => return Box::pin(public(req, admitted, upstream, upgrade)).await,
     };
     let route = &admitted.route;
 
@@ -174,7 +183,7 @@ async fn guard(
     {
         drop_client_ip_claims(req.headers_mut());
     }
-    let mut res = forward::respond(req, admitted, &upstream).await;
+    let mut res = pass_on(req, admitted, &upstream, upgrade).await;
     if let Some((limiter, client)) = shadow {
         limiter.compare(&client, &decision, res.status().as_u16());
     }
@@ -195,6 +204,7 @@ async fn public(
     mut req: ServiceRequest,
     admitted: Admitted,
     upstream: Rc<Clients>,
+    upgrade: Option<Upgrade>,
 ) -> Result<ServiceResponse<BoxBody>, actix_web::Error> {
     let (Some(state), Who::Anonymous(who)) = (
         req.app_data::<web::Data<AppState>>().cloned(),
@@ -229,7 +239,7 @@ async fn public(
     {
         drop_client_ip_claims(req.headers_mut());
     }
-    let mut res = forward::respond(req, admitted, &upstream).await;
+    let mut res = pass_on(req, admitted, &upstream, upgrade).await;
     if let Some(costed) = costed {
         if costed.settle(&mut decision, res.headers_mut()) {
             rl = RateLimitHeaders::with_policy(&plan.name, &decision, plan.policy(&decision));
@@ -237,6 +247,23 @@ async fn public(
     }
     rl.apply(res.headers_mut());
     Ok(res)
+}
+
+/// An admitted request to its service: forwarded, or, an upgrade, relayed (boxed: its
+/// state is not in every request's future).
+async fn pass_on(
+    req: ServiceRequest,
+    admitted: Admitted,
+    upstream: &Clients,
+    upgrade: Option<Upgrade>,
+) -> ServiceResponse<BoxBody> {
+    match upgrade {
+        None => forward::respond(req, admitted, upstream).await,
+        Some(upgrade) => {
+            let tls = Arc::clone(upstream.tls_config());
+            Box::pin(websocket::respond(req, admitted, upgrade, tls)).await
+        }
+    }
 }
 
 /// What [`recognised`] found a request to be.

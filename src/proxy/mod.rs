@@ -21,6 +21,7 @@ mod replicas;
 mod routes;
 mod tls;
 mod view;
+mod websocket;
 mod wire;
 
 pub use guard::Guard;
@@ -30,4 +31,5 @@ pub use keys::KeySources;
 pub use path::{NormalPath, PathError, MAX_PATH_BYTES};
 pub use replicas::{Replica, Replicas, RetryBudget};
 pub use routes::{Route, RouteTable};
+pub use websocket::{close_on_sigterm, Relays};
 pub use wire::{checked_body, client, connector, CheckedBody, Probe, Wire};

@@ -313,6 +313,7 @@ mod tests {
                 configured: false,
                 store: Arc::new(rustls::RootCertStore::empty()),
             },
+            websocket_idle_timeout: Duration::from_secs(60),
         }
     }
 

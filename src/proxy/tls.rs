@@ -68,6 +68,11 @@ pub fn failure(e: &SendRequestError) -> Option<UpstreamTls> {
     let SendRequestError::Connect(awc::error::ConnectError::Io(io)) = e else {
         return None;
     };
+    io_failure(io)
+}
+
+/// [`failure`], from the I/O error of a connection opened without awc (a WebSocket's).
+pub fn io_failure(io: &io::Error) -> Option<UpstreamTls> {
     // tokio-rustls hands rustls's error on as the source of an `InvalidData` I/O error.
     let tls = io.get_ref()?.downcast_ref::<rustls::Error>()?;
     Some(match tls {

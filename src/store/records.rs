@@ -3,8 +3,8 @@
 use serde::{Deserialize, Serialize};
 
 use crate::domain::{
-    Bucket, ClientId, KeyHash, Limit, LimitError, LimitSpec, Limits, Mode, Override, PlanName,
-    Region,
+    Bucket, ClientId, KeyHash, Limit, LimitError, LimitSpec, Limits, MaxConnections, Mode,
+    Override, PlanName, Region,
 };
 
 /// A plan as stored (and, later, as the admin API shows it).
@@ -23,6 +23,10 @@ pub struct PlanRecord {
     pub rate: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
+    /// A client's open upgraded (WebSocket) connections at most, on each gateway (absent:
+    /// no cap; a gateway from before ignores it, and `0` is read as absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_connections: Option<u32>,
 }
 
 impl PlanRecord {
@@ -34,7 +38,14 @@ impl PlanRecord {
             capacity: headline.map(|b| b.capacity()),
             rate: headline.map(|b| b.rate()),
             description,
+            max_connections: None,
         }
+    }
+
+    /// This record with a cap on a client's open upgraded connections.
+    pub fn with_max_connections(mut self, cap: Option<MaxConnections>) -> PlanRecord {
+        self.max_connections = cap.map(MaxConnections::get);
+        self
     }
 
     pub fn limits(&self) -> Result<Limits, LimitError> {

@@ -40,3 +40,4 @@ mod tls;
 mod traces;
 mod upstreams;
 mod upstreams_tls;
+mod websocket;

@@ -19,14 +19,15 @@ use crate::helpers::*;
 /// A test CA, and leaves it signs.
 pub(crate) struct Ca {
     issuer: Issuer<'static, KeyPair>,
-    pem: String,
+    /// Its certificate, PEM.
+    pub(crate) pem: String,
 }
 
 /// A certificate and its key, in PEM, and the leaf's DER (to recognise it on the wire).
 #[derive(Clone)]
 pub(crate) struct Leaf {
-    cert_pem: String,
-    key_pem: String,
+    pub(crate) cert_pem: String,
+    pub(crate) key_pem: String,
     der: Vec<u8>,
 }
 
