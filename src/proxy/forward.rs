@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use actix_web::body::BoxBody;
 use actix_web::dev::{Payload, ServiceRequest, ServiceResponse};
 use actix_web::error::PayloadError;
-use actix_web::http::header::{self, HeaderValue};
+use actix_web::http::header::{self, HeaderMap, HeaderValue};
 use actix_web::http::uri::PathAndQuery;
 use actix_web::http::{Method, StatusCode, Version};
 use actix_web::{web, HttpMessage, HttpRequest, HttpResponse};
@@ -32,6 +32,7 @@ use super::wire::{checked_body, Probe};
 use super::Route;
 use crate::catalog::{ClientEntry, PlanSlot};
 use crate::configuration::{KeySource, UpstreamSettings};
+use crate::domain::Upstream;
 use crate::error::ApiError;
 use crate::limiter::Anonymous;
 use crate::state::AppState;
@@ -458,6 +459,21 @@ fn prepare(
         .timeout(remaining)
         .no_decompress();
 
+    write_forwarded_headers(req, admitted, upstream, state, out.headers_mut())?;
+    let span = trace::propagate(req, state.traces.as_ref(), out.headers_mut());
+    Ok((out, span))
+}
+
+/// The headers a request to a service carries (a forward's, and a WebSocket upgrade's):
+/// the client's end-to-end ones but the API key, the replica's `Host`, the client's
+/// identity, `X-Forwarded-*` and `Forwarded`, and the request id; written into `headers`.
+pub(super) fn write_forwarded_headers(
+    req: &HttpRequest,
+    admitted: &Admitted,
+    upstream: &Upstream,
+    state: &AppState,
+    headers: &mut HeaderMap,
+) -> Result<(), ApiError> {
     // The scheme of this hop: the listener's, never a header the client sent (those are
     // believed only from trusted proxies, in `Origin::of`).
     let scheme = if req.app_config().secure() {
@@ -475,9 +491,6 @@ fn prepare(
     // the gateway's bug, answered 500.
     let value = |v: String| HeaderValue::try_from(v).map_err(|e| ApiError::Internal(e.into()));
     let forwarded = value(origin.forwarded())?;
-    // Into the map directly: `append_header` and `insert_header` move the whole request
-    // builder in and out per header.
-    let headers = out.headers_mut();
     let listed = connection_headers(req.headers());
     for (name, value) in req.headers() {
         if forwardable(name, state.key_sources.header(), &listed)
@@ -502,8 +515,7 @@ fn prepare(
     if let Some(id) = req.extensions().get::<RequestId>() {
         headers.insert(X_REQUEST_ID.clone(), id.0.clone());
     }
-    let span = trace::propagate(req, state.traces.as_ref(), out.headers_mut());
-    Ok((out, span))
+    Ok(())
 }
 
 /// The body as the tries will send it: none, kept whole (small enough to send again), or

@@ -10,22 +10,18 @@ use actix_web::body::BoxBody;
 use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::http::header::{self, HeaderMap, HeaderValue};
 use actix_web::http::{Method, StatusCode, Version};
-use actix_web::{web, HttpMessage, HttpRequest, HttpResponse};
+use actix_web::{web, HttpRequest, HttpResponse};
 use tokio::io::AsyncWriteExt;
 use tokio::time::Instant;
 
 use super::handshake::{self, Answer, Broken, UpstreamIo};
 use super::relay::Relay;
 use super::relays::Slot;
-use crate::configuration::KeySource;
 use crate::error::ApiError;
 use crate::metrics::UpgradeResult;
 use crate::proxy::edge;
-use crate::proxy::forward::{Admitted, Who};
-use crate::proxy::headers::{
-    connection_headers, forwardable, response_headers, Origin, RequestId, X_CLIENT_ID,
-    X_FORWARDED_FOR, X_FORWARDED_HOST, X_FORWARDED_PROTO, X_REQUEST_ID,
-};
+use crate::proxy::forward::{self, Admitted, Who};
+use crate::proxy::headers::response_headers;
 use crate::proxy::replicas::{now_ms, Replica, TryResult};
 use crate::state::AppState;
 use crate::trace;
@@ -265,57 +261,20 @@ fn record(replica: &Replica, result: TryResult, state: &AppState, service: &str)
     }
 }
 
-/// The headers of the upgrade as the service gets them: the client's end-to-end ones
-/// (`Sec-WebSocket-Key`, `-Version`, `-Protocol`, `-Extensions`, `Origin`, cookies, ...)
-/// but its API key, the gateway's `Host`, identity and `X-Forwarded-*` as a forwarded
-/// request carries them (`forward`), and `Connection: Upgrade`, `Upgrade: websocket`.
+/// The headers of the upgrade as the service gets them: a forwarded request's
+/// ([`forward::write_forwarded_headers`]: the client's end-to-end ones, `Sec-WebSocket-Key`,
+/// `-Version`, `-Protocol`, `-Extensions`, `Origin` and cookies among them, but its API key;
+/// the replica's `Host`, identity and `X-Forwarded-*`), and `Connection: Upgrade`,
+/// `Upgrade: websocket`.
 fn forwarded_headers(
     req: &HttpRequest,
     admitted: &Admitted,
     replica: &Replica,
     state: &AppState,
 ) -> Result<HeaderMap, ApiError> {
-    let scheme = if req.app_config().secure() {
-        "https"
-    } else {
-        "http"
-    };
-    let origin = Origin::of(
-        req.headers(),
-        req.peer_addr().map(|a| a.ip()),
-        scheme,
-        &state.trusted_proxies,
-    );
-    let value = |v: String| HeaderValue::try_from(v).map_err(|e| ApiError::Internal(e.into()));
     let mut headers = HeaderMap::with_capacity(req.headers().len() + 8);
-    headers.insert(header::HOST, replica.upstream.host().clone());
-    let listed = connection_headers(req.headers());
-    for (name, value) in req.headers() {
-        if forwardable(name, state.key_sources.header(), &listed)
-            && !(name == header::AUTHORIZATION && admitted.key_source == Some(KeySource::Bearer))
-        {
-            headers.append(name.clone(), value.clone());
-        }
-    }
+    forward::write_forwarded_headers(req, admitted, &replica.upstream, state, &mut headers)?;
     headers.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
     headers.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
-    if let Who::Client(client) = &admitted.who {
-        headers.insert(X_CLIENT_ID.clone(), client.id_header.clone());
-    }
-    headers.insert(
-        X_FORWARDED_FOR.clone(),
-        value(origin.x_forwarded_for.clone())?,
-    );
-    headers.insert(
-        X_FORWARDED_PROTO.clone(),
-        HeaderValue::from_static(origin.proto),
-    );
-    headers.insert(header::FORWARDED, value(origin.forwarded())?);
-    if let Some(host) = origin.host {
-        headers.insert(X_FORWARDED_HOST.clone(), host);
-    }
-    if let Some(id) = req.extensions().get::<RequestId>() {
-        headers.insert(X_REQUEST_ID.clone(), id.0.clone());
-    }
     Ok(headers)
 }
