@@ -164,8 +164,9 @@ fn tally(f: &mut Figures, samples: &[&Sample]) {
     f.insert("p99_ms", percentile(&ns, 0.99) as f64 / 1e6);
 }
 
-/// How late the open loop's dispatcher woke for its requests, p99 in ms (the
-/// generator's own precision; JSON only).
+/// How late the open loop's dispatcher woke for its requests, p99 in ms: the generator's
+/// own precision (a run where it is late by milliseconds was disturbed, on the tool's side
+/// or the host's).
 fn late_ms(result: &crate::load::OpenResult) -> f64 {
     result.dispatch_late_p99.as_secs_f64() * 1e3
 }
@@ -343,7 +344,7 @@ fn reload(a: &Args, seed: u64) -> anyhow::Result<Vec<(String, Figures)>> {
     Ok(vec![("reload".into(), f)])
 }
 
-const H2_COLUMNS: [Column; 7] = [
+const H2_COLUMNS: [Column; 8] = [
     ("requests", "requests", Worse::Lower, count),
     ("failed", "failed", Worse::Higher, count),
     ("p50_ms", "p50 ms", Worse::Higher, ms),
@@ -351,6 +352,12 @@ const H2_COLUMNS: [Column; 7] = [
     ("added_p50_ms", "added p50 ms", Worse::Higher, ms),
     ("added_p99_ms", "added p99 ms", Worse::Higher, ms),
     ("closed_rps", "closed loop req/s", Worse::Lower, count),
+    (
+        "generator_late_p99_ms",
+        "generator late p99 ms",
+        Worse::Higher,
+        ms,
+    ),
 ];
 
 /// What `h2` measures: (row, target address, wire, h2load's URL and flags).
@@ -511,7 +518,7 @@ fn closed_loop(bin: &std::path::Path, a: &Args, t: &Target) -> anyhow::Result<Op
     }
 }
 
-const RESET_COLUMNS: [Column; 10] = [
+const RESET_COLUMNS: [Column; 11] = [
     ("requests", "others' requests", Worse::Lower, count),
     ("failed", "others failed", Worse::Higher, count),
     ("p99_without_ms", "p99 ms without", Worse::Higher, ms),
@@ -536,6 +543,12 @@ const RESET_COLUMNS: [Column; 10] = [
         "attacker CPU % of a core",
         Worse::Higher,
         count,
+    ),
+    (
+        "generator_late_p99_ms",
+        "generator late p99 ms",
+        Worse::Higher,
+        ms,
     ),
 ];
 
@@ -911,8 +924,9 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
                      warm-up; latency from each request's intended send time; added: over \
                      direct's. HTTP/2: {} connections per target, each request a stream on the \
                      next. nginx: `listen ... ssl http2`, keep-alive to the upstream, no access \
-                     log, {} worker process{}. Closed loop: h2load alone on one target at a \
-                     time, {} connections ({} streams each for HTTP/2), 1 s warm-up, {} s.",
+                     log, {} worker process{}. Generator late: how late the tool's dispatcher \
+                     woke for a request, p99 (milliseconds here: the run was disturbed, \
+                     every row alike). Closed loop: h2load alone on one target at a time, {} connections ({} streams each for HTTP/2), 1 s warm-up, {} s.",
                     a.rate,
                     a.duration,
                     a.warmup,
