@@ -9,7 +9,7 @@ use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// The header a modelled service replica puts on its own `429`, so the replay can tell
@@ -34,9 +34,10 @@ pub struct Reply {
     pub service_marked: bool,
 }
 
-/// One keep-alive client connection.
-pub struct Conn {
-    stream: TcpStream,
+/// One keep-alive client connection, over TCP or over anything else that reads and
+/// writes (TLS).
+pub struct Conn<S = TcpStream> {
+    stream: S,
     buf: Vec<u8>,
     /// Bytes of `buf` that hold data not yet consumed.
     filled: usize,
@@ -51,19 +52,28 @@ impl Conn {
     pub async fn connect(addr: SocketAddr) -> io::Result<Conn> {
         let stream = TcpStream::connect(addr).await?;
         stream.set_nodelay(true)?;
-        Ok(Conn {
+        Ok(Conn::over(stream))
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
+    /// A connection on `stream`, already established (a TLS session).
+    pub fn over(stream: S) -> Conn<S> {
+        Conn {
             stream,
             buf: vec![0; 16 * 1024],
             filled: 0,
             closed: false,
             body: Vec::new(),
             keep_body: false,
-        })
+        }
     }
 
     /// Writes `request` and reads the whole response.
     pub async fn send(&mut self, request: &[u8]) -> io::Result<Reply> {
         self.stream.write_all(request).await?;
+        // A no-op on TCP; TLS may hold the last record until flushed.
+        self.stream.flush().await?;
         loop {
             if let Some(reply) = self.try_parse()? {
                 return Ok(reply);

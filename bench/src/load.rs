@@ -22,6 +22,7 @@ use rand::{Rng, SeedableRng};
 use tokio::sync::{mpsc, Notify, Semaphore};
 
 use crate::http::Conn;
+use crate::wire::{tls_exchange, H2Conns, H2Request, TlsPool, Wire};
 
 /// How long one request may take before it is recorded as failed (status 0).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
@@ -93,12 +94,23 @@ impl OpenRun {
     /// Starts the streams; the schedule begins a little after this call, once the I/O
     /// thread is up.
     pub fn start(streams: Vec<Stream>) -> OpenRun {
-        let start = Instant::now() + Duration::from_millis(200);
+        let wires = vec![Wire::Http1; streams.len()];
+        OpenRun::start_wired(streams, wires)
+    }
+
+    /// [`OpenRun::start`], each stream's requests travelling its [`Wire`] (`wires[i]` for
+    /// `streams[i]`). HTTP/2 connections are opened before the schedule begins (within
+    /// its first second).
+    pub fn start_wired(streams: Vec<Stream>, wires: Vec<Wire>) -> OpenRun {
+        assert_eq!(streams.len(), wires.len(), "one wire per stream");
+        let h2 = wires.iter().any(|w| matches!(w, Wire::H2 { .. }));
+        let lead = if h2 { 1000 } else { 200 };
+        let start = Instant::now() + Duration::from_millis(lead);
         let (tx, rx) = mpsc::unbounded_channel::<Job>();
         let io_streams = streams.clone();
         let io = std::thread::Builder::new()
             .name("bench-load-io".into())
-            .spawn(move || io_thread(io_streams, rx, start))
+            .spawn(move || io_thread(io_streams, wires, rx, start))
             .expect("spawning the load thread");
         let dispatcher = std::thread::Builder::new()
             .name("bench-dispatch".into())
@@ -232,8 +244,22 @@ fn precise_sleeps() {
 
 type Pool = Rc<RefCell<HashMap<SocketAddr, Vec<Conn>>>>;
 
+/// Per stream, how its requests are sent.
+enum Sender {
+    Http1,
+    Tls {
+        config: std::sync::Arc<rustls::ClientConfig>,
+        pooled: bool,
+    },
+    H2 {
+        conns: Rc<H2Conns>,
+        requests: Vec<H2Request>,
+    },
+}
+
 fn io_thread(
     streams: Vec<Stream>,
+    wires: Vec<Wire>,
     mut rx: mpsc::UnboundedReceiver<Job>,
     start: Instant,
 ) -> Vec<Vec<Sample>> {
@@ -246,12 +272,43 @@ fn io_thread(
         Rc::new(RefCell::new(vec![Vec::new(); streams.len()]));
     let streams = Rc::new(streams);
     let pool: Pool = Rc::default();
+    let tls_pool: TlsPool = Rc::default();
+    let senders: Rc<Vec<Sender>> = Rc::new(
+        streams
+            .iter()
+            .zip(wires)
+            .map(|(s, w)| match w {
+                Wire::Http1 => Sender::Http1,
+                Wire::Tls(config) => Sender::Tls {
+                    config,
+                    pooled: true,
+                },
+                Wire::TlsFresh(config) => Sender::Tls {
+                    config,
+                    pooled: false,
+                },
+                Wire::H2 { config, conns } => Sender::H2 {
+                    conns: Rc::new(H2Conns::new(s.addr, config, conns)),
+                    requests: s
+                        .requests
+                        .iter()
+                        .map(|r| H2Request::parse(r).expect("a request the tool wrote"))
+                        .collect(),
+                },
+            })
+            .collect(),
+    );
     let conns = Rc::new(Semaphore::new(MAX_CONNS));
     let in_flight = Rc::new(Cell::new(0usize));
     let idle = Rc::new(Notify::new());
     {
         let samples = Rc::clone(&samples);
         local.block_on(&rt, async move {
+            for s in senders.iter() {
+                if let Sender::H2 { conns, .. } = s {
+                    conns.open_all(Duration::from_millis(500)).await;
+                }
+            }
             while let Some(job) = rx.recv().await {
                 let (streams, samples, pool, conns) = (
                     Rc::clone(&streams),
@@ -259,16 +316,28 @@ fn io_thread(
                     Rc::clone(&pool),
                     Rc::clone(&conns),
                 );
+                let (senders, tls_pool) = (Rc::clone(&senders), Rc::clone(&tls_pool));
                 let (in_flight_t, idle_t) = (Rc::clone(&in_flight), Rc::clone(&idle));
                 in_flight.set(in_flight.get() + 1);
                 tokio::task::spawn_local(async move {
                     let s = &streams[job.stream];
-                    let req = &s.requests[(job.seq % s.requests.len() as u64) as usize];
-                    let reply =
-                        tokio::time::timeout(REQUEST_TIMEOUT, exchange(&pool, &conns, s.addr, req))
-                            .await
-                            .ok()
-                            .flatten();
+                    let at = (job.seq % s.requests.len() as u64) as usize;
+                    let req = &s.requests[at];
+                    let send = async {
+                        match &senders[job.stream] {
+                            Sender::Http1 => exchange(&pool, &conns, s.addr, req).await,
+                            Sender::Tls { config, pooled } => {
+                                let _permit = conns.acquire().await.ok()?;
+                                let pool = pooled.then_some(&tls_pool);
+                                tls_exchange(pool, config, s.addr, req).await
+                            }
+                            Sender::H2 { conns, requests } => conns.exchange(&requests[at]).await,
+                        }
+                    };
+                    let reply = tokio::time::timeout(REQUEST_TIMEOUT, send)
+                        .await
+                        .ok()
+                        .flatten();
                     let latency = Instant::now().saturating_duration_since(job.intended);
                     samples.borrow_mut()[job.stream].push(Sample {
                         at: job.intended.saturating_duration_since(start),

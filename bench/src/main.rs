@@ -17,7 +17,9 @@
 //!   forwards), nginx and the floor proxy; `redis-server`, the config builder and the
 //!   process plumbing come from `tollgate-testkit`, shared with the tests.
 //! - [`scenarios`]: latency, throughput, accuracy, plans, redis, failopen, slowredis,
-//!   overload, replay, upstreams, edge.
+//!   overload, replay, upstreams, edge, protocols.
+//! - [`tls`] and [`wire`]: certificates made and replaced by the tool, and requests over
+//!   TLS (keep-alive or a handshake each) and HTTP/2, for `protocols`.
 //! - [`report`] and [`svg`]: the table, the JSON and the charts.
 
 mod floor;
@@ -27,7 +29,9 @@ mod procs;
 mod report;
 mod scenarios;
 mod svg;
+mod tls;
 mod upstream;
+mod wire;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -35,7 +39,8 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 /// Measures tollgate: added latency, throughput, accuracy, plans of several limits,
-/// fail-open, a slow Redis, overload, failing replicas and the incident replay.
+/// fail-open, a slow Redis, overload, failing replicas, the incident replay, and TLS and
+/// HTTP/2.
 #[derive(Debug, Parser)]
 #[command(name = "tollgate-bench", version)]
 struct Cli {
@@ -94,6 +99,10 @@ enum Scenario {
     /// one address and from one IPv6 /64, through two gateways; guessed keys from one
     /// address and from everywhere: the 401s, the Redis commands, the gateway's memory.
     Edge(scenarios::edge::Args),
+    /// TLS and HTTP/2 (issue 35): failed requests and time to serve while the certificate
+    /// is replaced under load; HTTP/2 and HTTP/1.1 over TLS beside nginx (added p50/p99,
+    /// closed-loop throughput); others' p99 while one client does rapid reset.
+    Protocols(scenarios::protocols::Args),
     /// (Internal) the bare actix-web + awc proxy `throughput` measures as the stack's floor.
     #[command(hide = true)]
     Floor(floor::Args),
@@ -133,6 +142,7 @@ fn main() -> ExitCode {
         Scenario::Overload(a) => scenarios::overload::run(&a),
         Scenario::Upstreams(a) => scenarios::upstreams::run(&a),
         Scenario::Edge(a) => scenarios::edge::run(&a),
+        Scenario::Protocols(a) => scenarios::protocols::run(&a),
         Scenario::Floor(_) => unreachable!("handled above"),
     };
     let mut outcome = match result {

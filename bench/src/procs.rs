@@ -460,6 +460,35 @@ impl Gateway {
         Ok(gateway)
     }
 
+    /// Starts the release gateway with a listener [`Gateway::start`]'s cleartext probe
+    /// cannot ask (TLS), and waits until `forwards` says it does (asked every 50 ms, for
+    /// up to 20 s).
+    pub fn start_probed(
+        config: &GatewayConfig,
+        forwards: impl Fn(SocketAddr) -> bool,
+    ) -> anyhow::Result<Gateway> {
+        let gw = Launcher::new(tollgate_binary()?)
+            .env(
+                "RUST_LOG",
+                &std::env::var("RUST_LOG").unwrap_or("info".into()),
+            )
+            .stop_grace(Duration::from_secs(3))
+            .spawn(config)?;
+        eprintln!("  tollgate pid {} on {}", gw.child.id(), gw.addr);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !forwards(gw.addr) {
+            if Instant::now() > deadline {
+                bail!(
+                    "tollgate at {} does not forward; log in {}",
+                    gw.addr,
+                    gw.dir().display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(Gateway(gw))
+    }
+
     /// Listening is not enough: the catalog must be mirrored and the route must reach an
     /// upstream.
     fn wait_forwarding(&self, probe_path: &str, patience: u64) -> anyhow::Result<()> {
@@ -638,6 +667,56 @@ http {{
 "#
         );
         Nginx::launch(bin, dir, port, &conf, pin).map(Some)
+    }
+
+    /// [`Nginx::start`]'s lean proxy behind TLS (`cert`, `key`; TLS 1.2 and 1.3) with
+    /// HTTP/2 by ALPN beside HTTP/1.1 (nginx 1.22's `listen ... ssl http2`; `http2 on;`
+    /// from 1.25).
+    pub fn start_tls(
+        upstream: SocketAddr,
+        workers: usize,
+        cert: &std::path::Path,
+        key: &std::path::Path,
+    ) -> anyhow::Result<Option<Nginx>> {
+        let Some(bin) = Nginx::binary() else {
+            return Ok(None);
+        };
+        let dir = temp_dir("nginx")?;
+        let port = free_port()?;
+        let d = dir.path().to_string_lossy().into_owned();
+        let (cert, key) = (cert.display(), key.display());
+        let conf = format!(
+            r#"worker_processes {workers};
+daemon off;
+master_process on;
+pid {d}/nginx.pid;
+error_log {d}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {d}/body;
+    proxy_temp_path {d}/proxy;
+    fastcgi_temp_path {d}/fastcgi;
+    uwsgi_temp_path {d}/uwsgi;
+    scgi_temp_path {d}/scgi;
+    keepalive_requests 1000000;
+    upstream backend {{ server {upstream}; keepalive 128; keepalive_requests 1000000; }}
+    server {{
+        listen 127.0.0.1:{port} ssl http2 backlog=4096;
+        ssl_certificate {cert};
+        ssl_certificate_key {key};
+        ssl_protocols TLSv1.2 TLSv1.3;
+        location / {{
+            proxy_pass http://backend;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }}
+    }}
+}}
+"#
+        );
+        Nginx::launch(bin, dir, port, &conf, None).map(Some)
     }
 
     /// nginx in front of `replicas` configured the usual way for replicas that fail: a

@@ -7,6 +7,7 @@ pub mod failopen;
 pub mod latency;
 pub mod overload;
 pub mod plans;
+pub mod protocols;
 pub mod redis;
 pub mod replay;
 pub mod slowredis;
