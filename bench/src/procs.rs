@@ -617,6 +617,41 @@ pub struct Nginx {
     dir: TempDir,
 }
 
+/// [`Nginx::start`]'s lean proxy: `workers` worker processes, keep-alive both ways, no
+/// access log, its files in `dir`; `listen`: the server's `listen` directive and any lines
+/// that go with it (TLS).
+fn lean_conf(workers: usize, dir: &str, upstream: SocketAddr, listen: &str) -> String {
+    let d = dir;
+    format!(
+        r#"worker_processes {workers};
+daemon off;
+master_process on;
+pid {d}/nginx.pid;
+error_log {d}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {d}/body;
+    proxy_temp_path {d}/proxy;
+    fastcgi_temp_path {d}/fastcgi;
+    uwsgi_temp_path {d}/uwsgi;
+    scgi_temp_path {d}/scgi;
+    keepalive_requests 1000000;
+    upstream backend {{ server {upstream}; keepalive 128; keepalive_requests 1000000; }}
+    server {{
+        {listen}
+        location / {{
+            proxy_pass http://backend;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }}
+    }}
+}}
+"#
+    )
+}
+
 impl Nginx {
     pub fn binary() -> Option<PathBuf> {
         ["/usr/sbin/nginx", "/usr/bin/nginx", "/usr/local/sbin/nginx"]
@@ -638,34 +673,8 @@ impl Nginx {
         let dir = temp_dir("nginx")?;
         let port = free_port()?;
         let d = dir.path().to_string_lossy().into_owned();
-        let conf = format!(
-            r#"worker_processes {workers};
-daemon off;
-master_process on;
-pid {d}/nginx.pid;
-error_log {d}/error.log warn;
-events {{ worker_connections 4096; }}
-http {{
-    access_log off;
-    client_body_temp_path {d}/body;
-    proxy_temp_path {d}/proxy;
-    fastcgi_temp_path {d}/fastcgi;
-    uwsgi_temp_path {d}/uwsgi;
-    scgi_temp_path {d}/scgi;
-    keepalive_requests 1000000;
-    upstream backend {{ server {upstream}; keepalive 128; keepalive_requests 1000000; }}
-    server {{
-        listen 127.0.0.1:{port} backlog=4096;
-        location / {{
-            proxy_pass http://backend;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-        }}
-    }}
-}}
-"#
-        );
+        let listen = format!("listen 127.0.0.1:{port} backlog=4096;");
+        let conf = lean_conf(workers, &d, upstream, &listen);
         Nginx::launch(bin, dir, port, &conf, pin).map(Some)
     }
 
@@ -685,37 +694,13 @@ http {{
         let port = free_port()?;
         let d = dir.path().to_string_lossy().into_owned();
         let (cert, key) = (cert.display(), key.display());
-        let conf = format!(
-            r#"worker_processes {workers};
-daemon off;
-master_process on;
-pid {d}/nginx.pid;
-error_log {d}/error.log warn;
-events {{ worker_connections 4096; }}
-http {{
-    access_log off;
-    client_body_temp_path {d}/body;
-    proxy_temp_path {d}/proxy;
-    fastcgi_temp_path {d}/fastcgi;
-    uwsgi_temp_path {d}/uwsgi;
-    scgi_temp_path {d}/scgi;
-    keepalive_requests 1000000;
-    upstream backend {{ server {upstream}; keepalive 128; keepalive_requests 1000000; }}
-    server {{
-        listen 127.0.0.1:{port} ssl http2 backlog=4096;
+        let listen = format!(
+            "listen 127.0.0.1:{port} ssl http2 backlog=4096;
         ssl_certificate {cert};
         ssl_certificate_key {key};
-        ssl_protocols TLSv1.2 TLSv1.3;
-        location / {{
-            proxy_pass http://backend;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-        }}
-    }}
-}}
-"#
+        ssl_protocols TLSv1.2 TLSv1.3;"
         );
+        let conf = lean_conf(workers, &d, upstream, &listen);
         Nginx::launch(bin, dir, port, &conf, None).map(Some)
     }
 
