@@ -667,15 +667,9 @@ impl Nginx {
         workers: usize,
         pin: Option<Pin>,
     ) -> anyhow::Result<Option<Nginx>> {
-        let Some(bin) = Nginx::binary() else {
-            return Ok(None);
-        };
-        let dir = temp_dir("nginx")?;
-        let port = free_port()?;
-        let d = dir.path().to_string_lossy().into_owned();
-        let listen = format!("listen 127.0.0.1:{port} backlog=4096;");
-        let conf = lean_conf(workers, &d, upstream, &listen);
-        Nginx::launch(bin, dir, port, &conf, pin).map(Some)
+        Nginx::lean(upstream, workers, pin, |port| {
+            format!("listen 127.0.0.1:{port} backlog=4096;")
+        })
     }
 
     /// [`Nginx::start`]'s lean proxy behind TLS (`cert`, `key`; TLS 1.2 and 1.3) with
@@ -687,21 +681,32 @@ impl Nginx {
         cert: &std::path::Path,
         key: &std::path::Path,
     ) -> anyhow::Result<Option<Nginx>> {
+        let (cert, key) = (cert.display(), key.display());
+        Nginx::lean(upstream, workers, None, |port| {
+            format!(
+                "listen 127.0.0.1:{port} ssl http2 backlog=4096;
+        ssl_certificate {cert};
+        ssl_certificate_key {key};
+        ssl_protocols TLSv1.2 TLSv1.3;"
+            )
+        })
+    }
+
+    /// The lean proxy ([`lean_conf`]) on a free port, its `listen` lines `listen(port)`.
+    fn lean(
+        upstream: SocketAddr,
+        workers: usize,
+        pin: Option<Pin>,
+        listen: impl FnOnce(u16) -> String,
+    ) -> anyhow::Result<Option<Nginx>> {
         let Some(bin) = Nginx::binary() else {
             return Ok(None);
         };
         let dir = temp_dir("nginx")?;
         let port = free_port()?;
         let d = dir.path().to_string_lossy().into_owned();
-        let (cert, key) = (cert.display(), key.display());
-        let listen = format!(
-            "listen 127.0.0.1:{port} ssl http2 backlog=4096;
-        ssl_certificate {cert};
-        ssl_certificate_key {key};
-        ssl_protocols TLSv1.2 TLSv1.3;"
-        );
-        let conf = lean_conf(workers, &d, upstream, &listen);
-        Nginx::launch(bin, dir, port, &conf, None).map(Some)
+        let conf = lean_conf(workers, &d, upstream, &listen(port));
+        Nginx::launch(bin, dir, port, &conf, pin).map(Some)
     }
 
     /// nginx in front of `replicas` configured the usual way for replicas that fail: a

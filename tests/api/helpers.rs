@@ -564,6 +564,24 @@ pub struct Collector {
     tls: bool,
 }
 
+/// A test service's TLS configuration: the chain `cert_pem` (leaf first) and its key
+/// `key_pem`, TLS 1.2 and 1.3.
+pub fn tls_server_config(cert_pem: &str, key_pem: &str) -> rustls::ServerConfig {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let chain = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .unwrap()
+}
+
 /// A self-signed certificate for `127.0.0.1` and `localhost`, and its key, in PEM.
 pub struct SelfSigned {
     pub cert_pem: String,
@@ -589,18 +607,7 @@ impl Collector {
 
     /// Over TLS (`https://`), presenting `cert`.
     pub async fn start_tls(cert: &SelfSigned) -> Collector {
-        use rustls::pki_types::pem::PemObject;
-        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-        let chain = vec![CertificateDer::from_pem_slice(cert.cert_pem.as_bytes()).unwrap()];
-        let key = PrivateKeyDer::from_pem_slice(cert.key_pem.as_bytes()).unwrap();
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let config = rustls::ServerConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_no_client_auth()
-            .with_single_cert(chain, key)
-            .unwrap();
-        Collector::serve(Some(config))
+        Collector::serve(Some(tls_server_config(&cert.cert_pem, &cert.key_pem)))
     }
 
     fn serve(tls: Option<rustls::ServerConfig>) -> Collector {
