@@ -25,6 +25,7 @@ pub mod configuration;
 pub mod domain;
 mod error;
 mod limiter;
+pub mod listen;
 pub mod metrics;
 pub mod ops;
 pub mod proxy;

@@ -138,6 +138,7 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     write_catalog(&mut out, &state);
     write_tasks(&mut out, &state);
     state.tls.write_metrics(&mut out);
+    state.connections.write_metrics(&mut out);
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4")
         .body(out.finish())

@@ -11,13 +11,14 @@
 //! persistence check), or in the part it belongs to, through the [`Tasks`] handed to it.
 
 use std::net::{SocketAddr, TcpListener};
+use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::dev::{Server, ServerHandle};
 use actix_web::middleware::from_fn;
-use actix_web::{web, App, HttpServer};
+use actix_web::{web, App};
 use anyhow::Context;
 use arc_swap::ArcSwap;
 use tracing_actix_web::TracingLogger;
@@ -26,6 +27,7 @@ use crate::admin::{self, JwtVerifier};
 use crate::catalog::{self, Catalog};
 use crate::configuration::Settings;
 use crate::limiter::{Limiter, LimiterParts};
+use crate::listen::{self, Admission, Admissions, Bounds, Serving};
 use crate::metrics::Metrics;
 use crate::proxy::{self, RouteTable};
 use crate::reload::{self, Reloader};
@@ -273,6 +275,7 @@ fn shared_state(
         traces,
         tasks: tasks.clone(),
         tls,
+        connections: admissions(settings),
         websockets: proxy::Relays::new(
             settings.upstream.websocket_idle_timeout,
             settings.server.shutdown_timeout,
@@ -290,6 +293,25 @@ fn start_health_checks(state: &web::Data<AppState>, settings: &Settings, tasks: 
         move || served.upgrade().map(|s| s.routes.load_full()),
         &settings.upstream,
     );
+}
+
+/// Each listener's admission of connections: `server.*_per_address`, with the trusted
+/// proxies exempt and addresses grouped as the per-IP limits group them.
+fn admissions(settings: &Settings) -> Admissions {
+    let bounds = Bounds {
+        open: settings.server.max_connections_per_address,
+        per_second: settings.server.new_connections_per_address,
+        exempt: settings.server.trusted_proxies.clone(),
+        ipv4_prefix: settings.edge.ipv4_prefix,
+        ipv6_prefix: settings.edge.ipv6_prefix,
+    };
+    Admissions {
+        public: Admission::new("public", bounds.clone()),
+        admin: settings
+            .server
+            .admin_listen
+            .map(|_| Admission::new("admin", bounds)),
+    }
 }
 
 /// Binds the listeners and starts the public server (the proxy, and the admin API when it
@@ -331,7 +353,7 @@ fn public_server(
     let traced = state.traces.is_some();
     let upstream = settings.upstream.clone();
     let limits_path = settings.edge.limits_path.clone();
-    let main = HttpServer::new(move || {
+    let main = move || {
         // This closure runs once on each worker's thread.
         data.limiter.start_worker();
         let app = App::new()
@@ -362,28 +384,30 @@ fn public_server(
         } else {
             app.default_service(proxy)
         }
-    });
+    };
     // A request the gateway answers without reading its body (a 401, a 429, ...) keeps
     // that body's `Payload` until the answer is written (proxy::edge), so actix-http
     // closes the connection after lingering, reading and discarding, for at most this
     // long: nginx's lingering close, bounded, so that the client reads its answer rather
     // than a reset, and a client that never stops sending is cut off. Set here, not left
     // to actix-web's default (also 1 s today), because the bound is ours.
-    let main = main
-        .shutdown_timeout(settings.server.shutdown_timeout.as_secs())
-        .backlog(4096)
-        .client_disconnect_timeout(LINGER);
-    let main = match settings.server.workers {
-        Some(n) => main.workers(n.get()),
-        None => main,
+    let tls = match &state.tls.public {
+        Some(served) => Some(tls_config(served, settings)?),
+        None => None,
     };
-    let main = match &state.tls.public {
-        Some(served) => main.listen_rustls_0_23(listener, tls_config(served, settings)?)?,
-        // HTTP/1.1, or HTTP/2 to a client that opens with its preface (h2c).
-        None if settings.server.http2 => main.listen_auto_h2c(listener)?,
-        None => main.listen(listener)?,
-    };
-    Ok(main.run())
+    listen::serve(
+        main,
+        Serving {
+            listener,
+            tls,
+            h2c: settings.server.http2,
+            workers: settings.server.workers.map(NonZeroUsize::get),
+            shutdown_timeout: settings.server.shutdown_timeout,
+            backlog: 4096,
+            linger: LINGER,
+            admission: Arc::clone(&state.connections.public),
+        },
+    )
 }
 
 /// The admin server, on `server.admin_listen`: the admin API, its docs, health and metrics.
@@ -394,7 +418,7 @@ fn admin_server(
     listener: TcpListener,
 ) -> std::io::Result<Server> {
     let (data, jwt) = (state.clone(), jwt.clone());
-    let admin = HttpServer::new(move || {
+    let admin = move || {
         App::new()
             .wrap(TracingLogger::<telemetry::RequestSpan>::new())
             .wrap(from_fn(proxy::request_id))
@@ -403,15 +427,28 @@ fn admin_server(
             .configure(ops::configure)
             .configure(ops::configure_metrics)
             .configure(admin::configure)
-    })
-    .workers(1)
-    .shutdown_timeout(settings.server.shutdown_timeout.as_secs());
-    let admin = match &state.tls.admin {
-        Some(served) => admin.listen_rustls_0_23(listener, tls_config(served, settings)?)?,
-        None if settings.server.http2 => admin.listen_auto_h2c(listener)?,
-        None => admin.listen(listener)?,
     };
-    Ok(admin.run())
+    let tls = match &state.tls.admin {
+        Some(served) => Some(tls_config(served, settings)?),
+        None => None,
+    };
+    listen::serve(
+        admin,
+        Serving {
+            listener,
+            tls,
+            h2c: settings.server.http2,
+            workers: Some(1),
+            shutdown_timeout: settings.server.shutdown_timeout,
+            backlog: 1024,
+            linger: LINGER,
+            admission: state
+                .connections
+                .admin
+                .clone()
+                .expect("an admission for server.admin_listen"),
+        },
+    )
 }
 
 /// A TLS listener's configuration: `served`'s certificates, `tls.min_version`, and `h2` by

@@ -42,6 +42,8 @@ pub struct AppState {
     pub tasks: Tasks,
     /// The listeners' certificates, for `/metrics` (their expiry and reloads).
     pub tls: crate::tls::Listeners,
+    /// The listeners' admission of connections, for `/metrics`.
+    pub connections: crate::listen::Admissions,
     /// The open WebSocket relays: counted per client, closed at a stop.
     pub websockets: crate::proxy::Relays,
 }

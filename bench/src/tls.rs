@@ -124,7 +124,28 @@ pub async fn connect(
     addr: SocketAddr,
     config: &Arc<rustls::ClientConfig>,
 ) -> std::io::Result<TlsStream<TcpStream>> {
-    let tcp = TcpStream::connect(addr).await?;
+    handshake(TcpStream::connect(addr).await?, config).await
+}
+
+/// [`connect`] from `from`, a local address of this host (e.g. `127.0.0.2`: to the gateway,
+/// another client than one on `127.0.0.1`).
+pub async fn connect_from(
+    from: std::net::IpAddr,
+    addr: SocketAddr,
+    config: &Arc<rustls::ClientConfig>,
+) -> std::io::Result<TlsStream<TcpStream>> {
+    let socket = match from {
+        std::net::IpAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        std::net::IpAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    socket.bind(SocketAddr::new(from, 0))?;
+    handshake(socket.connect(addr).await?, config).await
+}
+
+async fn handshake(
+    tcp: TcpStream,
+    config: &Arc<rustls::ClientConfig>,
+) -> std::io::Result<TlsStream<TcpStream>> {
     tcp.set_nodelay(true)?;
     tokio_rustls::TlsConnector::from(Arc::clone(config))
         .connect(ServerName::try_from(HOST).expect("a DNS name"), tcp)

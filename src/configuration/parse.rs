@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::num::{NonZeroU64, NonZeroUsize};
+use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -682,6 +682,8 @@ fn server(raw: RawServer, p: &mut Problems) -> Option<ServerSettings> {
         max_body_bytes: max_body_bytes?,
         shutdown_timeout: Duration::from_secs(raw.shutdown_timeout_s),
         http2: raw.http2,
+        max_connections_per_address: NonZeroU32::new(raw.max_connections_per_address),
+        new_connections_per_address: NonZeroU32::new(raw.new_connections_per_address),
     })
 }
 

@@ -73,6 +73,8 @@ pub(super) struct RawServer {
     pub(super) max_body_bytes: u64,
     pub(super) shutdown_timeout_s: u64,
     pub(super) http2: bool,
+    pub(super) max_connections_per_address: u32,
+    pub(super) new_connections_per_address: u32,
 }
 
 #[derive(Debug, Deserialize)]

@@ -2,7 +2,7 @@
 //! keys documented beside each field, and is valid; consumers read fields, never strings.
 
 use std::net::SocketAddr;
-use std::num::{NonZeroU64, NonZeroUsize};
+use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -68,6 +68,13 @@ pub struct ServerSettings {
     /// `server.http2`: the listeners speak HTTP/2 too: over TLS when the client asks by
     /// ALPN, and in cleartext to a client that starts with HTTP/2's preface (h2c).
     pub http2: bool,
+    /// `server.max_connections_per_address` (`0`: no bound): connections one client address
+    /// group may have open at once on a listener; more are reset before their handshake.
+    pub max_connections_per_address: Option<NonZeroU32>,
+    /// `server.new_connections_per_address` (`0`: no bound): connections one client address
+    /// group may open a second on a listener (a second's worth at once); more are reset
+    /// before their handshake.
+    pub new_connections_per_address: Option<NonZeroU32>,
 }
 
 #[derive(Debug, Clone)]

@@ -9,6 +9,7 @@ mod breaker;
 mod catalog;
 mod cluster;
 mod configuration;
+mod connections;
 mod costs;
 mod durability;
 mod edge_http;

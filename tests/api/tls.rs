@@ -140,7 +140,7 @@ async fn served(addr: SocketAddr, sni: Option<&str>) -> Vec<u8> {
 }
 
 /// One `GET path` on an open connection, kept alive: the status and the body.
-async fn get(
+pub(crate) async fn get(
     tls: &mut TlsStream<tokio::net::TcpStream>,
     path: &str,
 ) -> std::io::Result<(u16, String)> {
@@ -187,7 +187,7 @@ async fn curl(args: &[&str]) -> std::process::Output {
         .expect("curl runs (Debian's curl package)")
 }
 
-fn addr_of(gw: &TestGateway) -> SocketAddr {
+pub(crate) fn addr_of(gw: &TestGateway) -> SocketAddr {
     gw.address.trim_start_matches("http://").parse().unwrap()
 }
 
@@ -199,7 +199,7 @@ pub(crate) async fn metrics(addr: SocketAddr) -> String {
 }
 
 /// A gateway serving `tls` (the `[tls]` section's keys) in front of an echoing upstream.
-async fn gateway(tls: &str, up: &Upstream) -> TestGateway {
+pub(crate) async fn gateway(tls: &str, up: &Upstream) -> TestGateway {
     let toml = format!(
         "{}{}[tls]\n{tls}",
         catalog_toml(("gold", 1000.0, 1000.0), &["acme"]),

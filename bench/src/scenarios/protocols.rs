@@ -128,6 +128,9 @@ pub struct Args {
     /// to have it compete as an equal.
     #[arg(long, default_value_t = 19, allow_negative_numbers = true)]
     attacker_nice: i32,
+    /// `reset`: a second row with `server.new_connections_per_address` at this (0: none).
+    #[arg(long, default_value_t = 20)]
+    reset_new_connections: u32,
 }
 
 const PATH: &str = "/api/items/42";
@@ -181,13 +184,15 @@ struct Stand {
 }
 
 impl Stand {
-    fn start(a: &Args) -> anyhow::Result<Stand> {
+    /// `server`: more `[server]` settings, TOML lines.
+    fn start(a: &Args, server: &str) -> anyhow::Result<Stand> {
         let upstream = Upstreams::start(vec![Server::Fast(Default::default())])?;
         let ca = Ca::new()?;
         let dir = temp_dir("protocols")?;
         let files = CertFiles::write(dir.path(), "gateway", &ca.leaf()?)?;
         let mut config = one_unlimited_client(None, upstream.urls(), "protocols-client", KEY);
         config.workers = a.workers;
+        config.server = server.to_owned();
         config.extra.push_str(&files.toml());
         let h1 = ca.client(&[b"http/1.1"])?;
         let gateway = Gateway::start_probed(&config, |addr| {
@@ -252,7 +257,7 @@ const RELOAD_COLUMNS: [Column; 9] = [
 ];
 
 fn reload(a: &Args, seed: u64) -> anyhow::Result<Vec<(String, Figures)>> {
-    let stand = Stand::start(a)?;
+    let stand = Stand::start(a, "")?;
     // Made before the run, so making them does not take the CPU from it.
     let leaves = (0..a.reloads)
         .map(|_| stand.ca.leaf())
@@ -369,7 +374,7 @@ struct Target {
 }
 
 fn h2(a: &Args, seed: u64) -> anyhow::Result<Vec<(String, Figures)>> {
-    let stand = Stand::start(a)?;
+    let stand = Stand::start(a, "")?;
     let nginx = Nginx::start_tls(
         stand.upstream.addrs[0],
         a.workers,
@@ -518,7 +523,7 @@ fn closed_loop(bin: &std::path::Path, a: &Args, t: &Target) -> anyhow::Result<Op
     }
 }
 
-const RESET_COLUMNS: [Column; 11] = [
+const RESET_COLUMNS: [Column; 12] = [
     ("requests", "others' requests", Worse::Lower, count),
     ("failed", "others failed", Worse::Higher, count),
     ("p99_without_ms", "p99 ms without", Worse::Higher, ms),
@@ -539,6 +544,12 @@ const RESET_COLUMNS: [Column; 11] = [
     ("attack_goaways", "GOAWAYs", Worse::Lower, count),
     ("attack_conns", "attacker connections", Worse::Lower, count),
     (
+        "attack_refused",
+        "refused before a handshake",
+        Worse::Lower,
+        count,
+    ),
+    (
         "attack_cpu_pct",
         "attacker CPU % of a core",
         Worse::Higher,
@@ -556,8 +567,27 @@ fn ratio(v: f64) -> String {
     format!("{v:.2}x")
 }
 
-fn reset(a: &Args, seed: u64) -> anyhow::Result<Vec<(String, Figures)>> {
-    let stand = Stand::start(a)?;
+/// The attacker's address: to the gateway, a client of its own (the others are on
+/// 127.0.0.1).
+const ATTACKER: std::net::IpAddr = std::net::IpAddr::V4(std::net::Ipv4Addr::new(127, 0, 0, 2));
+
+/// Both rows of `reset`: the gateway as configured by default, then with
+/// `server.new_connections_per_address`.
+fn resets(a: &Args, seed: u64) -> anyhow::Result<Vec<(String, Figures)>> {
+    let mut rows = vec![("rapid reset".to_owned(), reset(a, seed, "")?)];
+    if a.reset_new_connections > 0 {
+        let n = a.reset_new_connections;
+        let server = format!("new_connections_per_address = {n}\n");
+        rows.push((
+            format!("rapid reset, {n} new connections/s per address"),
+            reset(a, seed, &server)?,
+        ));
+    }
+    Ok(rows)
+}
+
+fn reset(a: &Args, seed: u64, server: &str) -> anyhow::Result<Figures> {
+    let stand = Stand::start(a, server)?;
     let addr = stand.gateway.addr;
     let h2c = stand.ca.client(&[b"h2"])?;
     let (w, d) = (a.warmup, a.reset_duration);
@@ -623,10 +653,11 @@ fn reset(a: &Args, seed: u64) -> anyhow::Result<Vec<(String, Figures)>> {
     f.insert("attack_taken", attack.taken as f64);
     f.insert("attack_goaways", attack.goaways as f64);
     f.insert("attack_conns", attack.conns as f64);
+    f.insert("attack_refused", attack.refused as f64);
     f.insert("attack_cpu_pct", attack.cpu_s / d * 100.0);
     f.insert("generator_late_p99_ms", late_ms(&result));
     drop(stand);
-    Ok(vec![("rapid reset".into(), f)])
+    Ok(f)
 }
 
 /// What the attacker did.
@@ -642,6 +673,9 @@ struct Attack {
     goaways: u64,
     /// TLS connections it made.
     conns: u64,
+    /// Connections the gateway reset before their handshake, or held unanswered past the
+    /// attacker's 1 s wait for one.
+    refused: u64,
     /// CPU seconds its thread used: on a 2-core host, time the gateway and the other
     /// clients could not have.
     cpu_s: f64,
@@ -714,14 +748,21 @@ async fn rapid_reset(
     let block = request_block();
     let until = tokio::time::Instant::from_std(until);
     while tokio::time::Instant::now() < until {
-        let tls =
-            match tokio::time::timeout(Duration::from_secs(1), tls::connect(addr, &config)).await {
-                Ok(Ok(tls)) if tls.get_ref().1.alpn_protocol() == Some(b"h2") => tls,
-                _ => {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                    continue;
-                }
-            };
+        let connect = tls::connect_from(ATTACKER, addr, &config);
+        let tls = match tokio::time::timeout(Duration::from_secs(1), connect).await {
+            Ok(Ok(tls)) if tls.get_ref().1.alpn_protocol() == Some(b"h2") => tls,
+            // Refused: at once again, as an attacker would.
+            Ok(Err(_)) => {
+                attack.refused += 1;
+                tokio::task::yield_now().await;
+                continue;
+            }
+            // Held unanswered (a refused connection, until its reset), or not h2.
+            _ => {
+                attack.refused += 1;
+                continue;
+            }
+        };
         attack.conns += 1;
         let (mut rd, mut wr) = tokio::io::split(tls);
         let closed = Rc::new(Cell::new(false));
@@ -860,7 +901,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
             let rows = match phase {
                 Phase::Reload => reload(a, seed)?,
                 Phase::H2 => h2(a, seed)?,
-                Phase::Reset => reset(a, seed)?,
+                Phase::Reset => resets(a, seed)?,
             };
             let (order, runs) = results.entry(phase).or_default();
             for (row, f) in rows {
@@ -945,7 +986,10 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
                     "Other clients: {} req/s over HTTP/2 with TLS ({} connections), open loop, \
                      {} s without an attack, then {} s with one attacker connection doing rapid \
                      reset (HEADERS + RST_STREAM(CANCEL) pairs, {} per write, as fast as the \
-                     socket takes them; a new connection after each GOAWAY or close). Ratio: \
+                     socket takes them; a new connection after each GOAWAY or close, and at once after a \
+                     connection reset before its handshake), from 127.0.0.2 (the others: \
+                     127.0.0.1): the gateway as configured by default, then with \
+                     `server.new_connections_per_address = {}`. Ratio: \
                      p99 with / without (goal: within 2x). Streams written: to the socket, \
                      some after the gateway had stopped reading (the kernel buffers them until \
                      the attacker reads the GOAWAY, which it looks for after every write); \
@@ -956,6 +1000,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
                     a.reset_duration,
                     a.reset_duration,
                     BURST,
+                    a.reset_new_connections,
                     a.attacker_nice,
                     if a.attacker_nice >= 19 {
                         "it runs on CPU time the gateway, the upstream and the other clients \
