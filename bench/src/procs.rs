@@ -405,6 +405,11 @@ pub fn one_unlimited_client(
     config
 }
 
+/// `server.max_connections_per_address` off in every gateway this tool starts: its many
+/// clients all connect from 127.0.0.1, and an open loop behind a slow gateway opens up to
+/// 4,096 connections, past the default bound of 1,024 a real client address has.
+const OPEN_BOUND: (&str, &str) = ("TOLLGATE__SERVER__MAX_CONNECTIONS_PER_ADDRESS", "0");
+
 /// A running gateway (the testkit's process), ready to forward.
 pub struct Gateway(GatewayProcess);
 
@@ -448,6 +453,7 @@ impl Gateway {
                 "RUST_LOG",
                 &std::env::var("RUST_LOG").unwrap_or("info".into()),
             )
+            .env(OPEN_BOUND.0, OPEN_BOUND.1)
             .wrapper(wrapper)
             // SIGTERM first so it exits the way it would in production (and a profiler
             // writes its data); then make sure.
@@ -472,6 +478,7 @@ impl Gateway {
                 "RUST_LOG",
                 &std::env::var("RUST_LOG").unwrap_or("info".into()),
             )
+            .env(OPEN_BOUND.0, OPEN_BOUND.1)
             .stop_grace(Duration::from_secs(3))
             .spawn(config)?;
         eprintln!("  tollgate pid {} on {}", gw.child.id(), gw.addr);

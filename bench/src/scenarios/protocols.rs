@@ -22,9 +22,11 @@
 //! - `reset`: `--reset-rate` GETs/s over HTTP/2 with TLS from other clients, open loop,
 //!   `--reset-duration` without an attack, then as long with one attacker doing rapid
 //!   reset (CVE-2023-44487: HEADERS and RST_STREAM pairs written as fast as the socket
-//!   takes them, a new connection whenever the gateway sends GOAWAY or closes): the
-//!   others' p99 without and with, their ratio (goal: within 2x), the attacker's streams
-//!   and the GOAWAYs it got. The attacker thread runs at `--attacker-nice` (19: on the CPU
+//!   takes them, a new connection whenever the gateway sends GOAWAY or closes, at once
+//!   after one refused), from 127.0.0.2 while the others are on 127.0.0.1: the others' p99
+//!   without and with, their ratio (goal: within 2x), the attacker's streams, the GOAWAYs
+//!   it got and its connections refused. Two rows: the gateway as configured, then with
+//!   `server.new_connections_per_address = --reset-new-connections`. The attacker thread runs at `--attacker-nice` (19: on the CPU
 //!   time the rest leave, as an attacker on a host of its own).
 //!
 //! The gateway has `--workers` workers, nginx as many worker processes. Each figure is
@@ -117,8 +119,10 @@ pub struct Args {
     /// `reset`: the other clients' requests per second, HTTP/2 over TLS, open loop.
     #[arg(long, default_value_t = 500.0)]
     reset_rate: f64,
-    /// `reset`: seconds without the attack, then as many with it.
-    #[arg(long, default_value = "10", value_parser = seconds)]
+    /// `reset`: seconds without the attack, then as many with it. At 500 req/s a p99 over
+    /// 10 s is the 50th slowest request, so one stall of 0.1 s on the host sets it (seen:
+    /// p99s of 0.6 to 3.1 ms without any attack); over 30 s it takes three.
+    #[arg(long, default_value = "30", value_parser = seconds)]
     reset_duration: f64,
     /// `reset`: the attacker thread's nice value. At 19 it gets only CPU time the gateway,
     /// the upstream and the other clients leave: an attacker on a host of its own, which
