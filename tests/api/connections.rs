@@ -92,6 +92,20 @@ async fn metrics_from(from: &str, addr: SocketAddr) -> String {
     body
 }
 
+/// A cleartext gateway with `server` (lines of `[server]`) in front of an echoing
+/// upstream, and its address.
+async fn cleartext_gateway(server: &str) -> (TestGateway, SocketAddr, Upstream) {
+    let up = Upstream::start(Behaviour::Echo).await;
+    let toml = format!(
+        "{}{}[server]\n{server}\n",
+        catalog_toml(("gold", 1000.0, 1000.0), &["acme"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    );
+    let gw = TestGateway::spawn(settings(&toml)).await;
+    let addr = gw.address.trim_start_matches("http://").parse().unwrap();
+    (gw, addr, up)
+}
+
 #[tokio::test]
 async fn an_address_with_its_connections_open_is_reset_before_its_handshake_and_others_are_served()
 {
@@ -150,14 +164,7 @@ async fn an_address_with_its_connections_open_is_reset_before_its_handshake_and_
 
 #[tokio::test]
 async fn an_address_opening_connections_faster_than_its_rate_is_reset_until_its_bucket_refills() {
-    let up = Upstream::start(Behaviour::Echo).await;
-    let toml = format!(
-        "{}{}[server]\nnew_connections_per_address = 5\n",
-        catalog_toml(("gold", 1000.0, 1000.0), &["acme"]),
-        route_toml("orders", "/orders", &[up.url()]),
-    );
-    let gw = TestGateway::spawn(settings(&toml)).await;
-    let addr: SocketAddr = gw.address.trim_start_matches("http://").parse().unwrap();
+    let (gw, addr, _up) = cleartext_gateway("new_connections_per_address = 5").await;
 
     // A second's worth at once: five, then a sixth within milliseconds.
     let mut five = Vec::new();
@@ -189,15 +196,11 @@ async fn an_address_opening_connections_faster_than_its_rate_is_reset_until_its_
 
 #[tokio::test]
 async fn trusted_proxies_carry_many_clients_and_are_not_bounded() {
-    let up = Upstream::start(Behaviour::Echo).await;
-    let toml = format!(
-        "{}{}[server]\nmax_connections_per_address = 1\nnew_connections_per_address = 2\n\
-         trusted_proxies = [\"127.0.0.1\"]\n",
-        catalog_toml(("gold", 1000.0, 1000.0), &["acme"]),
-        route_toml("orders", "/orders", &[up.url()]),
-    );
-    let gw = TestGateway::spawn(settings(&toml)).await;
-    let addr: SocketAddr = gw.address.trim_start_matches("http://").parse().unwrap();
+    let (gw, addr, _up) = cleartext_gateway(
+        "max_connections_per_address = 1\nnew_connections_per_address = 2\n\
+         trusted_proxies = [\"127.0.0.1\"]",
+    )
+    .await;
 
     let mut held = Vec::new();
     for _ in 0..10 {
