@@ -28,7 +28,7 @@ use super::records::{
 };
 use super::shards::{Reconcile, ShardState};
 use super::{Persistence, StoreError};
-use crate::domain::ClientId;
+use crate::domain::{ClientId, KeyHash};
 pub use tollgate_engine::redis::SlotRange;
 pub use tollgate_engine::{BucketCalls, Buckets};
 
@@ -76,6 +76,14 @@ pub trait CatalogRecords: Send + Sync {
     async fn plans(&self) -> Result<Vec<Versioned<PlanRecord>>, StoreError>;
 
     async fn client(&self, id: &str) -> Result<Option<Versioned<ClientRecord>>, StoreError>;
+
+    /// The client whose key has this hash, read in one round trip (`None`: no client has
+    /// it): what a gateway that does not hold the whole catalog asks on a key it has not
+    /// cached.
+    async fn client_by_key(
+        &self,
+        hash: &KeyHash,
+    ) -> Result<Option<Versioned<ClientRecord>>, StoreError>;
 
     /// Up to `limit` clients in id order, after the id `after` (cursor pagination).
     async fn clients_page(

@@ -160,3 +160,96 @@ fn tokens(r: &Ruling) -> f64 {
         Level::Used { .. } => panic!("a bucket"),
     }
 }
+
+/// A key's client found in one call, as a gateway holding only part of the catalog will
+/// ask it: the record once written, nothing once its key is revoked, its client deleted,
+/// or for a key no client has. The same on every store.
+#[tokio::test]
+async fn every_store_finds_a_keys_client_and_forgets_it_once_revoked_or_deleted() {
+    use tollgate::domain::{ClientId, KeyHash, PlanName};
+    use tollgate::store::records::{
+        Audit, CatalogWrite, ClientRecord, Condition, KeyRecord, PlanRecord,
+    };
+
+    let redis = RedisServer::start().unwrap();
+    let cluster = RedisCluster::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let nodes: Vec<SecretString> = cluster.urls().into_iter().map(SecretString::from).collect();
+    let stores = [
+        (
+            "embedded",
+            Store::embedded(&dir.path().join("c.json")).unwrap(),
+        ),
+        (
+            "redis",
+            Store::redis(
+                &SecretString::from(redis.url()),
+                2,
+                Duration::from_secs(2),
+                Keys::new("t:"),
+            )
+            .unwrap(),
+        ),
+        (
+            "cluster",
+            Store::cluster(&nodes, Duration::from_secs(2), Keys::new("t:")).unwrap(),
+        ),
+    ];
+    let gold = PlanName::parse("gold").unwrap();
+    let (first, second) = (KeyHash::of("acme-key-1"), KeyHash::of("acme-key-2"));
+    let client = |keys: &[&KeyHash]| ClientRecord {
+        id: ClientId::parse("acme").unwrap(),
+        plan: gold.clone(),
+        mode: None,
+        shards: None,
+        keys: keys.iter().map(|k| KeyRecord::new(**k)).collect(),
+        overrides: Vec::new(),
+        extra: Default::default(),
+    };
+    for (name, store) in &stores {
+        let write = |w: CatalogWrite| async move {
+            store
+                .catalog
+                .write(&w, &Audit::new("test", "test"))
+                .await
+                .unwrap()
+        };
+        let bucket = Limits::single(Bucket::new(10.0, 1.0).unwrap());
+        write(CatalogWrite::PutPlan(
+            PlanRecord::new(gold.clone(), &bucket, None),
+            Condition::Any,
+        ))
+        .await;
+        let by_key = |k: KeyHash| async move { store.catalog.client_by_key(&k).await.unwrap() };
+
+        assert!(by_key(first).await.is_none(), "{name}: nothing yet");
+        write(CatalogWrite::PutClient(
+            client(&[&first, &second]),
+            Condition::Any,
+        ))
+        .await;
+        let found = by_key(second).await.expect(name);
+        assert_eq!(found.value, client(&[&first, &second]), "{name}");
+        assert_eq!(
+            Some(found.rev),
+            store.catalog.client("acme").await.unwrap().map(|c| c.rev),
+            "{name}: the record's revision, as a read by id gives it"
+        );
+        assert!(by_key(KeyHash::of("nobody's")).await.is_none(), "{name}");
+
+        // The first key revoked: it finds nothing; the second still finds the client.
+        write(CatalogWrite::PutClient(client(&[&second]), Condition::Any)).await;
+        assert!(by_key(first).await.is_none(), "{name}: revoked");
+        assert_eq!(
+            by_key(second).await.map(|c| c.value),
+            Some(client(&[&second])),
+            "{name}"
+        );
+        write(CatalogWrite::DeleteClient(
+            ClientId::parse("acme").unwrap(),
+            Condition::Any,
+        ))
+        .await;
+        assert!(by_key(second).await.is_none(), "{name}: deleted");
+    }
+}

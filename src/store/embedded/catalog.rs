@@ -64,6 +64,18 @@ impl CatalogRecords for EmbeddedStore {
         Ok(self.file.catalog.lock().data.clients.get(&id).cloned())
     }
 
+    async fn client_by_key(
+        &self,
+        hash: &KeyHash,
+    ) -> Result<Option<Versioned<ClientRecord>>, StoreError> {
+        let catalog = self.file.catalog.lock();
+        Ok(catalog
+            .keys
+            .get(hash)
+            .and_then(|id| catalog.data.clients.get(id))
+            .cloned())
+    }
+
     async fn safety(&self) -> Result<Option<Versioned<SafetyRecord>>, StoreError> {
         Ok(self.file.catalog.lock().data.safety.clone())
     }

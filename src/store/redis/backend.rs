@@ -33,6 +33,7 @@ pub struct RedisStore {
     pub(super) bucket: Script,
     pub(super) catalog_write: Script,
     pub(super) catalog_restore: Script,
+    pub(super) client_by_key: Script,
     pub(super) reconcile: Script,
     pub(super) url: String,
 }
@@ -54,6 +55,7 @@ impl RedisStore {
             bucket: Script::new(BUCKET_LUA),
             catalog_write: Script::new(include_str!("../../../lua/catalog_write.lua")),
             catalog_restore: Script::new(include_str!("../../../lua/catalog_restore.lua")),
+            client_by_key: Script::new(include_str!("../../../lua/client_by_key.lua")),
             reconcile: Script::new(include_str!("../../../lua/reconcile.lua")),
             url,
         }

@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use redis::{AsyncCommands, Value};
 
 use super::backend::{retrying, scan_hash, Conn, FeedEntry, RedisStore};
-use crate::domain::{ClientId, PlanName};
+use crate::domain::{ClientId, KeyHash, PlanName};
 use crate::store::records::{
     Audit, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, ClientsPage, Condition,
     PlanRecord, SafetyRecord, Versioned, WriteOutcome, SAFETY,
@@ -157,6 +157,19 @@ impl CatalogRecords for RedisStore {
 
     async fn client(&self, id: &str) -> Result<Option<Versioned<ClientRecord>>, StoreError> {
         self.entity("clients", id).await
+    }
+
+    async fn client_by_key(
+        &self,
+        hash: &KeyHash,
+    ) -> Result<Option<Versioned<ClientRecord>>, StoreError> {
+        let mut inv = self.client_by_key.prepare_invoke();
+        inv.key(self.keys.catalog("keys"))
+            .key(self.keys.catalog("clients"))
+            .arg(hash.to_string());
+        let raw: Option<String> =
+            retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
+        Ok(raw.and_then(|r| parse_entity(&r)))
     }
 
     async fn safety(&self) -> Result<Option<Versioned<SafetyRecord>>, StoreError> {
