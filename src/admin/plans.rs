@@ -8,8 +8,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
 
-use super::body::{etag, read_body, read_member, Description, Field, Fields};
-use super::shared::{condition, path_id};
+use super::body::{etag, if_match, read_body, read_member, Description, Field, Fields};
+use super::shared::{condition, path_id, precondition, WRITE_TRIES};
 use super::Actor;
 use crate::catalog::{Audit, CatalogWrite, Condition, PlanRecord, Versioned, WriteOutcome};
 use crate::domain::limits::{MAX_LIMITS, MAX_QUOTA, MIN_QUOTA};
@@ -620,34 +620,48 @@ pub async fn put(
         description.map(String::from),
     )
     .with_max_connections(max_connections);
-    let cond = condition(&req, "plan", || async {
-        Ok(state
+    let wanted = if_match(req.headers())?;
+    for _ in 0..WRITE_TRIES {
+        // A newer gateway's fields in the plan stay: read it, and write only over that
+        // revision.
+        let existing = state.store.catalog.plan(name.as_str()).await?;
+        if let Some(wanted) = &wanted {
+            precondition(wanted, existing.as_ref().map(|p| p.rev), "plan")?;
+        }
+        let cond = match &existing {
+            Some(cur) => Condition::Rev(cur.rev),
+            None => Condition::Absent,
+        };
+        let mut rec = rec.clone();
+        rec.extra = existing.map(|p| p.value.extra).unwrap_or_default();
+        let outcome = state
             .store
             .catalog
-            .plan(name.as_str())
-            .await?
-            .map(|p| p.rev))
-    })
-    .await?;
-    let outcome = state
-        .store
-        .catalog
-        .write(
-            &CatalogWrite::PutPlan(rec.clone(), cond),
-            &Audit::new(&actor.sub, "plan.put"),
-        )
-        .await?;
-    match outcome {
-        WriteOutcome::Written { rev, before } => {
-            let status = if before.is_some() {
-                actix_web::http::StatusCode::OK
-            } else {
-                actix_web::http::StatusCode::CREATED
-            };
-            Ok(one(Versioned { rev, value: rec }, status))
+            .write(
+                &CatalogWrite::PutPlan(rec.clone(), cond),
+                &Audit::new(&actor.sub, "plan.put"),
+            )
+            .await?;
+        match outcome {
+            WriteOutcome::Written { rev, before } => {
+                let status = if before.is_some() {
+                    actix_web::http::StatusCode::OK
+                } else {
+                    actix_web::http::StatusCode::CREATED
+                };
+                return Ok(one(Versioned { rev, value: rec }, status));
+            }
+            WriteOutcome::Stale { .. } | WriteOutcome::Exists | WriteOutcome::Missing
+                if wanted.is_none() =>
+            {
+                continue
+            }
+            other => return Err(super::shared::refusal(other, "plan")),
         }
-        other => Err(super::shared::refusal(other, "plan")),
     }
+    Err(ApiError::Conflict(
+        "the plan kept changing; try again".into(),
+    ))
 }
 
 /// Delete a plan no client uses.

@@ -27,6 +27,10 @@ pub struct PlanRecord {
     /// no cap; a gateway from before ignores it, and `0` is read as absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_connections: Option<u32>,
+    /// Fields a newer gateway wrote (see [`KeyRecord::extra`]): kept through this one's
+    /// edits and restores.
+    #[serde(flatten, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
 impl PlanRecord {
@@ -39,6 +43,7 @@ impl PlanRecord {
             rate: headline.map(|b| b.rate()),
             description,
             max_connections: None,
+            extra: Default::default(),
         }
     }
 

@@ -549,3 +549,48 @@ async fn fields_a_newer_gateway_wrote_survive_this_ones_edits() {
     assert_eq!(after["keys"][0]["x_key_future"], "kept", "{after}");
     assert_eq!(after["keys"].as_array().unwrap().len(), 1, "{after}");
 }
+
+#[tokio::test]
+async fn a_plans_fields_a_newer_gateway_wrote_survive_this_ones_put() {
+    // Arrange: plan `gold` as a newer gateway would store it, with a field this gateway
+    // does not know.
+    let redis = RedisServer::start().unwrap();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway(&redis.url(), &up, 1000).await;
+    let stored = || -> String {
+        redis::cmd("HGET")
+            .arg("tollgate:{catalog}:plans")
+            .arg("gold")
+            .query(&mut redis.conn().unwrap())
+            .unwrap()
+    };
+    let (rev, json) = stored()
+        .split_once(' ')
+        .map(|(r, j)| (r.to_owned(), j.to_owned()))
+        .unwrap();
+    let mut rec: Value = serde_json::from_str(&json).unwrap();
+    rec["x_future"] = json!({"n": 1});
+    let _: () = redis::cmd("HSET")
+        .arg("tollgate:{catalog}:plans")
+        .arg("gold")
+        .arg(format!("{rev} {rec}"))
+        .query(&mut redis.conn().unwrap())
+        .unwrap();
+
+    // Act: the plan replaced through this gateway's admin API, which knows only its own
+    // fields.
+    let r = gw
+        .admin(Method::PUT, "/plans/gold", &rw())
+        .json(&json!({"capacity": 50, "rate": 5, "max_connections": 3}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+
+    // Assert: the new values, and the unknown field as it was written.
+    let after: Value = serde_json::from_str(stored().split_once(' ').unwrap().1).unwrap();
+    assert_eq!(after["x_future"], json!({"n": 1}), "{after}");
+    assert_eq!(after["capacity"], json!(50.0), "{after}");
+    assert_eq!(after["max_connections"], json!(3), "{after}");
+    gw.stop().await;
+}
