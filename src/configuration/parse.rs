@@ -2,6 +2,7 @@
 //! domain type, and every key that cannot is named, so one start-up shows every problem.
 
 use std::collections::HashSet;
+use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
 use std::path::{Path, PathBuf};
@@ -373,7 +374,13 @@ fn upstream(raw: RawUpstream, p: &mut Problems) -> Option<UpstreamSettings> {
             "must be between 0 and 16777216",
         ),
     );
-    let trust = p.take("upstream.ca_file", trust_roots(&raw.ca_file));
+    let trust = p.take(
+        "upstream.ca_file",
+        trust_roots(
+            &raw.ca_file,
+            std::env::var_os("SSL_CERT_FILE").filter(|v| !v.is_empty()),
+        ),
+    );
     if let (Some(first), Some(max)) = (ejection, max_ejection) {
         if max < first {
             p.add("upstream.max_ejection_ms", "must be at least ejection_ms");
@@ -407,13 +414,32 @@ const SYSTEM_BUNDLES: [&str; 4] = [
 ];
 
 /// `upstream.ca_file`: every certificate in it, each a usable trust anchor, at least one;
-/// or, when empty, the system's bundle (the first of [`SYSTEM_BUNDLES`] there is, its
-/// unusable entries skipped as OpenSSL does), none when the host has none.
-fn trust_roots(ca_file: &str) -> Result<TrustRoots, String> {
+/// or, when empty, the system's bundle: the file `SSL_CERT_FILE` names (`ssl_cert_file`,
+/// as OpenSSL and `rustls-native-certs` read it; one that does not load is an error, not
+/// silently no roots), else the first of [`SYSTEM_BUNDLES`] there is, its unusable
+/// entries skipped as OpenSSL does, none when the host has none.
+fn trust_roots(ca_file: &str, ssl_cert_file: Option<OsString>) -> Result<TrustRoots, String> {
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::CertificateDer;
     let mut store = rustls::RootCertStore::empty();
     if ca_file.is_empty() {
+        if let Some(named) = ssl_cert_file {
+            let path = PathBuf::from(named);
+            let certs = CertificateDer::pem_file_iter(&path).map_err(|e| {
+                format!("empty, and SSL_CERT_FILE names {path:?}, which cannot be read: {e}")
+            })?;
+            let (added, _) = store.add_parsable_certificates(certs.filter_map(Result::ok));
+            if added == 0 {
+                return Err(format!(
+                    "empty, and SSL_CERT_FILE names {path:?}, which has no usable certificate"
+                ));
+            }
+            return Ok(TrustRoots {
+                file: Some(path),
+                configured: false,
+                store: Arc::new(store),
+            });
+        }
         let Some(bundle) = SYSTEM_BUNDLES.iter().map(Path::new).find(|p| p.is_file()) else {
             return Ok(TrustRoots {
                 file: None,
@@ -1357,6 +1383,28 @@ mod tests {
             );
             assert!(s.upstream.trust.store.len() > 10);
         }
+    }
+
+    #[test]
+    fn ssl_cert_file_names_the_systems_bundle_and_one_that_does_not_load_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let bundle = dir.path().join("bundle.pem");
+        let ca = rcgen::generate_simple_self_signed(vec!["ca.test".to_string()]).unwrap();
+        std::fs::write(&bundle, ca.cert.pem()).unwrap();
+
+        let trust = trust_roots("", Some(bundle.clone().into_os_string())).unwrap();
+        assert_eq!(trust.file.as_deref(), Some(bundle.as_path()));
+        assert_eq!(trust.store.len(), 1);
+        assert!(!trust.configured);
+        // `upstream.ca_file` wins over it.
+        let configured = trust_roots(bundle.to_str().unwrap(), Some("/nowhere".into())).unwrap();
+        assert!(configured.configured);
+
+        let missing = trust_roots("", Some("/nowhere/bundle.pem".into())).unwrap_err();
+        assert!(missing.contains("SSL_CERT_FILE") && missing.contains("/nowhere/bundle.pem"));
+        std::fs::write(&bundle, "not a certificate").unwrap();
+        let empty = trust_roots("", Some(bundle.into_os_string())).unwrap_err();
+        assert!(empty.contains("no usable certificate"), "{empty}");
     }
 
     #[test]

@@ -638,3 +638,32 @@ async fn a_reload_moves_a_route_to_an_https_replica() {
     .await;
     assert_eq!(secure.handshakes()[0].sni.as_deref(), Some("localhost"));
 }
+
+#[tokio::test]
+async fn without_a_ca_file_the_bundle_ssl_cert_file_names_is_trusted() {
+    let ca = TestCa::new("tollgate test CA");
+    let service = TlsService::ok(ca.leaf(&["localhost"]), "over tls").await;
+    let toml = format!(
+        "{}{}",
+        catalog_toml(("gold", 100_000.0, 100_000.0), &["acme"]),
+        route_toml("named", "/named", &[service.url("localhost")]),
+    );
+    let bundle = ca.pem_file();
+    let get = |address: String| async move {
+        reqwest::Client::new()
+            .get(format!("{address}/named"))
+            .header("x-api-key", key("acme"))
+            .send()
+            .await
+            .unwrap()
+    };
+
+    // The process's environment names the bundle, as a container's would.
+    let trusting = gateway_process(&toml, &[("SSL_CERT_FILE", bundle.to_str().unwrap())]);
+    let r = get(trusting.address.clone()).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.text().await.unwrap(), "over tls");
+    // Without it, the system's bundle, which does not hold the test CA.
+    let system = gateway_process(&toml, &[]);
+    assert_upstream_tls_502(get(system.address.clone()).await, NOT_VERIFIED).await;
+}
