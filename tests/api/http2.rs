@@ -619,17 +619,19 @@ async fn ping_and_settings_floods_do_not_stop_others_being_served() {
                     _ => break,
                 }
             }
-            results.push((kind, written));
+            results.push((kind, written, 50 * burst.len()));
         }
         results
     };
     let (results, victim) = served_during(&gw, attack).await;
 
     assert!(victim.iter().all(|s| *s == 200), "{victim:?}");
-    for (kind, written) in results {
-        // Writes stall once the server stops reading a client that reads nothing.
+    for (kind, written, offered) in results {
+        // Writes stall once the server stops reading a client that reads nothing: less than
+        // what this kind's flood offered was taken (each kind its own total; seen red with
+        // the flood sent to a socket that reads everything).
         assert!(
-            written < 50 * 20_000 * 17,
+            written < offered,
             "kind {kind}: all {written} bytes were taken"
         );
     }
