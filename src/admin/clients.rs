@@ -10,7 +10,7 @@ use utoipa::{IntoParams, ToSchema};
 use super::body::{etag, if_match, read_body, Field, Fields};
 use super::overrides::Until;
 use super::shared::{
-    client_id, current, now_ms, precondition, refusal, rfc3339, update_client, WRITE_TRIES,
+    client_id, current, now_ms, put_over_current, refusal, rfc3339, update_client,
 };
 use super::Actor;
 use crate::catalog::{
@@ -424,55 +424,42 @@ pub async fn put(
     let (input, f) = read_body::<ClientInput>(payload).await?;
     let (plan, mode, shards) = parse_client(input, f, &id)?;
     let wanted = if_match(req.headers())?;
-    for _ in 0..WRITE_TRIES {
-        let existing = state.store.catalog.client(id.as_str()).await?;
-        if let Some(wanted) = &wanted {
-            precondition(wanted, existing.as_ref().map(|c| c.rev), "client")?;
-        }
-        let cond = match &existing {
-            Some(cur) => Condition::Rev(cur.rev),
-            None => Condition::Absent,
-        };
-        let (keys, overrides, extra) = existing
-            .map(|c| (c.value.keys, c.value.overrides, c.value.extra))
-            .unwrap_or_default();
-        let rec = ClientRecord {
-            id: id.clone(),
-            plan: plan.clone(),
-            mode,
-            shards: shards.clone(),
-            keys,
-            overrides,
-            extra,
-        };
-        match state
-            .store
-            .catalog
-            .write(
-                &CatalogWrite::PutClient(rec.clone(), cond),
-                &Audit::new(&actor.sub, "client.put"),
-            )
-            .await?
-        {
-            WriteOutcome::Written { rev, before } => {
-                let status = if before.is_some() {
-                    StatusCode::OK
-                } else {
-                    StatusCode::CREATED
-                };
-                return Ok(one(&state, Versioned { rev, value: rec }, status).await);
+    let (written, replaced) = put_over_current(
+        "client",
+        wanted.as_ref(),
+        async || Ok(state.store.catalog.client(id.as_str()).await?),
+        |existing: Option<ClientRecord>| {
+            let (keys, overrides, extra) = existing
+                .map(|c| (c.keys, c.overrides, c.extra))
+                .unwrap_or_default();
+            ClientRecord {
+                id: id.clone(),
+                plan: plan.clone(),
+                mode,
+                shards: shards.clone(),
+                keys,
+                overrides,
+                extra,
             }
-            WriteOutcome::Stale { .. } | WriteOutcome::Exists | WriteOutcome::Missing
-                if wanted.is_none() =>
-            {
-                continue
-            }
-            other => return Err(refusal(other, "client")),
-        }
-    }
-    Err(ApiError::Conflict(
-        "the client kept changing; try again".into(),
-    ))
+        },
+        async |rec, cond| {
+            Ok(state
+                .store
+                .catalog
+                .write(
+                    &CatalogWrite::PutClient(rec.clone(), cond),
+                    &Audit::new(&actor.sub, "client.put"),
+                )
+                .await?)
+        },
+    )
+    .await?;
+    let status = if replaced {
+        StatusCode::OK
+    } else {
+        StatusCode::CREATED
+    };
+    Ok(one(&state, written, status).await)
 }
 
 /// Delete a client and all its keys.

@@ -9,7 +9,7 @@ use serde_json::Value;
 use utoipa::ToSchema;
 
 use super::body::{etag, if_match, read_body, read_member, Description, Field, Fields};
-use super::shared::{condition, path_id, precondition, WRITE_TRIES};
+use super::shared::{condition, path_id, put_over_current};
 use super::Actor;
 use crate::catalog::{Audit, CatalogWrite, Condition, PlanRecord, Versioned, WriteOutcome};
 use crate::domain::limits::{MAX_LIMITS, MAX_QUOTA, MIN_QUOTA};
@@ -621,47 +621,33 @@ pub async fn put(
     )
     .with_max_connections(max_connections);
     let wanted = if_match(req.headers())?;
-    for _ in 0..WRITE_TRIES {
-        // A newer gateway's fields in the plan stay: read it, and write only over that
-        // revision.
-        let existing = state.store.catalog.plan(name.as_str()).await?;
-        if let Some(wanted) = &wanted {
-            precondition(wanted, existing.as_ref().map(|p| p.rev), "plan")?;
-        }
-        let cond = match &existing {
-            Some(cur) => Condition::Rev(cur.rev),
-            None => Condition::Absent,
-        };
-        let mut rec = rec.clone();
-        rec.extra = existing.map(|p| p.value.extra).unwrap_or_default();
-        let outcome = state
-            .store
-            .catalog
-            .write(
-                &CatalogWrite::PutPlan(rec.clone(), cond),
-                &Audit::new(&actor.sub, "plan.put"),
-            )
-            .await?;
-        match outcome {
-            WriteOutcome::Written { rev, before } => {
-                let status = if before.is_some() {
-                    actix_web::http::StatusCode::OK
-                } else {
-                    actix_web::http::StatusCode::CREATED
-                };
-                return Ok(one(Versioned { rev, value: rec }, status));
-            }
-            WriteOutcome::Stale { .. } | WriteOutcome::Exists | WriteOutcome::Missing
-                if wanted.is_none() =>
-            {
-                continue
-            }
-            other => return Err(super::shared::refusal(other, "plan")),
-        }
-    }
-    Err(ApiError::Conflict(
-        "the plan kept changing; try again".into(),
-    ))
+    let (written, replaced) = put_over_current(
+        "plan",
+        wanted.as_ref(),
+        async || Ok(state.store.catalog.plan(name.as_str()).await?),
+        // A newer gateway's fields in the plan stay.
+        |existing: Option<PlanRecord>| PlanRecord {
+            extra: existing.map(|p| p.extra).unwrap_or_default(),
+            ..rec.clone()
+        },
+        async |rec, cond| {
+            Ok(state
+                .store
+                .catalog
+                .write(
+                    &CatalogWrite::PutPlan(rec.clone(), cond),
+                    &Audit::new(&actor.sub, "plan.put"),
+                )
+                .await?)
+        },
+    )
+    .await?;
+    let status = if replaced {
+        actix_web::http::StatusCode::OK
+    } else {
+        actix_web::http::StatusCode::CREATED
+    };
+    Ok(one(written, status))
 }
 
 /// Delete a plan no client uses.

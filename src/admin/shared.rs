@@ -131,6 +131,46 @@ pub(super) async fn current(
         .ok_or_else(|| ApiError::NotFound(format!("no client {id}")))
 }
 
+/// Creates or replaces a record (a `PUT`) over the one stored now: `read` it, `build` the
+/// new one from what it had (what a `PUT` does not replace: a client's keys, the fields a
+/// newer gateway wrote), and `write` it only over that revision (or only while still
+/// absent), retrying when another writer got in between; with `If-Match` (`wanted`), only
+/// at that version, and `412` rather than a retry. Returns the record as written and
+/// whether it replaced one.
+pub(super) async fn put_over_current<T, R>(
+    what: &str,
+    wanted: Option<&IfMatch>,
+    read: impl AsyncFn() -> Result<Option<Versioned<T>>, ApiError>,
+    build: impl Fn(Option<T>) -> R,
+    write: impl AsyncFn(&R, Condition) -> Result<WriteOutcome, ApiError>,
+) -> Result<(Versioned<R>, bool), ApiError> {
+    for _ in 0..WRITE_TRIES {
+        let existing = read().await?;
+        if let Some(wanted) = wanted {
+            precondition(wanted, existing.as_ref().map(|e| e.rev), what)?;
+        }
+        let cond = match &existing {
+            Some(cur) => Condition::Rev(cur.rev),
+            None => Condition::Absent,
+        };
+        let rec = build(existing.map(|e| e.value));
+        match write(&rec, cond).await? {
+            WriteOutcome::Written { rev, before } => {
+                return Ok((Versioned { rev, value: rec }, before.is_some()))
+            }
+            WriteOutcome::Stale { .. } | WriteOutcome::Exists | WriteOutcome::Missing
+                if wanted.is_none() =>
+            {
+                continue
+            }
+            other => return Err(refusal(other, what)),
+        }
+    }
+    Err(ApiError::Conflict(format!(
+        "the {what} kept changing; try again"
+    )))
+}
+
 /// Changes a client's record with `edit`, retrying when another writer got there first;
 /// with `If-Match` (`wanted`), only at that version, and `412` rather than a retry. Returns
 /// what `edit` returned and the client's new version (its ETag).

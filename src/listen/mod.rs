@@ -99,6 +99,9 @@ where
                 .h1_allow_half_closed(true)
                 .local_addr(addr)
                 .finish(map_config(app, move |()| {
+                    // actix-web's only public constructor (semver-exempt, for actix-test);
+                    // the values are those its `HttpServer` gives: Cargo.lock pins the
+                    // version this was checked against.
                     AppConfig::__priv_test_new(secure, addr.to_string(), addr)
                 }))
         }};
@@ -123,7 +126,8 @@ where
     Ok(builder.run())
 }
 
-/// `inner`, for the connections `admission` admits; the others are reset unread.
+/// `inner`, for the connections `admission` admits; the others are held unread (while
+/// their group has its share to hold), then reset.
 fn admitted<T>(admission: Arc<Admission>, inner: T) -> Admitted<T> {
     Admitted { admission, inner }
 }
