@@ -17,6 +17,7 @@
 //!   (a partition, or a failover that moves a name while the old peer keeps the socket),
 //!   resets, and refused connections. No iptables or tc: it is a plain TCP proxy on
 //!   loopback, run on its own thread so a stalled test runtime cannot stall it.
+//! - [`h2_frames`]: HTTP/2 frames and header blocks written by hand, for attacks.
 //! - [`FakeClock`]: a wall clock of the test's choosing for the gateway and `redis-server`
 //!   alike (a preloaded library reading one offset file), which the test moves while they
 //!   run: calendar quotas cross a month's end in seconds.
@@ -32,6 +33,7 @@ mod config;
 mod fake_clock;
 mod fault_proxy;
 mod gateway;
+pub mod h2_frames;
 mod ports;
 mod process;
 mod redis;

@@ -14,6 +14,10 @@ use tokio::net::TcpStream;
 use crate::helpers::*;
 use crate::tls::{connect_offering, Ca, Files};
 use crate::upstreams::RawService;
+use tollgate_testkit::h2_frames::{
+    frame, hpack, CANCEL, CONTINUATION, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, GOAWAY,
+    HEADERS, PING, PREFACE, REFUSED_STREAM, RST_STREAM, SETTINGS,
+};
 
 /// A request's answer: status, headers, body.
 struct Answer {
@@ -331,41 +335,6 @@ async fn http2_off_leaves_a_cleartext_listener_http1_only() {
 }
 
 // --- Attacks, written frame by frame -----------------------------------------------------
-
-const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-const HEADERS: u8 = 1;
-const RST_STREAM: u8 = 3;
-const SETTINGS: u8 = 4;
-const PING: u8 = 6;
-const GOAWAY: u8 = 7;
-const CONTINUATION: u8 = 9;
-const END_STREAM: u8 = 0x1;
-const END_HEADERS: u8 = 0x4;
-const CANCEL: u32 = 0x8;
-const REFUSED_STREAM: u32 = 0x7;
-const ENHANCE_YOUR_CALM: u32 = 0xb;
-
-fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
-    let len = payload.len() as u32;
-    let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
-    f.extend_from_slice(&stream.to_be_bytes());
-    f.extend_from_slice(payload);
-    f
-}
-
-/// An HPACK header block of literal fields without indexing (RFC 7541 §6.2.2), lengths
-/// under 127.
-fn hpack(fields: &[(&str, &str)]) -> Vec<u8> {
-    let mut out = Vec::new();
-    for (name, value) in fields {
-        out.push(0x00);
-        out.push(name.len() as u8);
-        out.extend_from_slice(name.as_bytes());
-        out.push(value.len() as u8);
-        out.extend_from_slice(value.as_bytes());
-    }
-    out
-}
 
 /// `GET path` with `key`'s API key, as one header block.
 fn request_block(addr: SocketAddr, path: &str, key: &str) -> Vec<u8> {

@@ -46,6 +46,10 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tollgate_testkit::h2_frames::{
+    hpack, push_frame, CANCEL, END_HEADERS, END_STREAM, GOAWAY, HEADERS, PREFACE, RST_STREAM,
+    SETTINGS,
+};
 use tollgate_testkit::temp_dir;
 
 use super::seconds;
@@ -702,42 +706,18 @@ fn thread_cpu_seconds() -> f64 {
     (at(11) + at(12)) / hz
 }
 
-const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-const HEADERS: u8 = 1;
-const RST_STREAM: u8 = 3;
-const SETTINGS: u8 = 4;
-const GOAWAY: u8 = 7;
-const END_STREAM: u8 = 0x1;
-const END_HEADERS: u8 = 0x4;
-const CANCEL: u32 = 0x8;
 /// HEADERS + RST_STREAM pairs per write.
 const BURST: u32 = 100;
 
-fn frame(out: &mut Vec<u8>, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
-    let len = payload.len() as u32;
-    out.extend_from_slice(&[(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags]);
-    out.extend_from_slice(&stream.to_be_bytes());
-    out.extend_from_slice(payload);
-}
-
-/// A `GET` of [`PATH`] with the client's key, as an HPACK block of literal fields
-/// without indexing (RFC 7541 §6.2.2; every length under 127).
+/// A `GET` of [`PATH`] with the client's key, as a header block.
 fn request_block() -> Vec<u8> {
-    let mut out = Vec::new();
-    for (name, value) in [
+    hpack(&[
         (":method", "GET"),
         (":scheme", "https"),
         (":path", PATH),
         (":authority", tls::HOST),
         ("x-api-key", KEY),
-    ] {
-        out.push(0x00);
-        out.push(name.len() as u8);
-        out.extend_from_slice(name.as_bytes());
-        out.push(value.len() as u8);
-        out.extend_from_slice(value.as_bytes());
-    }
-    out
+    ])
 }
 
 /// Rapid reset until `until`: on each connection, HEADERS and RST_STREAM pairs in bursts
@@ -813,7 +793,7 @@ async fn rapid_reset(
             let block = &block;
             async move {
                 let mut hello = PREFACE.to_vec();
-                frame(&mut hello, SETTINGS, 0, 0, &[]);
+                push_frame(&mut hello, SETTINGS, 0, 0, &[]);
                 if wr.write_all(&hello).await.is_err() {
                     return;
                 }
@@ -826,8 +806,8 @@ async fn rapid_reset(
                 {
                     burst.clear();
                     for _ in 0..BURST {
-                        frame(&mut burst, HEADERS, END_STREAM | END_HEADERS, stream, block);
-                        frame(&mut burst, RST_STREAM, 0, stream, &CANCEL.to_be_bytes());
+                        push_frame(&mut burst, HEADERS, END_STREAM | END_HEADERS, stream, block);
+                        push_frame(&mut burst, RST_STREAM, 0, stream, &CANCEL.to_be_bytes());
                         stream += 2;
                     }
                     match tokio::time::timeout(Duration::from_secs(1), wr.write_all(&burst)).await {
