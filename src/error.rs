@@ -68,6 +68,14 @@ pub enum ApiError {
     Validation(Vec<FieldError>),
     #[error("the store is unavailable: {0}")]
     StoreUnavailable(String),
+    /// A key this gateway does not hold (cache mode), not yet looked up: the guard looks it
+    /// up and checks the request again. Never an answer (it would be `503`, as below).
+    #[error("this API key is not in this gateway's catalog cache yet")]
+    NotHeld(crate::domain::KeyHash),
+    /// A key this gateway does not hold could not be looked up in the store in time: it
+    /// cannot be checked, so it is not let in.
+    #[error("this API key cannot be checked now: {0}")]
+    CatalogUnavailable(String),
     /// A public route's plan is not in this gateway's catalog (deleted, or not yet
     /// loaded): requests without a key cannot be limited, so they are not forwarded.
     #[error("this route's plan for requests without a key ({0}) is not in the catalog")]
@@ -182,6 +190,7 @@ impl ApiError {
             ApiError::PreconditionFailed(_) => "precondition-failed",
             ApiError::Validation(_) => "validation",
             ApiError::StoreUnavailable(_) => "store-unavailable",
+            ApiError::NotHeld(_) | ApiError::CatalogUnavailable(_) => "catalog-unavailable",
             ApiError::Overloaded => "overloaded",
             ApiError::PublicPlanMissing(_) => "public-plan-unavailable",
             ApiError::TooManyFailedKeys(_) => "too-many-failed-keys",
@@ -215,6 +224,8 @@ impl ResponseError for ApiError {
             ApiError::PreconditionFailed(_) => StatusCode::PRECONDITION_FAILED,
             ApiError::Validation(_) => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::StoreUnavailable(_)
+            | ApiError::NotHeld(_)
+            | ApiError::CatalogUnavailable(_)
             | ApiError::Overloaded
             | ApiError::PublicPlanMissing(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
@@ -262,7 +273,7 @@ impl ResponseError for ApiError {
             ApiError::RateLimited { retry_after_s, .. } => {
                 resp.insert_header((header::RETRY_AFTER, retry_after_s.to_string()));
             }
-            ApiError::Overloaded => {
+            ApiError::Overloaded | ApiError::NotHeld(_) | ApiError::CatalogUnavailable(_) => {
                 resp.insert_header((header::RETRY_AFTER, "1"));
             }
             ApiError::TooManyFailedKeys(retry_after_s) => {

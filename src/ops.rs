@@ -268,6 +268,28 @@ fn write_catalog(out: &mut Exposition, state: &AppState) {
     for s in ["store", "cache", "config"] {
         f.sample(&[("source", s)], u8::from(source.label() == s));
     }
+    out.family(
+        "tollgate_catalog_clients",
+        Kind::Gauge,
+        "Clients this gateway holds in memory: all of them (catalog.mode = \"mirror\"), or the ones in use (\"cache\", at most catalog.cached_clients).",
+    )
+    .sample(&[], state.catalog.len());
+    if let Some(counts) = state.catalog.cache_counts() {
+        out.family(
+            "tollgate_catalog_unknown_keys",
+            Kind::Gauge,
+            "Keys this gateway remembers as belonging to no client (cache mode), at most catalog.unknown_keys.",
+        )
+        .sample(&[], counts.unknown_keys);
+        let mut f = out.family(
+            "tollgate_catalog_lookups_total",
+            Kind::Counter,
+            "Keys not held looked up in the store (cache mode), by what was found: a client (then held), no client (then remembered as unknown), or no answer in catalog.lookup_timeout_ms (the request answered 503).",
+        );
+        f.sample(&[("result", "client")], counts.found);
+        f.sample(&[("result", "unknown")], counts.unknown);
+        f.sample(&[("result", "failed")], counts.failed);
+    }
     if let crate::catalog::Source::Cache { saved_at_ms } = source {
         let age = crate::catalog::cache::now_ms().saturating_sub(saved_at_ms) as f64 / 1000.0;
         out.family(

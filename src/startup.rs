@@ -189,7 +189,8 @@ async fn mirror_catalog(
             keys.clone(),
             settings.server.region.clone(),
         )
-        .with_cache_file(cache_file),
+        .with_cache_file(cache_file)
+        .with_holding(settings.catalog.holding),
     );
     prepare_store(store, &catalog, settings, tasks).await?;
     catalog.spawn_refresh(tasks, store.clone(), settings.catalog.refresh);

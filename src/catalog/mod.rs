@@ -1,9 +1,17 @@
-//! The catalog of plans and clients: stored in the [`Store`], mirrored in every gateway's
-//! memory. The request path reads only the mirror ([`Catalog::by_key`]); a background task
+//! The catalog of plans and clients: stored in the [`Store`], held in every gateway's
+//! memory. The request path reads only memory ([`Catalog::by_key`]); a background task
 //! (`catalog-refresh`, [`Catalog::spawn_refresh`]) follows the store's change feed and
 //! applies what changed, at most `refresh_ms` late.
+//!
+//! A gateway holds either the whole catalog (`catalog.mode = "mirror"`) or every plan and
+//! a bounded cache of the clients in use (`"cache"`, see [`held`]): a key it does not hold
+//! is looked up in the store once ([`Catalog::look_up`]), then cached, or remembered as
+//! unknown.
 
 pub mod cache;
+mod held;
+
+pub use held::LookupFailed;
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -20,10 +28,13 @@ pub use crate::store::records::{
 
 use actix_web::http::header::HeaderValue;
 
-use crate::configuration::Settings;
+use crate::configuration::{Holding, Settings};
 use crate::domain::{ClientId, Decision, KeyHash, Limits, Mode, PlanName, Region};
+use crate::store::records::{KeyLookup, Reload};
 use crate::store::{CatalogAt, Keys, Store, StoreError};
 use crate::tasks::{Policy, Tasks};
+use futures_util::FutureExt;
+use held::{Held, Looked, Recent};
 
 /// A plan's current limits, shared by every client on it so a plan edit is one store.
 pub struct PlanSlot {
@@ -110,6 +121,25 @@ pub struct ClientEntry {
 }
 
 impl ClientEntry {
+    /// Whether `hash` is one of its keys that has not expired.
+    pub fn active_key(&self, hash: &KeyHash) -> bool {
+        let now_s = unix_now_s();
+        self.record
+            .keys
+            .iter()
+            .any(|k| k.hash == *hash && k.expires_at.is_none_or(|at| at > now_s))
+    }
+
+    /// When `hash`, one of its keys, expired (unix s), if it has.
+    pub fn expired_at(&self, hash: &KeyHash) -> Option<u64> {
+        let now_s = unix_now_s();
+        self.record
+            .keys
+            .iter()
+            .find(|k| k.hash == *hash)
+            .and_then(|k| k.expires_at.filter(|&at| at <= now_s))
+    }
+
     /// The limits its requests are decided against now: its plan's, with its overrides
     /// that have not expired.
     pub fn limits(&self) -> Arc<Limits> {
@@ -129,6 +159,15 @@ pub struct ShardEntry {
     pub regions: Vec<Region>,
     /// This gateway's region's shard key, when its region is one of `regions`.
     pub local_key: Option<Box<str>>,
+}
+
+/// Cache mode's counts, for the metrics.
+#[derive(Debug, Clone, Copy)]
+pub struct CacheCounts {
+    pub unknown_keys: u64,
+    pub found: u64,
+    pub unknown: u64,
+    pub failed: u64,
 }
 
 /// Which catalog a gateway is serving.
@@ -180,6 +219,14 @@ pub struct Catalog {
     /// Where the last catalog seen is kept on disk (Redis mode), and what was written last.
     cache: Option<std::path::PathBuf>,
     cached: parking_lot::Mutex<(Option<String>, u64)>,
+    /// When the cache file was last written (cache mode writes it at most every
+    /// [`CACHE_SAVE_EVERY`]).
+    saved_at: parking_lot::Mutex<Option<Instant>>,
+    /// Cache mode's bounds and bookkeeping; `None`: the whole catalog is held.
+    held: Option<Held>,
+    /// Held while changes are applied, and while a lookup's answer is put in: the two
+    /// never interleave (see [`held::Recent`]).
+    apply: parking_lot::Mutex<()>,
     version: AtomicU64,
     default_mode: Mode,
     key_names: Keys,
@@ -203,13 +250,16 @@ impl Catalog {
             source: parking_lot::Mutex::new(Source::Config),
             cache: None,
             cached: parking_lot::Mutex::new((None, 0)),
+            saved_at: parking_lot::Mutex::new(None),
+            held: None,
+            apply: parking_lot::Mutex::new(()),
             version: AtomicU64::new(0),
             default_mode,
             key_names,
         }
     }
 
-    /// The client an API key belongs to. No I/O.
+    /// The client an API key belongs to, if this gateway holds it. No I/O.
     pub fn by_key(&self, hash: &KeyHash) -> Option<Arc<ClientEntry>> {
         self.keys.get(hash).map(|slot| {
             // Two relaxed loads; a store once per key per flush period.
@@ -217,8 +267,139 @@ impl Catalog {
             if slot.seen.load(Relaxed) != tick {
                 slot.seen.store(tick, Relaxed);
             }
+            if let Some(held) = &self.held {
+                // A use, for the cache's policy (it counts how often each client is used).
+                held.clients.get(&slot.client.id);
+            }
             Arc::clone(&slot.client)
         })
+    }
+
+    /// Holds every plan and only the clients in use, within `holding`'s bounds.
+    pub fn with_holding(mut self, holding: Holding) -> Catalog {
+        self.held = match holding {
+            Holding::Mirror => None,
+            Holding::Cache(bounds) => Some(Held::new(bounds)),
+        };
+        self
+    }
+
+    /// Whether a key this gateway does not hold may still be a client's: cache mode, and
+    /// the key is not remembered as unknown. No I/O.
+    pub fn may_hold(&self, hash: &KeyHash) -> bool {
+        self.held
+            .as_ref()
+            .is_some_and(|held| !held.unknown.contains_key(hash))
+    }
+
+    /// Cache mode: the client whose key this is, read from the store (at most
+    /// `catalog.lookup_timeout_ms`; requests waiting on the same key share one read), then
+    /// held, or the key remembered as unknown. `Ok(None)`: no client has it.
+    pub async fn look_up(self: &Arc<Self>, store: &Store, hash: KeyHash) -> Looked {
+        let Some(held) = &self.held else {
+            return Ok(None);
+        };
+        let shared = match held.inflight.entry(hash) {
+            dashmap::Entry::Occupied(e) => e.get().clone(),
+            dashmap::Entry::Vacant(v) => {
+                let (catalog, store) = (Arc::clone(self), store.clone());
+                let read = async move {
+                    let looked = catalog.fetch(&store, hash).await;
+                    if let Some(held) = &catalog.held {
+                        held.lookups.count(&looked);
+                        held.inflight.remove(&hash);
+                    }
+                    looked
+                }
+                .boxed()
+                .shared();
+                v.insert(read.clone());
+                read
+            }
+        };
+        shared.await
+    }
+
+    /// Reads a key's client within the lookup timeout, and settles the answer.
+    async fn fetch(&self, store: &Store, hash: KeyHash) -> Looked {
+        let Some(held) = &self.held else {
+            return Ok(None);
+        };
+        let reads = async {
+            // An answer the feed overtook is read again, once; a second is used for this
+            // request only.
+            for last in [false, true] {
+                let lookup = store
+                    .catalog
+                    .client_by_key(&hash)
+                    .await
+                    .map_err(|e| LookupFailed(e.to_string()))?;
+                if let Some(settled) = self.settle(lookup, hash, last) {
+                    return Ok(settled);
+                }
+            }
+            Ok(None)
+        };
+        tokio::time::timeout(held.lookup_timeout, reads)
+            .await
+            .unwrap_or_else(|_| {
+                Err(LookupFailed(format!(
+                    "the store did not answer within {} ms",
+                    held.lookup_timeout.as_millis()
+                )))
+            })
+    }
+
+    /// Puts a lookup's answer in (the client held, or the key remembered as unknown), if
+    /// nothing applied since it was read touched its key or client; `None`: it did, read
+    /// again (unless `last`: then the answer is only returned).
+    fn settle(
+        &self,
+        lookup: KeyLookup,
+        hash: KeyHash,
+        last: bool,
+    ) -> Option<Option<Arc<ClientEntry>>> {
+        let held = self.held.as_ref()?;
+        let _apply = self.apply.lock();
+        self.forget_evicted();
+        let client = lookup.client.as_ref().map(|c| &c.value.id);
+        let stands = lookup.epoch == self.epoch()
+            && held.recent.lock().stands(lookup.version, &hash, client);
+        if !stands && !last {
+            return None;
+        }
+        let Some(rec) = lookup.client else {
+            if stands {
+                held.unknown.insert(hash, ());
+            }
+            return Some(None);
+        };
+        let id = rec.value.id.clone();
+        if let Some(entry) = self.clients.get(&id).filter(|e| e.rev >= rec.rev) {
+            return Some(Some(Arc::clone(&entry)));
+        }
+        if !stands {
+            return Some(self.entry(&id, rec, None));
+        }
+        let entry = self.apply_client(id.clone(), Some(rec));
+        if entry.is_some() {
+            held.clients.insert(id, ());
+        }
+        Some(entry)
+    }
+
+    /// Forgets the clients the cache let go. Under the apply lock.
+    fn forget_evicted(&self) {
+        let Some(held) = &self.held else {
+            return;
+        };
+        let evicted = std::mem::take(&mut *held.evicted.lock());
+        for id in evicted {
+            // Let go, then looked up again since: it stays.
+            if !held.clients.contains_key(&id) {
+                self.apply_client(id, None);
+            }
+        }
     }
 
     /// The keys used since the last call, as `<client>/<key_id>` members, each with
@@ -350,6 +531,19 @@ impl Catalog {
         self.plans.iter().any(|p| p.limits().has_quotas())
     }
 
+    /// Cache mode: keys remembered as unknown, and what lookups found (clients, unknown
+    /// keys, failures) since start; `None`: the whole catalog is held.
+    pub fn cache_counts(&self) -> Option<CacheCounts> {
+        let held = self.held.as_ref()?;
+        held.unknown.run_pending_tasks();
+        Some(CacheCounts {
+            unknown_keys: held.unknown.entry_count(),
+            found: held.lookups.client.load(Relaxed),
+            unknown: held.lookups.unknown.load(Relaxed),
+            failed: held.lookups.failed.load(Relaxed),
+        })
+    }
+
     /// How many clients the mirror holds.
     pub fn len(&self) -> usize {
         self.clients.len()
@@ -408,6 +602,13 @@ impl Catalog {
         if *self.cached.lock() == now || now.1 == 0 {
             return;
         }
+        // What a cache holds changes with every new client used: written at most every
+        // CACHE_SAVE_EVERY, not after each change.
+        let recently = |at: Option<Instant>| at.is_some_and(|at| at.elapsed() < CACHE_SAVE_EVERY);
+        if self.held.is_some() && recently(*self.saved_at.lock()) {
+            return;
+        }
+        *self.saved_at.lock() = Some(Instant::now());
         let dump = self.dump();
         let written = tokio::task::spawn_blocking(move || cache::save(&file, &dump)).await;
         match written {
@@ -433,14 +634,35 @@ impl Catalog {
     }
 
     async fn follow(&self, store: &Store) -> Result<(), StoreError> {
+        let reload = match self.held {
+            Some(_) => Reload::WithoutClients,
+            None => Reload::Whole,
+        };
+        if let Some(held) = &self.held {
+            held.clients.run_pending_tasks();
+            let _apply = self.apply.lock();
+            self.forget_evicted();
+        }
         loop {
             let epoch = self.epoch();
             match store
                 .catalog
-                .changes(self.version(), epoch.as_deref())
+                .changes(self.version(), epoch.as_deref(), reload)
                 .await?
             {
                 CatalogChanges::Unchanged => return Ok(()),
+                CatalogChanges::Reload(dump) if self.held.is_some() => {
+                    if self.should_restore(&dump) {
+                        tracing::error!(
+                            cached = self.version(),
+                            store = dump.version,
+                            "the store's catalog went back; a gateway that caches clients \
+                             cannot put it back (restore it from a backup): following it"
+                        );
+                    }
+                    self.start_over(dump);
+                    return Ok(());
+                }
                 CatalogChanges::Reload(dump) if self.should_restore(&dump) => {
                     tracing::error!(
                         mirror = self.version(),
@@ -468,6 +690,7 @@ impl Catalog {
                     safety,
                     more,
                 } => {
+                    let _apply = self.apply.lock();
                     if let Some(s) = safety {
                         self.set_safety(s);
                     }
@@ -475,9 +698,12 @@ impl Catalog {
                         self.apply_plan(name, rec);
                     }
                     for (id, rec) in clients {
-                        self.apply_client(id, rec);
+                        self.apply_changed(version, id, rec);
                     }
                     self.version.store(version, Ordering::Release);
+                    if let Some(held) = &self.held {
+                        held.recent.lock().trim(version);
+                    }
                     if !more {
                         return Ok(());
                     }
@@ -501,6 +727,47 @@ impl Catalog {
     fn should_restore(&self, store: &CatalogDump) -> bool {
         let mine = self.version();
         mine > 0 && store.version < mine && (store.epoch.is_none() || store.epoch == self.epoch())
+    }
+
+    /// A client the feed says changed, in a page that ends at `version`: applied as it is
+    /// in a mirror. In cache mode, only to a client held (and only if what is held is not
+    /// newer than the page: a lookup may have read past it), after noting the change (see
+    /// [`held::Recent`]) and forgetting its keys as unknown (a key just created).
+    fn apply_changed(&self, version: u64, id: ClientId, rec: Option<Versioned<ClientRecord>>) {
+        let Some(held) = &self.held else {
+            self.apply_client(id, rec);
+            return;
+        };
+        let keys = rec.iter().flat_map(|r| r.value.keys.iter().map(|k| k.hash));
+        for k in keys.clone() {
+            held.unknown.invalidate(&k);
+        }
+        held.recent.lock().touched(version, &id, keys);
+        let held_rev = self.clients.get(&id).map(|e| e.rev);
+        if held_rev.is_some_and(|rev| rev <= version) {
+            if rec.is_none() {
+                held.clients.invalidate(&id);
+            }
+            self.apply_client(id, rec);
+        }
+    }
+
+    /// Cache mode: forgets every client and unknown key, and takes `dump`'s plans and
+    /// safety settings (a gap in the feed, another catalog, or one gone back: whatever was
+    /// held may be wrong). Each client in use is looked up again.
+    fn start_over(&self, dump: CatalogDump) {
+        let _apply = self.apply.lock();
+        if let Some(held) = &self.held {
+            held.clients.invalidate_all();
+            held.unknown.invalidate_all();
+            *held.recent.lock() = Recent::new(dump.version);
+            held.evicted.lock().clear();
+        }
+        let held: Vec<ClientId> = self.clients.iter().map(|e| e.key().clone()).collect();
+        for id in held {
+            self.apply_client(id, None);
+        }
+        self.replace(dump);
     }
 
     /// This mirror as a dump: what a restore writes.
@@ -540,7 +807,8 @@ impl Catalog {
         self.safety.store(Arc::new(s.map(|s| s.value)));
     }
 
-    /// Replaces the whole mirror with a dump.
+    /// Replaces the whole mirror with a dump (cache mode: the dump's clients are held, as
+    /// many as the cache admits).
     fn replace(&self, dump: CatalogDump) {
         let plan_names: std::collections::HashSet<_> =
             dump.plans.iter().map(|p| p.value.name.clone()).collect();
@@ -550,7 +818,12 @@ impl Catalog {
             self.apply_plan(p.value.name.clone(), Some(p));
         }
         for c in dump.clients {
-            self.apply_client(c.value.id.clone(), Some(c));
+            let id = c.value.id.clone();
+            if self.apply_client(id.clone(), Some(c)).is_some() {
+                if let Some(held) = &self.held {
+                    held.clients.insert(id, ());
+                }
+            }
         }
         let gone: Vec<ClientId> = self
             .clients
@@ -599,7 +872,11 @@ impl Catalog {
     /// keys moves from the old entry to the new one in a single insert, and only then are
     /// the keys the new version dropped removed, so a request in between finds the old
     /// entry or the new one, never neither.
-    fn apply_client(&self, id: ClientId, rec: Option<Versioned<ClientRecord>>) {
+    fn apply_client(
+        &self,
+        id: ClientId,
+        rec: Option<Versioned<ClientRecord>>,
+    ) -> Option<Arc<ClientEntry>> {
         let old = self.clients.get(&id).map(|e| Arc::clone(e.value()));
         let entry = rec.and_then(|rec| self.entry(&id, rec, old.as_deref()));
         if let Some(old) = &old {
@@ -649,6 +926,7 @@ impl Catalog {
                     .remove_if(&k.hash, |_, s| Arc::ptr_eq(&s.client, old));
             }
         }
+        entry
     }
 
     /// What the request path needs of a client's version; `None` when its plan is unknown.
@@ -735,6 +1013,9 @@ impl Catalog {
         }
     }
 }
+
+/// How often, at most, a gateway in cache mode writes its cache file.
+const CACHE_SAVE_EVERY: Duration = Duration::from_secs(30);
 
 /// The plans and clients the settings declare, as records.
 fn declared(settings: &Settings) -> (Vec<PlanRecord>, Vec<ClientRecord>) {
@@ -833,6 +1114,97 @@ mod tests {
                 None,
             ),
         }
+    }
+
+    fn cache_mode() -> Catalog {
+        let catalog = Catalog::new(Mode::Enforce, Keys::new("t:"), Region::parse("eu").unwrap())
+            .with_holding(Holding::Cache(crate::configuration::CacheBounds {
+                clients: 100,
+                unknown_keys: 100,
+                unknown_for: Duration::from_secs(60),
+                lookup_timeout: Duration::from_millis(50),
+            }));
+        catalog.apply_plan(PlanName::parse("gold").unwrap(), Some(plan("gold")));
+        catalog
+    }
+
+    fn acme(rev: u64, keys: &[KeyHash]) -> Versioned<ClientRecord> {
+        Versioned {
+            rev,
+            value: ClientRecord {
+                id: ClientId::parse("acme").unwrap(),
+                plan: PlanName::parse("gold").unwrap(),
+                mode: None,
+                shards: None,
+                keys: keys.iter().copied().map(KeyRecord::new).collect(),
+                overrides: Vec::new(),
+                extra: Default::default(),
+            },
+        }
+    }
+
+    fn read_at(version: u64, client: Option<Versioned<ClientRecord>>) -> KeyLookup {
+        KeyLookup {
+            epoch: None,
+            version,
+            client,
+        }
+    }
+
+    #[test]
+    fn a_lookup_the_feed_overtook_is_read_again_never_held() {
+        // Arrange: a lookup of acme's key read at version 5; before it lands, the feed
+        // applies version 6, which revoked that key (acme was not held: nothing to update).
+        let catalog = cache_mode();
+        let (old, new) = (KeyHash::of("old-key"), KeyHash::of("new-key"));
+        let id = ClientId::parse("acme").unwrap();
+        catalog.apply_changed(6, id.clone(), Some(acme(6, &[new])));
+
+        // Act and assert: the answer read before the revocation does not stand.
+        assert!(catalog
+            .settle(read_at(5, Some(acme(5, &[old]))), old, false)
+            .is_none());
+        // Read again (at 6): acme without the key is held; the old key finds nothing.
+        let again = catalog.settle(read_at(6, Some(acme(6, &[new]))), old, false);
+        assert!(again.is_some_and(|e| e.is_some_and(|e| !e.active_key(&old))));
+        assert!(catalog.by_key(&old).is_none());
+        assert!(catalog.by_key(&new).is_some());
+    }
+
+    #[test]
+    fn a_key_created_while_its_unknown_answer_was_in_flight_is_not_remembered_as_unknown() {
+        // Arrange: "no client has this key", read at version 5; the feed then applies
+        // version 6, where acme got it.
+        let catalog = cache_mode();
+        let key = KeyHash::of("fresh");
+        catalog.apply_changed(6, ClientId::parse("acme").unwrap(), Some(acme(6, &[key])));
+
+        // Act: the stale answer lands.
+        let settled = catalog.settle(read_at(5, None), key, false);
+
+        // Assert: read again rather than remembered; once read, the key is acme's.
+        assert!(settled.is_none());
+        assert!(catalog.may_hold(&key), "not remembered as unknown");
+        let again = catalog.settle(read_at(6, Some(acme(6, &[key]))), key, false);
+        assert!(again.is_some_and(|e| e.is_some()));
+        assert!(catalog.by_key(&key).is_some());
+    }
+
+    #[test]
+    fn a_feed_page_older_than_what_a_lookup_read_does_not_overwrite_it() {
+        // Arrange: acme held at rev 8 (read by a lookup); a feed page ending at version 7
+        // (read before the lookup) says acme had no keys.
+        let catalog = cache_mode();
+        let key = KeyHash::of("k");
+        assert!(catalog
+            .settle(read_at(8, Some(acme(8, &[key]))), key, false)
+            .is_some());
+
+        // Act.
+        catalog.apply_changed(7, ClientId::parse("acme").unwrap(), Some(acme(7, &[])));
+
+        // Assert: the newer record stays.
+        assert_eq!(catalog.by_key(&key).map(|e| e.rev), Some(8));
     }
 
     #[test]

@@ -13,9 +13,9 @@ pub use parse::{redact_url, Problem, SettingsError, MIN_HS256_SECRET};
 pub use periods::{BackOff, Periods};
 pub use raw::DEFAULT_TOML;
 pub use settings::{
-    AdminSettings, Balance, CatalogSettings, CertificateFiles, Certificates, ClientSettings,
-    EdgeSettings, HealthCheckSettings, KeySource, LimitSettings, OtlpCompression, OtlpEndpoint,
-    OtlpHeader, OtlpProtocol, OverloadSettings, PlanSettings, RedisSettings, RouteSettings,
-    ServerSettings, Settings, TelemetrySettings, TlsSettings, TlsVersion, TrustRoots,
-    UpstreamSettings,
+    AdminSettings, Balance, CacheBounds, CatalogSettings, CertificateFiles, Certificates,
+    ClientSettings, EdgeSettings, HealthCheckSettings, Holding, KeySource, LimitSettings,
+    OtlpCompression, OtlpEndpoint, OtlpHeader, OtlpProtocol, OverloadSettings, PlanSettings,
+    RedisSettings, RouteSettings, ServerSettings, Settings, TelemetrySettings, TlsSettings,
+    TlsVersion, TrustRoots, UpstreamSettings,
 };

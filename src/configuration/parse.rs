@@ -19,11 +19,11 @@ use super::raw::{
     RawPlan, RawRedis, RawRoute, RawServer, RawSettings, RawTelemetry, RawTls, RawUpstream,
 };
 use super::settings::{
-    AdminSettings, Balance, CatalogSettings, CertificateFiles, Certificates, ClientSettings,
-    EdgeSettings, HealthCheckSettings, KeySource, LimitSettings, OtlpCompression, OtlpEndpoint,
-    OtlpHeader, OtlpProtocol, OverloadSettings, PlanSettings, RedisSettings, RouteSettings,
-    ServerSettings, Settings, TelemetrySettings, TlsSettings, TlsVersion, TrustRoots,
-    UpstreamSettings,
+    AdminSettings, Balance, CacheBounds, CatalogSettings, CertificateFiles, Certificates,
+    ClientSettings, EdgeSettings, HealthCheckSettings, Holding, KeySource, LimitSettings,
+    OtlpCompression, OtlpEndpoint, OtlpHeader, OtlpProtocol, OverloadSettings, PlanSettings,
+    RedisSettings, RouteSettings, ServerSettings, Settings, TelemetrySettings, TlsSettings,
+    TlsVersion, TrustRoots, UpstreamSettings,
 };
 use crate::domain::{
     ApiKey, Bucket, Capacity, ClientId, KeyHash, Limit, LimitSpec, Limits, MaxConnections, Mode,
@@ -770,6 +770,7 @@ fn optional_redis_url(
 }
 
 fn catalog(raw: RawCatalog, embedded: bool, p: &mut Problems) -> Option<CatalogSettings> {
+    let holding = holding(&raw, embedded, p);
     let refresh = p.take(
         "catalog.refresh_ms",
         within(
@@ -795,8 +796,72 @@ fn catalog(raw: RawCatalog, embedded: bool, p: &mut Problems) -> Option<CatalogS
         file: file?,
         refresh: Duration::from_millis(refresh?),
         cache_file: (!raw.cache_file.as_os_str().is_empty()).then_some(raw.cache_file),
+        holding: holding?,
         plans: plans?,
         clients: clients?,
+    })
+}
+
+/// `catalog.mode` and the cache's bounds (checked whatever the mode, so a typo shows
+/// before the mode is switched).
+fn holding(raw: &RawCatalog, embedded: bool, p: &mut Problems) -> Option<Holding> {
+    let clients = p.take(
+        "catalog.cached_clients",
+        within(
+            raw.cached_clients,
+            1..=100_000_000,
+            "must be between 1 and 100000000",
+        ),
+    );
+    let unknown_keys = p.take(
+        "catalog.unknown_keys",
+        within(
+            raw.unknown_keys,
+            1..=100_000_000,
+            "must be between 1 and 100000000",
+        ),
+    );
+    let unknown_for = p.take(
+        "catalog.unknown_for_ms",
+        within(
+            raw.unknown_for_ms,
+            1..=86_400_000,
+            "must be between 1 and 86400000",
+        ),
+    );
+    let lookup_timeout = p.take(
+        "catalog.lookup_timeout_ms",
+        within(
+            raw.lookup_timeout_ms,
+            1..=60_000,
+            "must be between 1 and 60000",
+        ),
+    );
+    let cache = match raw.mode.as_str() {
+        "mirror" => false,
+        "cache" if embedded => {
+            p.add(
+                "catalog.mode",
+                "\"cache\" needs Redis: the embedded store's catalog is this process's own",
+            );
+            return None;
+        }
+        "cache" => true,
+        _ => {
+            p.add("catalog.mode", "must be \"mirror\" or \"cache\"");
+            return None;
+        }
+    };
+    let bounds = CacheBounds {
+        clients: clients?,
+        unknown_keys: unknown_keys?,
+        unknown_for: Duration::from_millis(unknown_for?),
+        lookup_timeout: Duration::from_millis(lookup_timeout?),
+    };
+    Some(if cache {
+        Holding::Cache(bounds)
+    } else {
+        Holding::Mirror
     })
 }
 
@@ -1274,6 +1339,34 @@ mod tests {
                 max_pending: 1024,
                 max_wait: Duration::from_millis(100),
             }
+        );
+    }
+
+    #[test]
+    fn the_catalog_is_a_mirror_unless_a_cache_is_asked_for_on_redis() {
+        assert_eq!(load("", &[]).unwrap().catalog.holding, Holding::Mirror);
+        let s = load(
+            "[redis]\nurl = \"redis://127.0.0.1:6379\"\n[catalog]\nmode = \"cache\"\ncached_clients = 7\n",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            s.catalog.holding,
+            Holding::Cache(CacheBounds {
+                clients: 7,
+                unknown_keys: 100_000,
+                unknown_for: Duration::from_secs(600),
+                lookup_timeout: Duration::from_millis(50),
+            })
+        );
+        assert_eq!(problems("[catalog]\nmode = \"cache\"\n"), ["catalog.mode"]);
+        assert_eq!(
+            problems("[catalog]\nmode = \"lru\"\ncached_clients = 0\nlookup_timeout_ms = 0\n"),
+            [
+                "catalog.cached_clients",
+                "catalog.lookup_timeout_ms",
+                "catalog.mode"
+            ]
         );
     }
 

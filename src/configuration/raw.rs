@@ -95,6 +95,11 @@ pub(super) struct RawCatalog {
     pub(super) file: PathBuf,
     pub(super) refresh_ms: u64,
     pub(super) cache_file: PathBuf,
+    pub(super) mode: String,
+    pub(super) cached_clients: u64,
+    pub(super) unknown_keys: u64,
+    pub(super) unknown_for_ms: u64,
+    pub(super) lookup_timeout_ms: u64,
     #[serde(default)]
     pub(super) plans: Vec<RawPlan>,
     #[serde(default)]

@@ -112,10 +112,36 @@ pub struct CatalogSettings {
     /// mirrored is kept (key hashes only, owner-only permissions), to serve from when it
     /// starts while Redis is down.
     pub cache_file: Option<PathBuf>,
+    /// `catalog.mode` and its bounds: whether this gateway holds every client or a
+    /// bounded cache of the ones in use.
+    pub holding: Holding,
     /// `catalog.plans`: plans created at start when absent.
     pub plans: Vec<PlanSettings>,
     /// `catalog.clients`: clients created at start when absent.
     pub clients: Vec<ClientSettings>,
+}
+
+/// What a gateway holds of the catalog (`catalog.mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Holding {
+    /// `"mirror"`: every plan and client, followed from the change feed.
+    Mirror,
+    /// `"cache"` (Redis only): every plan, and the clients in use, looked up by key on a miss.
+    Cache(CacheBounds),
+}
+
+/// The bounds of a gateway's catalog cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheBounds {
+    /// `catalog.cached_clients`: clients held at most.
+    pub clients: u64,
+    /// `catalog.unknown_keys`: keys remembered as unknown at most.
+    pub unknown_keys: u64,
+    /// `catalog.unknown_for_ms`: how long a key is remembered as unknown.
+    pub unknown_for: Duration,
+    /// `catalog.lookup_timeout_ms`: how long a request with a key not cached waits for the
+    /// store before it is answered `503`.
+    pub lookup_timeout: Duration,
 }
 
 /// A declared plan (`[[catalog.plans]]`).

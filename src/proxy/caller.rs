@@ -16,20 +16,51 @@ use crate::domain::{address_group, client_addr, KeyHash};
 use crate::error::ApiError;
 use crate::state::AppState;
 
+/// What the store answered about a key this gateway did not hold (cache mode).
+pub(super) enum LookedUp {
+    /// Nothing yet: a key not held is [`ApiError::NotHeld`], for the caller to look up.
+    Not,
+    /// The client it found (`None`: no client has the key). Checked as a held one is: it
+    /// may not hold the key any more, or the key may have expired.
+    Found(Option<Arc<ClientEntry>>),
+}
+
 /// The client whose key `found` is (`None`: the request sent none). A key that is sent
 /// must be known, on a public route too (a guess that misses is not let through as a
 /// request without a key): `401`, or `401` `key-expired`. Unknown keys are counted per
-/// address; past its allowance an address waits (`429`), with a valid key too.
+/// address; past its allowance an address waits (`429`), with a valid key too. A key
+/// the gateway does not hold but may exist (cache mode) is [`ApiError::NotHeld`] until
+/// it is `looked_up`.
 pub(super) fn client_of(
     req: &HttpRequest,
     state: &AppState,
     found: Option<&FoundKey<'_>>,
+    looked_up: &LookedUp,
 ) -> Result<Option<Arc<ClientEntry>>, ApiError> {
     let Some(found) = found else {
         return Ok(None);
     };
     let hash = KeyHash::of(&found.key);
-    if let Some(client) = state.catalog.by_key(&hash) {
+    let held = state.catalog.by_key(&hash).or_else(|| match looked_up {
+        LookedUp::Found(Some(client)) => client.active_key(&hash).then(|| Arc::clone(client)),
+        _ => None,
+    });
+    if held.is_none() && matches!(looked_up, LookedUp::Not) && state.catalog.may_hold(&hash) {
+        // Neither held nor known to be unknown: the store is asked, unless the address
+        // is held back for the unknown keys it sent (then no store read: what one address
+        // costs the store is bounded by its allowance).
+        if state.catalog.expired_at(&hash).is_none() {
+            if let Some(wait_us) = state
+                .failed_keys
+                .as_ref()
+                .and_then(|f| f.held(|| address_group_of(req, state)))
+            {
+                return Err(failed_keys_limited(state, wait_us));
+            }
+            return Err(ApiError::NotHeld(hash));
+        }
+    }
+    if let Some(client) = held {
         if let Some(wait_us) = state
             .failed_keys
             .as_ref()
@@ -47,10 +78,28 @@ pub(super) fn client_of(
         return Err(failed_keys_limited(state, wait_us));
     }
     state.metrics.count_outcome("unknown_key");
-    Err(match state.catalog.expired_at(&hash) {
+    let expired = state.catalog.expired_at(&hash).or(match looked_up {
+        LookedUp::Found(Some(client)) => client.expired_at(&hash),
+        _ => None,
+    });
+    Err(match expired {
         Some(at) => ApiError::KeyExpired(at),
         None => state.key_sources.missing(),
     })
+}
+
+/// Cache mode: looks up a key [`client_of`] found not held (`NotHeld`), within the lookup
+/// timeout; a store that cannot answer is `503` `catalog-unavailable` (the key cannot be
+/// checked, so it is not let in; the clients held are served as ever).
+pub(super) async fn look_up(state: &AppState, hash: KeyHash) -> Result<LookedUp, ApiError> {
+    match state.catalog.look_up(&state.store, hash).await {
+        Ok(client) => Ok(LookedUp::Found(client)),
+        Err(e) => {
+            state.metrics.count_outcome("catalog_unavailable");
+            tracing::debug!(error = %e, "a key not held could not be looked up");
+            Err(ApiError::CatalogUnavailable(e.to_string()))
+        }
+    }
 }
 
 /// The address group of the request's client (as public routes group them); without an address,

@@ -13,7 +13,7 @@ use actix_web::http::Version;
 use actix_web::{web, ResponseError};
 use futures_util::future::LocalBoxFuture;
 
-use super::caller::{client_ip, client_of};
+use super::caller::{client_ip, client_of, look_up, LookedUp};
 use super::clients::Clients;
 use super::forward::{self, Admitted, Who};
 use super::headers::{drop_client_ip_claims, has_client_ip_claims, peer_trusted};
@@ -123,7 +123,15 @@ async fn guard(
         .await);
     };
 
-    let admitted = match recognised(&req, state) {
+    let mut recognition = recognised(&req, state, &LookedUp::Not);
+    if let Err(ApiError::NotHeld(hash)) = recognition {
+        // Cache mode, a key not held: one store read (boxed: off every request's future).
+        recognition = match Box::pin(look_up(state, hash)).await {
+            Ok(looked_up) => recognised(&req, state, &looked_up),
+            Err(e) => Err(e),
+        };
+    }
+    let admitted = match recognition {
         Ok(Recognised::Forward(admitted)) => admitted,
         // Boxed, as `public` below: a rare path's state is not in every request's future.
         Ok(Recognised::OwnView) => return Box::pin(view::answer(req)).await,
@@ -280,7 +288,11 @@ enum Recognised {
 /// key, the route, the declared body's size. These cost nothing (no store call), and a
 /// bad request must never be charged. The request's client, its route and the path to
 /// forward (see [`Admitted`]), or why it is refused.
-fn recognised(req: &ServiceRequest, state: &AppState) -> Result<Recognised, ApiError> {
+fn recognised(
+    req: &ServiceRequest,
+    state: &AppState,
+    looked_up: &LookedUp,
+) -> Result<Recognised, ApiError> {
     if let Some(err) = edge::refusal(
         req.method(),
         req.version(),
@@ -300,7 +312,7 @@ fn recognised(req: &ServiceRequest, state: &AppState) -> Result<Recognised, ApiE
     };
     let found = state.key_sources.find(req.headers(), req.uri().query())?;
     let key_source = found.as_ref().map(|f| f.source);
-    let client = client_of(req.request(), state, found.as_ref())?;
+    let client = client_of(req.request(), state, found.as_ref(), looked_up)?;
     // Without a key, an unrouted path is `401` as a private route is: which paths are
     // routed is not told to whoever has no key.
     let Some(route) = state.routes.load().find(path.as_str()).cloned() else {

@@ -15,7 +15,7 @@ use actix_web::http::header::{self, HeaderValue};
 use actix_web::http::Method;
 use actix_web::{web, HttpRequest, HttpResponse, ResponseError};
 
-use super::caller::client_of;
+use super::caller::{client_of, look_up, LookedUp};
 use super::edge;
 use crate::admin::UsageView;
 use crate::domain::{bucket, Bucket, Decision, Outcome, RateLimitHeaders};
@@ -70,7 +70,14 @@ async fn own_limits(
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
     let found = state.key_sources.find(req.headers(), req.uri().query())?;
-    let Some(client) = client_of(req, &state, found.as_ref())? else {
+    let client = match client_of(req, &state, found.as_ref(), &LookedUp::Not) {
+        Err(ApiError::NotHeld(hash)) => {
+            let looked_up = look_up(&state, hash).await?;
+            client_of(req, &state, found.as_ref(), &looked_up)
+        }
+        other => other,
+    }?;
+    let Some(client) = client else {
         state.metrics.count_outcome("unknown_key");
         return Err(state.key_sources.missing());
     };

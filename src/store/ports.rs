@@ -24,7 +24,7 @@ use futures_util::future::BoxFuture;
 
 use super::records::{
     Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, ClientsPage,
-    PlanRecord, SafetyRecord, Versioned, WriteOutcome,
+    KeyLookup, PlanRecord, Reload, SafetyRecord, Versioned, WriteOutcome,
 };
 use super::shards::{Reconcile, ShardState};
 use super::{Persistence, StoreError};
@@ -59,9 +59,14 @@ pub trait CatalogRecords: Send + Sync {
     /// Every plan and client, with the catalog version they were read at (or after).
     async fn dump(&self) -> Result<CatalogDump, StoreError>;
 
-    /// What changed after version `since` of the catalog `epoch`; a catalog of another
-    /// epoch is answered with all of it.
-    async fn changes(&self, since: u64, epoch: Option<&str>) -> Result<CatalogChanges, StoreError>;
+    /// What changed after version `since` of the catalog `epoch`; when the feed cannot say
+    /// (a catalog of another epoch, a gap), a reload of what `reload` names.
+    async fn changes(
+        &self,
+        since: u64,
+        epoch: Option<&str>,
+        reload: Reload,
+    ) -> Result<CatalogChanges, StoreError>;
 
     /// Replaces the store's catalog with `mirror` (its epoch, version and records), in one
     /// atomic step, only if the store is still at `seen`. `false`: it moved (another
@@ -77,13 +82,10 @@ pub trait CatalogRecords: Send + Sync {
 
     async fn client(&self, id: &str) -> Result<Option<Versioned<ClientRecord>>, StoreError>;
 
-    /// The client whose key has this hash, read in one round trip (`None`: no client has
-    /// it): what a gateway that does not hold the whole catalog asks on a key it has not
-    /// cached.
-    async fn client_by_key(
-        &self,
-        hash: &KeyHash,
-    ) -> Result<Option<Versioned<ClientRecord>>, StoreError>;
+    /// The client whose key has this hash, with the catalog's epoch and version, read in
+    /// one round trip: what a gateway that does not hold the whole catalog asks on a key it
+    /// has not cached.
+    async fn client_by_key(&self, hash: &KeyHash) -> Result<KeyLookup, StoreError>;
 
     /// Up to `limit` clients in id order, after the id `after` (cursor pagination).
     async fn clients_page(

@@ -216,6 +216,27 @@ pub struct CatalogDump {
     pub safety: Option<Versioned<SafetyRecord>>,
 }
 
+/// What a reload carries, when the change feed cannot say what changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reload {
+    /// Every plan and client: what a gateway holding the whole catalog needs.
+    Whole,
+    /// The plans and the safety settings only: a gateway that caches the clients it uses
+    /// forgets them all instead, and looks each up again.
+    WithoutClients,
+}
+
+/// The client a key belongs to, as the store answered, with where its catalog stood
+/// (read in the same step): a gateway caches the answer only if no change it has applied
+/// since that version touched the client or the key.
+#[derive(Debug, Clone)]
+pub struct KeyLookup {
+    pub epoch: Option<String>,
+    pub version: u64,
+    /// `None`: no client has the key.
+    pub client: Option<Versioned<ClientRecord>>,
+}
+
 /// What changed after a version.
 #[derive(Debug, Clone)]
 pub enum CatalogChanges {

@@ -13,7 +13,7 @@ use super::backend::{
 use crate::domain::{ClientId, KeyHash, PlanName};
 use crate::store::records::{
     Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, ClientsPage,
-    Condition, PlanRecord, SafetyRecord, Versioned, WriteOutcome,
+    Condition, KeyLookup, PlanRecord, Reload, SafetyRecord, Versioned, WriteOutcome,
 };
 use crate::store::{CatalogAt, CatalogRecords, StoreError};
 
@@ -25,8 +25,19 @@ impl CatalogRecords for EmbeddedStore {
         Ok(self.file.catalog.lock().dump())
     }
 
-    async fn changes(&self, since: u64, epoch: Option<&str>) -> Result<CatalogChanges, StoreError> {
-        Ok(self.file.catalog.lock().changes(since, epoch))
+    async fn changes(
+        &self,
+        since: u64,
+        epoch: Option<&str>,
+        reload: Reload,
+    ) -> Result<CatalogChanges, StoreError> {
+        Ok(match self.file.catalog.lock().changes(since, epoch) {
+            CatalogChanges::Reload(mut dump) if reload == Reload::WithoutClients => {
+                dump.clients.clear();
+                CatalogChanges::Reload(dump)
+            }
+            changes => changes,
+        })
     }
 
     async fn restore(&self, seen: CatalogAt<'_>, mirror: &CatalogDump) -> Result<bool, StoreError> {
@@ -64,16 +75,17 @@ impl CatalogRecords for EmbeddedStore {
         Ok(self.file.catalog.lock().data.clients.get(&id).cloned())
     }
 
-    async fn client_by_key(
-        &self,
-        hash: &KeyHash,
-    ) -> Result<Option<Versioned<ClientRecord>>, StoreError> {
+    async fn client_by_key(&self, hash: &KeyHash) -> Result<KeyLookup, StoreError> {
         let catalog = self.file.catalog.lock();
-        Ok(catalog
-            .keys
-            .get(hash)
-            .and_then(|id| catalog.data.clients.get(id))
-            .cloned())
+        Ok(KeyLookup {
+            epoch: catalog.data.epoch.clone(),
+            version: catalog.data.version,
+            client: catalog
+                .keys
+                .get(hash)
+                .and_then(|id| catalog.data.clients.get(id))
+                .cloned(),
+        })
     }
 
     async fn safety(&self) -> Result<Option<Versioned<SafetyRecord>>, StoreError> {

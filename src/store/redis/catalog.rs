@@ -11,7 +11,7 @@ use super::backend::{retrying, scan_hash, Conn, FeedEntry, RedisStore};
 use crate::domain::{ClientId, KeyHash, PlanName};
 use crate::store::records::{
     Audit, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, ClientsPage, Condition,
-    PlanRecord, SafetyRecord, Versioned, WriteOutcome, SAFETY,
+    KeyLookup, PlanRecord, Reload, SafetyRecord, Versioned, WriteOutcome, SAFETY,
 };
 use crate::store::{CatalogAt, CatalogRecords, StoreError};
 
@@ -24,10 +24,18 @@ impl CatalogRecords for RedisStore {
         retrying!(self, |c| self.catalog_dump_on(c).await)
     }
 
-    async fn changes(&self, since: u64, epoch: Option<&str>) -> Result<CatalogChanges, StoreError> {
+    async fn changes(
+        &self,
+        since: u64,
+        epoch: Option<&str>,
+        reload: Reload,
+    ) -> Result<CatalogChanges, StoreError> {
         match retrying!(self, |c| self.catalog_changes_on(c, since, epoch).await)? {
             Some(changes) => Ok(changes),
-            None => Ok(CatalogChanges::Reload(self.dump().await?)),
+            None => Ok(CatalogChanges::Reload(match reload {
+                Reload::Whole => self.dump().await?,
+                Reload::WithoutClients => retrying!(self, |c| self.catalog_head_on(c).await)?,
+            })),
         }
     }
 
@@ -159,17 +167,20 @@ impl CatalogRecords for RedisStore {
         self.entity("clients", id).await
     }
 
-    async fn client_by_key(
-        &self,
-        hash: &KeyHash,
-    ) -> Result<Option<Versioned<ClientRecord>>, StoreError> {
+    async fn client_by_key(&self, hash: &KeyHash) -> Result<KeyLookup, StoreError> {
         let mut inv = self.client_by_key.prepare_invoke();
         inv.key(self.keys.catalog("keys"))
             .key(self.keys.catalog("clients"))
+            .key(self.keys.catalog("version"))
+            .key(self.keys.catalog("epoch"))
             .arg(hash.to_string());
-        let raw: Option<String> =
+        let (version, epoch, raw): (Option<u64>, Option<String>, Option<String>) =
             retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
-        Ok(raw.and_then(|r| parse_entity(&r)))
+        Ok(KeyLookup {
+            epoch,
+            version: version.unwrap_or(0),
+            client: raw.and_then(|r| parse_entity(&r)),
+        })
     }
 
     async fn safety(&self) -> Result<Option<Versioned<SafetyRecord>>, StoreError> {
@@ -230,6 +241,40 @@ impl CatalogRecords for RedisStore {
 }
 
 impl RedisStore {
+    /// The catalog without its clients: epoch, version, plans, safety settings.
+    async fn catalog_head_on(&self, c: &mut Conn<'_>) -> Result<CatalogDump, StoreError> {
+        let (version, epoch, plans, safety): (
+            Option<u64>,
+            Option<String>,
+            std::collections::HashMap<String, String>,
+            Option<String>,
+        ) = redis::pipe()
+            .get(self.keys.catalog("version"))
+            .get(self.keys.catalog("epoch"))
+            .hgetall(self.keys.catalog("plans"))
+            .hget(self.keys.catalog("settings"), SAFETY)
+            .query_async(c)
+            .await?;
+        let mut plans: Vec<Versioned<PlanRecord>> = plans
+            .into_iter()
+            .filter_map(|(name, raw)| {
+                let plan = parse_entity(&raw);
+                if plan.is_none() {
+                    tracing::warn!(plan = %name, "unreadable plan record skipped");
+                }
+                plan
+            })
+            .collect();
+        plans.sort_by(|a, b| a.value.name.cmp(&b.value.name));
+        Ok(CatalogDump {
+            epoch,
+            version: version.unwrap_or(0),
+            plans,
+            clients: Vec::new(),
+            safety: safety.and_then(|r| parse_entity(&r)),
+        })
+    }
+
     async fn catalog_dump_on(&self, c: &mut Conn<'_>) -> Result<CatalogDump, StoreError> {
         // The version first: anything written during the scan is in the feed after it.
         let (version, epoch): (Option<u64>, Option<String>) = redis::pipe()

@@ -1,0 +1,181 @@
+//! Cache mode (`catalog.mode = "cache"`): what a gateway that does not hold the whole
+//! catalog keeps besides its clients.
+//!
+//! - **Which clients it holds**: a W-TinyLFU cache of client ids (`moka`), bounded by
+//!   `catalog.cached_clients`. A client it evicts (or declines to admit: seen once, less
+//!   often than the one it would push out) is queued and forgotten by the catalog under its
+//!   apply lock, so the request path's maps never disagree with a change being applied.
+//! - **Keys known to be unknown**, bounded by `catalog.unknown_keys` and remembered for
+//!   `catalog.unknown_for_ms`: a flood of made-up keys costs the store one read each, and
+//!   cannot push a client in use out (they never enter the clients' cache).
+//! - **What the feed changed lately** ([`Recent`]): a lookup's answer is cached only if no
+//!   change applied since the version it was read at touched its client or its key; else it
+//!   is read again. This closes the race between a lookup in flight and the feed (a key
+//!   revoked, or created, while its lookup was on the wire).
+//! - **Lookups in flight**, one per key: a client's first burst costs one store read.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dashmap::DashMap;
+use futures_util::future::{BoxFuture, Shared};
+
+use super::ClientEntry;
+use crate::configuration::CacheBounds;
+use crate::domain::{ClientId, KeyHash};
+
+/// How long [`Recent`] keeps what it saw before starting over, and how many entries at
+/// most. A lookup takes at most `catalog.lookup_timeout_ms`; one read before a start-over
+/// is read again, which is all a start-over costs.
+const RECENT_FOR: Duration = Duration::from_secs(30);
+const RECENT_AT_MOST: usize = 100_000;
+
+/// A lookup's answer, shared by the requests waiting on the same key.
+pub(super) type Looked = Result<Option<Arc<ClientEntry>>, LookupFailed>;
+
+/// Why a key not cached could not be looked up: the store did not answer in time, or
+/// failed. The request is answered `503`: a key the gateway cannot check is not let in.
+#[derive(Debug, Clone)]
+pub struct LookupFailed(pub String);
+
+impl std::fmt::Display for LookupFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+pub(super) struct Held {
+    /// The clients held, by id (the catalog's maps hold their entries).
+    pub(super) clients: moka::sync::Cache<ClientId, ()>,
+    /// Clients the cache let go, for the catalog to forget under its apply lock.
+    pub(super) evicted: Arc<parking_lot::Mutex<Vec<ClientId>>>,
+    pub(super) unknown: moka::sync::Cache<KeyHash, ()>,
+    pub(super) recent: parking_lot::Mutex<Recent>,
+    pub(super) inflight: DashMap<KeyHash, Shared<BoxFuture<'static, Looked>>>,
+    pub(super) lookup_timeout: Duration,
+    pub(super) lookups: Lookups,
+}
+
+impl Held {
+    pub(super) fn new(bounds: CacheBounds) -> Held {
+        let evicted = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let queue = Arc::clone(&evicted);
+        let clients = moka::sync::Cache::builder()
+            .max_capacity(bounds.clients)
+            .eviction_listener(move |id: Arc<ClientId>, (), cause| {
+                // `Replaced` and `Explicit` are the catalog's own doing; the rest (`Size`,
+                // which includes a newcomer the policy declined) it must forget.
+                if cause.was_evicted() {
+                    queue.lock().push((*id).clone());
+                }
+            })
+            .build();
+        Held {
+            clients,
+            evicted,
+            unknown: moka::sync::Cache::builder()
+                .max_capacity(bounds.unknown_keys)
+                .time_to_live(bounds.unknown_for)
+                .build(),
+            recent: parking_lot::Mutex::new(Recent::new(0)),
+            inflight: DashMap::new(),
+            lookup_timeout: bounds.lookup_timeout,
+            lookups: Lookups::default(),
+        }
+    }
+}
+
+/// The clients and keys the change feed touched lately, with the version that did, and
+/// the version from which this is complete.
+pub(super) struct Recent {
+    /// Every change after this version is recorded here.
+    floor: u64,
+    started: Instant,
+    clients: HashMap<ClientId, u64>,
+    keys: HashMap<KeyHash, u64>,
+}
+
+impl Recent {
+    pub(super) fn new(floor: u64) -> Recent {
+        Recent {
+            floor,
+            started: Instant::now(),
+            clients: HashMap::new(),
+            keys: HashMap::new(),
+        }
+    }
+
+    /// A change at `version` touched `client` and these keys.
+    pub(super) fn touched(
+        &mut self,
+        version: u64,
+        client: &ClientId,
+        keys: impl Iterator<Item = KeyHash>,
+    ) {
+        self.clients.insert(client.clone(), version);
+        for k in keys {
+            self.keys.insert(k, version);
+        }
+    }
+
+    /// Starts over (complete from `version` on) once old or large enough.
+    pub(super) fn trim(&mut self, version: u64) {
+        if self.started.elapsed() > RECENT_FOR
+            || self.clients.len() + self.keys.len() > RECENT_AT_MOST
+        {
+            *self = Recent::new(version);
+        }
+    }
+
+    /// Whether an answer read at `version` about `key` (and its client, if it has one)
+    /// still stands: nothing applied since touched either.
+    pub(super) fn stands(&self, version: u64, key: &KeyHash, client: Option<&ClientId>) -> bool {
+        let untouched = |at: Option<&u64>| at.is_none_or(|&at| at <= version);
+        version >= self.floor
+            && untouched(self.keys.get(key))
+            && client.is_none_or(|c| untouched(self.clients.get(c)))
+    }
+}
+
+/// What lookups found, for the metrics.
+#[derive(Default)]
+pub(super) struct Lookups {
+    pub(super) client: AtomicU64,
+    pub(super) unknown: AtomicU64,
+    pub(super) failed: AtomicU64,
+}
+
+impl Lookups {
+    pub(super) fn count(&self, looked: &Looked) {
+        match looked {
+            Ok(Some(_)) => &self.client,
+            Ok(None) => &self.unknown,
+            Err(_) => &self.failed,
+        }
+        .fetch_add(1, Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_answer_stands_only_if_nothing_since_touched_its_key_or_client() {
+        let (acme, other) = (
+            ClientId::parse("acme").unwrap(),
+            ClientId::parse("b").unwrap(),
+        );
+        let (k1, k2) = (KeyHash::of("k1"), KeyHash::of("k2"));
+        let mut recent = Recent::new(10);
+        recent.touched(12, &acme, [k1].into_iter());
+
+        assert!(!recent.stands(9, &k2, None), "read before the floor");
+        assert!(!recent.stands(11, &k1, None), "k1 created since");
+        assert!(!recent.stands(11, &k2, Some(&acme)), "acme changed since");
+        assert!(recent.stands(12, &k1, Some(&acme)), "read after the change");
+        assert!(recent.stands(10, &k2, Some(&other)), "untouched");
+    }
+}

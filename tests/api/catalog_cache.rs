@@ -1,0 +1,216 @@
+//! Cache mode (`catalog.mode = "cache"`): a gateway holds every plan and only the clients
+//! in use. A key it does not hold costs one store read, then it is held (or remembered as
+//! unknown); changes reach what it holds within `catalog.refresh_ms`; a new key is never
+//! stuck as unknown; a key that cannot be checked (the store down) is `503`, while the
+//! clients held are served; and the bounds hold under a flood.
+//!
+//! Gateway A is in cache mode; gateway B (a full mirror, the admin API) makes the changes.
+
+use std::time::Duration;
+
+use reqwest::Method;
+use serde_json::json;
+use tollgate_testkit::FaultProxy;
+
+use crate::helpers::*;
+
+fn rw() -> String {
+    admin_token("ops", "admin:read admin:write")
+}
+
+/// Gateway settings on `redis_url`: the admin API, route `/orders`, plan `gold` with the
+/// `clients` declared, and `catalog` lines (`mode = "cache"` and its bounds, or none).
+fn toml(redis_url: &str, up: &Upstream, clients: &[&str], catalog: &str) -> String {
+    format!(
+        "{}[redis]\nurl = \"{redis_url}\"\ntimeout_ms = 50\ncontrol_timeout_ms = 200\n\
+         [catalog]\nrefresh_ms = 50\n{catalog}\n[edge]\nfailed_keys_sets = 0\n{}{}",
+        admin_toml(),
+        catalog_toml(("gold", 1_000_000.0, 1000.0), clients),
+        route_toml("orders", "/orders", &[up.url()]),
+    )
+}
+
+const CACHE: &str = "mode = \"cache\"";
+
+async fn status(gw: &TestGateway, key: &str) -> u16 {
+    gw.get("/orders", Some(key)).await.status().as_u16()
+}
+
+async fn lookups(gw: &TestGateway, result: &str) -> f64 {
+    gw.sample(&format!(
+        "tollgate_catalog_lookups_total{{result=\"{result}\"}}"
+    ))
+    .await
+}
+
+#[tokio::test]
+async fn a_key_not_held_is_looked_up_once_then_held_and_refused_once_revoked() {
+    // Arrange: acme with a key, made on B; A in cache mode, holding no client yet.
+    let redis = RedisServer::start().unwrap();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let b = TestGateway::spawn(settings(&toml(&redis.url(), &up, &["declared"], ""))).await;
+    let a = TestGateway::spawn(settings(&toml(&redis.url(), &up, &[], CACHE))).await;
+    let r = b
+        .admin(Method::PUT, "/clients/acme", &rw())
+        .json(&json!({"plan": "gold"}))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success());
+    let (key_id, key) = new_key(&b, "acme").await;
+    // (A's first lookups would otherwise find a catalog of another epoch than the one it
+    // follows, until it polls: the store's first write gave it one.)
+    let version: u64 = redis::cmd("GET")
+        .arg("tollgate:{catalog}:version")
+        .query(&mut redis.conn().unwrap())
+        .unwrap();
+    a.wait_for_catalog(version).await;
+    assert_eq!(a.sample("tollgate_catalog_clients").await, 0.0);
+
+    // Act and assert: the first request is admitted once the store answers; the next
+    // ones from what A holds, with no further read.
+    assert_eq!(status(&a, &key).await, 200);
+    assert_eq!(lookups(&a, "client").await, 1.0);
+    for _ in 0..5 {
+        assert_eq!(status(&a, &key).await, 200);
+    }
+    assert_eq!(lookups(&a, "client").await, 1.0, "one read for the key");
+    assert_eq!(a.sample("tollgate_catalog_clients").await, 1.0);
+
+    // Revoked on B: refused on A within its refresh.
+    let r = b
+        .admin(
+            Method::DELETE,
+            &format!("/clients/acme/keys/{key_id}"),
+            &rw(),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    eventually(
+        Duration::from_secs(2),
+        "A refuses the revoked key",
+        || async { status(&a, &key).await == 401 },
+    )
+    .await;
+    // And it stays refused: no lookup brings it back.
+    for _ in 0..5 {
+        assert_eq!(status(&a, &key).await, 401);
+    }
+    // The declared client, never used on A, was never read.
+    assert_eq!(lookups(&a, "client").await, 1.0);
+}
+
+#[tokio::test]
+async fn an_unknown_key_that_is_then_created_is_admitted_within_the_refresh() {
+    // Arrange: A in cache mode; the key of `late` belongs to nobody yet.
+    let redis = RedisServer::start().unwrap();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let a = TestGateway::spawn(settings(&toml(&redis.url(), &up, &[], CACHE))).await;
+    let late = key("late");
+
+    // Act: refused, then remembered as unknown (one read for many requests).
+    assert_eq!(status(&a, &late).await, 401);
+    for _ in 0..5 {
+        assert_eq!(status(&a, &late).await, 401);
+    }
+    assert_eq!(lookups(&a, "unknown").await, 1.0, "one read for the key");
+    assert_eq!(a.sample("tollgate_catalog_unknown_keys").await, 1.0);
+
+    // B starts, declaring `late` with that key: A admits it within its refresh.
+    let _b = TestGateway::spawn(settings(&toml(&redis.url(), &up, &["late"], ""))).await;
+
+    // Assert.
+    eventually(
+        Duration::from_secs(2),
+        "A admits the key created after it was unknown",
+        || async { status(&a, &late).await == 200 },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn with_the_store_down_a_key_not_held_is_503_while_the_clients_held_are_served() {
+    // Arrange: `held` used on A (so held), `cold` never; A reaches Redis through a proxy.
+    let redis = RedisServer::start().unwrap();
+    let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
+    let up = Upstream::start(Behaviour::Echo).await;
+    let _b = TestGateway::spawn(settings(&toml(&redis.url(), &up, &["held", "cold"], ""))).await;
+    let a = TestGateway::spawn(settings(&toml(&proxy.redis_url(), &up, &[], CACHE))).await;
+    assert_eq!(status(&a, &key("held")).await, 200);
+
+    // Act: Redis unreachable from A.
+    proxy.partition();
+
+    // Assert: the held client fails open (its limit cannot be checked, its key can); the
+    // cold key cannot be checked, and is not let in.
+    assert_eq!(status(&a, &key("held")).await, 200);
+    let r = a.get("/orders", Some(&key("cold"))).await;
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.headers()["retry-after"], "1");
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(
+        body["type"],
+        "https://tollgate.dev/problems/catalog-unavailable"
+    );
+    assert!(lookups(&a, "failed").await >= 1.0);
+
+    // Back: the cold key is looked up and admitted.
+    proxy.heal();
+    eventually(Duration::from_secs(5), "A admits the cold key", || async {
+        status(&a, &key("cold")).await == 200
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_cache_holds_its_bounds_and_its_hot_client_under_a_flood() {
+    // Arrange: 30 clients in the store; A holds at most 5 clients and 10 unknown keys.
+    let redis = RedisServer::start().unwrap();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let names: Vec<String> = (0..30).map(|i| format!("c{i}")).collect();
+    let ids: Vec<&str> = names.iter().map(String::as_str).collect();
+    let _b = TestGateway::spawn(settings(&toml(&redis.url(), &up, &ids, ""))).await;
+    let a = TestGateway::spawn(settings(&toml(
+        &redis.url(),
+        &up,
+        &[],
+        &format!("{CACHE}\ncached_clients = 5\nunknown_keys = 10"),
+    )))
+    .await;
+    let hot = key("c0");
+    for _ in 0..30 {
+        assert_eq!(status(&a, &hot).await, 200);
+    }
+
+    // Act: every other client once, and 300 made-up keys, the hot client in between.
+    for (i, id) in ids.iter().enumerate().skip(1) {
+        assert_eq!(
+            status(&a, &key(id)).await,
+            200,
+            "{id}: a valid key, held or not"
+        );
+        for j in 0..10 {
+            assert_eq!(
+                status(&a, &format!("made-up-{i}-{j}-0123456789")).await,
+                401
+            );
+        }
+        assert_eq!(status(&a, &hot).await, 200);
+    }
+
+    // Assert: within the bounds (once the cache has let go of what it evicted, on the
+    // next refresh); the hot client was never read again.
+    eventually(
+        Duration::from_secs(2),
+        "A holds at most 5 clients",
+        || async { a.sample("tollgate_catalog_clients").await <= 5.0 },
+    )
+    .await;
+    assert!(a.sample("tollgate_catalog_unknown_keys").await <= 10.0);
+    assert_eq!(lookups(&a, "client").await, 30.0, "one read per client");
+    assert_eq!(lookups(&a, "unknown").await, 290.0);
+    assert_eq!(status(&a, &hot).await, 200);
+    assert_eq!(lookups(&a, "client").await, 30.0, "the hot client is held");
+}
