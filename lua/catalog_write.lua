@@ -6,7 +6,8 @@
 -- KEYS[3] keys     (hash: "sha256:<hex>" -> client id; no plaintext key is ever stored)
 -- KEYS[4] users    (hash: plan name -> number of clients on it)
 -- KEYS[5] version  (counter, bumped by every write)
--- KEYS[6] changes  (stream; entry id "<version>-0", fields kind, id: the change feed)
+-- KEYS[6] changes  (stream; entry id "<version>-0", fields kind, id, and a client put's
+--                   key hashes as keys (comma-separated): the change feed)
 -- KEYS[7] settings (hash: name -> "<rev> <json>", e.g. safety)
 -- KEYS[8] index    (sorted set of client ids, for ordered pagination)
 -- KEYS[9] audit    (stream: who changed what, when, before and after)
@@ -91,7 +92,16 @@ if op ~= 'delete' then
   after = ARGV[5]
   redis.call('HSET', entities, id, v .. ' ' .. after)
 end
-redis.call('XADD', KEYS[6], 'MAXLEN', '~', 100000, v .. '-0', 'kind', kind, 'id', id)
+if kind == 'client' and op == 'put' then
+  -- The entry names the client's keys, so a gateway that caches clients forgets them as
+  -- unknown without reading the record.
+  local hashes = {}
+  for i = 10, #ARGV do hashes[#hashes + 1] = ARGV[i] end
+  redis.call('XADD', KEYS[6], 'MAXLEN', '~', 100000, v .. '-0', 'kind', kind, 'id', id,
+    'keys', table.concat(hashes, ','))
+else
+  redis.call('XADD', KEYS[6], 'MAXLEN', '~', 100000, v .. '-0', 'kind', kind, 'id', id)
+end
 local t = redis.call('TIME')
 redis.call('XADD', KEYS[9], 'MAXLEN', '~', 100000, '*',
   'at_ms', tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)),

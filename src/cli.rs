@@ -1,4 +1,4 @@
-//! The command line: `tollgate [serve|token|openapi|healthcheck] [--config FILE]...`.
+//! The command line: `tollgate [serve|token|openapi|healthcheck|import] [--config FILE]...`.
 
 use std::path::PathBuf;
 
@@ -37,6 +37,22 @@ pub enum Command {
     },
     /// Print the admin API's OpenAPI 3.1 document as JSON.
     Openapi,
+    /// Load clients in bulk from a JSON Lines file (one client per line, as the admin API
+    /// reads it, with its keys) into the configured Redis: checked whole first, then
+    /// written in atomic chunks; run again, it resumes where it stopped.
+    Import {
+        /// The file.
+        file: PathBuf,
+        /// The import's id, to resume one (default: the file's SHA-256).
+        #[arg(long)]
+        id: Option<String>,
+        /// Clients per atomic chunk.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u16).range(1..=10000))]
+        chunk: u16,
+        /// Who the audit log says imported them.
+        #[arg(long, default_value = "import")]
+        actor: String,
+    },
     /// Exit 0 when the gateway on `server.listen` answers 200 to `GET PATH`, else 1
     /// (the container image's HEALTHCHECK: it has no shell or curl).
     Healthcheck {

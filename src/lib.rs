@@ -24,6 +24,7 @@ pub mod cli;
 pub mod configuration;
 pub mod domain;
 mod error;
+pub mod import;
 mod limiter;
 pub mod listen;
 pub mod metrics;

@@ -83,6 +83,46 @@ async fn main() {
                 }
             }
         }
+        Command::Import {
+            file,
+            id,
+            chunk,
+            actor,
+        } => import(&settings, &file, id.as_deref(), chunk.into(), &actor).await,
         Command::Openapi => unreachable!("handled before loading settings"),
+    }
+}
+
+/// `tollgate import`: a summary on stdout; problems on stderr, exit 2 (the file: nothing
+/// written) or 1 (the store: what was written is resumed by a rerun).
+async fn import(
+    settings: &Settings,
+    file: &std::path::Path,
+    id: Option<&str>,
+    chunk: usize,
+    actor: &str,
+) {
+    use tollgate::import::ImportError;
+    let keys = tollgate::store::Keys::new(&settings.redis.key_prefix);
+    let store = match tollgate::startup::open_store(settings, &keys) {
+        Ok(store) => store,
+        Err(e) => {
+            eprintln!("tollgate import: {e:#}");
+            std::process::exit(BAD_CONFIG);
+        }
+    };
+    match tollgate::import::run(&store, file, id, chunk, actor).await {
+        Ok(r) => println!(
+            "imported {} clients in {:.1} s: import {}, {} chunk(s) written now, {} written before",
+            r.clients, r.seconds, r.import, r.written, r.resumed
+        ),
+        Err(e @ ImportError::Invalid(_)) => {
+            eprintln!("tollgate import: {e}");
+            std::process::exit(BAD_CONFIG);
+        }
+        Err(e) => {
+            eprintln!("tollgate import: {e:#}");
+            std::process::exit(1);
+        }
     }
 }

@@ -483,7 +483,8 @@ fn say_started(settings: &Settings, store: &Store, listening: &Listening) {
     }
 }
 
-fn open_store(settings: &Settings, keys: &Keys) -> anyhow::Result<Store> {
+/// The store the settings name: Redis Cluster, one Redis, or the embedded store.
+pub fn open_store(settings: &Settings, keys: &Keys) -> anyhow::Result<Store> {
     let redis = &settings.redis;
     if !redis.cluster_nodes.is_empty() {
         return Store::cluster(&redis.cluster_nodes, redis.control_timeout, keys.clone())

@@ -1,6 +1,7 @@
 //! `/admin/v1/clients`: clients, their plan and mode, their API keys, their live bucket.
 //! Overrides and usage, under a client too, are in `overrides.rs` and `usage.rs`.
 
+use crate::store::records::MAX_KEYS;
 use actix_web::http::{header, StatusCode};
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde::{Deserialize, Serialize};
@@ -22,7 +23,6 @@ use crate::error::{ApiError, Problem};
 use crate::state::AppState;
 
 /// A client may hold at most this many API keys (rotation needs two; imports a few more).
-const MAX_KEYS: usize = 100;
 /// A sharded client names at most this many regions.
 const MAX_REGIONS: usize = 16;
 

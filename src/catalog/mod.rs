@@ -30,7 +30,7 @@ use actix_web::http::header::HeaderValue;
 
 use crate::configuration::{Holding, Settings};
 use crate::domain::{ClientId, Decision, KeyHash, Limits, Mode, PlanName, Region};
-use crate::store::records::{KeyLookup, Reload};
+use crate::store::records::{KeyLookup, Wants};
 use crate::store::{CatalogAt, Keys, Store, StoreError};
 use crate::tasks::{Policy, Tasks};
 use futures_util::FutureExt;
@@ -634,9 +634,10 @@ impl Catalog {
     }
 
     async fn follow(&self, store: &Store) -> Result<(), StoreError> {
-        let reload = match self.held {
-            Some(_) => Reload::WithoutClients,
-            None => Reload::Whole,
+        let held = |id: &ClientId| self.clients.contains_key(id);
+        let wants = match self.held {
+            Some(_) => Wants::Held(&held),
+            None => Wants::Whole,
         };
         if let Some(held) = &self.held {
             held.clients.run_pending_tasks();
@@ -647,7 +648,7 @@ impl Catalog {
             let epoch = self.epoch();
             match store
                 .catalog
-                .changes(self.version(), epoch.as_deref(), reload)
+                .changes(self.version(), epoch.as_deref(), wants)
                 .await?
             {
                 CatalogChanges::Unchanged => return Ok(()),
@@ -688,6 +689,7 @@ impl Catalog {
                     plans,
                     clients,
                     safety,
+                    keys,
                     more,
                 } => {
                     let _apply = self.apply.lock();
@@ -699,6 +701,9 @@ impl Catalog {
                     }
                     for (id, rec) in clients {
                         self.apply_changed(version, id, rec);
+                    }
+                    for (id, keys) in keys {
+                        self.note_changed(version, &id, &keys);
                     }
                     self.version.store(version, Ordering::Release);
                     if let Some(held) = &self.held {
@@ -749,6 +754,27 @@ impl Catalog {
                 held.clients.invalidate(&id);
             }
             self.apply_client(id, rec);
+        }
+    }
+
+    /// Cache mode: a client not held changed at `version` (or one whose record was read
+    /// before it was held: [`Catalog::apply_changed`] then applies it as the feed goes on):
+    /// its change noted, and its keys (`keys`, as the feed names them) no longer unknown.
+    fn note_changed(&self, version: u64, id: &ClientId, keys: &[KeyHash]) {
+        let Some(held) = &self.held else {
+            return;
+        };
+        for k in keys {
+            held.unknown.invalidate(k);
+        }
+        held.recent
+            .lock()
+            .touched(version, id, keys.iter().copied());
+        // Held since the feed was read, from a read older than this change: without its
+        // record here, it is let go, and looked up again on its next request.
+        if self.clients.get(id).is_some_and(|e| e.rev <= version) {
+            held.clients.invalidate(id);
+            self.apply_client(id.clone(), None);
         }
     }
 
@@ -1188,6 +1214,24 @@ mod tests {
         let again = catalog.settle(read_at(6, Some(acme(6, &[key]))), key, false);
         assert!(again.is_some_and(|e| e.is_some()));
         assert!(catalog.by_key(&key).is_some());
+    }
+
+    #[test]
+    fn a_client_held_from_a_read_older_than_a_change_named_only_by_its_keys_is_let_go() {
+        // Arrange: acme held at rev 5; the feed, read before acme was held, names a change
+        // at 6 with its keys only (the record was not wanted then).
+        let catalog = cache_mode();
+        let key = KeyHash::of("k");
+        assert!(catalog
+            .settle(read_at(5, Some(acme(5, &[key]))), key, false)
+            .is_some());
+
+        // Act.
+        catalog.note_changed(6, &ClientId::parse("acme").unwrap(), &[]);
+
+        // Assert: not served from the older record; its next request looks it up.
+        assert!(catalog.by_key(&key).is_none());
+        assert!(catalog.may_hold(&key));
     }
 
     #[test]

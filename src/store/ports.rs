@@ -24,7 +24,8 @@ use futures_util::future::BoxFuture;
 
 use super::records::{
     Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, ClientsPage,
-    KeyLookup, PlanRecord, Reload, SafetyRecord, Versioned, WriteOutcome,
+    ImportChunk, ImportOutcome, ImportProgress, KeyLookup, PlanRecord, SafetyRecord, Versioned,
+    Wants, WriteOutcome,
 };
 use super::shards::{Reconcile, ShardState};
 use super::{Persistence, StoreError};
@@ -59,14 +60,21 @@ pub trait CatalogRecords: Send + Sync {
     /// Every plan and client, with the catalog version they were read at (or after).
     async fn dump(&self) -> Result<CatalogDump, StoreError>;
 
-    /// What changed after version `since` of the catalog `epoch`; when the feed cannot say
-    /// (a catalog of another epoch, a gap), a reload of what `reload` names.
+    /// What changed after version `since` of the catalog `epoch`, with the client records
+    /// `wants` names; when the feed cannot say (a catalog of another epoch, a gap), a
+    /// reload.
     async fn changes(
         &self,
         since: u64,
         epoch: Option<&str>,
-        reload: Reload,
+        wants: Wants<'_>,
     ) -> Result<CatalogChanges, StoreError>;
+
+    /// Writes one chunk of a bulk import, atomically with the import's progress.
+    async fn import(&self, chunk: &ImportChunk<'_>) -> Result<ImportOutcome, StoreError>;
+
+    /// How far the import `import` got (nothing yet: the default).
+    async fn import_progress(&self, import: &str) -> Result<ImportProgress, StoreError>;
 
     /// Replaces the store's catalog with `mirror` (its epoch, version and records), in one
     /// atomic step, only if the store is still at `seen`. `false`: it moved (another

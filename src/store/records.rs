@@ -76,6 +76,9 @@ pub struct Shards {
     pub regions: Vec<Region>,
 }
 
+/// How many keys a client has at most.
+pub const MAX_KEYS: usize = 100;
+
 /// One of a client's API keys: only its hash is kept.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct KeyRecord {
@@ -216,14 +219,79 @@ pub struct CatalogDump {
     pub safety: Option<Versioned<SafetyRecord>>,
 }
 
-/// What a reload carries, when the change feed cannot say what changed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reload {
-    /// Every plan and client: what a gateway holding the whole catalog needs.
+/// Which client records a gateway following the change feed wants.
+#[derive(Clone, Copy)]
+pub enum Wants<'a> {
+    /// Every changed client's record, and every client in a reload: a gateway holding
+    /// the whole catalog.
     Whole,
-    /// The plans and the safety settings only: a gateway that caches the clients it uses
-    /// forgets them all instead, and looks each up again.
-    WithoutClients,
+    /// Only the records of the clients it holds (this says which); of the others, the key
+    /// hashes the feed names. A reload carries no clients: a gateway that caches the
+    /// clients it uses forgets them all, and looks each up again.
+    Held(&'a (dyn Fn(&ClientId) -> bool + Send + Sync)),
+}
+
+impl Wants<'_> {
+    /// Whether a changed client's record is wanted.
+    pub fn record_of(&self, id: &ClientId) -> bool {
+        match self {
+            Wants::Whole => true,
+            Wants::Held(held) => held(id),
+        }
+    }
+}
+
+impl std::fmt::Debug for Wants<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Wants::Whole => "Whole",
+            Wants::Held(_) => "Held",
+        })
+    }
+}
+
+/// One chunk of a bulk import (`tollgate import`): its clients are created together or
+/// not at all, and the import's progress moves with them.
+#[derive(Debug)]
+pub struct ImportChunk<'a> {
+    /// The import's id: its progress is kept under it, so a rerun resumes.
+    pub import: &'a str,
+    /// 0, 1, ...: a chunk is written only when it is the next one.
+    pub chunk: u64,
+    /// The import's last chunk (it writes the import's one audit entry).
+    pub last: bool,
+    /// How many clients the whole file has, for the audit entry.
+    pub in_file: u64,
+    pub clients: &'a [ClientRecord],
+    pub actor: &'a str,
+}
+
+/// What writing an import chunk did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ImportOutcome {
+    /// Written; the catalog's version after it.
+    Written { version: u64 },
+    /// Written before (a rerun): nothing changed.
+    Done,
+    /// Not the next chunk, which is `next`: nothing changed.
+    OutOfOrder { next: u64 },
+    /// Refused, nothing written: a client that exists already (its id).
+    Exists(String),
+    /// Refused: a client on a plan that does not exist (the client's id).
+    UnknownPlan(String),
+    /// Refused: a key another client has, or two clients of the chunk share (its hash).
+    KeyConflict(String),
+}
+
+/// How far an import got.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ImportProgress {
+    /// The next chunk to write.
+    pub next: u64,
+    /// Clients written.
+    pub clients: u64,
+    /// Its last chunk is written.
+    pub done: bool,
 }
 
 /// The client a key belongs to, as the store answered, with where its catalog stood
@@ -248,6 +316,9 @@ pub enum CatalogChanges {
         clients: Vec<(ClientId, Option<Versioned<ClientRecord>>)>,
         /// `Some` when the safety settings changed.
         safety: Option<Option<Versioned<SafetyRecord>>>,
+        /// The clients changed whose records were not wanted (see [`Wants`]), each with
+        /// the key hashes the feed names for it.
+        keys: Vec<(ClientId, Vec<KeyHash>)>,
         more: bool,
     },
     /// The feed no longer reaches back that far, or the catalog is another one (its epoch

@@ -18,6 +18,7 @@ mod failed_keys;
 mod faults;
 mod forwarding;
 mod http2;
+mod import;
 mod key_lifecycle;
 mod key_sources;
 mod key_use;

@@ -13,7 +13,8 @@ use super::backend::{
 use crate::domain::{ClientId, KeyHash, PlanName};
 use crate::store::records::{
     Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, ClientsPage,
-    Condition, KeyLookup, PlanRecord, Reload, SafetyRecord, Versioned, WriteOutcome,
+    Condition, ImportChunk, ImportOutcome, ImportProgress, KeyLookup, PlanRecord, SafetyRecord,
+    Versioned, Wants, WriteOutcome,
 };
 use crate::store::{CatalogAt, CatalogRecords, StoreError};
 
@@ -29,10 +30,10 @@ impl CatalogRecords for EmbeddedStore {
         &self,
         since: u64,
         epoch: Option<&str>,
-        reload: Reload,
+        wants: Wants<'_>,
     ) -> Result<CatalogChanges, StoreError> {
         Ok(match self.file.catalog.lock().changes(since, epoch) {
-            CatalogChanges::Reload(mut dump) if reload == Reload::WithoutClients => {
+            CatalogChanges::Reload(mut dump) if matches!(wants, Wants::Held(_)) => {
                 dump.clients.clear();
                 CatalogChanges::Reload(dump)
             }
@@ -52,6 +53,19 @@ impl CatalogRecords for EmbeddedStore {
                 file.restore(seen, &mirror)
             })
             .await
+    }
+
+    /// The embedded store's catalog belongs to its one gateway, which holds its file: a bulk
+    /// import goes to Redis (`tollgate import` says so before it reads the file).
+    async fn import(&self, _chunk: &ImportChunk<'_>) -> Result<ImportOutcome, StoreError> {
+        Err(StoreError::File(
+            "a bulk import needs Redis; the embedded store takes clients through the admin API"
+                .into(),
+        ))
+    }
+
+    async fn import_progress(&self, _import: &str) -> Result<ImportProgress, StoreError> {
+        Ok(ImportProgress::default())
     }
 
     async fn write(&self, write: &CatalogWrite, audit: &Audit) -> Result<WriteOutcome, StoreError> {
@@ -237,6 +251,7 @@ impl FileCatalog {
             plans,
             clients,
             safety,
+            keys: Vec::new(),
             more: false,
         }
     }

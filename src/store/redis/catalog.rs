@@ -2,7 +2,7 @@
 //! scripted writes (`lua/catalog_write.lua`) and restores (`lua/catalog_restore.lua`), and
 //! reads of single records and pages.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use async_trait::async_trait;
 use redis::{AsyncCommands, Value};
@@ -11,7 +11,8 @@ use super::backend::{retrying, scan_hash, Conn, FeedEntry, RedisStore};
 use crate::domain::{ClientId, KeyHash, PlanName};
 use crate::store::records::{
     Audit, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, ClientsPage, Condition,
-    KeyLookup, PlanRecord, Reload, SafetyRecord, Versioned, WriteOutcome, SAFETY,
+    ImportChunk, ImportOutcome, ImportProgress, KeyLookup, PlanRecord, SafetyRecord, Versioned,
+    Wants, WriteOutcome, SAFETY,
 };
 use crate::store::{CatalogAt, CatalogRecords, StoreError};
 
@@ -28,15 +29,82 @@ impl CatalogRecords for RedisStore {
         &self,
         since: u64,
         epoch: Option<&str>,
-        reload: Reload,
+        wants: Wants<'_>,
     ) -> Result<CatalogChanges, StoreError> {
-        match retrying!(self, |c| self.catalog_changes_on(c, since, epoch).await)? {
+        match retrying!(self, |c| self
+            .catalog_changes_on(c, since, epoch, wants)
+            .await)?
+        {
             Some(changes) => Ok(changes),
-            None => Ok(CatalogChanges::Reload(match reload {
-                Reload::Whole => self.dump().await?,
-                Reload::WithoutClients => retrying!(self, |c| self.catalog_head_on(c).await)?,
+            None => Ok(CatalogChanges::Reload(match wants {
+                Wants::Whole => self.dump().await?,
+                Wants::Held(_) => retrying!(self, |c| self.catalog_head_on(c).await)?,
             })),
         }
+    }
+
+    async fn import(&self, chunk: &ImportChunk<'_>) -> Result<ImportOutcome, StoreError> {
+        let mut inv = self.catalog_import.prepare_invoke();
+        for part in [
+            "plans", "clients", "keys", "users", "version", "changes", "index", "audit", "epoch",
+        ] {
+            inv.key(self.keys.catalog(part));
+        }
+        inv.key(self.keys.catalog(&format!("import:{}", chunk.import)));
+        inv.arg(chunk.chunk)
+            .arg(if chunk.last { "1" } else { "0" })
+            .arg(chunk.actor)
+            .arg(chunk.import)
+            .arg(uuid::Uuid::new_v4().simple().to_string())
+            .arg(chunk.in_file);
+        for c in chunk.clients {
+            let json = serde_json::to_string(c)
+                .map_err(|e| StoreError::Protocol(format!("client record: {e}")))?;
+            inv.arg(c.id.as_str())
+                .arg(c.plan.as_str())
+                .arg(json)
+                .arg(c.keys.len());
+            for k in &c.keys {
+                inv.arg(k.hash.to_string());
+            }
+        }
+        // Retried on a fresh connection like any write: a resend of a chunk that ran
+        // finds it done.
+        let (status, detail): (String, String) =
+            retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
+        let number = || {
+            detail
+                .parse::<u64>()
+                .map_err(|_| StoreError::Protocol(format!("catalog import: {detail}")))
+        };
+        Ok(match status.as_str() {
+            "ok" => ImportOutcome::Written { version: number()? },
+            "done" => ImportOutcome::Done,
+            "out_of_order" => ImportOutcome::OutOfOrder { next: number()? },
+            "exists" => ImportOutcome::Exists(detail),
+            "unknown_plan" => ImportOutcome::UnknownPlan(detail),
+            "key_conflict" => ImportOutcome::KeyConflict(detail),
+            other => return Err(StoreError::Protocol(format!("catalog import: {other}"))),
+        })
+    }
+
+    async fn import_progress(&self, import: &str) -> Result<ImportProgress, StoreError> {
+        let key = self.keys.catalog(&format!("import:{import}"));
+        let (next, clients, done): (Option<u64>, Option<u64>, Option<u64>) =
+            retrying!(self, |c| async {
+                Ok(redis::pipe()
+                    .hget(&key, "next")
+                    .hget(&key, "clients")
+                    .hget(&key, "done")
+                    .query_async(c)
+                    .await?)
+            }
+            .await)?;
+        Ok(ImportProgress {
+            next: next.unwrap_or(0),
+            clients: clients.unwrap_or(0),
+            done: done == Some(1),
+        })
     }
 
     async fn write(&self, write: &CatalogWrite, audit: &Audit) -> Result<WriteOutcome, StoreError> {
@@ -310,6 +378,7 @@ impl RedisStore {
         c: &mut Conn<'_>,
         since: u64,
         epoch: Option<&str>,
+        wants: Wants<'_>,
     ) -> Result<Option<CatalogChanges>, StoreError> {
         let (version, stored_epoch, entries): (Option<u64>, Option<String>, Vec<FeedEntry>) =
             redis::pipe()
@@ -339,7 +408,23 @@ impl RedisStore {
         if version < since || !contiguous {
             return Ok(None);
         }
-        let (last, changed) = Changed::in_feed(&entries)?;
+        let (last, mut changed) = Changed::in_feed(&entries)?;
+        // The records wanted, and those of clients the feed names no keys for (a delete,
+        // or an older gateway's write): their keys are read from the record.
+        let mut keys = Vec::new();
+        changed.clients.retain(|(id, hashes)| {
+            let Ok(client) = ClientId::parse(id) else {
+                return false;
+            };
+            match hashes {
+                Some(hashes) if !wants.record_of(&client) => {
+                    keys.push((client, hashes.clone()));
+                    false
+                }
+                _ => true,
+            }
+        });
+        let fetched: Vec<&String> = changed.clients.iter().map(|(id, _)| id).collect();
         let mut pipe = redis::pipe();
         pipe.cmd("HMGET")
             .arg(self.keys.catalog("plans"))
@@ -347,7 +432,7 @@ impl RedisStore {
             .arg("")
             .cmd("HMGET")
             .arg(self.keys.catalog("clients"))
-            .arg(&changed.clients)
+            .arg(&fetched)
             .arg("")
             .hget(self.keys.catalog("settings"), SAFETY);
         let (plan_vals, client_vals, safety): (
@@ -364,15 +449,20 @@ impl RedisStore {
                 Some((name, raw.and_then(|r| parse_entity(&r))))
             })
             .collect();
-        let clients = changed
-            .clients
-            .iter()
-            .zip(client_vals)
-            .filter_map(|(id, raw)| {
-                let id = ClientId::parse(id).ok()?;
-                Some((id, raw.and_then(|r| parse_entity(&r))))
-            })
-            .collect();
+        let mut clients = Vec::new();
+        for (id, raw) in fetched.iter().zip(client_vals) {
+            let Ok(id) = ClientId::parse(id) else {
+                continue;
+            };
+            let rec = raw.and_then(|r| parse_entity::<ClientRecord>(&r));
+            match &rec {
+                // Not wanted, but read for its keys.
+                Some(r) if !wants.record_of(&id) => {
+                    keys.push((id, r.value.keys.iter().map(|k| k.hash).collect()));
+                }
+                _ => clients.push((id, rec)),
+            }
+        }
         Ok(Some(CatalogChanges::Delta {
             version: last,
             plans,
@@ -380,6 +470,7 @@ impl RedisStore {
             safety: changed
                 .safety
                 .then(|| safety.and_then(|r| parse_entity(&r))),
+            keys,
             more: entries.len() == FEED_PAGE,
         }))
     }
@@ -407,10 +498,11 @@ fn parse_entity<T: serde::de::DeserializeOwned>(raw: &str) -> Option<Versioned<T
 }
 
 /// What a page of the change feed names: the plans and clients changed (each once, in id
-/// order) and whether the safety settings did.
+/// order; a client with every key hash its entries name, `None` when one of them named
+/// none) and whether the safety settings did.
 struct Changed {
     plans: Vec<String>,
-    clients: Vec<String>,
+    clients: Vec<(String, Option<Vec<KeyHash>>)>,
     safety: bool,
 }
 
@@ -422,7 +514,7 @@ impl Changed {
             .and_then(|(id, _)| id.split('-').next()?.parse::<u64>().ok())
             .ok_or_else(|| StoreError::Protocol("change feed id".into()))?;
         let mut plans = BTreeSet::new();
-        let mut clients = BTreeSet::new();
+        let mut clients: BTreeMap<String, Option<Vec<KeyHash>>> = BTreeMap::new();
         let mut safety = false;
         for (_, fields) in entries {
             let get = |name: &str| {
@@ -436,7 +528,16 @@ impl Changed {
                     plans.insert(id.to_string());
                 }
                 (Some("client"), Some(id)) => {
-                    clients.insert(id.to_string());
+                    let named = get("keys").map(|list| {
+                        list.split(',')
+                            .filter_map(|h| h.parse::<KeyHash>().ok())
+                            .collect::<Vec<_>>()
+                    });
+                    let slot = clients.entry(id.to_string()).or_insert(Some(Vec::new()));
+                    match (slot.as_mut(), named) {
+                        (Some(all), Some(named)) => all.extend(named),
+                        _ => *slot = None,
+                    }
                 }
                 (Some("setting"), Some(SAFETY)) => safety = true,
                 _ => tracing::warn!("unreadable change feed entry skipped"),
