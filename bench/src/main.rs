@@ -73,6 +73,10 @@ enum Scenario {
     Latency(scenarios::latency::Args),
     /// Closed-loop maximum requests/s: direct, nginx (if installed) and the gateway.
     Throughput(scenarios::throughput::Args),
+    /// Millions of clients (issue 36): 10 million imported into a 3-master Redis Cluster;
+    /// a gateway caching the ones in use: its start, memory, first requests against held
+    /// ones, a flood of made-up keys, and revocations.
+    Catalog(scenarios::catalog::Args),
     /// One client at 9x its contract through N gateways x S services x R replicas.
     Accuracy(scenarios::accuracy::Args),
     /// A plan of 1 limit vs 3: Redis calls and CPU per decision, added latency (against
@@ -133,6 +137,7 @@ fn main() -> ExitCode {
     let result = match cli.scenario {
         Scenario::Latency(a) => scenarios::latency::run(&a),
         Scenario::Throughput(a) => scenarios::throughput::run(&a),
+        Scenario::Catalog(a) => scenarios::catalog::run(&a),
         Scenario::Accuracy(a) => scenarios::accuracy::run(&a),
         Scenario::Plans(a) => scenarios::plans::run(&a),
         Scenario::Redis(a) => scenarios::redis::run(&a),

@@ -1,6 +1,7 @@
 //! The scenarios. Each starts what it needs, measures, and returns an [`Outcome`].
 
 pub mod accuracy;
+pub mod catalog;
 pub mod clients;
 pub mod edge;
 pub mod failopen;

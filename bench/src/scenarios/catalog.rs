@@ -1,0 +1,694 @@
+//! `catalog`: millions of clients (issue 36), measured on a 3-master Redis Cluster.
+//!
+//! Once: `--clients` clients (10 million) are loaded with `tollgate import` (its time, and
+//! the store's memory per client, summed over the masters). Then `--runs` runs, each with a
+//! gateway of its own in `--mode` (`cache`: `catalog.mode = "cache"`; `mirror` to compare,
+//! at sizes a mirror holds):
+//!
+//! - **start**: from the process's spawn to its first forwarded request;
+//! - **first requests**: `--active` clients (100,000, spread over the catalog) each send
+//!   one request, open loop at `--rate`/s: in cache mode each is a key not held (one store
+//!   read); **cached**: the same requests again. The difference of their p99s is what a
+//!   miss adds, against a Redis round trip's p99 measured beside (`PING`, the catalog's
+//!   master);
+//! - **resident set** with the active clients held;
+//! - **unknown keys**: `--unknown` distinct made-up keys (1 million) over
+//!   `--unknown-seconds` (60), beside the active clients at `--working-rate`/s: the store
+//!   reads they cost, how often an active client had to be read again (the working set's
+//!   hit rate), its p99, and the resident set's peak. The failed-keys count per address is
+//!   off (`edge.failed_keys_sets = 0`), as if the keys came from as many addresses as it
+//!   holds: with it on, one address is answered `429` after 20 keys, with no store read;
+//! - **revocation**: `--revocations` active clients lose their key through the store (as
+//!   the admin API writes it); how long until the gateway refuses it, asked every 2 ms,
+//!   against `catalog.refresh_ms`.
+
+use std::io::{BufWriter, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use secrecy::SecretString;
+use serde_json::{json, Value};
+use tollgate::domain::{Bucket, Limits, PlanName};
+use tollgate::store::records::{Audit, CatalogWrite, Condition, PlanRecord};
+use tollgate::store::{Keys, Store};
+use tollgate_testkit::{GatewayConfig, RedisCluster, RouteDef};
+
+use super::{seconds, summary_json, MetricsDelta};
+use crate::http::get_request;
+use crate::load::{run_open, Arrivals, OpenRun, Stream, Summary};
+use crate::procs::{block_on, gateway_config, raise_fd_limit, rss_kib, Gateway, RssWatch};
+use crate::report::{
+    machine, ms, round, runs_disturbance, CpuWatch, Disturbance, Outcome, OverRuns, Table, Worse,
+};
+use crate::upstream::{Counts, Server, Upstreams};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Clients in the store.
+    #[arg(long, default_value_t = 10_000_000)]
+    clients: usize,
+    /// Clients in use during a run (each sends a first request, then more).
+    #[arg(long, default_value_t = 100_000)]
+    active: usize,
+    /// Open-loop rate of the first and the cached requests (requests/s).
+    #[arg(long, default_value_t = 5_000.0)]
+    rate: f64,
+    /// Distinct made-up keys sent during the unknown-keys phase.
+    #[arg(long, default_value_t = 1_000_000)]
+    unknown: usize,
+    /// Seconds the made-up keys are spread over.
+    #[arg(long, default_value = "60", value_parser = seconds)]
+    unknown_seconds: f64,
+    /// The active clients' rate beside the made-up keys (requests/s).
+    #[arg(long, default_value_t = 1_000.0)]
+    working_rate: f64,
+    /// Keys revoked per run (each timed).
+    #[arg(long, default_value_t = 5)]
+    revocations: usize,
+    /// Runs, each with a gateway of its own (the store is loaded once).
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// `catalog.mode` of the measured gateway: `cache` or `mirror`.
+    #[arg(long, default_value = "cache")]
+    mode: String,
+    /// `catalog.refresh_ms`.
+    #[arg(long, default_value_t = 1000)]
+    refresh_ms: u64,
+    /// `catalog.cached_clients` (cache mode).
+    #[arg(long, default_value_t = 100_000)]
+    cached_clients: u64,
+    /// `catalog.unknown_keys` (cache mode).
+    #[arg(long, default_value_t = 100_000)]
+    unknown_keys: u64,
+}
+
+/// The plan every client is on: never refuses.
+const PLAN: &str = "unlimited";
+/// Clients per import chunk.
+const CHUNK: &str = "1000";
+
+fn client_id(i: usize) -> String {
+    format!("c{i:08}")
+}
+
+fn client_key(i: usize) -> String {
+    format!("bench-catalog-key-{i:08}")
+}
+
+/// The `n` active clients, spread evenly over the catalog's `total`.
+fn active(n: usize, total: usize) -> Vec<usize> {
+    let stride = (total / n.max(1)).max(1);
+    (0..n.min(total)).map(|i| i * stride).collect()
+}
+
+/// What the store cost, measured once.
+struct Loaded {
+    import_s: f64,
+    bytes_per_client: f64,
+}
+
+/// One run's figures.
+struct Run {
+    start_s: f64,
+    first: Summary,
+    cached: Summary,
+    rtt_p99_ms: f64,
+    rss_idle_mib: f64,
+    rss_warm_mib: f64,
+    rss_flood_peak_mib: f64,
+    /// Store reads for the made-up keys, per key sent.
+    unknown_reads_per_key: f64,
+    unknown_401_pct: f64,
+    /// Active clients read again during the flood, per active request (0: all held).
+    working_misses_pct: f64,
+    working: Summary,
+    revocations_ms: Vec<f64>,
+    lookups_first: f64,
+    disturbance: Option<Disturbance>,
+}
+
+pub fn run(a: &Args) -> anyhow::Result<Outcome> {
+    anyhow::ensure!(
+        a.mode == "cache" || a.mode == "mirror",
+        "--mode is cache or mirror"
+    );
+    anyhow::ensure!(
+        a.active >= 1 && a.active <= a.clients,
+        "--active within --clients"
+    );
+    anyhow::ensure!(a.revocations <= a.active, "--revocations at most --active");
+    raise_fd_limit();
+    let machine = machine();
+    eprintln!(
+        "catalog: {} clients, {} active, mode {}, {} runs ({machine})",
+        a.clients, a.active, a.mode, a.runs
+    );
+    let cluster = RedisCluster::start()?;
+    // The store's connections live on this runtime, for the whole scenario.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let store = rt.block_on(async { cluster_store(&cluster) })?;
+    let loaded = load(a, &rt, &cluster, &store)?;
+    let counts = Arc::new(Counts::default());
+    let upstreams = Upstreams::start(vec![Server::Fast(counts)])?;
+    let mut runs = Vec::new();
+    for i in 0..a.runs {
+        eprintln!("run {}/{}", i + 1, a.runs);
+        let watch = CpuWatch::start();
+        let mut run = one_run(a, i, &rt, &cluster, &store, &upstreams.urls())?;
+        run.disturbance = watch.and_then(|w| w.stop());
+        runs.push(run);
+    }
+    Ok(report(a, &loaded, &runs, machine))
+}
+
+fn cluster_store(cluster: &RedisCluster) -> anyhow::Result<Store> {
+    let nodes: Vec<SecretString> = cluster.urls().into_iter().map(SecretString::from).collect();
+    Store::cluster(&nodes, Duration::from_secs(5), Keys::new("tollgate:"))
+        .map_err(|e| anyhow::anyhow!("the cluster store: {e}"))
+}
+
+/// Creates the plan, writes the file and imports it; the store's memory per client.
+fn load(
+    a: &Args,
+    rt: &tokio::runtime::Runtime,
+    cluster: &RedisCluster,
+    store: &Store,
+) -> anyhow::Result<Loaded> {
+    rt.block_on(async {
+        store
+            .catalog
+            .write(
+                &CatalogWrite::PutPlan(
+                    PlanRecord::new(
+                        PlanName::parse(PLAN)?,
+                        &Limits::single(Bucket::new(1e9, 1e9)?),
+                        None,
+                    ),
+                    Condition::Any,
+                ),
+                &Audit::new("bench", "plan.put"),
+            )
+            .await?;
+        anyhow::Ok(())
+    })?;
+    let dir = tollgate_testkit::temp_dir("bench-catalog")?;
+    let file = dir.path().join("clients.jsonl");
+    {
+        let mut out = BufWriter::with_capacity(1 << 20, std::fs::File::create(&file)?);
+        for i in 0..a.clients {
+            writeln!(
+                out,
+                "{{\"id\":\"{}\",\"plan\":\"{PLAN}\",\"keys\":[{{\"key\":\"{}\"}}]}}",
+                client_id(i),
+                client_key(i)
+            )?;
+        }
+        out.flush()?;
+    }
+    let config = dir.path().join("import.toml");
+    std::fs::write(
+        &config,
+        format!("[redis]\ncluster_nodes = {:?}\n", cluster.urls()),
+    )?;
+    let before = used_memory(cluster)?;
+    eprintln!("  importing {} clients", a.clients);
+    let started = Instant::now();
+    let out = std::process::Command::new(crate::procs::tollgate_binary()?)
+        .arg("--config")
+        .arg(&config)
+        .arg("import")
+        .arg(&file)
+        .arg("--chunk")
+        .arg(CHUNK)
+        .env("RUST_LOG", "warn")
+        .output()?;
+    let import_s = started.elapsed().as_secs_f64();
+    anyhow::ensure!(
+        out.status.success(),
+        "tollgate import failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("  {}", String::from_utf8_lossy(&out.stdout).trim());
+    std::fs::remove_file(&file)?;
+    let after = used_memory(cluster)?;
+    Ok(Loaded {
+        import_s,
+        bytes_per_client: (after - before) as f64 / a.clients as f64,
+    })
+}
+
+/// `used_memory` summed over the cluster's nodes.
+fn used_memory(cluster: &RedisCluster) -> anyhow::Result<u64> {
+    let mut total = 0;
+    for node in &cluster.nodes {
+        let info: String = redis::cmd("INFO").arg("memory").query(&mut node.conn()?)?;
+        total += info
+            .lines()
+            .find_map(|l| l.strip_prefix("used_memory:"))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .context("used_memory")?;
+    }
+    Ok(total)
+}
+
+fn one_run(
+    a: &Args,
+    run: usize,
+    rt: &tokio::runtime::Runtime,
+    cluster: &RedisCluster,
+    store: &Store,
+    upstreams: &[String],
+) -> anyhow::Result<Run> {
+    let mut config: GatewayConfig = gateway_config(
+        None,
+        vec![RouteDef {
+            service: "api".into(),
+            prefix: "/api".into(),
+            upstreams: upstreams.to_vec(),
+        }],
+    );
+    config.redis_url = None;
+    config.timeout_ms = None;
+    config.plans.clear();
+    config.extra = format!(
+        "[redis]\ncluster_nodes = {:?}\ntimeout_ms = 5\n[edge]\nfailed_keys_sets = 0\n",
+        cluster.urls()
+    );
+    // The probe client's plan (declared in the configuration, seeded at start).
+    config.plans.push(tollgate_testkit::PlanDef {
+        name: PLAN.into(),
+        capacity: 1e9,
+        rate: 1e9,
+    });
+    for c in &mut config.clients {
+        c.plan = PLAN.into();
+    }
+    let refresh = a.refresh_ms.to_string();
+    let (cached_clients, unknown_keys) = (a.cached_clients.to_string(), a.unknown_keys.to_string());
+    let env = [
+        ("TOLLGATE__CATALOG__MODE", a.mode.as_str()),
+        ("TOLLGATE__CATALOG__REFRESH_MS", refresh.as_str()),
+        ("TOLLGATE__CATALOG__CACHED_CLIENTS", cached_clients.as_str()),
+        ("TOLLGATE__CATALOG__UNKNOWN_KEYS", unknown_keys.as_str()),
+        ("RUST_LOG", "warn"),
+    ];
+    let started = Instant::now();
+    let gw = Gateway::start_env(&config, "/api/probe", &env)?;
+    let start_s = started.elapsed().as_secs_f64();
+    let pid = gw.child.id();
+    let rss_idle_mib = rss_kib(pid).unwrap_or(0) as f64 / 1024.0;
+    eprintln!("  started in {start_s:.2} s, {rss_idle_mib:.0} MiB");
+
+    // First requests, then the same again (held).
+    let active_ids = active(a.active, a.clients);
+    let requests: Vec<Vec<u8>> = active_ids
+        .iter()
+        .map(|&i| get_request("/api/x", Some(&client_key(i))))
+        .collect();
+    let pass = |requests: Vec<Vec<u8>>| -> anyhow::Result<Summary> {
+        let n = requests.len() as f64;
+        let result = run_open(vec![Stream {
+            addr: gw.addr,
+            requests,
+            rate: a.rate,
+            arrivals: Arrivals::Poisson { seed: 36 },
+            from: Duration::ZERO,
+            until: Duration::from_secs_f64(n / a.rate),
+        }])?;
+        let samples = &result.samples[0];
+        let failed = samples.iter().filter(|s| s.status != 200).count();
+        anyhow::ensure!(
+            failed == 0,
+            "{failed} of {} requests not 200",
+            samples.len()
+        );
+        Ok(Summary::of(samples))
+    };
+    let before = gw.metrics()?;
+    let first = pass(requests.clone())?;
+    let after_first = gw.metrics()?;
+    let lookups_first = MetricsDelta {
+        before,
+        after: after_first,
+    }
+    .of("tollgate_catalog_lookups_total{result=\"client\"}");
+    let cached = pass(requests)?;
+    let rss_warm_mib = rss_kib(pid).unwrap_or(0) as f64 / 1024.0;
+    let rtt_p99_ms = ping_p99_ms(cluster)?;
+    eprintln!(
+        "  first p99 {:.3} ms, cached p99 {:.3} ms, redis rtt p99 {rtt_p99_ms:.3} ms, {rss_warm_mib:.0} MiB",
+        first.p99_ms, cached.p99_ms
+    );
+
+    // Made-up keys beside the working set.
+    let unknown: Vec<Vec<u8>> = (0..a.unknown)
+        .map(|i| get_request("/api/x", Some(&format!("bench-made-up-{run}-{i:09}"))))
+        .collect();
+    let working: Vec<Vec<u8>> = active_ids
+        .iter()
+        .map(|&i| get_request("/api/x", Some(&client_key(i))))
+        .collect();
+    let window = Duration::from_secs_f64(a.unknown_seconds);
+    let before = gw.metrics()?;
+    let rss = RssWatch::start(pid, Duration::from_millis(250));
+    let flood = OpenRun::start(vec![
+        Stream {
+            addr: gw.addr,
+            requests: unknown,
+            rate: a.unknown as f64 / a.unknown_seconds,
+            arrivals: Arrivals::Poisson { seed: 361 },
+            from: Duration::ZERO,
+            until: window,
+        },
+        Stream {
+            addr: gw.addr,
+            requests: working,
+            rate: a.working_rate,
+            arrivals: Arrivals::Poisson { seed: 362 },
+            from: Duration::ZERO,
+            until: window,
+        },
+    ])
+    .join()?;
+    let peak = rss.stop().into_iter().max().unwrap_or(0);
+    let delta = MetricsDelta {
+        before,
+        after: gw.metrics()?,
+    };
+    let sent_unknown = flood.samples[0].len() as f64;
+    let unknown_401 = flood.samples[0].iter().filter(|s| s.status == 401).count() as f64;
+    let working_sent = flood.samples[1].len() as f64;
+    let working_ok = flood.samples[1].iter().filter(|s| s.status == 200).count();
+    anyhow::ensure!(
+        working_ok as f64 == working_sent,
+        "{} of {working_sent} active clients' requests not 200 during the flood",
+        working_sent as usize - working_ok
+    );
+    let unknown_reads = delta.of("tollgate_catalog_lookups_total{result=\"unknown\"}");
+    let working_reads = delta.of("tollgate_catalog_lookups_total{result=\"client\"}");
+    eprintln!(
+        "  flood: {sent_unknown} made-up keys, {unknown_reads} store reads, {working_reads} active re-reads"
+    );
+
+    // Revocations, each timed from the write's answer to the first refusal.
+    let mut revocations_ms = Vec::new();
+    for r in 0..a.revocations {
+        let i = active_ids[(r * 7919 + run * 104_729) % active_ids.len()];
+        revocations_ms.push(revoke(rt, store, gw.addr, i)?);
+    }
+    eprintln!("  revoked in {revocations_ms:?} ms");
+    Ok(Run {
+        start_s,
+        first,
+        cached,
+        rtt_p99_ms,
+        rss_idle_mib,
+        rss_warm_mib,
+        rss_flood_peak_mib: peak as f64 / 1024.0,
+        unknown_reads_per_key: unknown_reads / sent_unknown.max(1.0),
+        unknown_401_pct: unknown_401 / sent_unknown.max(1.0) * 100.0,
+        working_misses_pct: working_reads / working_sent.max(1.0) * 100.0,
+        working: Summary::of(&flood.samples[1]),
+        revocations_ms,
+        lookups_first,
+        disturbance: None,
+    })
+}
+
+/// Revokes client `i`'s key through the store (as the admin API writes it) and asks the
+/// gateway every 2 ms until it refuses the key: the milliseconds from the write's answer.
+fn revoke(
+    rt: &tokio::runtime::Runtime,
+    store: &Store,
+    gateway: SocketAddr,
+    i: usize,
+) -> anyhow::Result<f64> {
+    let id = client_id(i);
+    let written = rt.block_on(async {
+        let current = store
+            .catalog
+            .client(&id)
+            .await?
+            .context("an active client")?;
+        let mut rec = current.value;
+        rec.keys.clear();
+        store
+            .catalog
+            .write(
+                &CatalogWrite::PutClient(rec, Condition::Rev(current.rev)),
+                &Audit::new("bench", "key.revoke"),
+            )
+            .await?;
+        anyhow::Ok(Instant::now())
+    })?;
+    let key = client_key(i);
+    loop {
+        let status = block_on(crate::http::fetch(gateway, "/api/x", Some(&key)))
+            .map(|(s, _)| s)
+            .unwrap_or(0);
+        if status == 401 {
+            return Ok(written.elapsed().as_secs_f64() * 1000.0);
+        }
+        anyhow::ensure!(
+            written.elapsed() < Duration::from_secs(30),
+            "client {id}'s revoked key still answered {status} after 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// A Redis round trip's p99 (ms): 20,000 `PING`s, one at a time, to each node; the worst
+/// node's.
+fn ping_p99_ms(cluster: &RedisCluster) -> anyhow::Result<f64> {
+    let mut worst = 0.0f64;
+    for node in &cluster.nodes {
+        let mut conn = TcpStream::connect(("127.0.0.1", node.port))?;
+        conn.set_nodelay(true)?;
+        let mut ns = Vec::with_capacity(20_000);
+        let mut buf = [0u8; 7];
+        for _ in 0..20_000 {
+            let t = Instant::now();
+            conn.write_all(b"PING\r\n")?;
+            conn.read_exact(&mut buf)?;
+            ns.push(t.elapsed().as_nanos() as u64);
+        }
+        ns.sort_unstable();
+        worst = worst.max(crate::load::percentile(&ns, 0.99) as f64 / 1e6);
+    }
+    Ok(worst)
+}
+
+type Figure = (
+    &'static str,
+    &'static str,
+    Worse,
+    fn(&Run) -> f64,
+    fn(f64) -> String,
+);
+
+fn mib(v: f64) -> String {
+    format!("{v:.0} MiB")
+}
+
+fn secs(v: f64) -> String {
+    format!("{v:.2} s")
+}
+
+fn share(v: f64) -> String {
+    format!("{v:.3}%")
+}
+
+fn per_key(v: f64) -> String {
+    format!("{v:.3}")
+}
+
+const FIGURES: [Figure; 14] = [
+    (
+        "start_s",
+        "start, spawn to first forwarded request",
+        Worse::Higher,
+        |r| r.start_s,
+        secs,
+    ),
+    (
+        "rss_warm_mib",
+        "resident set, active clients held",
+        Worse::Higher,
+        |r| r.rss_warm_mib,
+        mib,
+    ),
+    (
+        "first_p99_ms",
+        "first request of an active client: p99",
+        Worse::Higher,
+        |r| r.first.p99_ms,
+        ms,
+    ),
+    (
+        "cached_p99_ms",
+        "the same requests again (held): p99",
+        Worse::Higher,
+        |r| r.cached.p99_ms,
+        ms,
+    ),
+    (
+        "miss_added_p99_ms",
+        "what a first request adds at p99 (first - held)",
+        Worse::Higher,
+        |r| r.first.p99_ms - r.cached.p99_ms,
+        ms,
+    ),
+    (
+        "redis_rtt_p99_ms",
+        "a Redis round trip (PING): p99",
+        Worse::Higher,
+        |r| r.rtt_p99_ms,
+        ms,
+    ),
+    (
+        "first_p50_ms",
+        "first request: p50",
+        Worse::Higher,
+        |r| r.first.p50_ms,
+        ms,
+    ),
+    (
+        "cached_p50_ms",
+        "held: p50",
+        Worse::Higher,
+        |r| r.cached.p50_ms,
+        ms,
+    ),
+    (
+        "unknown_reads_per_key",
+        "made-up keys: store reads per key sent",
+        Worse::Higher,
+        |r| r.unknown_reads_per_key,
+        per_key,
+    ),
+    (
+        "unknown_401_pct",
+        "made-up keys answered 401",
+        Worse::Lower,
+        |r| r.unknown_401_pct,
+        share,
+    ),
+    (
+        "working_misses_pct",
+        "active clients read again during the flood (per request)",
+        Worse::Higher,
+        |r| r.working_misses_pct,
+        share,
+    ),
+    (
+        "working_p99_ms",
+        "active clients during the flood: p99",
+        Worse::Higher,
+        |r| r.working.p99_ms,
+        ms,
+    ),
+    (
+        "rss_flood_peak_mib",
+        "resident set, peak during the flood",
+        Worse::Higher,
+        |r| r.rss_flood_peak_mib,
+        mib,
+    ),
+    (
+        "revocation_max_ms",
+        "revocation: the slowest to be refused",
+        Worse::Higher,
+        |r| r.revocations_ms.iter().copied().fold(0.0, f64::max),
+        ms,
+    ),
+];
+
+impl Run {
+    fn json(&self) -> Value {
+        let mut v = json!({
+            "start_s": round(self.start_s, 3),
+            "rss_idle_mib": round(self.rss_idle_mib, 1),
+            "rss_warm_mib": round(self.rss_warm_mib, 1),
+            "rss_flood_peak_mib": round(self.rss_flood_peak_mib, 1),
+            "first": summary_json(&self.first),
+            "cached": summary_json(&self.cached),
+            "redis_rtt_p99_ms": round(self.rtt_p99_ms, 3),
+            "lookups_first": self.lookups_first,
+            "unknown_reads_per_key": round(self.unknown_reads_per_key, 4),
+            "unknown_401_pct": round(self.unknown_401_pct, 3),
+            "working_misses_pct": round(self.working_misses_pct, 4),
+            "working": summary_json(&self.working),
+            "revocations_ms": self.revocations_ms.iter().map(|m| round(*m, 1)).collect::<Vec<_>>(),
+        });
+        if let (Some(d), Some(obj)) = (&self.disturbance, v.as_object_mut()) {
+            for (k, val) in d.json_fields() {
+                obj.insert(k.into(), val);
+            }
+        }
+        v
+    }
+}
+
+fn report(a: &Args, loaded: &Loaded, runs: &[Run], machine: String) -> Outcome {
+    let mut table = Table::new(&["figure", "median (worst)"]);
+    let mut figures = serde_json::Map::new();
+    for (name, label, worse, of, fmt) in FIGURES {
+        let over = OverRuns::of(runs.iter().map(of).collect(), worse);
+        table.row(vec![label.to_string(), over.cell(fmt)]);
+        figures.insert(name.into(), over.json(3));
+    }
+    let (steal, cpu) = runs_disturbance(runs.iter().map(|r| r.disturbance.as_ref()));
+    let markdown = format!(
+        "### catalog: {} clients on a 3-master Redis Cluster, mode {}\n\n{}\n\
+         Loaded once with `tollgate import` (chunks of {CHUNK}): {:.1} s; the store's memory \
+         {:.0} bytes per client (`used_memory` over the masters, after minus before). \
+         {} active clients spread over the catalog at {}/s (Poisson), first then held; \
+         {} made-up keys over {} s beside them at {}/s; {} revocations per run; \
+         `catalog.refresh_ms` {}; cache bounds {} clients, {} unknown keys; one worker; \
+         {} runs, each with a gateway of its own.\n{steal}{machine}.\n",
+        a.clients,
+        a.mode,
+        table.render(),
+        loaded.import_s,
+        loaded.bytes_per_client,
+        a.active,
+        a.rate,
+        a.unknown,
+        a.unknown_seconds,
+        a.working_rate,
+        a.revocations,
+        a.refresh_ms,
+        a.cached_clients,
+        a.unknown_keys,
+        runs.len(),
+    );
+    let json = json!({
+        "scenario": "catalog",
+        "clients": a.clients,
+        "active": a.active,
+        "mode": a.mode,
+        "rate": a.rate,
+        "unknown": a.unknown,
+        "unknown_seconds": a.unknown_seconds,
+        "working_rate": a.working_rate,
+        "refresh_ms": a.refresh_ms,
+        "cached_clients": a.cached_clients,
+        "unknown_keys": a.unknown_keys,
+        "import_s": round(loaded.import_s, 2),
+        "store_bytes_per_client": round(loaded.bytes_per_client, 1),
+        "figures": figures,
+        "runs": runs.iter().map(Run::json).collect::<Vec<_>>(),
+        "cpu_per_run": cpu,
+        "machine": machine,
+    });
+    Outcome {
+        markdown,
+        json,
+        charts: vec![],
+    }
+}
