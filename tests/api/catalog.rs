@@ -1,6 +1,7 @@
 //! The catalog keeps its promises across resets: a store that goes back is restored from
 //! the gateways' copies by its identity (epoch) and version, nothing deleted or revoked
-//! comes back, gateways restoring at once write one catalog once, a gateway that missed
+//! comes back, gateways restoring at once write one catalog once, a restore of thousands of
+//! clients goes in bounded chunks and leaves no staging behind, a gateway that missed
 //! changes trimmed from the feed reloads the whole catalog, and paging never ends early or
 //! lists a client twice. (That edits never flicker is tested where the race can be forced: the mirror's
 //! unit test `a_key_never_disappears_while_its_client_is_replaced`.)
@@ -593,4 +594,110 @@ async fn a_plans_fields_a_newer_gateway_wrote_survive_this_ones_put() {
     assert_eq!(after["capacity"], json!(50.0), "{after}");
     assert_eq!(after["max_connections"], json!(3), "{after}");
     gw.stop().await;
+}
+
+fn store_epoch(redis: &RedisServer) -> Option<String> {
+    redis::cmd("GET")
+        .arg("tollgate:{catalog}:epoch")
+        .query(&mut redis.conn().unwrap())
+        .unwrap()
+}
+
+/// Every stored client of the catalog as id -> (revision, record).
+fn stored_clients(redis: &RedisServer) -> std::collections::BTreeMap<String, (u64, Value)> {
+    let all: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
+        .arg("tollgate:{catalog}:clients")
+        .query(&mut redis.conn().unwrap())
+        .unwrap();
+    all.into_iter()
+        .map(|(id, stored)| {
+            let (rev, json) = stored.split_once(' ').unwrap();
+            (
+                id,
+                (rev.parse().unwrap(), serde_json::from_str(json).unwrap()),
+            )
+        })
+        .collect()
+}
+
+/// Clients `c0`..`c<n>` on plan gold, two keys each, loaded by `tollgate import` (the
+/// real binary) into the Redis at `redis_url`.
+fn import_clients(redis_url: &str, n: usize) {
+    let dir = tempfile::tempdir().unwrap();
+    let lines: Vec<String> = (0..n)
+        .map(|i| {
+            let id = format!("c{i}");
+            json!({"id": id, "plan": "gold",
+                "keys": [{"key": key(&id)}, {"key": key(&format!("{id}-b"))}]})
+            .to_string()
+        })
+        .collect();
+    let file = dir.path().join("clients.jsonl");
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+    let config = dir.path().join("import.toml");
+    std::fs::write(&config, format!("[redis]\nurl = \"{redis_url}\"\n")).unwrap();
+    let out = std::process::Command::new(binary())
+        .arg("--config")
+        .arg(&config)
+        .arg("import")
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test]
+async fn a_restore_of_thousands_of_clients_goes_in_bounded_chunks_and_leaves_no_staging() {
+    // Arrange: a Redis that refuses any argument over 1 MB (the least it allows), across
+    // its restarts; 2,500 clients with two keys each, more than 1 MB as one argument.
+    let mut redis = RedisServer::start_with(&["--proto-max-bulk-len", "1mb"]).unwrap();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway(&redis.url(), &up, 100).await;
+    import_clients(&redis.url(), 2500);
+    let version = store_version(&redis);
+    gw.wait_for_catalog(version).await;
+    let before = stored_clients(&redis);
+    assert_eq!(before.len(), 2501, "2,500 imported and one declared");
+    let epoch_before = store_epoch(&redis);
+    assert!(epoch_before.is_some());
+
+    // Act: Redis restarts empty.
+    redis.restart().unwrap();
+
+    // Assert: every client back with its revision, the gateway's version and epoch, one
+    // restore audited, every key and index entry, and no staging key left behind.
+    eventually(Duration::from_secs(10), "restored", || async {
+        store_version(&redis) == version
+    })
+    .await;
+    assert_eq!(stored_clients(&redis), before);
+    assert_eq!(store_epoch(&redis), epoch_before);
+    assert_eq!(restores(&redis), 1);
+    let mut c = redis.conn().unwrap();
+    let count = |c: &mut redis::Connection, cmd: &str, key: &str| -> usize {
+        redis::cmd(cmd).arg(key).query(c).unwrap()
+    };
+    assert_eq!(count(&mut c, "HLEN", "tollgate:{catalog}:keys"), 5001);
+    assert_eq!(count(&mut c, "ZCARD", "tollgate:{catalog}:index"), 2501);
+    let on_gold: u64 = redis::cmd("HGET")
+        .arg("tollgate:{catalog}:users")
+        .arg("gold")
+        .query(&mut c)
+        .unwrap();
+    assert_eq!(on_gold, 2501);
+    assert!(
+        redis.keys("*restore:*").unwrap().is_empty(),
+        "staging keys left: {:?}",
+        redis.keys("*restore:*").unwrap()
+    );
+    let ttl: i64 = redis::cmd("TTL")
+        .arg("tollgate:{catalog}:clients")
+        .query(&mut c)
+        .unwrap();
+    assert_eq!(ttl, -1, "the restored clients would expire");
+    assert_eq!(status(&gw, &key("c2499-b")).await, 200);
 }

@@ -33,6 +33,7 @@ pub struct RedisStore {
     pub(super) bucket: Script,
     pub(super) catalog_write: Script,
     pub(super) catalog_restore: Script,
+    pub(super) catalog_restore_stage: Script,
     pub(super) catalog_import: Script,
     pub(super) client_by_key: Script,
     pub(super) reconcile: Script,
@@ -56,6 +57,9 @@ impl RedisStore {
             bucket: Script::new(BUCKET_LUA),
             catalog_write: Script::new(include_str!("../../../lua/catalog_write.lua")),
             catalog_restore: Script::new(include_str!("../../../lua/catalog_restore.lua")),
+            catalog_restore_stage: Script::new(include_str!(
+                "../../../lua/catalog_restore_stage.lua"
+            )),
             catalog_import: Script::new(include_str!("../../../lua/catalog_import.lua")),
             client_by_key: Script::new(include_str!("../../../lua/client_by_key.lua")),
             reconcile: Script::new(include_str!("../../../lua/reconcile.lua")),

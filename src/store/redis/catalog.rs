@@ -1,11 +1,13 @@
 //! The catalog in Redis: whole dumps, the change feed gateways poll instead of reloading,
-//! scripted writes (`lua/catalog_write.lua`) and restores (`lua/catalog_restore.lua`), and
-//! reads of single records and pages.
+//! scripted writes (`lua/catalog_write.lua`), restores staged in chunks and committed at
+//! once (`lua/catalog_restore_stage.lua`, `lua/catalog_restore.lua`), and reads of single
+//! records and pages.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
 
 use async_trait::async_trait;
-use redis::{AsyncCommands, Value};
+use redis::{AsyncCommands, ScriptInvocation, Value};
 
 use super::backend::{retrying, scan_hash, Conn, FeedEntry, RedisStore};
 use crate::domain::{ClientId, KeyHash, PlanName};
@@ -18,6 +20,17 @@ use crate::store::{CatalogAt, CatalogRecords, StoreError};
 
 /// How many change-feed entries one poll reads.
 const FEED_PAGE: usize = 1000;
+
+/// How many records one call of a restore stages: every call stays this small, however
+/// large the catalog (a million clients in one argument were hundreds of MB).
+const RESTORE_CHUNK: usize = 1000;
+
+/// How long a restore's staging keys outlive its latest staging call: a gateway that
+/// stops mid-restore leaves keys that expire, never a catalog.
+const STAGING_KEPT: Duration = Duration::from_secs(600);
+
+/// What a restore stages, one key each, in the order both restore scripts name them.
+const STAGED: [&str; 6] = ["plans", "clients", "keys", "users", "index", "settings"];
 
 #[async_trait]
 impl CatalogRecords for RedisStore {
@@ -170,61 +183,19 @@ impl CatalogRecords for RedisStore {
         })
     }
 
-    /// Puts `mirror` in place of the store's catalog if the store is still at `seen`
-    /// (`lua/catalog_restore.lua`). Retried on a fresh connection like any write: a resend
-    /// after a lost reply finds the store moved (to the mirror) and writes nothing.
+    /// Puts `mirror` in place of the store's catalog if the store is still at `seen`:
+    /// staged under a restore id of its own, [`RESTORE_CHUNK`] records a call
+    /// (`lua/catalog_restore_stage.lua`), then committed in one atomic step
+    /// (`lua/catalog_restore.lua`), so no call grows with the catalog. Each call is retried
+    /// on a fresh connection like any write: a staged chunk resent changes nothing, and a
+    /// commit resent after a lost reply finds the store moved (to the mirror) and writes
+    /// nothing.
     async fn restore(&self, seen: CatalogAt<'_>, mirror: &CatalogDump) -> Result<bool, StoreError> {
-        let record = |kind: &str, id: &str, rev: u64, json: Option<String>| {
-            json.map(|json| serde_json::json!({"kind": kind, "id": id, "rev": rev, "json": json}))
-        };
-        let mut records = Vec::new();
-        for p in &mirror.plans {
-            records.extend(record(
-                "plan",
-                p.value.name.as_str(),
-                p.rev,
-                serde_json::to_string(&p.value).ok(),
-            ));
+        let staging = self.restore_staging(&uuid::Uuid::new_v4().simple().to_string());
+        for chunk in restore_chunks(mirror) {
+            self.stage_restore(&staging, &chunk).await?;
         }
-        for c in &mirror.clients {
-            if let Some(mut r) = record(
-                "client",
-                c.value.id.as_str(),
-                c.rev,
-                serde_json::to_string(&c.value).ok(),
-            ) {
-                r["plan"] = c.value.plan.as_str().into();
-                r["hashes"] = c
-                    .value
-                    .keys
-                    .iter()
-                    .map(|k| serde_json::Value::from(k.hash.to_string()))
-                    .collect();
-                records.push(r);
-            }
-        }
-        if let Some(s) = &mirror.safety {
-            records.extend(record(
-                "setting",
-                SAFETY,
-                s.rev,
-                serde_json::to_string(&s.value).ok(),
-            ));
-        }
-        let mut inv = self.catalog_restore.prepare_invoke();
-        for part in [
-            "plans", "clients", "keys", "users", "version", "changes", "settings", "index",
-            "audit", "epoch",
-        ] {
-            inv.key(self.keys.catalog(part));
-        }
-        inv.arg(seen.epoch.unwrap_or(""))
-            .arg(seen.version)
-            .arg(mirror.epoch.as_deref().unwrap_or(""))
-            .arg(mirror.version)
-            .arg(serde_json::Value::Array(records).to_string());
-        let status: String = retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
-        Ok(status == "restored")
+        self.commit_restore(&staging, seen, mirror).await
     }
 
     async fn plan(&self, name: &str) -> Result<Option<Versioned<PlanRecord>>, StoreError> {
@@ -309,6 +280,73 @@ impl CatalogRecords for RedisStore {
 }
 
 impl RedisStore {
+    /// The staging keys of the restore `restore` (see [`STAGED`]), in the `{catalog}` slot
+    /// beside the live keys.
+    fn restore_staging(&self, restore: &str) -> Vec<String> {
+        STAGED
+            .iter()
+            .map(|part| self.keys.catalog(&format!("restore:{restore}:{part}")))
+            .collect()
+    }
+
+    /// Writes one chunk of a restore to its staging keys.
+    async fn stage_restore(
+        &self,
+        staging: &[String],
+        chunk: &[Staged<'_>],
+    ) -> Result<(), StoreError> {
+        let mut inv = self.catalog_restore_stage.prepare_invoke();
+        for key in staging {
+            inv.key(key);
+        }
+        inv.arg(STAGING_KEPT.as_secs());
+        for record in chunk {
+            record.add_to(&mut inv)?;
+        }
+        let staged: u64 = retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
+        tracing::debug!(staged, "a chunk of the catalog's restore staged");
+        Ok(())
+    }
+
+    /// Puts the staged `mirror` in place of the live catalog if the store is still at
+    /// `seen`; `false` when it moved. A staging that is not all there (expired, or lost
+    /// with the store) is an error, and nothing changes.
+    async fn commit_restore(
+        &self,
+        staging: &[String],
+        seen: CatalogAt<'_>,
+        mirror: &CatalogDump,
+    ) -> Result<bool, StoreError> {
+        let mut inv = self.catalog_restore.prepare_invoke();
+        for part in [
+            "plans", "clients", "keys", "users", "version", "changes", "settings", "index",
+            "audit", "epoch",
+        ] {
+            inv.key(self.keys.catalog(part));
+        }
+        for key in staging {
+            inv.key(key);
+        }
+        inv.arg(seen.epoch.unwrap_or(""))
+            .arg(seen.version)
+            .arg(mirror.epoch.as_deref().unwrap_or(""))
+            .arg(mirror.version)
+            .arg(mirror.plans.len())
+            .arg(mirror.clients.len())
+            .arg(usize::from(mirror.safety.is_some()));
+        let status: String = retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
+        match status.as_str() {
+            "restored" => Ok(true),
+            "moved" => Ok(false),
+            "incomplete" => Err(StoreError::Protocol(
+                "catalog restore: the staged copy was not all there when committed (it \
+                 expired, or the store lost it); nothing changed"
+                    .into(),
+            )),
+            other => Err(StoreError::Protocol(format!("catalog restore: {other}"))),
+        }
+    }
+
     /// The catalog without its clients: epoch, version, plans, safety settings.
     async fn catalog_head_on(&self, c: &mut Conn<'_>) -> Result<CatalogDump, StoreError> {
         let (version, epoch, plans, safety): (
@@ -549,5 +587,278 @@ impl Changed {
             safety,
         };
         Ok((last, changed))
+    }
+}
+
+/// One record of a mirror, as a restore stages it.
+enum Staged<'a> {
+    Plan(&'a Versioned<PlanRecord>),
+    Client(&'a Versioned<ClientRecord>),
+    Safety(&'a Versioned<SafetyRecord>),
+}
+
+impl Staged<'_> {
+    /// Adds this record's arguments (see `lua/catalog_restore_stage.lua`) to `inv`.
+    fn add_to(&self, inv: &mut ScriptInvocation<'_>) -> Result<(), StoreError> {
+        match self {
+            Staged::Plan(p) => {
+                inv.arg("plan").arg(p.value.name.as_str()).arg(stored(p)?);
+            }
+            Staged::Safety(s) => {
+                inv.arg("setting").arg(SAFETY).arg(stored(s)?);
+            }
+            Staged::Client(c) => {
+                inv.arg("client")
+                    .arg(c.value.id.as_str())
+                    .arg(stored(c)?)
+                    .arg(c.value.plan.as_str())
+                    .arg(c.value.keys.len());
+                for k in &c.value.keys {
+                    inv.arg(k.hash.to_string());
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The record as the catalog keeps it, `"<rev> <json>"` (see [`parse_entity`]).
+fn stored<T: serde::Serialize>(record: &Versioned<T>) -> Result<String, StoreError> {
+    let json = serde_json::to_string(&record.value)
+        .map_err(|e| StoreError::Protocol(format!("catalog record: {e}")))?;
+    Ok(format!("{} {json}", record.rev))
+}
+
+/// Every record of `mirror`, once, in chunks of at most [`RESTORE_CHUNK`]: plans, then
+/// clients, then the safety settings. Records are borrowed, and serialised only as their
+/// chunk is sent.
+fn restore_chunks(mirror: &CatalogDump) -> impl Iterator<Item = Vec<Staged<'_>>> {
+    let mut records = mirror
+        .plans
+        .iter()
+        .map(Staged::Plan)
+        .chain(mirror.clients.iter().map(Staged::Client))
+        .chain(mirror.safety.iter().map(Staged::Safety));
+    std::iter::from_fn(move || {
+        let chunk: Vec<Staged<'_>> = records.by_ref().take(RESTORE_CHUNK).collect();
+        (!chunk.is_empty()).then_some(chunk)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use secrecy::SecretString;
+    use serde_json::json;
+    use tollgate_testkit::{RedisCluster, RedisServer};
+
+    use super::*;
+    use crate::store::Keys;
+
+    /// A mirror at version 9000 of epoch `e1`: plan `gold`, `clients` clients on it with
+    /// one key each, and the safety settings.
+    fn mirror(clients: usize) -> CatalogDump {
+        serde_json::from_value(json!({
+            "epoch": "e1",
+            "version": 9000,
+            "plans": [{"rev": 1, "value": {"name": "gold", "capacity": 10.0, "rate": 1.0}}],
+            "clients": (0..clients).map(|i| json!({"rev": 2 + i, "value": {
+                "id": format!("c{i}"), "plan": "gold",
+                "keys": [{"key_id": format!("k{i}"), "hash": format!("sha256:{i:064x}"),
+                    "created_at": 1}]}})).collect::<Vec<_>>(),
+            "safety": {"rev": 3, "value": {"multiplier": 2.0}},
+        }))
+        .unwrap()
+    }
+
+    fn store(redis: &RedisServer) -> RedisStore {
+        RedisStore::connect(
+            &SecretString::from(redis.url()),
+            2,
+            Duration::from_secs(5),
+            Keys::new("tollgate:"),
+        )
+        .unwrap()
+    }
+
+    /// An empty store, as a gateway sees it after Redis restarted empty.
+    const EMPTY: CatalogAt<'static> = CatalogAt {
+        epoch: None,
+        version: 0,
+    };
+
+    fn name(record: &Staged<'_>) -> String {
+        match record {
+            Staged::Plan(p) => format!("plan {}", p.value.name.as_str()),
+            Staged::Client(c) => format!("client {}", c.value.id.as_str()),
+            Staged::Safety(_) => "safety".into(),
+        }
+    }
+
+    fn hlen(redis: &RedisServer, part: &str) -> usize {
+        redis::cmd("HLEN")
+            .arg(format!("tollgate:{{catalog}}:{part}"))
+            .query(&mut redis.conn().unwrap())
+            .unwrap()
+    }
+
+    #[test]
+    fn a_mirror_is_staged_in_chunks_of_at_most_a_thousand_records_each_record_once() {
+        // Arrange: one plan, 2,500 clients, the safety settings: 2,502 records.
+        let mirror = mirror(2500);
+
+        // Act.
+        let chunks: Vec<Vec<Staged<'_>>> = restore_chunks(&mirror).collect();
+
+        // Assert.
+        let sizes: Vec<usize> = chunks.iter().map(Vec::len).collect();
+        assert_eq!(sizes, [1000, 1000, 502]);
+        let sent: Vec<String> = chunks.iter().flatten().map(name).collect();
+        let mut once = sent.clone();
+        once.sort();
+        once.dedup();
+        assert_eq!(once.len(), sent.len(), "a record sent twice");
+        assert_eq!(sent.len(), 2502, "a record left out");
+        assert_eq!(sent[0], "plan gold");
+        assert_eq!(sent[2501], "safety");
+    }
+
+    #[test]
+    fn an_empty_mirror_stages_nothing() {
+        let mirror = CatalogDump::default();
+        assert_eq!(restore_chunks(&mirror).count(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_chunk_staged_twice_counts_each_client_on_its_plan_once() {
+        // Arrange.
+        let redis = RedisServer::start().unwrap();
+        let store = store(&redis);
+        let mirror = mirror(10);
+        let staging = store.restore_staging("r1");
+        let chunk = restore_chunks(&mirror).next().unwrap();
+
+        // Act: the chunk resent, as after a reply lost with its connection.
+        store.stage_restore(&staging, &chunk).await.unwrap();
+        store.stage_restore(&staging, &chunk).await.unwrap();
+        let restored = store.commit_restore(&staging, EMPTY, &mirror).await;
+
+        // Assert.
+        assert!(restored.unwrap());
+        let on_gold: u64 = redis::cmd("HGET")
+            .arg("tollgate:{catalog}:users")
+            .arg("gold")
+            .query(&mut redis.conn().unwrap())
+            .unwrap();
+        assert_eq!(on_gold, 10);
+        assert_eq!(hlen(&redis, "keys"), 10);
+    }
+
+    #[tokio::test]
+    async fn a_commit_missing_a_staged_chunk_is_refused_and_changes_nothing() {
+        // Arrange: a mirror of two chunks, of which only the first was staged (the second
+        // lost, say, when its staging expired).
+        let redis = RedisServer::start().unwrap();
+        let store = store(&redis);
+        let mirror = mirror(1500);
+        let staging = store.restore_staging("r1");
+        let first = restore_chunks(&mirror).next().unwrap();
+        store.stage_restore(&staging, &first).await.unwrap();
+
+        // Act.
+        let committed = store.commit_restore(&staging, EMPTY, &mirror).await;
+
+        // Assert: an error, the store as it was, and the staging gone.
+        assert!(committed.is_err(), "{committed:?}");
+        assert_eq!(hlen(&redis, "clients"), 0);
+        assert!(redis.keys("*").unwrap().is_empty(), "{:?}", redis.keys("*"));
+    }
+
+    #[tokio::test]
+    async fn a_commit_after_the_store_moved_writes_nothing_and_drops_its_staging() {
+        // Arrange: a whole mirror staged; then the store is written.
+        let redis = RedisServer::start().unwrap();
+        let store = store(&redis);
+        let mirror = mirror(5);
+        let staging = store.restore_staging("r1");
+        for chunk in restore_chunks(&mirror) {
+            store.stage_restore(&staging, &chunk).await.unwrap();
+        }
+        let _: () = redis::cmd("SET")
+            .arg("tollgate:{catalog}:version")
+            .arg(1)
+            .query(&mut redis.conn().unwrap())
+            .unwrap();
+
+        // Act.
+        let restored = store.commit_restore(&staging, EMPTY, &mirror).await;
+
+        // Assert.
+        assert!(!restored.unwrap());
+        assert_eq!(hlen(&redis, "clients"), 0);
+        assert_eq!(
+            redis.keys("*").unwrap(),
+            ["tollgate:{catalog}:version"],
+            "staging left"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_commit_resent_after_it_ran_finds_the_store_moved_and_changes_nothing() {
+        // Arrange: a restore that ran.
+        let redis = RedisServer::start().unwrap();
+        let store = store(&redis);
+        let mirror = mirror(5);
+        let staging = store.restore_staging("r1");
+        for chunk in restore_chunks(&mirror) {
+            store.stage_restore(&staging, &chunk).await.unwrap();
+        }
+        assert!(store
+            .commit_restore(&staging, EMPTY, &mirror)
+            .await
+            .unwrap());
+
+        // Act: its commit again, as after a reply lost with its connection.
+        let again = store.commit_restore(&staging, EMPTY, &mirror).await;
+
+        // Assert: moved; the restored catalog kept, kept for good, audited once.
+        assert!(!again.unwrap());
+        assert_eq!(hlen(&redis, "clients"), 5);
+        assert_eq!(hlen(&redis, "plans"), 1);
+        assert_eq!(hlen(&redis, "settings"), 1);
+        let mut c = redis.conn().unwrap();
+        for part in ["plans", "clients", "keys", "users", "index", "settings"] {
+            let ttl: i64 = redis::cmd("TTL")
+                .arg(format!("tollgate:{{catalog}}:{part}"))
+                .query(&mut c)
+                .unwrap();
+            assert_eq!(ttl, -1, "{part} would expire");
+        }
+        let audited: usize = redis::cmd("XLEN")
+            .arg("tollgate:{catalog}:audit")
+            .query(&mut c)
+            .unwrap();
+        assert_eq!(audited, 1);
+        assert!(redis.keys("*restore:*").unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn on_a_cluster_a_restore_stages_and_commits_in_the_catalogs_slot() {
+        // Arrange: three masters; the catalog's slot is on one of them.
+        let cluster = RedisCluster::start().unwrap();
+        let urls: Vec<SecretString> = cluster.urls().into_iter().map(SecretString::from).collect();
+        let store =
+            RedisStore::connect_cluster(&urls, Duration::from_secs(5), Keys::new("tollgate:"))
+                .unwrap();
+        let mirror = mirror(1500);
+
+        // Act: two chunks staged, then the commit (all of them scripts whose keys share
+        // the {catalog} tag: one slot, no CROSSSLOT).
+        let restored = store.restore(EMPTY, &mirror).await;
+
+        // Assert.
+        assert!(restored.unwrap());
+        let node = &cluster.nodes[cluster.owner("tollgate:{catalog}:clients").unwrap()];
+        assert_eq!(hlen(node, "clients"), 1500);
+        assert!(node.keys("*restore:*").unwrap().is_empty());
     }
 }
