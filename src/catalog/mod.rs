@@ -218,10 +218,8 @@ pub struct Catalog {
     source: parking_lot::Mutex<Source>,
     /// Where the last catalog seen is kept on disk (Redis mode), and what was written last.
     cache: Option<std::path::PathBuf>,
-    cached: parking_lot::Mutex<(Option<String>, u64)>,
-    /// When the cache file was last written (cache mode writes it at most every
-    /// [`CACHE_SAVE_EVERY`]).
-    saved_at: parking_lot::Mutex<Option<Instant>>,
+    /// What the cache files need next (see [`cache`]).
+    journal: parking_lot::Mutex<Journal>,
     /// Cache mode's bounds and bookkeeping; `None`: the whole catalog is held.
     held: Option<Held>,
     /// Held while changes are applied, and while a lookup's answer is put in: the two
@@ -249,8 +247,7 @@ impl Catalog {
             epoch: parking_lot::Mutex::new(None),
             source: parking_lot::Mutex::new(Source::Config),
             cache: None,
-            cached: parking_lot::Mutex::new((None, 0)),
-            saved_at: parking_lot::Mutex::new(None),
+            journal: parking_lot::Mutex::new(Journal::default()),
             held: None,
             apply: parking_lot::Mutex::new(()),
             version: AtomicU64::new(0),
@@ -565,6 +562,12 @@ impl Catalog {
         let source = match self.cache.as_deref().and_then(cache::load) {
             Some(cached) => {
                 self.replace(cached.catalog);
+                let mut journal = self.journal.lock();
+                journal.seq = cached.seq + 1;
+                // Served as it is on disk: nothing to write until it changes.
+                journal.snapshot_due = false;
+                journal.written_at = (self.epoch(), self.version());
+                drop(journal);
                 Source::Cache {
                     saved_at_ms: cached.saved_at_ms,
                 }
@@ -591,31 +594,52 @@ impl Catalog {
         source
     }
 
-    /// Writes the mirror to the cache file when it changed since the last write, off the
-    /// async workers. Errors are logged: the cache only matters at a start during an
-    /// outage.
+    /// Writes what changed since the last tick to the cache files, off the async workers:
+    /// a journal line, or (after a reload, or once the journal outgrew the snapshot) a new
+    /// snapshot. Errors are logged, and the next tick writes a snapshot: the cache only
+    /// matters at a start during an outage.
     async fn save_cache(&self) {
         let Some(file) = self.cache.clone() else {
             return;
         };
-        let now = (self.epoch(), self.version());
-        if *self.cached.lock() == now || now.1 == 0 {
-            return;
-        }
-        // What a cache holds changes with every new client used: written at most every
-        // CACHE_SAVE_EVERY, not after each change.
-        let recently = |at: Option<Instant>| at.is_some_and(|at| at.elapsed() < CACHE_SAVE_EVERY);
-        if self.held.is_some() && recently(*self.saved_at.lock()) {
-            return;
-        }
-        *self.saved_at.lock() = Some(Instant::now());
-        let dump = self.dump();
-        let written = tokio::task::spawn_blocking(move || cache::save(&file, &dump)).await;
-        match written {
-            Ok(Ok(())) => *self.cached.lock() = now,
-            Ok(Err(e)) => tracing::warn!(error = %e, "the catalog cache file cannot be written"),
-            Err(e) => tracing::warn!(error = %e, "the catalog cache writer failed"),
-        }
+        let job = {
+            // The records and the version they stand at, taken together.
+            let _apply = self.apply.lock();
+            let at = (self.epoch(), self.version());
+            let mut journal = self.journal.lock();
+            if at.1 == 0 && at.0.is_none() {
+                return;
+            }
+            // No snapshot yet (a journal needs one under it), a reload, or a journal
+            // grown past its snapshot.
+            let compact = journal.seq == 0
+                || journal.snapshot_due
+                || (journal.entries > cache::COMPACT_AFTER
+                    && journal.entries > journal.snapshot_records);
+            let job = if compact {
+                let dump = self.dump();
+                journal.start_over(dump.plans.len() + dump.clients.len());
+                CacheWrite::Snapshot(dump, journal.seq - 1)
+            } else if journal.is_empty() && journal.written_at == at {
+                return;
+            } else {
+                CacheWrite::Line(journal.line(&at))
+            };
+            journal.written_at = at;
+            job
+        };
+        let written = tokio::task::spawn_blocking(move || match &job {
+            CacheWrite::Snapshot(dump, seq) => cache::save(&file, dump, *seq),
+            CacheWrite::Line(line) => cache::append(&file, std::slice::from_ref(line)),
+        })
+        .await;
+        let failed = match written {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) => e.to_string(),
+            Err(e) => e.to_string(),
+        };
+        tracing::warn!(error = %failed, "the catalog cache cannot be written; a snapshot is tried next");
+        self.journal.lock().snapshot_due = true;
     }
 
     /// Follows the store until this mirror is current.
@@ -828,6 +852,7 @@ impl Catalog {
     }
 
     fn set_safety(&self, s: Option<Versioned<SafetyRecord>>) {
+        self.journal(|j| j.safety = Some(s.clone()));
         self.safety_rev
             .store(s.as_ref().map_or(0, |s| s.rev), Ordering::Release);
         self.safety.store(Arc::new(s.map(|s| s.value)));
@@ -836,6 +861,16 @@ impl Catalog {
     /// Replaces the whole mirror with a dump (cache mode: the dump's clients are held, as
     /// many as the cache admits).
     fn replace(&self, dump: CatalogDump) {
+        // The snapshot after it holds all of it: no entry per record.
+        self.journal.lock().paused = true;
+        self.replace_records(dump);
+        let mut journal = self.journal.lock();
+        journal.paused = false;
+        journal.clear();
+        journal.snapshot_due = true;
+    }
+
+    fn replace_records(&self, dump: CatalogDump) {
         let plan_names: std::collections::HashSet<_> =
             dump.plans.iter().map(|p| p.value.name.clone()).collect();
         let client_ids: std::collections::HashSet<_> =
@@ -868,6 +903,7 @@ impl Catalog {
 
     fn apply_plan(&self, name: PlanName, rec: Option<Versioned<PlanRecord>>) {
         let Some(rec) = rec else {
+            self.journal(|j| j.plans.push((name.clone(), None)));
             self.plans.remove(&name);
             return;
         };
@@ -878,6 +914,7 @@ impl Catalog {
                 return;
             }
         };
+        self.journal(|j| j.plans.push((name.clone(), Some(rec.clone()))));
         match self.plans.get(&name) {
             Some(slot) => slot
                 .current
@@ -939,7 +976,7 @@ impl Catalog {
                 } else {
                     self.sharded.remove(&id);
                 }
-                self.clients.insert(id, Arc::clone(entry));
+                self.clients.insert(id.clone(), Arc::clone(entry));
             }
             None => {
                 self.clients.remove(&id);
@@ -952,7 +989,26 @@ impl Catalog {
                     .remove_if(&k.hash, |_, s| Arc::ptr_eq(&s.client, old));
             }
         }
+        if old.is_some() || entry.is_some() {
+            let kept = entry.as_ref().map(|e| Versioned {
+                rev: e.rev,
+                value: e.record.clone(),
+            });
+            self.journal(|j| j.clients.push((id.clone(), kept)));
+        }
         entry
+    }
+
+    /// Notes a change for the cache files' next journal line (none without a cache file,
+    /// or while the whole catalog is replaced).
+    fn journal(&self, note: impl FnOnce(&mut Journal)) {
+        if self.cache.is_some() {
+            let mut journal = self.journal.lock();
+            if !journal.paused {
+                note(&mut journal);
+                journal.entries += 1;
+            }
+        }
     }
 
     /// What the request path needs of a client's version; `None` when its plan is unknown.
@@ -1040,8 +1096,67 @@ impl Catalog {
     }
 }
 
-/// How often, at most, a gateway in cache mode writes its cache file.
-const CACHE_SAVE_EVERY: Duration = Duration::from_secs(30);
+/// The changes applied since the cache files were last written, and what they hold.
+#[derive(Default)]
+struct Journal {
+    plans: Vec<(PlanName, Option<Versioned<PlanRecord>>)>,
+    clients: Vec<(ClientId, Option<Versioned<ClientRecord>>)>,
+    safety: Option<Option<Versioned<SafetyRecord>>>,
+    /// The next line's number (0 until the first snapshot, which sets it to 1).
+    seq: u64,
+    /// Records written as journal lines since the snapshot, and the snapshot's records.
+    entries: u64,
+    snapshot_records: u64,
+    /// The next write is a snapshot (the catalog was replaced whole, or a write failed).
+    snapshot_due: bool,
+    /// Not noting changes (the whole catalog is being replaced).
+    paused: bool,
+    /// The epoch and version last written.
+    written_at: (Option<String>, u64),
+}
+
+impl Journal {
+    fn is_empty(&self) -> bool {
+        self.plans.is_empty() && self.clients.is_empty() && self.safety.is_none()
+    }
+
+    fn clear(&mut self) {
+        self.plans.clear();
+        self.clients.clear();
+        self.safety = None;
+    }
+
+    /// A snapshot of `records` is written: the journal starts over after it.
+    fn start_over(&mut self, records: usize) {
+        self.clear();
+        self.seq = self.seq.max(1);
+        self.entries = 0;
+        self.snapshot_records = records as u64;
+        self.snapshot_due = false;
+    }
+
+    /// The next journal line: what changed, at `at`.
+    fn line(&mut self, at: &(Option<String>, u64)) -> cache::Line {
+        let line = cache::Line {
+            seq: self.seq,
+            at_ms: cache::now_ms(),
+            epoch: at.0.clone(),
+            version: at.1,
+            plans: std::mem::take(&mut self.plans),
+            clients: std::mem::take(&mut self.clients),
+            safety: self.safety.take(),
+        };
+        self.seq += 1;
+        line
+    }
+}
+
+/// What a tick writes to the cache files.
+enum CacheWrite {
+    /// The whole of what is held, holding the journal up to this line.
+    Snapshot(CatalogDump, u64),
+    Line(cache::Line),
+}
 
 /// The plans and clients the settings declare, as records.
 fn declared(settings: &Settings) -> (Vec<PlanRecord>, Vec<ClientRecord>) {
@@ -1232,6 +1347,50 @@ mod tests {
         // Assert: not served from the older record; its next request looks it up.
         assert!(catalog.by_key(&key).is_none());
         assert!(catalog.may_hold(&key));
+    }
+
+    #[tokio::test]
+    async fn a_change_is_a_journal_line_and_the_snapshot_is_written_again_only_when_due() {
+        // Arrange: a mirror with a cache file, loaded whole (a reload: a snapshot is due).
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("catalog-cache.json");
+        let catalog = Catalog::new(Mode::Enforce, Keys::new("t:"), Region::parse("eu").unwrap())
+            .with_cache_file(Some(file.clone()));
+        let key = KeyHash::of("k");
+        catalog.replace(CatalogDump {
+            epoch: Some("e".into()),
+            version: 5,
+            plans: vec![plan("gold")],
+            clients: vec![acme(5, &[key])],
+            safety: None,
+        });
+        catalog.save_cache().await;
+        let snapshot = std::fs::read(&file).unwrap();
+
+        // Act: the key revoked (version 6), then nothing more.
+        catalog.apply_client(ClientId::parse("acme").unwrap(), Some(acme(6, &[])));
+        catalog.version.store(6, Ordering::Release);
+        catalog.save_cache().await;
+        catalog.save_cache().await;
+
+        // Assert: one journal line, the snapshot as it was, and read back at version 6
+        // without the key.
+        assert_eq!(
+            std::fs::read(&file).unwrap(),
+            snapshot,
+            "the snapshot is not rewritten"
+        );
+        let journal = std::fs::read_to_string(cache::journal_of(&file)).unwrap();
+        assert_eq!(journal.lines().count(), 1, "{journal}");
+        let back = cache::load(&file).unwrap();
+        assert_eq!(back.catalog.version, 6);
+        assert!(back.catalog.clients[0].value.keys.is_empty());
+
+        // A reload makes the next write a snapshot, which starts the journal over.
+        catalog.replace(back.catalog);
+        catalog.save_cache().await;
+        assert!(!cache::journal_of(&file).exists());
+        assert_eq!(cache::load(&file).unwrap().catalog.version, 6);
     }
 
     #[test]

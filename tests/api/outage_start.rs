@@ -196,20 +196,27 @@ async fn a_gateway_restarted_during_an_outage_still_knows_what_the_admin_api_cha
         .unwrap();
     let cache = gw.catalog.with_file_name("catalog-cache.json");
     eventually(Duration::from_secs(3), "the catalog cached", || async {
-        std::fs::read(&cache)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
-            .is_some_and(|c| c["catalog"]["version"] == version)
+        cached_version(&cache) == Some(version)
     })
     .await;
-    let cached = std::fs::read_to_string(&cache).unwrap();
+    let journal = cache.with_file_name("catalog-cache.json.log");
+    let cached = std::fs::read_to_string(&cache).unwrap()
+        + &std::fs::read_to_string(&journal).unwrap_or_default();
     assert!(
         !cached.contains(&kept) && !cached.contains(&revoked),
         "keys in plaintext"
     );
     use std::os::unix::fs::PermissionsExt;
-    let mode = std::fs::metadata(&cache).unwrap().permissions().mode() & 0o777;
-    assert_eq!(mode, 0o600);
+    for file in [&cache, &journal] {
+        if let Ok(meta) = std::fs::metadata(file) {
+            assert_eq!(
+                meta.permissions().mode() & 0o777,
+                0o600,
+                "{}",
+                file.display()
+            );
+        }
+    }
 
     // Act: Redis goes down, then the gateway restarts.
     redis.kill();
@@ -328,4 +335,22 @@ async fn a_cache_older_than_the_store_gives_way_to_the_store_when_it_answers() {
             .all(|(_, f)| !f.iter().any(|(_, v)| v == "catalog.restore")),
         "a cache older than the store was written over it"
     );
+}
+
+/// The catalog version the cache files hold: the journal's last line's, or else the
+/// snapshot's.
+fn cached_version(snapshot: &std::path::Path) -> Option<u64> {
+    let journal = std::fs::read_to_string(snapshot.with_file_name("catalog-cache.json.log"))
+        .unwrap_or_default();
+    let last = journal
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str::<Value>(l).ok())
+        .and_then(|l| l["version"].as_u64());
+    last.or_else(|| {
+        std::fs::read(snapshot)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+            .and_then(|c| c["catalog"]["version"].as_u64())
+    })
 }
