@@ -603,7 +603,10 @@ impl Catalog {
             return;
         };
         let job = {
-            // The records and the version they stand at, taken together.
+            // The changes and the version they stand at, taken together. (A snapshot's
+            // records are copied after the lock is let go: a lookup, on a worker, never
+            // waits for that copy. Changes applied meanwhile may be in it as well as in
+            // the next line: applying a line again changes nothing.)
             let _apply = self.apply.lock();
             let at = (self.epoch(), self.version());
             let mut journal = self.journal.lock();
@@ -617,9 +620,8 @@ impl Catalog {
                 || (journal.entries > cache::COMPACT_AFTER
                     && journal.entries > journal.snapshot_records);
             let job = if compact {
-                let dump = self.dump();
-                journal.start_over(dump.plans.len() + dump.clients.len());
-                CacheWrite::Snapshot(dump, journal.seq - 1)
+                journal.start_over(self.plans.len() + self.clients.len());
+                CacheWrite::SnapshotDue(journal.seq - 1)
             } else if journal.is_empty() && journal.written_at == at {
                 return;
             } else {
@@ -628,8 +630,18 @@ impl Catalog {
             journal.written_at = at;
             job
         };
+        let job = match job {
+            CacheWrite::SnapshotDue(seq) => {
+                let mut dump = self.dump();
+                // The epoch and version of the changes taken under the lock.
+                (dump.epoch, dump.version) = self.journal.lock().written_at.clone();
+                CacheWrite::Snapshot(dump, seq)
+            }
+            other => other,
+        };
         let written = tokio::task::spawn_blocking(move || match &job {
             CacheWrite::Snapshot(dump, seq) => cache::save(&file, dump, *seq),
+            CacheWrite::SnapshotDue(_) => Ok(()),
             CacheWrite::Line(line) => cache::append(&file, std::slice::from_ref(line)),
         })
         .await;
@@ -1153,6 +1165,9 @@ impl Journal {
 
 /// What a tick writes to the cache files.
 enum CacheWrite {
+    /// A snapshot holding the journal up to this line, its records not copied yet (they
+    /// are once the apply lock is let go).
+    SnapshotDue(u64),
     /// The whole of what is held, holding the journal up to this line.
     Snapshot(CatalogDump, u64),
     Line(cache::Line),
