@@ -632,7 +632,15 @@ impl Catalog {
         };
         let job = match job {
             CacheWrite::SnapshotDue(seq) => {
-                let mut dump = self.dump();
+                // Copying a hundred thousand records takes tens of milliseconds: off this
+                // runtime thread, whose other tasks (the store's connections) must not wait.
+                let multi = tokio::runtime::Handle::current().runtime_flavor()
+                    == tokio::runtime::RuntimeFlavor::MultiThread;
+                let mut dump = if multi {
+                    tokio::task::block_in_place(|| self.dump())
+                } else {
+                    self.dump()
+                };
                 // The epoch and version of the changes taken under the lock.
                 (dump.epoch, dump.version) = self.journal.lock().written_at.clone();
                 CacheWrite::Snapshot(dump, seq)

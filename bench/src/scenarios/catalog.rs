@@ -40,7 +40,8 @@ use crate::http::get_request;
 use crate::load::{run_open, Arrivals, OpenRun, Stream, Summary};
 use crate::procs::{block_on, gateway_config, raise_fd_limit, rss_kib, Gateway, RssWatch};
 use crate::report::{
-    machine, ms, round, runs_disturbance, CpuWatch, Disturbance, Outcome, OverRuns, Table, Worse,
+    count, machine, ms, round, runs_disturbance, CpuWatch, Disturbance, Outcome, OverRuns, Table,
+    Worse,
 };
 use crate::upstream::{Counts, Server, Upstreams};
 
@@ -126,6 +127,10 @@ struct Run {
     working: Summary,
     revocations_ms: Vec<f64>,
     lookups_first: f64,
+    /// Requests not answered 200: first, held, the working set during the flood.
+    first_failed: usize,
+    cached_failed: usize,
+    working_failed: usize,
     disturbance: Option<Disturbance>,
 }
 
@@ -310,7 +315,7 @@ fn one_run(
         .iter()
         .map(|&i| get_request("/api/x", Some(&client_key(i))))
         .collect();
-    let pass = |requests: Vec<Vec<u8>>| -> anyhow::Result<Summary> {
+    let pass = |requests: Vec<Vec<u8>>| -> anyhow::Result<(Summary, usize)> {
         let n = requests.len() as f64;
         let result = run_open(vec![Stream {
             addr: gw.addr,
@@ -322,22 +327,24 @@ fn one_run(
         }])?;
         let samples = &result.samples[0];
         let failed = samples.iter().filter(|s| s.status != 200).count();
-        anyhow::ensure!(
-            failed == 0,
-            "{failed} of {} requests not 200",
-            samples.len()
-        );
-        Ok(Summary::of(samples))
+        if failed > 0 {
+            let mut statuses = std::collections::BTreeMap::new();
+            for s in samples.iter().filter(|s| s.status != 200) {
+                *statuses.entry(s.status).or_insert(0usize) += 1;
+            }
+            eprintln!("  {failed} of {} not 200: {statuses:?}", samples.len());
+        }
+        Ok((Summary::of(samples), failed))
     };
     let before = gw.metrics()?;
-    let first = pass(requests.clone())?;
+    let (first, first_failed) = pass(requests.clone())?;
     let after_first = gw.metrics()?;
     let lookups_first = MetricsDelta {
         before,
         after: after_first,
     }
     .of("tollgate_catalog_lookups_total{result=\"client\"}");
-    let cached = pass(requests)?;
+    let (cached, cached_failed) = pass(requests)?;
     let rss_warm_mib = rss_kib(pid).unwrap_or(0) as f64 / 1024.0;
     let rtt_p99_ms = ping_p99_ms(cluster)?;
     eprintln!(
@@ -384,11 +391,6 @@ fn one_run(
     let unknown_401 = flood.samples[0].iter().filter(|s| s.status == 401).count() as f64;
     let working_sent = flood.samples[1].len() as f64;
     let working_ok = flood.samples[1].iter().filter(|s| s.status == 200).count();
-    anyhow::ensure!(
-        working_ok as f64 == working_sent,
-        "{} of {working_sent} active clients' requests not 200 during the flood",
-        working_sent as usize - working_ok
-    );
     let unknown_reads = delta.of("tollgate_catalog_lookups_total{result=\"unknown\"}");
     let working_reads = delta.of("tollgate_catalog_lookups_total{result=\"client\"}");
     eprintln!(
@@ -416,6 +418,9 @@ fn one_run(
         working: Summary::of(&flood.samples[1]),
         revocations_ms,
         lookups_first,
+        first_failed,
+        cached_failed,
+        working_failed: working_sent as usize - working_ok,
         disturbance: None,
     })
 }
@@ -507,7 +512,7 @@ fn per_key(v: f64) -> String {
     format!("{v:.3}")
 }
 
-const FIGURES: [Figure; 14] = [
+const FIGURES: [Figure; 17] = [
     (
         "start_s",
         "start, spawn to first forwarded request",
@@ -528,6 +533,27 @@ const FIGURES: [Figure; 14] = [
         Worse::Higher,
         |r| r.first.p99_ms,
         ms,
+    ),
+    (
+        "first_failed",
+        "first requests not answered 200",
+        Worse::Higher,
+        |r| r.first_failed as f64,
+        count,
+    ),
+    (
+        "cached_failed",
+        "held requests not answered 200",
+        Worse::Higher,
+        |r| r.cached_failed as f64,
+        count,
+    ),
+    (
+        "working_failed",
+        "active clients during the flood not answered 200",
+        Worse::Higher,
+        |r| r.working_failed as f64,
+        count,
     ),
     (
         "cached_p99_ms",
@@ -619,6 +645,9 @@ impl Run {
             "cached": summary_json(&self.cached),
             "redis_rtt_p99_ms": round(self.rtt_p99_ms, 3),
             "lookups_first": self.lookups_first,
+            "first_failed": self.first_failed,
+            "cached_failed": self.cached_failed,
+            "working_failed": self.working_failed,
             "unknown_reads_per_key": round(self.unknown_reads_per_key, 4),
             "unknown_401_pct": round(self.unknown_401_pct, 3),
             "working_misses_pct": round(self.working_misses_pct, 4),
