@@ -474,6 +474,29 @@ impl Gateway {
         probe_path: &str,
         env: &[(&str, &str)],
     ) -> anyhow::Result<Gateway> {
+        let forwards = |addr| {
+            block_on(http::fetch(addr, probe_path, Some(PROBE_KEY))).is_ok_and(|(s, _)| s == 200)
+        };
+        Gateway::launch(config, env, Duration::from_millis(10), forwards)
+    }
+
+    /// Starts the release gateway with a listener [`Gateway::start`]'s cleartext probe
+    /// cannot ask (TLS), and waits until `forwards` says it does (asked every 50 ms).
+    pub fn start_probed(
+        config: &GatewayConfig,
+        forwards: impl Fn(SocketAddr) -> bool,
+    ) -> anyhow::Result<Gateway> {
+        Gateway::launch(config, &[], Duration::from_millis(50), forwards)
+    }
+
+    /// Starts the release gateway under `env` and asks `forwards` every `every`, for up to
+    /// 60 s, until it says the gateway forwards.
+    fn launch(
+        config: &GatewayConfig,
+        env: &[(&str, &str)],
+        every: Duration,
+        forwards: impl Fn(SocketAddr) -> bool,
+    ) -> anyhow::Result<Gateway> {
         let gw = Launcher::new(tollgate_binary()?)
             .env(
                 "RUST_LOG",
@@ -485,41 +508,6 @@ impl Gateway {
             .spawn(config)?;
         eprintln!("  tollgate pid {} on {}", gw.child.id(), gw.addr);
         let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let status = block_on(http::fetch(gw.addr, probe_path, Some(PROBE_KEY)))
-                .map(|(s, _)| s)
-                .unwrap_or(0);
-            if status == 200 {
-                return Ok(Gateway(gw));
-            }
-            if Instant::now() > deadline {
-                bail!(
-                    "tollgate at {} answered {status} to a probe on {probe_path}; log in {}",
-                    gw.addr,
-                    gw.dir().display()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// Starts the release gateway with a listener [`Gateway::start`]'s cleartext probe
-    /// cannot ask (TLS), and waits until `forwards` says it does (asked every 50 ms, for
-    /// up to 20 s).
-    pub fn start_probed(
-        config: &GatewayConfig,
-        forwards: impl Fn(SocketAddr) -> bool,
-    ) -> anyhow::Result<Gateway> {
-        let gw = Launcher::new(tollgate_binary()?)
-            .env(
-                "RUST_LOG",
-                &std::env::var("RUST_LOG").unwrap_or("info".into()),
-            )
-            .env(OPEN_BOUND.0, OPEN_BOUND.1)
-            .stop_grace(Duration::from_secs(3))
-            .spawn(config)?;
-        eprintln!("  tollgate pid {} on {}", gw.child.id(), gw.addr);
-        let deadline = Instant::now() + Duration::from_secs(20);
         while !forwards(gw.addr) {
             if Instant::now() > deadline {
                 bail!(
@@ -528,7 +516,7 @@ impl Gateway {
                     gw.dir().display()
                 );
             }
-            std::thread::sleep(Duration::from_millis(50));
+            std::thread::sleep(every);
         }
         Ok(Gateway(gw))
     }

@@ -400,3 +400,18 @@ impl CpuWatch {
         })
     }
 }
+
+/// Each figure over the runs, as a "median (worst)" table and as JSON by name.
+pub fn figures_over<R>(
+    runs: &[R],
+    figures: &[Figure<R>],
+) -> (Table, serde_json::Map<String, serde_json::Value>) {
+    let mut table = Table::new(&["figure", "median (worst)"]);
+    let mut json = serde_json::Map::new();
+    for (name, label, worse, of, fmt) in figures {
+        let over = OverRuns::of(runs.iter().map(of).collect(), *worse);
+        table.row(vec![label.to_string(), over.cell(fmt)]);
+        json.insert((*name).into(), over.json(3));
+    }
+    (table, json)
+}

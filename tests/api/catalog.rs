@@ -45,14 +45,6 @@ async fn status(gw: &TestGateway, key: &str) -> u16 {
     gw.get("/orders", Some(key)).await.status().as_u16()
 }
 
-fn store_version(redis: &RedisServer) -> u64 {
-    redis::cmd("GET")
-        .arg("tollgate:{catalog}:version")
-        .query::<Option<u64>>(&mut redis.conn().unwrap())
-        .unwrap()
-        .unwrap_or(0)
-}
-
 fn stored_client(redis: &RedisServer, id: &str) -> Option<String> {
     redis::cmd("HGET")
         .arg("tollgate:{catalog}:clients")
@@ -63,19 +55,7 @@ fn stored_client(redis: &RedisServer, id: &str) -> Option<String> {
 
 /// How many restores the audit log records.
 fn restores(redis: &RedisServer) -> usize {
-    let entries: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
-        .arg("tollgate:{catalog}:audit")
-        .arg("-")
-        .arg("+")
-        .query(&mut redis.conn().unwrap())
-        .unwrap();
-    entries
-        .iter()
-        .filter(|(_, f)| {
-            f.iter()
-                .any(|(k, v)| k == "action" && v == "catalog.restore")
-        })
-        .count()
+    audited(redis, "catalog.restore").len()
 }
 
 /// Sends requests with `key` until stopped; counts the answers and the ones admitted.

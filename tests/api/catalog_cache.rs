@@ -60,11 +60,7 @@ async fn a_key_not_held_is_looked_up_once_then_held_and_refused_once_revoked() {
     let (key_id, key) = new_key(&b, "acme").await;
     // (A's first lookups would otherwise find a catalog of another epoch than the one it
     // follows, until it polls: the store's first write gave it one.)
-    let version: u64 = redis::cmd("GET")
-        .arg("tollgate:{catalog}:version")
-        .query(&mut redis.conn().unwrap())
-        .unwrap();
-    a.wait_for_catalog(version).await;
+    a.wait_for_catalog(store_version(&redis)).await;
     assert_eq!(a.sample("tollgate_catalog_clients").await, 0.0);
 
     // Act and assert: the first request is admitted once the store answers; the next

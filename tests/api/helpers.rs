@@ -745,3 +745,27 @@ impl Collector {
             .collect()
     }
 }
+
+/// The store's catalog version (0: never written).
+pub fn store_version(redis: &RedisServer) -> u64 {
+    redis::cmd("GET")
+        .arg("tollgate:{catalog}:version")
+        .query::<Option<u64>>(&mut redis.conn().unwrap())
+        .unwrap()
+        .unwrap_or(0)
+}
+
+/// The audit log's entries of `action` (each its fields), oldest first.
+pub fn audited(redis: &RedisServer, action: &str) -> Vec<Vec<(String, String)>> {
+    let entries: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
+        .arg("tollgate:{catalog}:audit")
+        .arg("-")
+        .arg("+")
+        .query(&mut redis.conn().unwrap())
+        .unwrap();
+    entries
+        .into_iter()
+        .map(|(_, fields)| fields)
+        .filter(|f| f.iter().any(|(k, v)| k == "action" && v == action))
+        .collect()
+}

@@ -67,20 +67,7 @@ fn count(redis: &RedisServer, cmd: &str, key: &str) -> usize {
 
 /// The audit log's `catalog.import` entries.
 fn imports_audited(redis: &RedisServer) -> Vec<Vec<(String, String)>> {
-    let entries: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
-        .arg("tollgate:{catalog}:audit")
-        .arg("-")
-        .arg("+")
-        .query(&mut redis.conn().unwrap())
-        .unwrap();
-    entries
-        .into_iter()
-        .map(|(_, f)| f)
-        .filter(|f| {
-            f.iter()
-                .any(|(k, v)| k == "action" && v == "catalog.import")
-        })
-        .collect()
+    audited(redis, "catalog.import")
 }
 
 #[tokio::test]
@@ -227,11 +214,7 @@ async fn a_gateway_in_cache_mode_admits_an_imported_key_it_had_as_unknown() {
         .unwrap();
     assert!(r.status().is_success());
     let a = gateway(&redis.url(), &up, "mode = \"cache\"").await;
-    let version: u64 = redis::cmd("GET")
-        .arg("tollgate:{catalog}:version")
-        .query(&mut redis.conn().unwrap())
-        .unwrap();
-    a.wait_for_catalog(version).await;
+    a.wait_for_catalog(store_version(&redis)).await;
     assert_eq!(a.get("/orders", Some(&key("c7"))).await.status(), 401);
     assert_eq!(a.sample("tollgate_catalog_unknown_keys").await, 1.0);
 

@@ -40,8 +40,7 @@ use crate::http::get_request;
 use crate::load::{run_open, Arrivals, OpenRun, Stream, Summary};
 use crate::procs::{block_on, gateway_config, raise_fd_limit, rss_kib, Gateway, RssWatch};
 use crate::report::{
-    count, machine, ms, round, runs_disturbance, CpuWatch, Disturbance, Outcome, OverRuns, Table,
-    Worse,
+    self, count, machine, ms, round, runs_disturbance, CpuWatch, Disturbance, Outcome, Worse,
 };
 use crate::upstream::{Counts, Server, Upstreams};
 
@@ -488,13 +487,7 @@ fn ping_p99_ms(cluster: &RedisCluster) -> anyhow::Result<f64> {
     Ok(worst)
 }
 
-type Figure = (
-    &'static str,
-    &'static str,
-    Worse,
-    fn(&Run) -> f64,
-    fn(f64) -> String,
-);
+type Figure = report::Figure<Run>;
 
 fn mib(v: f64) -> String {
     format!("{v:.0} MiB")
@@ -664,13 +657,7 @@ impl Run {
 }
 
 fn report(a: &Args, loaded: &Loaded, runs: &[Run], machine: String) -> Outcome {
-    let mut table = Table::new(&["figure", "median (worst)"]);
-    let mut figures = serde_json::Map::new();
-    for (name, label, worse, of, fmt) in FIGURES {
-        let over = OverRuns::of(runs.iter().map(of).collect(), worse);
-        table.row(vec![label.to_string(), over.cell(fmt)]);
-        figures.insert(name.into(), over.json(3));
-    }
+    let (table, figures) = report::figures_over(runs, &FIGURES);
     let (steal, cpu) = runs_disturbance(runs.iter().map(|r| r.disturbance.as_ref()));
     let markdown = format!(
         "### catalog: {} clients on a 3-master Redis Cluster, mode {}\n\n{}\n\

@@ -35,8 +35,7 @@ use super::seconds;
 use crate::load::{run_open, Arrivals, Sample, Stream};
 use crate::procs::{gateway_config, raise_fd_limit, rss_kib, Gateway, RssWatch, PROBE_KEY};
 use crate::report::{
-    self, count, machine, pct, round, runs_disturbance, CpuWatch, Disturbance, Outcome, OverRuns,
-    Table, Worse,
+    self, count, machine, pct, round, runs_disturbance, CpuWatch, Disturbance, Outcome, Worse,
 };
 use crate::upstream::{Counts, Server, Upstreams};
 
@@ -670,13 +669,7 @@ const FIGURES: [Figure; 15] = [
 ];
 
 fn report(a: &Args, runs: &[Run], machine: String) -> Outcome {
-    let mut table = Table::new(&["figure", "median (worst)"]);
-    let mut figures = serde_json::Map::new();
-    for (name, label, worse, of, fmt) in FIGURES {
-        let over = OverRuns::of(runs.iter().map(of).collect(), worse);
-        table.row(vec![label.to_string(), over.cell(fmt)]);
-        figures.insert(name.into(), over.json(3));
-    }
+    let (table, figures) = report::figures_over(runs, &FIGURES);
     let (steal, cpu) = runs_disturbance(runs.iter().map(|r| r.disturbance.as_ref()));
     let rss = |f: fn(&Run) -> &Flood| {
         runs.iter()
