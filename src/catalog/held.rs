@@ -22,7 +22,6 @@ use std::time::{Duration, Instant};
 use dashmap::DashMap;
 use futures_util::future::{BoxFuture, Shared};
 
-use super::ClientEntry;
 use crate::configuration::CacheBounds;
 use crate::domain::{ClientId, KeyHash};
 
@@ -31,9 +30,6 @@ use crate::domain::{ClientId, KeyHash};
 /// is read again, which is all a start-over costs.
 const RECENT_FOR: Duration = Duration::from_secs(30);
 const RECENT_AT_MOST: usize = 100_000;
-
-/// A lookup's answer, shared by the requests waiting on the same key.
-pub(super) type Looked = Result<Option<Arc<ClientEntry>>, LookupFailed>;
 
 /// Why a key not cached could not be looked up: the store did not answer in time, or
 /// failed. The request is answered `503`: a key the gateway cannot check is not let in.
@@ -46,20 +42,22 @@ impl std::fmt::Display for LookupFailed {
     }
 }
 
-pub(super) struct Held {
+/// What cache mode keeps; `L` is a lookup's answer (shared by the requests waiting on
+/// the same key).
+pub(super) struct Held<L> {
     /// The clients held, by id (the catalog's maps hold their entries).
     pub(super) clients: moka::sync::Cache<ClientId, ()>,
     /// Clients the cache let go, for the catalog to forget under its apply lock.
     pub(super) evicted: Arc<parking_lot::Mutex<Vec<ClientId>>>,
     pub(super) unknown: moka::sync::Cache<KeyHash, ()>,
     pub(super) recent: parking_lot::Mutex<Recent>,
-    pub(super) inflight: DashMap<KeyHash, Shared<BoxFuture<'static, Looked>>>,
+    pub(super) inflight: DashMap<KeyHash, Shared<BoxFuture<'static, L>>>,
     pub(super) lookup_timeout: Duration,
     pub(super) lookups: Lookups,
 }
 
-impl Held {
-    pub(super) fn new(bounds: CacheBounds) -> Held {
+impl<L> Held<L> {
+    pub(super) fn new(bounds: CacheBounds) -> Held<L> {
         let evicted = Arc::new(parking_lot::Mutex::new(Vec::new()));
         let queue = Arc::clone(&evicted);
         let clients = moka::sync::Cache::builder()
@@ -148,11 +146,13 @@ pub(super) struct Lookups {
 }
 
 impl Lookups {
-    pub(super) fn count(&self, looked: &Looked) {
-        match looked {
-            Ok(Some(_)) => &self.client,
-            Ok(None) => &self.unknown,
-            Err(_) => &self.failed,
+    /// Counts a lookup that found a client (`Some(true)`), no client (`Some(false)`), or
+    /// had no answer (`None`).
+    pub(super) fn count(&self, found: Option<bool>) {
+        match found {
+            Some(true) => &self.client,
+            Some(false) => &self.unknown,
+            None => &self.failed,
         }
         .fetch_add(1, Relaxed);
     }

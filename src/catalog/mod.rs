@@ -34,7 +34,7 @@ use crate::store::records::{KeyLookup, Wants};
 use crate::store::{CatalogAt, Keys, Store, StoreError};
 use crate::tasks::{Policy, Tasks};
 use futures_util::FutureExt;
-use held::{Held, Looked, Recent};
+use held::{Held, Recent};
 
 /// A plan's current limits, shared by every client on it so a plan edit is one store.
 pub struct PlanSlot {
@@ -161,6 +161,9 @@ pub struct ShardEntry {
     pub local_key: Option<Box<str>>,
 }
 
+/// A lookup's answer: the client (`None`: no client has the key), or why there is none.
+type Looked = Result<Option<Arc<ClientEntry>>, LookupFailed>;
+
 /// Cache mode's counts, for the metrics.
 #[derive(Debug, Clone, Copy)]
 pub struct CacheCounts {
@@ -221,7 +224,7 @@ pub struct Catalog {
     /// What the cache files need next (see [`cache`]).
     journal: parking_lot::Mutex<Journal>,
     /// Cache mode's bounds and bookkeeping; `None`: the whole catalog is held.
-    held: Option<Held>,
+    held: Option<Held<Looked>>,
     /// Held while changes are applied, and while a lookup's answer is put in: the two
     /// never interleave (see [`held::Recent`]).
     apply: parking_lot::Mutex<()>,
@@ -303,7 +306,8 @@ impl Catalog {
                 let read = async move {
                     let looked = catalog.fetch(&store, hash).await;
                     if let Some(held) = &catalog.held {
-                        held.lookups.count(&looked);
+                        held.lookups
+                            .count(looked.as_ref().ok().map(Option::is_some));
                         held.inflight.remove(&hash);
                     }
                     looked
