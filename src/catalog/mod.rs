@@ -364,9 +364,11 @@ impl Catalog {
         let _apply = self.apply.lock();
         self.forget_evicted();
         let client = lookup.client.as_ref().map(|c| &c.value.id);
-        let stands = lookup.epoch == self.epoch()
-            && held.recent.lock().stands(lookup.version, &hash, client);
-        if !stands && !last {
+        let same_epoch = lookup.epoch == self.epoch();
+        let stands = same_epoch && held.recent.lock().stands(lookup.version, &hash, client);
+        // Another catalog than the one followed (until the next poll takes it): reading
+        // again would meet it again; the answer serves this request, and is not held.
+        if !stands && !last && same_epoch {
             return None;
         }
         let Some(rec) = lookup.client else {
@@ -967,8 +969,13 @@ impl Catalog {
         let old = self.clients.get(&id).map(|e| Arc::clone(e.value()));
         let entry = rec.and_then(|rec| self.entry(&id, rec, old.as_deref()));
         if let Some(old) = &old {
+            let mut expiring = self.expiring.lock();
             for k in &old.record.keys {
                 self.expired.remove(&k.hash);
+                // The new version (if any) puts its own back: a client let go leaves none.
+                if let Some(at) = k.expires_at {
+                    expiring.remove(&(at, k.hash));
+                }
             }
         }
         match &entry {
@@ -1418,6 +1425,28 @@ mod tests {
         catalog.save_cache().await;
         assert!(!cache::journal_of(&file).exists());
         assert_eq!(cache::load(&file).unwrap().catalog.version, 6);
+    }
+
+    #[test]
+    fn a_client_let_go_leaves_no_key_waiting_to_expire() {
+        // Arrange: acme with a key that expires in the far future.
+        let catalog = cache_mode();
+        let mut rec = acme(5, &[KeyHash::of("k")]);
+        rec.value.keys[0].expires_at = Some(u64::MAX / 2);
+        catalog.apply_client(ClientId::parse("acme").unwrap(), Some(rec.clone()));
+        assert_eq!(catalog.expiring.lock().len(), 1);
+
+        // Act: replaced by the same version, then let go (evicted, or deleted).
+        catalog.apply_client(ClientId::parse("acme").unwrap(), Some(rec));
+        assert_eq!(
+            catalog.expiring.lock().len(),
+            1,
+            "one entry per key, not per version"
+        );
+        catalog.apply_client(ClientId::parse("acme").unwrap(), None);
+
+        // Assert.
+        assert!(catalog.expiring.lock().is_empty());
     }
 
     #[test]

@@ -210,3 +210,71 @@ async fn the_cache_holds_its_bounds_and_its_hot_client_under_a_flood() {
     assert_eq!(status(&a, &hot).await, 200);
     assert_eq!(lookups(&a, "client").await, 30.0, "the hot client is held");
 }
+
+#[tokio::test]
+async fn on_a_redis_cluster_a_key_not_held_is_looked_up_then_refused_once_revoked() {
+    // Arrange: a 3-master cluster; B (a mirror, the admin API) gives acme a key; A caches.
+    let cluster = RedisCluster::start().unwrap();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let toml = |catalog: &str| {
+        format!(
+            "{}[redis]\ncluster_nodes = {:?}\ntimeout_ms = 100\n[catalog]\nrefresh_ms = 50\n{catalog}\n{}{}",
+            admin_toml(),
+            cluster.urls(),
+            catalog_toml(("gold", 1_000_000.0, 1000.0), &[]),
+            route_toml("orders", "/orders", &[up.url()]),
+        )
+    };
+    let b = TestGateway::spawn(settings(&toml(""))).await;
+    let a = TestGateway::spawn(settings(&toml(CACHE))).await;
+    let r = b
+        .admin(Method::PUT, "/clients/acme", &rw())
+        .json(&json!({"plan": "gold"}))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success());
+    let (key_id, key) = new_key(&b, "acme").await;
+    // The client's ETag is the catalog's version after its key was written: A follows it
+    // (its first lookups would otherwise meet an epoch it has not polled yet).
+    let r = b
+        .admin(Method::GET, "/clients/acme", &rw())
+        .send()
+        .await
+        .unwrap();
+    let version: u64 = r.headers()["etag"]
+        .to_str()
+        .unwrap()
+        .trim_matches('"')
+        .parse()
+        .unwrap();
+    a.wait_for_catalog(version).await;
+
+    // Act and assert: admitted once the cluster answers (the connection is made in the
+    // background), held after one read; refused within a poll once revoked.
+    eventually(Duration::from_secs(10), "A admits acme", || async {
+        status(&a, &key).await == 200
+    })
+    .await;
+    let read = lookups(&a, "client").await;
+    for _ in 0..5 {
+        assert_eq!(status(&a, &key).await, 200);
+    }
+    assert_eq!(lookups(&a, "client").await, read, "held");
+    let r = b
+        .admin(
+            Method::DELETE,
+            &format!("/clients/acme/keys/{key_id}"),
+            &rw(),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    eventually(
+        Duration::from_secs(3),
+        "A refuses the revoked key",
+        || async { status(&a, &key).await == 401 },
+    )
+    .await;
+}
