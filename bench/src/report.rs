@@ -53,6 +53,10 @@ pub fn ms(v: f64) -> String {
 }
 
 /// A share in %, two decimals.
+pub fn mib(v: f64) -> String {
+    format!("{v:.1} MiB")
+}
+
 pub fn pct(v: f64) -> String {
     format!("{v:.2}%")
 }

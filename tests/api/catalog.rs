@@ -31,16 +31,6 @@ async fn gateway(redis_url: &str, up: &Upstream, refresh_ms: u64) -> TestGateway
     TestGateway::spawn(settings(&toml)).await
 }
 
-async fn put_client(gw: &TestGateway, id: &str, plan: &str) {
-    let r = gw
-        .admin(Method::PUT, &format!("/clients/{id}"), &rw())
-        .json(&json!({"plan": plan}))
-        .send()
-        .await
-        .unwrap();
-    assert!(r.status().is_success(), "{}", r.status());
-}
-
 async fn status(gw: &TestGateway, key: &str) -> u16 {
     gw.get("/orders", Some(key)).await.status().as_u16()
 }
@@ -128,16 +118,7 @@ async fn a_redis_restored_from_a_snapshot_older_than_a_revocation_never_lets_the
         .query(&mut redis.conn().unwrap())
         .unwrap();
     let snapshot_version = store_version(&redis);
-    let r = gw
-        .admin(
-            Method::DELETE,
-            &format!("/clients/acme/keys/{key_id}"),
-            &rw(),
-        )
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 204);
+    revoke_key(&gw, "acme", &key_id).await;
     eventually(
         Duration::from_secs(3),
         "the revocation in force",
@@ -423,16 +404,7 @@ async fn a_gateway_that_missed_changes_trimmed_from_the_feed_reloads_the_whole_c
     // Act: while A is cut off, acme's key is revoked and newco gets a key through B; then
     // the feed is trimmed to its last entry, so what A missed first is gone from it.
     proxy.partition();
-    let r = b
-        .admin(
-            Method::DELETE,
-            &format!("/clients/acme/keys/{acme_key_id}"),
-            &rw(),
-        )
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 204);
+    revoke_key(&b, "acme", &acme_key_id).await;
     put_client(&b, "newco", "gold").await;
     let (_, newco_key) = new_key(&b, "newco").await;
     let now = store_version(&redis);

@@ -9,7 +9,6 @@
 use std::time::Duration;
 
 use reqwest::Method;
-use serde_json::json;
 use tollgate_testkit::FaultProxy;
 
 use crate::helpers::*;
@@ -50,13 +49,7 @@ async fn a_key_not_held_is_looked_up_once_then_held_and_refused_once_revoked() {
     let up = Upstream::start(Behaviour::Echo).await;
     let b = TestGateway::spawn(settings(&toml(&redis.url(), &up, &["declared"], ""))).await;
     let a = TestGateway::spawn(settings(&toml(&redis.url(), &up, &[], CACHE))).await;
-    let r = b
-        .admin(Method::PUT, "/clients/acme", &rw())
-        .json(&json!({"plan": "gold"}))
-        .send()
-        .await
-        .unwrap();
-    assert!(r.status().is_success());
+    put_client(&b, "acme", "gold").await;
     let (key_id, key) = new_key(&b, "acme").await;
     // (A's first lookups would otherwise find a catalog of another epoch than the one it
     // follows, until it polls: the store's first write gave it one.)
@@ -74,16 +67,7 @@ async fn a_key_not_held_is_looked_up_once_then_held_and_refused_once_revoked() {
     assert_eq!(a.sample("tollgate_catalog_clients").await, 1.0);
 
     // Revoked on B: refused on A within its refresh.
-    let r = b
-        .admin(
-            Method::DELETE,
-            &format!("/clients/acme/keys/{key_id}"),
-            &rw(),
-        )
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 204);
+    revoke_key(&b, "acme", &key_id).await;
     eventually(
         Duration::from_secs(2),
         "A refuses the revoked key",
@@ -227,13 +211,7 @@ async fn on_a_redis_cluster_a_key_not_held_is_looked_up_then_refused_once_revoke
     };
     let b = TestGateway::spawn(settings(&toml(""))).await;
     let a = TestGateway::spawn(settings(&toml(CACHE))).await;
-    let r = b
-        .admin(Method::PUT, "/clients/acme", &rw())
-        .json(&json!({"plan": "gold"}))
-        .send()
-        .await
-        .unwrap();
-    assert!(r.status().is_success());
+    put_client(&b, "acme", "gold").await;
     let (key_id, key) = new_key(&b, "acme").await;
     // The client's ETag is the catalog's version after its key was written: A follows it
     // (its first lookups would otherwise meet an epoch it has not polled yet).
@@ -261,16 +239,7 @@ async fn on_a_redis_cluster_a_key_not_held_is_looked_up_then_refused_once_revoke
         assert_eq!(status(&a, &key).await, 200);
     }
     assert_eq!(lookups(&a, "client").await, read, "held");
-    let r = b
-        .admin(
-            Method::DELETE,
-            &format!("/clients/acme/keys/{key_id}"),
-            &rw(),
-        )
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 204);
+    revoke_key(&b, "acme", &key_id).await;
     eventually(
         Duration::from_secs(3),
         "A refuses the revoked key",

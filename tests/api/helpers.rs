@@ -769,3 +769,32 @@ pub fn audited(redis: &RedisServer, action: &str) -> Vec<Vec<(String, String)>> 
         .filter(|f| f.iter().any(|(k, v)| k == "action" && v == action))
         .collect()
 }
+
+/// Puts client `id` on `plan` through `gw`'s admin API (created or replaced).
+pub async fn put_client(gw: &TestGateway, id: &str, plan: &str) {
+    let r = gw
+        .admin(
+            reqwest::Method::PUT,
+            &format!("/clients/{id}"),
+            &admin_token("ops", "admin:read admin:write"),
+        )
+        .json(&serde_json::json!({"plan": plan}))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.status());
+}
+
+/// Revokes `client`'s key `key_id` through `gw`'s admin API.
+pub async fn revoke_key(gw: &TestGateway, client: &str, key_id: &str) {
+    let r = gw
+        .admin(
+            reqwest::Method::DELETE,
+            &format!("/clients/{client}/keys/{key_id}"),
+            &admin_token("ops", "admin:read admin:write"),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+}

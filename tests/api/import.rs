@@ -158,13 +158,7 @@ async fn an_import_refused_midway_resumes_where_it_stopped() {
     let redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let b = gateway(&redis.url(), &up, "").await;
-    let r = b
-        .admin(Method::PUT, "/clients/c1500", &rw())
-        .json(&json!({"plan": "gold"}))
-        .send()
-        .await
-        .unwrap();
-    assert!(r.status().is_success());
+    put_client(&b, "c1500", "gold").await;
     let dir = tempfile::tempdir().unwrap();
     let file = clients_file(dir.path(), 0, 2500);
     let file = file.to_str().unwrap();
@@ -206,13 +200,7 @@ async fn a_gateway_in_cache_mode_admits_an_imported_key_it_had_as_unknown() {
     let redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let b = gateway(&redis.url(), &up, "").await;
-    let r = b
-        .admin(Method::PUT, "/clients/first", &rw())
-        .json(&json!({"plan": "gold"}))
-        .send()
-        .await
-        .unwrap();
-    assert!(r.status().is_success());
+    put_client(&b, "first", "gold").await;
     let a = gateway(&redis.url(), &up, "mode = \"cache\"").await;
     a.wait_for_catalog(store_version(&redis)).await;
     assert_eq!(a.get("/orders", Some(&key("c7"))).await.status(), 401);

@@ -40,7 +40,7 @@ use crate::http::get_request;
 use crate::load::{run_open, Arrivals, OpenRun, Stream, Summary};
 use crate::procs::{block_on, gateway_config, raise_fd_limit, rss_kib, Gateway, RssWatch};
 use crate::report::{
-    self, count, machine, ms, round, runs_disturbance, CpuWatch, Disturbance, Outcome, Worse,
+    self, count, machine, mib, ms, round, runs_disturbance, CpuWatch, Disturbance, Outcome, Worse,
 };
 use crate::upstream::{Counts, Server, Upstreams};
 
@@ -488,10 +488,6 @@ fn ping_p99_ms(cluster: &RedisCluster) -> anyhow::Result<f64> {
 }
 
 type Figure = report::Figure<Run>;
-
-fn mib(v: f64) -> String {
-    format!("{v:.0} MiB")
-}
 
 fn secs(v: f64) -> String {
     format!("{v:.2} s")

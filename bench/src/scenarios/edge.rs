@@ -35,7 +35,7 @@ use super::seconds;
 use crate::load::{run_open, Arrivals, Sample, Stream};
 use crate::procs::{gateway_config, raise_fd_limit, rss_kib, Gateway, RssWatch, PROBE_KEY};
 use crate::report::{
-    self, count, machine, pct, round, runs_disturbance, CpuWatch, Disturbance, Outcome, Worse,
+    self, count, machine, mib, pct, round, runs_disturbance, CpuWatch, Disturbance, Outcome, Worse,
 };
 use crate::upstream::{Counts, Server, Upstreams};
 
@@ -549,10 +549,6 @@ type Figure = report::Figure<Run>;
 
 fn signed_pct(v: f64) -> String {
     format!("{v:+.2}%")
-}
-
-fn mib(v: f64) -> String {
-    format!("{v:.1} MiB")
 }
 
 const FIGURES: [Figure; 15] = [
