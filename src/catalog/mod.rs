@@ -315,6 +315,9 @@ impl Catalog {
                 .boxed()
                 .shared();
                 v.insert(read.clone());
+                // Driven to its end on this worker whoever waits: a request that goes away
+                // (its client hung up) must not leave its read, and its entry, behind.
+                actix_rt::spawn(read.clone().map(drop));
                 read
             }
         };
@@ -753,7 +756,7 @@ impl Catalog {
                         self.apply_changed(version, id, rec);
                     }
                     for (id, keys) in keys {
-                        self.note_changed(version, &id, &keys);
+                        self.note_changed(version, &id, &keys, None);
                     }
                     self.version.store(version, Ordering::Release);
                     if let Some(held) = &self.held {
@@ -789,28 +792,30 @@ impl Catalog {
     /// newer than the page: a lookup may have read past it), after noting the change (see
     /// [`held::Recent`]) and forgetting its keys as unknown (a key just created).
     fn apply_changed(&self, version: u64, id: ClientId, rec: Option<Versioned<ClientRecord>>) {
-        let Some(held) = &self.held else {
+        if self.held.is_none() {
             self.apply_client(id, rec);
             return;
-        };
-        let keys = rec.iter().flat_map(|r| r.value.keys.iter().map(|k| k.hash));
-        for k in keys.clone() {
-            held.unknown.invalidate(&k);
         }
-        held.recent.lock().touched(version, &id, keys);
-        let held_rev = self.clients.get(&id).map(|e| e.rev);
-        if held_rev.is_some_and(|rev| rev <= version) {
-            if rec.is_none() {
-                held.clients.invalidate(&id);
-            }
-            self.apply_client(id, rec);
-        }
+        let keys: Vec<KeyHash> = rec
+            .iter()
+            .flat_map(|r| r.value.keys.iter().map(|k| k.hash))
+            .collect();
+        self.note_changed(version, &id, &keys, rec);
     }
 
-    /// Cache mode: a client not held changed at `version` (or one whose record was read
-    /// before it was held: [`Catalog::apply_changed`] then applies it as the feed goes on):
-    /// its change noted, and its keys (`keys`, as the feed names them) no longer unknown.
-    fn note_changed(&self, version: u64, id: &ClientId, keys: &[KeyHash]) {
+    /// Cache mode: client `id` changed at `version`, and has `keys` now (the feed names
+    /// them, or its record `rec` does). The change is noted, its keys are no longer
+    /// unknown, and a client held from a read not newer than the change takes `rec`; with
+    /// no record (deleted, or only its keys named: the record was not wanted when the feed
+    /// was read, before the client was held) it is let go, and looked up again on its next
+    /// request.
+    fn note_changed(
+        &self,
+        version: u64,
+        id: &ClientId,
+        keys: &[KeyHash],
+        rec: Option<Versioned<ClientRecord>>,
+    ) {
         let Some(held) = &self.held else {
             return;
         };
@@ -820,11 +825,11 @@ impl Catalog {
         held.recent
             .lock()
             .touched(version, id, keys.iter().copied());
-        // Held since the feed was read, from a read older than this change: without its
-        // record here, it is let go, and looked up again on its next request.
         if self.clients.get(id).is_some_and(|e| e.rev <= version) {
-            held.clients.invalidate(id);
-            self.apply_client(id.clone(), None);
+            if rec.is_none() {
+                held.clients.invalidate(id);
+            }
+            self.apply_client(id.clone(), rec);
         }
     }
 
@@ -1376,7 +1381,7 @@ mod tests {
             .is_some());
 
         // Act.
-        catalog.note_changed(6, &ClientId::parse("acme").unwrap(), &[]);
+        catalog.note_changed(6, &ClientId::parse("acme").unwrap(), &[], None);
 
         // Assert: not served from the older record; its next request looks it up.
         assert!(catalog.by_key(&key).is_none());
@@ -1425,6 +1430,41 @@ mod tests {
         catalog.save_cache().await;
         assert!(!cache::journal_of(&file).exists());
         assert_eq!(cache::load(&file).unwrap().catalog.version, 6);
+    }
+
+    #[test]
+    fn a_lookup_its_request_gave_up_on_still_ends_and_leaves_nothing_behind() {
+        // Arrange: cache mode on a real Redis, on a worker's kind of runtime.
+        let redis = tollgate_testkit::RedisServer::start().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        tokio::task::LocalSet::new().block_on(&rt, async {
+            let store = Store::redis(
+                &secrecy::SecretString::from(redis.url()),
+                2,
+                Duration::from_secs(1),
+                Keys::new("t:"),
+            )
+            .unwrap();
+            let catalog = Arc::new(cache_mode());
+            let held = catalog.held.as_ref().unwrap();
+
+            // Act: a made-up key's request goes away at once (its client hung up).
+            let hash = KeyHash::of("made-up-key-0000");
+            let gave_up = tokio::time::timeout(Duration::ZERO, catalog.look_up(&store, hash)).await;
+            assert!(gave_up.is_err());
+
+            // Assert: the read ends anyway: counted, remembered, and out of the table.
+            let deadline = Instant::now() + Duration::from_secs(2);
+            while !held.inflight.is_empty() && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert!(held.inflight.is_empty(), "the abandoned read stayed behind");
+            assert_eq!(held.lookups.unknown.load(Relaxed), 1);
+            assert!(!catalog.may_hold(&hash));
+        });
     }
 
     #[test]

@@ -45,22 +45,15 @@ pub(super) fn client_of(
         LookedUp::Found(Some(client)) => client.active_key(&hash).then(|| Arc::clone(client)),
         _ => None,
     });
-    if held.is_none() && matches!(looked_up, LookedUp::Not) && state.catalog.may_hold(&hash) {
-        // Neither held nor known to be unknown: the store is asked, unless the address
-        // is held back for the unknown keys it sent (then no store read: what one address
-        // costs the store is bounded by its allowance).
-        if state.catalog.expired_at(&hash).is_none() {
-            if let Some(wait_us) = state
-                .failed_keys
-                .as_ref()
-                .and_then(|f| f.held(|| address_group_of(req, state)))
-            {
-                return Err(failed_keys_limited(state, wait_us));
-            }
-            return Err(ApiError::NotHeld(hash));
-        }
-    }
-    if let Some(client) = held {
+    // Neither held nor known to be unknown (cache mode): the store is to be asked.
+    let to_ask = held.is_none()
+        && matches!(looked_up, LookedUp::Not)
+        && state.catalog.may_hold(&hash)
+        && state.catalog.expired_at(&hash).is_none();
+    if held.is_some() || to_ask {
+        // An address held back for the unknown keys it sent waits, with a valid key too,
+        // and before any store read: what one address costs the store is bounded by its
+        // allowance.
         if let Some(wait_us) = state
             .failed_keys
             .as_ref()
@@ -68,7 +61,7 @@ pub(super) fn client_of(
         {
             return Err(failed_keys_limited(state, wait_us));
         }
-        return Ok(Some(client));
+        return held.map(Some).ok_or(ApiError::NotHeld(hash));
     }
     let noted = state
         .failed_keys
@@ -95,7 +88,7 @@ pub(super) async fn look_up(state: &AppState, hash: KeyHash) -> Result<LookedUp,
     match state.catalog.look_up(&state.store, hash).await {
         Ok(client) => Ok(LookedUp::Found(client)),
         Err(e) => {
-            state.metrics.count_outcome("catalog_unavailable");
+            // Counted by the catalog (`tollgate_catalog_lookups_total{result="failed"}`).
             tracing::debug!(error = %e, "a key not held could not be looked up");
             Err(ApiError::CatalogUnavailable(e.to_string()))
         }
