@@ -33,7 +33,7 @@ use anyhow::Context;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use crate::domain::{ApiKey, ClientId, KeyHash, Mode, PlanName, Region};
+use crate::domain::{unix_s_of_rfc3339, ApiKey, ClientId, KeyHash, Mode, PlanName, Region};
 use crate::store::records::{
     ClientRecord, ImportChunk, ImportOutcome, KeyRecord, Shards, MAX_KEYS,
 };
@@ -308,16 +308,11 @@ fn record(text: &str, now_s: u64) -> Result<ClientRecord, String> {
         };
         let expires_at = match &k.expires_at {
             None => None,
-            Some(at) => {
-                let t = jiff::Timestamp::from_str(at).map_err(|_| {
-                    format!("keys[{i}].expires_at: must be an RFC 3339 time, e.g. \"2030-01-01T00:00:00Z\"")
-                })?;
-                let secs = t.as_second() + i64::from(t.subsec_nanosecond() > 0);
-                match u64::try_from(secs) {
-                    Ok(s) if s > now_s => Some(s),
-                    _ => return Err(format!("keys[{i}].expires_at: must be in the future")),
-                }
-            }
+            Some(at) => match unix_s_of_rfc3339(at) {
+                Ok(s) if s > now_s => Some(s),
+                Ok(_) => return Err(format!("keys[{i}].expires_at: must be in the future")),
+                Err(e) => return Err(format!("keys[{i}].expires_at: {e}")),
+            },
         };
         if keys.iter().any(|r: &KeyRecord| r.hash == hash) {
             return Err(format!("keys[{i}]: the same key twice"));

@@ -4,8 +4,6 @@
 //! `override.delete`), managed here like its keys and kept when the client is replaced.
 //! An override changes a limit's values, not its state: what the client has spent stays.
 
-use std::str::FromStr;
-
 use actix_web::http::{header, StatusCode};
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde::{Deserialize, Serialize};
@@ -105,15 +103,10 @@ pub(super) struct Until(pub(super) u64);
 impl TryFrom<Value> for Until {
     type Error = String;
     fn try_from(v: Value) -> Result<Until, String> {
-        const WANTED: &str = "must be an RFC 3339 time, e.g. \"2030-01-01T00:00:00Z\"";
         let Value::String(s) = v else {
-            return Err(WANTED.into());
+            return Err(crate::domain::rfc3339_wanted());
         };
-        let t = jiff::Timestamp::from_str(&s).map_err(|_| format!("{WANTED} (got {s:?})"))?;
-        let secs = t.as_second() + i64::from(t.subsec_nanosecond() > 0);
-        u64::try_from(secs)
-            .map(Until)
-            .map_err(|_| "must be after 1970".into())
+        crate::domain::unix_s_of_rfc3339(&s).map(Until)
     }
 }
 

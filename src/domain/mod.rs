@@ -11,6 +11,7 @@ mod api_key;
 mod connections;
 mod decision;
 mod ids;
+mod instant;
 pub mod limits;
 mod mode;
 pub mod ratelimit;
@@ -21,6 +22,7 @@ pub use api_key::{ApiKey, KeyHash};
 pub use connections::MaxConnections;
 pub use decision::{Decision, FailOpenReason, Outcome};
 pub use ids::{ClientId, IdError, LimitName, PlanName, Region, ServiceName, ID_PATTERN};
+pub use instant::{rfc3339_wanted, unix_s_of_rfc3339};
 pub use limits::{
     Applied, AppliedKind, Level, Limit, LimitError, LimitKind, LimitSpec, LimitState, Limits,
     Override, OverrideError, PolicyItem, Quota, Ruling,
