@@ -52,6 +52,9 @@ const USER_TIMEOUT: Duration = Duration::from_secs(10);
 const REDIAL_MIN: Duration = Duration::from_millis(50);
 const REDIAL_MAX: Duration = Duration::from_millis(500);
 
+/// The name of every request-path connection, as `CLIENT LIST` shows it.
+pub const LINK_NAME: &str = "tollgate-worker";
+
 /// The TCP options every Redis socket gets (cluster connections too).
 pub fn tcp_settings() -> TcpSettings {
     let keepalive = socket2::TcpKeepalive::new()
@@ -86,14 +89,31 @@ pub struct Dialer {
 
 impl Dialer {
     pub fn new(url: &str, control_timeout: Duration) -> Result<Dialer, RedisError> {
-        let info = url.into_connection_info()?.set_tcp_settings(tcp_settings());
-        Ok(Dialer {
-            info,
+        let info = url.into_connection_info()?;
+        Ok(Dialer::of(info, control_timeout))
+    }
+
+    /// A cluster node at `host:port`, reached with the credentials of the seed `url`.
+    pub fn node(
+        url: &str,
+        host: &str,
+        port: u16,
+        control_timeout: Duration,
+    ) -> Result<Dialer, RedisError> {
+        let info = url
+            .into_connection_info()?
+            .set_addr(ConnectionAddr::Tcp(host.to_string(), port));
+        Ok(Dialer::of(info, control_timeout))
+    }
+
+    fn of(info: ConnectionInfo, control_timeout: Duration) -> Dialer {
+        Dialer {
+            info: info.set_tcp_settings(tcp_settings()),
             control_timeout,
             current: AtomicU64::new(0),
             generation: watch::Sender::new(0),
             failed: watch::Sender::new(None),
-        })
+        }
     }
 
     fn generation(&self) -> u64 {
@@ -176,6 +196,9 @@ impl Dialer {
             link.query::<()>(redis::cmd("SELECT").arg(settings.db()))
                 .await?;
         }
+        // Named, so `CLIENT LIST` tells the request path's connections from the rest.
+        link.query::<()>(redis::cmd("CLIENT").arg("SETNAME").arg(LINK_NAME))
+            .await?;
         Ok(link)
     }
 
@@ -324,6 +347,30 @@ impl Link {
     }
 }
 
+/// For reads that run redis-rs' own commands (a script's `EVALSHA`, and its load on
+/// `NOSCRIPT`) on a worker's link. One command at a time: a pipeline is refused.
+impl ConnectionLike for Link {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        Box::pin(self.query::<Value>(cmd))
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        _: &'a Pipeline,
+        _: usize,
+        _: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        Box::pin(std::future::ready(Err(RedisError::from((
+            redis::ErrorKind::Client,
+            "a request-path link sends one command at a time",
+        )))))
+    }
+
+    fn get_db(&self) -> i64 {
+        0
+    }
+}
+
 type Dial = Shared<Pin<Box<dyn Future<Output = Result<Link, RedisError>>>>>;
 
 /// One thread's request-path connection, or the dial that will bring it.
@@ -403,6 +450,13 @@ impl PerThread {
             Err(_) if joined => self.dial().1.await,
             r => r,
         }
+    }
+
+    /// This thread's link, if it has a usable one now (without dialing).
+    pub fn current(&self) -> Option<Link> {
+        let slot = SLOTS.with(|m| m.borrow().get(&self.id).cloned())?;
+        let link = slot.link.borrow();
+        link.as_ref().filter(|l| l.usable(&self.dialer)).cloned()
     }
 
     /// Whether a dial was in flight already (then it is joined), and the dial.

@@ -335,7 +335,7 @@ impl Catalog {
             for last in [false, true] {
                 let lookup = store
                     .catalog
-                    .client_by_key(&hash)
+                    .client_by_key(&hash, held.lookup_timeout / 2)
                     .await
                     .map_err(|e| LookupFailed(e.to_string()))?;
                 if let Some(settled) = self.settle(lookup, hash, last) {

@@ -92,8 +92,13 @@ pub trait CatalogRecords: Send + Sync {
 
     /// The client whose key has this hash, with the catalog's epoch and version, read in
     /// one round trip: what a gateway that does not hold the whole catalog asks on a key it
-    /// has not cached.
-    async fn client_by_key(&self, hash: &KeyHash) -> Result<KeyLookup, StoreError>;
+    /// has not cached. Read on the caller's worker's own connection when it has one, which
+    /// has `near_within` to answer; then (or else) off the request path.
+    async fn client_by_key(
+        &self,
+        hash: &KeyHash,
+        near_within: Duration,
+    ) -> Result<KeyLookup, StoreError>;
 
     /// Up to `limit` clients in id order, after the id `after` (cursor pagination).
     async fn clients_page(

@@ -200,6 +200,19 @@ impl RedisServer {
         Ok(self.command_calls()?.get(command).copied().unwrap_or(0))
     }
 
+    /// The last command each connection named `name` ran (`CLIENT LIST`'s `cmd`, e.g.
+    /// `evalsha`, `client|setname`).
+    pub fn last_commands_of(&self, name: &str) -> anyhow::Result<Vec<String>> {
+        let list: String = redis::cmd("CLIENT").arg("LIST").query(&mut self.conn()?)?;
+        let name = format!(" name={name} ");
+        Ok(list
+            .lines()
+            .filter(|l| l.contains(&name))
+            .filter_map(|l| l.split(' ').find_map(|f| f.strip_prefix("cmd=")))
+            .map(String::from)
+            .collect())
+    }
+
     /// `KEYS pattern`.
     pub fn keys(&self, pattern: &str) -> anyhow::Result<Vec<String>> {
         Ok(redis::cmd("KEYS").arg(pattern).query(&mut self.conn()?)?)

@@ -204,6 +204,11 @@ async fn on_a_cluster_takes_of_one_masters_clients_share_calls_and_a_moved_slot_
         calls < 60,
         "{calls} calls for 240 takes of 60 clients on 3 masters"
     );
+    // ... each master's on a worker's own connection to it (named `tollgate-worker`).
+    for (i, node) in cluster.nodes.iter().enumerate() {
+        let last = node.last_commands_of("tollgate-worker").unwrap();
+        assert!(last.iter().any(|c| c == "evalsha"), "node {i}: {last:?}");
+    }
 
     // Act 2: the slot of b0's state group moves to another master; at once, before the
     // gateway reads the slot map again, 3 requests of every b client, b0's last in each

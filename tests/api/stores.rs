@@ -220,8 +220,14 @@ async fn every_store_finds_a_keys_client_and_forgets_it_once_revoked_or_deleted(
             Condition::Any,
         ))
         .await;
-        let by_key =
-            |k: KeyHash| async move { store.catalog.client_by_key(&k).await.unwrap().client };
+        let by_key = |k: KeyHash| async move {
+            store
+                .catalog
+                .client_by_key(&k, Duration::from_millis(500))
+                .await
+                .unwrap()
+                .client
+        };
 
         assert!(by_key(first).await.is_none(), "{name}: nothing yet");
         write(CatalogWrite::PutClient(

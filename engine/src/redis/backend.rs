@@ -11,8 +11,8 @@ use redis::aio::ConnectionLike;
 use redis::cluster_async::ClusterConnection;
 use redis::{RedisFuture, Value};
 
-use crate::pool::{tcp_settings, Dialer, PerThread, RedisManager};
-use crate::{Every, StoreError};
+use crate::pool::{tcp_settings, Dialer, Link, PerThread, RedisManager};
+use crate::{key_slot, Every, StoreError};
 
 /// How commands reach Redis.
 pub enum Backend {
@@ -25,7 +25,8 @@ pub enum Backend {
         dialer: Arc<Dialer>,
     },
     /// Redis Cluster: one multiplexed cluster connection (it follows MOVED/ASK and keeps a
-    /// connection per node); cloning it is cheap.
+    /// connection per node); cloning it is cheap. The request path reaches each master on
+    /// a connection of its worker's own, as one server does ([`Node`]).
     Cluster(Box<ClusterBackend>),
 }
 
@@ -41,15 +42,45 @@ pub struct ClusterBackend {
     control_timeout: Duration,
     /// One renewal at a time.
     renewing: tokio::sync::Mutex<()>,
-    /// Which master serves each slot (an index among the masters), as last read: takes
-    /// for keys of one master go to it in one call (`gather`).
-    masters: Arc<ArcSwap<Option<Vec<u16>>>>,
+    /// Which master serves each slot, as last read: takes for keys of one master go to it
+    /// in one call (`gather`), on the worker's own connection to it.
+    masters: Arc<ArcSwap<Option<Masters>>>,
+    /// A seed's URL: the nodes are reached with its credentials.
+    seed: String,
     /// Opens when `masters` should be read again.
     masters_due: Every,
 }
 
 /// How often the slot map is read again; a stale one only costs takes a second call.
 const MASTERS_EVERY: Duration = Duration::from_secs(1);
+
+/// How often a keeper looks for the slot map before it was first read.
+const FIRST_READ_EVERY: Duration = Duration::from_millis(50);
+
+/// The slot map as last read: each slot's master, as an index into `nodes` (ordered by
+/// address).
+pub struct Masters {
+    of_slot: Vec<u16>,
+    nodes: Vec<Arc<Node>>,
+}
+
+/// A master, and each worker's own connection to it (the request path's: a take or a
+/// catalog lookup is one hop each way on the worker's thread, where the cluster
+/// connection's replies are read on another thread). A node that leaves the slot map
+/// keeps its workers' connections until it closes them.
+pub struct Node {
+    /// `host:port`, as `CLUSTER SLOTS` names it.
+    pub addr: String,
+    pub dialer: Arc<Dialer>,
+    per_thread: PerThread,
+}
+
+impl Node {
+    /// This worker's connection to the node (dialed, or the dial joined, when it has none).
+    pub async fn link(&self) -> Result<Link, StoreError> {
+        Ok(self.per_thread.get().await?)
+    }
+}
 
 impl ClusterBackend {
     pub fn conn(&self) -> ClusterConnection {
@@ -61,8 +92,10 @@ impl ClusterBackend {
     pub fn master_of(&self, slot: u16) -> Option<u16> {
         if self.masters_due.due() {
             let (conn, masters) = (self.conn(), Arc::clone(&self.masters));
+            let (seed, control_timeout) = (self.seed.clone(), self.control_timeout);
             tokio::spawn(async move {
-                match read_masters(conn).await {
+                let known = masters.load_full();
+                match read_masters(conn, (*known).as_ref(), &seed, control_timeout).await {
                     Ok(m) => masters.store(Arc::new(Some(m))),
                     Err(e) => tracing::debug!(error = %e, "reading the cluster's slot map"),
                 }
@@ -72,8 +105,51 @@ impl ClusterBackend {
             .load()
             .as_ref()
             .as_ref()
-            .and_then(|m| m.get(usize::from(slot)).copied())
+            .and_then(|m| m.of_slot.get(usize::from(slot)).copied())
             .filter(|m| *m != u16::MAX)
+    }
+
+    /// The master `index` (as [`Self::master_of`] names it).
+    pub fn node(&self, index: u16) -> Option<Arc<Node>> {
+        let masters = self.masters.load();
+        let m = (**masters).as_ref()?;
+        m.nodes.get(usize::from(index)).cloned()
+    }
+
+    /// The master serving `key`'s slot, as last read.
+    pub fn node_of(&self, key: &str) -> Option<Arc<Node>> {
+        self.master_of(key_slot(key)).and_then(|m| self.node(m))
+    }
+
+    /// Keeps this worker's connection to every master open (see [`PerThread::keep`]),
+    /// following the slot map as it changes. Spawn once per worker.
+    pub async fn keep(&self) {
+        let mut kept: Vec<Arc<Node>> = Vec::new();
+        let mut keepers = tokio::task::JoinSet::new();
+        loop {
+            // Reads the slot map when it is due.
+            let _ = self.master_of(0);
+            let now: Vec<Arc<Node>> = (*self.masters.load_full())
+                .as_ref()
+                .map(|m| m.nodes.clone())
+                .unwrap_or_default();
+            if now.len() != kept.len() || now.iter().zip(&kept).any(|(a, b)| !Arc::ptr_eq(a, b)) {
+                keepers.abort_all();
+                for node in &now {
+                    let node = Arc::clone(node);
+                    keepers.spawn_local(async move { node.per_thread.keep().await });
+                }
+                kept = now;
+            }
+            // Soon after start, until the slot map is first read.
+            let known = !kept.is_empty();
+            tokio::time::sleep(if known {
+                MASTERS_EVERY
+            } else {
+                FIRST_READ_EVERY
+            })
+            .await;
+        }
     }
 
     /// A fresh cluster connection (seed nodes, slot map, node connections), within the
@@ -217,6 +293,7 @@ impl Backend {
             .set_response_timeout(control_timeout);
         let conn = client.get_pending_async_connection_with_config(config.clone());
         Ok(Backend::Cluster(Box::new(ClusterBackend {
+            seed: urls.first().map(|u| u.to_string()).unwrap_or_default(),
             conn: ArcSwap::from_pointee(conn),
             client,
             config,
@@ -250,6 +327,19 @@ impl Backend {
                 }
             }
             Backend::Cluster(c) => Ok(Conn::Cluster(c.conn())),
+        }
+    }
+
+    /// The worker's own connection for a read on the request path, if it has one open
+    /// now (its keeper keeps it so): one server's ([`PerThread`]), or in a cluster the one
+    /// to the master of `key`'s slot as the slot map last said. Its commands have no
+    /// deadline of their own, and a redirection is not followed: the caller bounds the
+    /// read, and runs it off the request path ([`Self::conn`]) when there is no link or
+    /// the read fails on it.
+    pub fn near(&self, key: &str) -> Option<Link> {
+        match self {
+            Backend::Single { per_thread, .. } => per_thread.current(),
+            Backend::Cluster(c) => c.node_of(key)?.per_thread.current(),
         }
     }
 
@@ -303,8 +393,14 @@ pub fn parse_slots(ranges: Vec<Value>) -> Result<Vec<SlotRange>, StoreError> {
     Ok(out)
 }
 
-/// The master of every slot, as an index among the masters (ordered by address).
-async fn read_masters(mut conn: ClusterConnection) -> Result<Vec<u16>, StoreError> {
+/// The master of every slot, as an index among the masters (ordered by address). A
+/// master `known` already keeps its node (and its workers' connections).
+async fn read_masters(
+    mut conn: ClusterConnection,
+    known: Option<&Masters>,
+    seed: &str,
+    control_timeout: Duration,
+) -> Result<Masters, StoreError> {
     let ranges: Vec<Value> = redis::cmd("CLUSTER")
         .arg("SLOTS")
         .query_async(&mut conn)
@@ -313,12 +409,30 @@ async fn read_masters(mut conn: ClusterConnection) -> Result<Vec<u16>, StoreErro
     let mut addrs: Vec<&str> = ranges.iter().map(|r| r.node.as_str()).collect();
     addrs.sort_unstable();
     addrs.dedup();
-    let mut masters = vec![u16::MAX; 16_384];
+    let mut of_slot = vec![u16::MAX; 16_384];
     for r in &ranges {
         let m = addrs.binary_search(&r.node.as_str()).unwrap_or(0) as u16;
         for slot in r.first..=r.last.min(16_383) {
-            masters[usize::from(slot)] = m;
+            of_slot[usize::from(slot)] = m;
         }
     }
-    Ok(masters)
+    let nodes = addrs
+        .iter()
+        .map(|addr| {
+            if let Some(n) = known.and_then(|k| k.nodes.iter().find(|n| n.addr == *addr)) {
+                return Ok(Arc::clone(n));
+            }
+            let (host, port) = addr
+                .rsplit_once(':')
+                .and_then(|(h, p)| Some((h, p.parse::<u16>().ok()?)))
+                .ok_or_else(|| StoreError::Protocol(format!("CLUSTER SLOTS: node {addr}")))?;
+            let dialer = Arc::new(Dialer::node(seed, host, port, control_timeout)?);
+            Ok(Arc::new(Node {
+                addr: addr.to_string(),
+                per_thread: PerThread::new(Arc::clone(&dialer)),
+                dialer,
+            }))
+        })
+        .collect::<Result<Vec<_>, StoreError>>()?;
+    Ok(Masters { of_slot, nodes })
 }

@@ -88,11 +88,12 @@ impl Buckets for RedisBuckets {
         Some(self.takes.counts())
     }
 
-    /// Keeps this worker thread's request-path connection open, from before the first
-    /// request until the thread ends (one server; a cluster connection keeps itself).
+    /// Keeps this worker thread's request-path connections open (one server's, or one
+    /// to each master of a cluster), from before the first request until the thread ends.
     async fn keep_connected(&self) {
-        if let Backend::Single { per_thread, .. } = &*self.backend {
-            per_thread.keep().await;
+        match &*self.backend {
+            Backend::Single { per_thread, .. } => per_thread.keep().await,
+            Backend::Cluster(c) => c.keep().await,
         }
     }
 
@@ -189,10 +190,16 @@ impl RedisBuckets {
             Op::Take => &self.takes,
             Op::Adjust | Op::Peek => &self.others,
         };
-        let conn = || async {
-            Ok(match &*self.backend {
-                Backend::Single { per_thread, .. } => Conn::Single(per_thread.get().await?),
-                Backend::Cluster(c) => Conn::Cluster(c.conn()),
+        // A master's takes go on the worker's own connection to it; a slot's on the
+        // cluster connection, which follows a redirection.
+        let conn = |to: Group| async move {
+            Ok(match (&*self.backend, to) {
+                (Backend::Single { per_thread, .. }, _) => Conn::Single(per_thread.get().await?),
+                (Backend::Cluster(c), Group::Master(m)) => match c.node(m) {
+                    Some(node) => Conn::Single(node.link().await?),
+                    None => Conn::Cluster(c.conn()),
+                },
+                (Backend::Cluster(c), _) => Conn::Cluster(c.conn()),
             })
         };
         let batch = match &*self.backend {
@@ -202,15 +209,22 @@ impl RedisBuckets {
                 c.master_of(slot).map_or(Group::Slot(slot), Group::Master)
             }
         };
-        let mut answer = gatherer.decide(batch, entry, conn).await?;
-        if let (Group::Master(_), Err(e)) = (batch, answer.bytes()) {
-            // Its group's slot moved since the map was read: on its own, the cluster
-            // client follows the redirection.
-            tracing::debug!(error = %e, "a take sent with its master's failed; once more alone");
-            answer = gatherer
-                .decide(Group::Slot(key_slot(group)), entry, conn)
-                .await?;
-        }
+        let first = gatherer.decide(batch, entry, || conn(batch)).await;
+        let moved = match (&first, batch) {
+            // Its group's slot moved since the map was read: the master answered the call
+            // (its first key's slot) or this entry (another's) with a redirection.
+            (Err(StoreError::Redis(e)), Group::Master(_)) => e.is_cluster_error(),
+            (Ok(a), Group::Master(_)) => a.bytes().is_err(),
+            _ => false,
+        };
+        let answer = if moved {
+            // On its own, the cluster client follows the redirection.
+            tracing::debug!("a take sent with its master's failed; once more alone");
+            let alone = Group::Slot(key_slot(group));
+            gatherer.decide(alone, entry, || conn(alone)).await?
+        } else {
+            first?
+        };
         let bytes = answer.bytes().map_err(StoreError::Refused)?;
         Ok(EntryReply {
             levels: parse_reply(bytes, applied)?,

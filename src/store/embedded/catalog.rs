@@ -3,6 +3,7 @@
 //! Each write is staged on a copy, put on disk, then committed, as [`EmbeddedStore`] says.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use serde::Serialize;
@@ -89,7 +90,11 @@ impl CatalogRecords for EmbeddedStore {
         Ok(self.file.catalog.lock().data.clients.get(&id).cloned())
     }
 
-    async fn client_by_key(&self, hash: &KeyHash) -> Result<KeyLookup, StoreError> {
+    async fn client_by_key(
+        &self,
+        hash: &KeyHash,
+        _near_within: Duration,
+    ) -> Result<KeyLookup, StoreError> {
         let catalog = self.file.catalog.lock();
         Ok(KeyLookup {
             epoch: catalog.data.epoch.clone(),

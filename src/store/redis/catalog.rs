@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use redis::{AsyncCommands, ScriptInvocation, Value};
+use redis::{AsyncCommands, RedisError, ScriptInvocation, Value};
 
 use super::backend::{retrying, scan_hash, Conn, FeedEntry, RedisStore};
 use crate::domain::{ClientId, KeyHash, PlanName};
@@ -206,15 +206,33 @@ impl CatalogRecords for RedisStore {
         self.entity("clients", id).await
     }
 
-    async fn client_by_key(&self, hash: &KeyHash) -> Result<KeyLookup, StoreError> {
+    async fn client_by_key(
+        &self,
+        hash: &KeyHash,
+        near_within: Duration,
+    ) -> Result<KeyLookup, StoreError> {
         let mut inv = self.client_by_key.prepare_invoke();
         inv.key(self.keys.catalog("keys"))
             .key(self.keys.catalog("clients"))
             .key(self.keys.catalog("version"))
             .key(self.keys.catalog("epoch"))
             .arg(hash.to_string());
-        let (version, epoch, raw): (Option<u64>, Option<String>, Option<String>) =
-            retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
+        // On the worker's own connection to the catalog's server; off the request path
+        // when it has none, or the read fails on it (a dead link, a slot that moved) or
+        // does not answer in time (a link gone silent: the breaker's probe retires it).
+        let near = match self.backend.near(&self.keys.catalog("keys")) {
+            Some(mut link) => tokio::time::timeout(near_within, inv.invoke_async(&mut link))
+                .await
+                .unwrap_or_else(|_| Err(RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut))))
+                .map_err(|e| {
+                    tracing::debug!(error = %e, "a key's lookup on the worker's connection failed; once more off it");
+                }),
+            None => Err(()),
+        };
+        let (version, epoch, raw): (Option<u64>, Option<String>, Option<String>) = match near {
+            Ok(r) => r,
+            Err(()) => retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?,
+        };
         Ok(KeyLookup {
             epoch,
             version: version.unwrap_or(0),
@@ -647,6 +665,8 @@ fn restore_chunks(mirror: &CatalogDump) -> impl Iterator<Item = Vec<Staged<'_>>>
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use secrecy::SecretString;
     use serde_json::json;
     use tollgate_testkit::{RedisCluster, RedisServer};
@@ -860,5 +880,85 @@ mod tests {
         let node = &cluster.nodes[cluster.owner("tollgate:{catalog}:clients").unwrap()];
         assert_eq!(hlen(node, "clients"), 1500);
         assert!(node.keys("*restore:*").unwrap().is_empty());
+    }
+    /// The last command each of `node`'s request-path connections ran.
+    fn workers_last_commands(node: &RedisServer) -> Vec<String> {
+        node.last_commands_of(tollgate_engine::pool::LINK_NAME)
+            .unwrap()
+    }
+
+    /// Looks `c0`'s key up on `store` with its worker's connections kept (as a gateway's
+    /// worker does) until `ran_on_link` says the lookup ran where it should; the lookup's
+    /// answer.
+    async fn look_up_with_links_kept(
+        store: Arc<RedisStore>,
+        ran_on_link: impl Fn() -> bool,
+    ) -> Option<ClientId> {
+        use tollgate_engine::Buckets;
+        let hash: KeyHash = format!("sha256:{:064x}", 0).parse().unwrap();
+        tokio::task::LocalSet::new()
+            .run_until(async {
+                let s = Arc::clone(&store);
+                tokio::task::spawn_local(async move { s.buckets.keep_connected().await });
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+                loop {
+                    let found = store
+                        .client_by_key(&hash, Duration::from_secs(1))
+                        .await
+                        .unwrap();
+                    if ran_on_link() || tokio::time::Instant::now() > deadline {
+                        return found.client.map(|c| c.value.id);
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            })
+            .await
+    }
+
+    #[tokio::test]
+    async fn a_keys_lookup_runs_on_the_workers_own_connection() {
+        // Arrange
+        let redis = RedisServer::start().unwrap();
+        let store = Arc::new(store(&redis));
+        assert!(store.restore(EMPTY, &mirror(1)).await.unwrap());
+
+        // Act
+        let found = look_up_with_links_kept(Arc::clone(&store), || {
+            workers_last_commands(&redis) == ["evalsha"]
+        })
+        .await;
+
+        // Assert: found, and read on the worker's connection (the pool's are idle beside
+        // it), not on a pooled one.
+        assert_eq!(found.map(|c| c.to_string()).as_deref(), Some("c0"));
+        assert_eq!(workers_last_commands(&redis), ["evalsha"]);
+    }
+
+    #[tokio::test]
+    async fn on_a_cluster_a_keys_lookup_runs_on_the_workers_own_connection_to_the_catalogs_master()
+    {
+        // Arrange: three masters, the catalog on one of them.
+        let cluster = RedisCluster::start().unwrap();
+        let urls: Vec<SecretString> = cluster.urls().into_iter().map(SecretString::from).collect();
+        let store = Arc::new(
+            RedisStore::connect_cluster(&urls, Duration::from_secs(5), Keys::new("tollgate:"))
+                .unwrap(),
+        );
+        assert!(store.restore(EMPTY, &mirror(1)).await.unwrap());
+        let home = cluster.owner("tollgate:{catalog}:keys").unwrap();
+
+        // Act: looked up until the slot map is read and the worker's links are open.
+        let found = look_up_with_links_kept(Arc::clone(&store), || {
+            workers_last_commands(&cluster.nodes[home]) == ["evalsha"]
+        })
+        .await;
+
+        // Assert: a link to every master, and the lookup on the catalog's master's.
+        assert_eq!(found.map(|c| c.to_string()).as_deref(), Some("c0"));
+        for (i, node) in cluster.nodes.iter().enumerate() {
+            let last = workers_last_commands(node);
+            assert_eq!(last.len(), 1, "node {i}: {last:?}");
+            assert_eq!(last[0] == "evalsha", i == home, "node {i}: {last:?}");
+        }
     }
 }

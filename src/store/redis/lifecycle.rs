@@ -77,6 +77,12 @@ impl Lifecycle for RedisStore {
                         .map_err(|_| StoreError::Pool("probe timed out".into()))??;
                     Ok(())
                 };
+                // The workers' own connections to the key's master: retired when a fresh
+                // one answers, as one server's are.
+                if let Some(node) = key.and_then(|k| cluster.node_of(k)) {
+                    node.dialer.answers_fresh(budget).await?;
+                    node.dialer.retire_all();
+                }
                 if check(cluster.conn()).await.is_ok() {
                     return Ok(());
                 }
