@@ -39,9 +39,12 @@ pub enum ShedReason {
     Overloaded,
     /// Its decision took longer than `overload.max_wait_ms`.
     DecisionWait,
+    /// Its key was not held (cache mode), and an overloaded worker does not read the
+    /// store for it.
+    Lookup,
 }
 
-const SHED_REASONS: [&str; 2] = ["overloaded", "decision_wait"];
+const SHED_REASONS: [&str; 3] = ["overloaded", "decision_wait", "lookup"];
 
 impl ShedReason {
     /// The `reason` label of `tollgate_shed_total`.

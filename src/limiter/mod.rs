@@ -245,6 +245,18 @@ impl Limiter {
         }
     }
 
+    /// Whether this worker may read the store for a key it does not hold (cache mode):
+    /// held while the read is, or `None`, and the request is shed, counted (see
+    /// [`Overload::admit_lookup`]).
+    pub fn admit_lookup(&self) -> Option<overload::Pending> {
+        let admitted = self.overload.admit_lookup();
+        if admitted.is_none() {
+            self.metrics.shed(ShedReason::Lookup);
+            self.metrics.count_outcome(Outcome::Shed.label());
+        }
+        admitted
+    }
+
     /// Every worker's load, for `/metrics`.
     pub fn worker_loads(&self) -> Vec<Arc<WorkerLoad>> {
         self.overload.loads()

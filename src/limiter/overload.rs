@@ -144,6 +144,16 @@ impl Overload {
         self.admit_key(std::ptr::from_ref(client) as usize)
     }
 
+    /// Admits a store read for a key this worker does not hold (cache mode) and the
+    /// request waiting on it, or `None`: shed it. The keys not held count as one client:
+    /// a late worker reads one at a time, so a flood of keys that do not exist cannot
+    /// take the worker from the clients it holds; and each waits as an undecided request
+    /// (`max_pending`).
+    pub fn admit_lookup(&self) -> Option<Pending> {
+        // No catalog entry is at address 1 (entries are aligned).
+        self.admit_key(1)
+    }
+
     /// [`Overload::admit`] for the client known by `key`.
     pub(super) fn admit_key(&self, key: usize) -> Option<Pending> {
         let worker = self.worker();
@@ -242,6 +252,26 @@ mod tests {
         running_late(&o, false);
         let _both = (o.admit_key(3), o.admit_key(3));
         assert_eq!(o.loads()[0].pending(), 2);
+    }
+
+    #[test]
+    fn a_late_worker_reads_one_key_it_does_not_hold_at_a_time_and_still_decides_its_clients() {
+        let o = overload(100);
+        let on_time = (o.admit_lookup(), o.admit_lookup());
+        assert!(
+            on_time.0.is_some() && on_time.1.is_some(),
+            "on time: any number"
+        );
+        drop(on_time);
+        running_late(&o, true);
+        let first = o.admit_lookup().expect("none pending: read");
+        assert!(o.admit_lookup().is_none(), "a second key not held is shed");
+        assert!(o.admit_key(7).is_some(), "a held client is still decided");
+        drop(first);
+        assert!(
+            o.admit_lookup().is_some(),
+            "the read done, the next is read"
+        );
     }
 
     #[test]

@@ -85,6 +85,10 @@ pub(super) fn client_of(
 /// timeout; a store that cannot answer is `503` `catalog-unavailable` (the key cannot be
 /// checked, so it is not let in; the clients held are served as ever).
 pub(super) async fn look_up(state: &AppState, hash: KeyHash) -> Result<LookedUp, ApiError> {
+    // An overloaded worker reads no more keys it does not hold: `503`, `Retry-After: 1`.
+    let Some(_waiting) = state.limiter.admit_lookup() else {
+        return Err(ApiError::Overloaded);
+    };
     match state.catalog.look_up(&state.store, hash).await {
         Ok(client) => Ok(LookedUp::Found(client)),
         Err(e) => {

@@ -196,6 +196,122 @@ async fn the_cache_holds_its_bounds_and_its_hot_client_under_a_flood() {
 }
 
 #[tokio::test]
+async fn a_key_not_held_waits_as_an_undecided_request_and_past_max_pending_is_shed_unread() {
+    // Arrange: A reaches Redis 300 ms away, and its worker may hold one undecided request.
+    let redis = RedisServer::start().unwrap();
+    let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
+    let up = Upstream::start(Behaviour::Echo).await;
+    let _b = TestGateway::spawn(settings(&toml(&redis.url(), &up, &["one", "two"], ""))).await;
+    let a = TestGateway::spawn(settings(&toml(
+        &proxy.redis_url(),
+        &up,
+        &[],
+        &format!(
+            "{CACHE}\nlookup_timeout_ms = 2000\n[server]\nworkers = 1\n\
+             [overload]\nmax_pending = 1\nmax_wait_ms = 3000"
+        ),
+    )))
+    .await;
+    // The store answers (A's worker has its connection open).
+    assert_eq!(status(&a, "made-up-key-0123456789").await, 401);
+    proxy.delay(Duration::from_millis(300));
+
+    // Act: a key not held, and another 100 ms later, while the first is read.
+    let (one, two) = (key("one"), key("two"));
+    let first = a.get("/orders", Some(&one));
+    let second = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        a.get("/orders", Some(&two)).await
+    };
+    let (first, second) = tokio::join!(first, second);
+
+    // Assert: the first read and admitted; the second shed with no store read.
+    assert_eq!(first.status(), 200, "{:?}", first.text().await);
+    assert_eq!(second.status(), 503);
+    assert_eq!(second.headers()["retry-after"], "1");
+    let body: serde_json::Value = second.json().await.unwrap();
+    assert_eq!(body["type"], "https://tollgate.dev/problems/overloaded");
+    assert_eq!(
+        a.sample("tollgate_shed_total{reason=\"lookup\"}").await,
+        1.0
+    );
+    assert_eq!(
+        lookups(&a, "client").await,
+        1.0,
+        "one read: the first key's"
+    );
+    assert_eq!(lookups(&a, "unknown").await, 1.0, "and the warm-up's");
+    assert_eq!(
+        a.sample("tollgate_decisions_total{outcome=\"shed\"}").await,
+        1.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_a_flood_of_made_up_keys_a_late_worker_sheds_them_and_decides_its_held_client() {
+    // Arrange: one worker that counts as late past 1 ms; a client held.
+    let redis = RedisServer::start().unwrap();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let _b = TestGateway::spawn(settings(&toml(&redis.url(), &up, &["hot"], ""))).await;
+    let a = TestGateway::spawn(settings(&toml(
+        &redis.url(),
+        &up,
+        &[],
+        &format!("{CACHE}\n[server]\nworkers = 1\n[overload]\nmax_delay_ms = 1"),
+    )))
+    .await;
+    let hot = key("hot");
+    assert_eq!(status(&a, &hot).await, 200);
+
+    // Act: 64 connections of made-up keys for 2 s, the held client one request at a time.
+    let until = std::time::Instant::now() + Duration::from_secs(2);
+    let flood = futures_util::future::join_all((0..64).map(|c| {
+        let a = &a;
+        async move {
+            let mut statuses = Vec::new();
+            let mut i = 0;
+            while std::time::Instant::now() < until {
+                let r = a
+                    .get("/orders", Some(&format!("made-up-{c}-{i}-0123456789")))
+                    .await;
+                statuses.push(r.status().as_u16());
+                i += 1;
+            }
+            statuses
+        }
+    }));
+    let held = async {
+        let mut statuses = Vec::new();
+        while std::time::Instant::now() < until {
+            statuses.push(status(&a, &hot).await);
+        }
+        statuses
+    };
+    let (flood, held) = tokio::join!(flood, held);
+
+    // Assert: the held client decided every time; made-up keys refused or shed, and the
+    // shed ones never read.
+    assert!(held.iter().all(|s| *s == 200), "{held:?}");
+    let flood: Vec<u16> = flood.concat();
+    assert!(flood.iter().all(|s| *s == 401 || *s == 503), "{flood:?}");
+    let shed = flood.iter().filter(|s| **s == 503).count();
+    assert!(
+        shed > 0,
+        "a late worker sheds made-up keys ({} sent)",
+        flood.len()
+    );
+    assert_eq!(
+        a.sample("tollgate_shed_total{reason=\"lookup\"}").await,
+        shed as f64
+    );
+    assert_eq!(
+        lookups(&a, "unknown").await,
+        (flood.len() - shed) as f64,
+        "one read per made-up key not shed"
+    );
+}
+
+#[tokio::test]
 async fn on_a_redis_cluster_a_key_not_held_is_looked_up_then_refused_once_revoked() {
     // Arrange: a 3-master cluster; B (a mirror, the admin API) gives acme a key; A caches.
     let cluster = RedisCluster::start().unwrap();

@@ -15,7 +15,8 @@
 //! - **unknown keys**: `--unknown` distinct made-up keys (1 million) over
 //!   `--unknown-seconds` (60), beside the active clients at `--working-rate`/s: the store
 //!   reads they cost, how often an active client had to be read again (the working set's
-//!   hit rate), its p99, and the resident set's peak. The failed-keys count per address is
+//!   hit rate), its p99, the made-up keys a late worker shed unread (`503`), and the
+//!   resident set's peak. The failed-keys count per address is
 //!   off (`edge.failed_keys_sets = 0`), as if the keys came from as many addresses as it
 //!   holds: with it on, one address is answered `429` after 20 keys, with no store read;
 //! - **revocation**: `--revocations` active clients lose their key through the store (as
@@ -121,6 +122,8 @@ struct Run {
     /// Store reads for the made-up keys, per key sent.
     unknown_reads_per_key: f64,
     unknown_401_pct: f64,
+    /// Made-up keys answered `503` (shed by a late worker, or a read that failed).
+    unknown_503_pct: f64,
     /// Active clients read again during the flood, per active request (0: all held).
     working_misses_pct: f64,
     working: Summary,
@@ -388,6 +391,7 @@ fn one_run(
     };
     let sent_unknown = flood.samples[0].len() as f64;
     let unknown_401 = flood.samples[0].iter().filter(|s| s.status == 401).count() as f64;
+    let unknown_503 = flood.samples[0].iter().filter(|s| s.status == 503).count() as f64;
     let working_sent = flood.samples[1].len() as f64;
     let working_ok = flood.samples[1].iter().filter(|s| s.status == 200).count();
     let unknown_reads = delta.of("tollgate_catalog_lookups_total{result=\"unknown\"}");
@@ -413,6 +417,7 @@ fn one_run(
         rss_flood_peak_mib: peak as f64 / 1024.0,
         unknown_reads_per_key: unknown_reads / sent_unknown.max(1.0),
         unknown_401_pct: unknown_401 / sent_unknown.max(1.0) * 100.0,
+        unknown_503_pct: unknown_503 / sent_unknown.max(1.0) * 100.0,
         working_misses_pct: working_reads / working_sent.max(1.0) * 100.0,
         working: Summary::of(&flood.samples[1]),
         revocations_ms,
@@ -501,7 +506,7 @@ fn per_key(v: f64) -> String {
     format!("{v:.3}")
 }
 
-const FIGURES: [Figure; 17] = [
+const FIGURES: [Figure; 18] = [
     (
         "start_s",
         "start, spawn to first forwarded request",
@@ -594,6 +599,13 @@ const FIGURES: [Figure; 17] = [
         share,
     ),
     (
+        "unknown_503_pct",
+        "made-up keys answered 503 (shed unread by a late worker)",
+        Worse::Higher,
+        |r| r.unknown_503_pct,
+        share,
+    ),
+    (
         "working_misses_pct",
         "active clients read again during the flood (per request)",
         Worse::Higher,
@@ -639,6 +651,7 @@ impl Run {
             "working_failed": self.working_failed,
             "unknown_reads_per_key": round(self.unknown_reads_per_key, 4),
             "unknown_401_pct": round(self.unknown_401_pct, 3),
+            "unknown_503_pct": round(self.unknown_503_pct, 3),
             "working_misses_pct": round(self.working_misses_pct, 4),
             "working": summary_json(&self.working),
             "revocations_ms": self.revocations_ms.iter().map(|m| round(*m, 1)).collect::<Vec<_>>(),
