@@ -5,6 +5,7 @@
 -- KEYS[1] plans    KEYS[2] clients   KEYS[3] keys      KEYS[4] users
 -- KEYS[5] version  KEYS[6] changes   KEYS[7] index     KEYS[8] audit
 -- KEYS[9] epoch
+-- KEYS[11] the key filter, KEYS[12] its meta (see key_filter.lua, which comes before this)
 -- KEYS[10] this import's progress (hash: next = the next chunk to write, clients = how
 --          many written, done = 1 once the last chunk is; kept 30 days)
 -- All share the {catalog} hash tag, so this is one Redis Cluster slot.
@@ -52,7 +53,10 @@ local v = 0
 for _, c in ipairs(clients) do
   v = redis.call('INCR', KEYS[5])
   redis.call('HSET', KEYS[2], c.id, v .. ' ' .. c.json)
-  for _, h in ipairs(c.hashes) do redis.call('HSET', KEYS[3], h, c.id) end
+  for _, h in ipairs(c.hashes) do
+    redis.call('HSET', KEYS[3], h, c.id)
+    filter_add(KEYS[11], KEYS[12], h)
+  end
   redis.call('HINCRBY', KEYS[4], c.plan, 1)
   redis.call('ZADD', KEYS[7], 0, c.id)
   redis.call('XADD', KEYS[6], 'MAXLEN', '~', 100000, v .. '-0', 'kind', 'client', 'id', c.id,

@@ -6,7 +6,9 @@
 --
 -- KEYS[1..9] plans, clients, keys, users, version, changes, settings, index, audit (as in
 -- catalog_write.lua); KEYS[10] epoch (the catalog's identity);
--- KEYS[11..16] the restore's staging plans, clients, keys, users, index, settings.
+-- KEYS[11..16] the restore's staging plans, clients, keys, users, index, settings;
+-- KEYS[17] the key filter, KEYS[18] its meta (see key_filter.lua): deleted, since the keys
+-- change whole; gateways build it again.
 --
 -- ARGV[1] the epoch the gateway saw ('' = none)   ARGV[2] the version it saw
 -- ARGV[3] the mirror's epoch ('' = none)          ARGV[4] the mirror's version
@@ -43,7 +45,7 @@ for n, key in ipairs(staging) do
     redis.call('DEL', live[n])
   end
 end
-redis.call('DEL', KEYS[6])
+redis.call('DEL', KEYS[6], KEYS[17], KEYS[18])
 redis.call('SET', KEYS[5], ARGV[4])
 if ARGV[3] == '' then
   redis.call('DEL', KEYS[10])

@@ -13,6 +13,7 @@
 -- KEYS[9] audit    (stream: who changed what, when, before and after)
 -- KEYS[10] this write's id (string, kept 10 minutes: the reply of a write that ran)
 -- KEYS[11] epoch    (string: the catalog's identity, see catalog_restore.lua)
+-- KEYS[12] the key filter, KEYS[13] its meta (see key_filter.lua, which comes before this)
 -- All share the {catalog} hash tag, so this is one Redis Cluster slot.
 --
 -- A gateway that loses a reply with its connection resends the write on a fresh one
@@ -80,7 +81,10 @@ elseif kind == 'client' then
     if owner and owner ~= id then return { 'key_conflict', 0, ARGV[i] } end
   end
   if old then unlink_client(old_json) end
-  for i = 10, #ARGV do redis.call('HSET', KEYS[3], ARGV[i], id) end
+  for i = 10, #ARGV do
+    redis.call('HSET', KEYS[3], ARGV[i], id)
+    filter_add(KEYS[12], KEYS[13], ARGV[i])
+  end
   redis.call('HINCRBY', KEYS[4], plan, 1)
   redis.call('ZADD', KEYS[8], 0, id)
 end

@@ -106,13 +106,16 @@ pub enum ImportError {
 }
 
 /// Imports `file` into `store`: checks it whole, then writes it chunk by chunk, resuming
-/// the import `id` (default: the file's SHA-256) where it stopped.
+/// the import `id` (default: the file's SHA-256) where it stopped. With `key_filter_bits`
+/// (cache mode's `catalog.key_filter_mib`), the store's key filter is built first if it
+/// has none, so the chunks' keys go in it as they are written.
 pub async fn run(
     store: &Store,
     file: &Path,
     id: Option<&str>,
     chunk: usize,
     actor: &str,
+    key_filter_bits: u64,
 ) -> Result<Report, ImportError> {
     if store.lifecycle.kind() == StoreKind::Embedded {
         return Err(anyhow::anyhow!(
@@ -130,6 +133,11 @@ pub async fn run(
         .map(|p| p.value.name)
         .collect();
     let (clients, digest) = check(open(file)?, &plans)?;
+    if key_filter_bits > 0 {
+        crate::catalog::key_filter::build(store, key_filter_bits)
+            .await
+            .context("building the key filter")?;
+    }
     let import = id.map_or_else(|| digest[..32].to_string(), str::to_string);
     let progress = store
         .catalog

@@ -111,7 +111,11 @@ async fn import(
             std::process::exit(BAD_CONFIG);
         }
     };
-    match tollgate::import::run(&store, file, id, chunk, actor).await {
+    let key_filter_bits = match settings.catalog.holding {
+        tollgate::configuration::Holding::Cache(bounds) => bounds.key_filter_bits,
+        tollgate::configuration::Holding::Mirror => 0,
+    };
+    match tollgate::import::run(&store, file, id, chunk, actor, key_filter_bits).await {
         Ok(r) => println!(
             "imported {} clients in {:.1} s: import {}, {} chunk(s) written now, {} written before",
             r.clients, r.seconds, r.import, r.written, r.resumed

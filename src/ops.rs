@@ -289,6 +289,18 @@ fn write_catalog(out: &mut Exposition, state: &AppState) {
         f.sample(&[("result", "client")], counts.found);
         f.sample(&[("result", "unknown")], counts.unknown);
         f.sample(&[("result", "failed")], counts.failed);
+        out.family(
+            "tollgate_catalog_keys_filtered_total",
+            Kind::Counter,
+            "Keys refused without a store read because the key filter (cache mode) says no client has them.",
+        )
+        .sample(&[], counts.filtered);
+        out.family(
+            "tollgate_catalog_key_filter_bytes",
+            Kind::Gauge,
+            "The size of this gateway's copy of the store's key filter once it is trusted (cache mode; 0: none yet, every key not held is read).",
+        )
+        .sample(&[], counts.filter_bytes);
     }
     if let crate::catalog::Source::Cache { saved_at_ms } = source {
         let age = crate::catalog::cache::now_ms().saturating_sub(saved_at_ms) as f64 / 1000.0;

@@ -13,6 +13,8 @@
 //!   is read again. This closes the race between a lookup in flight and the feed (a key
 //!   revoked, or created, while its lookup was on the wire).
 //! - **Lookups in flight**, one per key: a client's first burst costs one store read.
+//! - **The key filter** ([`KeyFilter`]): a copy of the store's Bloom filter of every key, so
+//!   a key no client has is refused without a read.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -22,6 +24,7 @@ use std::time::{Duration, Instant};
 use dashmap::DashMap;
 use futures_util::future::{BoxFuture, Shared};
 
+use super::key_filter::KeyFilter;
 use crate::configuration::CacheBounds;
 use crate::domain::{ClientId, KeyHash};
 
@@ -54,6 +57,9 @@ pub(super) struct Held<L> {
     pub(super) inflight: DashMap<KeyHash, Shared<BoxFuture<'static, L>>>,
     pub(super) lookup_timeout: Duration,
     pub(super) lookups: Lookups,
+    pub(super) filter: KeyFilter,
+    /// The size of a key filter this gateway starts (0: it neither starts nor uses one).
+    pub(super) filter_bits: u64,
 }
 
 impl<L> Held<L> {
@@ -81,6 +87,8 @@ impl<L> Held<L> {
             inflight: DashMap::new(),
             lookup_timeout: bounds.lookup_timeout,
             lookups: Lookups::default(),
+            filter: KeyFilter::default(),
+            filter_bits: bounds.key_filter_bits,
         }
     }
 }
@@ -143,6 +151,8 @@ pub(super) struct Lookups {
     pub(super) client: AtomicU64,
     pub(super) unknown: AtomicU64,
     pub(super) failed: AtomicU64,
+    /// Keys the key filter said no client has: refused without a read.
+    pub(super) filtered: AtomicU64,
 }
 
 impl Lookups {

@@ -10,6 +10,7 @@
 
 pub mod cache;
 mod held;
+pub mod key_filter;
 
 pub use held::LookupFailed;
 
@@ -35,6 +36,11 @@ use crate::store::{CatalogAt, Keys, Store, StoreError};
 use crate::tasks::{Policy, Tasks};
 use futures_util::FutureExt;
 use held::{Held, Recent};
+
+/// How often a gateway checks that its copy of the key filter is the store's.
+const KEY_FILTER_CHECK: Duration = Duration::from_secs(1);
+/// Bytes of the key filter read per call (a 16 MiB filter: 16 calls).
+const KEY_FILTER_READ: usize = 1 << 20;
 
 /// A plan's current limits, shared by every client on it so a plan edit is one store.
 pub struct PlanSlot {
@@ -171,6 +177,10 @@ pub struct CacheCounts {
     pub found: u64,
     pub unknown: u64,
     pub failed: u64,
+    /// Keys the key filter refused without a read.
+    pub filtered: u64,
+    /// The key filter's size in bytes, when a trusted copy is in place (else 0).
+    pub filter_bytes: usize,
 }
 
 /// Which catalog a gateway is serving.
@@ -287,9 +297,17 @@ impl Catalog {
     /// Whether a key this gateway does not hold may still be a client's: cache mode, and
     /// the key is not remembered as unknown. No I/O.
     pub fn may_hold(&self, hash: &KeyHash) -> bool {
-        self.held
-            .as_ref()
-            .is_some_and(|held| !held.unknown.contains_key(hash))
+        let Some(held) = &self.held else {
+            return false;
+        };
+        if held.unknown.contains_key(hash) {
+            return false;
+        }
+        if !held.filter.may_have(hash) {
+            held.lookups.filtered.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        true
     }
 
     /// Cache mode: the client whose key this is, read from the store (at most
@@ -547,6 +565,8 @@ impl Catalog {
             found: held.lookups.client.load(Relaxed),
             unknown: held.lookups.unknown.load(Relaxed),
             failed: held.lookups.failed.load(Relaxed),
+            filtered: held.lookups.filtered.load(Relaxed),
+            filter_bytes: held.filter.trusted_len(),
         })
     }
 
@@ -821,6 +841,7 @@ impl Catalog {
         };
         for k in keys {
             held.unknown.invalidate(k);
+            held.filter.add(k);
         }
         held.recent
             .lock()
@@ -843,6 +864,8 @@ impl Catalog {
             held.unknown.invalidate_all();
             *held.recent.lock() = Recent::new(dump.version);
             held.evicted.lock().clear();
+            // Keys the feed named in the gap are not in it: made again.
+            held.filter.reset();
         }
         let held: Vec<ClientId> = self.clients.iter().map(|e| e.key().clone()).collect();
         for id in held {
@@ -1107,6 +1130,84 @@ impl Catalog {
         });
     }
 
+    /// Cache mode with `catalog.key_filter_mib` set: starts task `catalog-key-filter`,
+    /// which builds the store's key filter if it has none (with any other gateway doing
+    /// the same), copies it, and copies it again whenever it is dropped or the store's is
+    /// another (see [`key_filter`]).
+    pub fn spawn_key_filter(self: &Arc<Self>, tasks: &Tasks, store: Store) {
+        if self.held.as_ref().is_none_or(|h| h.filter_bits == 0) {
+            return;
+        }
+        let catalog = Arc::clone(self);
+        tasks.spawn("catalog-key-filter", Policy::Restart, move |stop| {
+            let (catalog, store) = (Arc::clone(&catalog), store.clone());
+            async move {
+                stop.run_until_cancelled(catalog.keep_key_filter(&store))
+                    .await;
+            }
+        });
+    }
+
+    async fn keep_key_filter(&self, store: &Store) {
+        loop {
+            if let Err(e) = self.copy_key_filter(store).await {
+                tracing::debug!(error = %e, "the key filter could not be copied yet");
+            }
+            tokio::time::sleep(KEY_FILTER_CHECK).await;
+        }
+    }
+
+    /// Makes the trusted copy of the store's key filter, unless it is in place already:
+    /// built first if the store has none (see [`key_filter`] for why each step is there).
+    async fn copy_key_filter(&self, store: &Store) -> Result<(), StoreError> {
+        let Some(held) = &self.held else {
+            return Ok(());
+        };
+        let filter = &held.filter;
+        let head = store.catalog.key_filter_head().await?;
+        match (&head, filter.trusted_id()) {
+            (Some(h), Some(id)) if h.id == id => return Ok(()),
+            (_, Some(_)) => {
+                tracing::info!("the store's key filter changed: copying it again");
+                filter.reset();
+            }
+            _ => {}
+        }
+        let head = match head {
+            Some(h) => h,
+            None => key_filter::build(store, held.filter_bits).await?,
+        };
+        let bits = filter.begin(head.bits, head.id.clone());
+        let same = async || {
+            store
+                .catalog
+                .key_filter_head()
+                .await
+                .map(|h| h == Some(head.clone()))
+        };
+        if !same().await? {
+            filter.reset();
+            return Ok(());
+        }
+        for offset in (0..bits.len()).step_by(KEY_FILTER_READ) {
+            let bytes = store
+                .catalog
+                .key_filter_bytes(offset as u64, KEY_FILTER_READ as u64)
+                .await?;
+            bits.or_at(offset, &bytes);
+        }
+        if same().await? && filter.trust(&bits) {
+            tracing::info!(
+                bytes = bits.len(),
+                build = bits.id(),
+                "key filter in place: keys no client has are refused without a store read"
+            );
+        } else {
+            filter.reset();
+        }
+        Ok(())
+    }
+
     /// Follows the store every `period`, logging when it stops answering and when it
     /// answers again.
     async fn follow_every(&self, store: &Store, period: Duration) {
@@ -1296,6 +1397,39 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_start_over_drops_the_key_filter_and_the_feeds_keys_go_in_it() {
+        // Arrange: a trusted copy of a filter with no key.
+        let catalog = cache_mode();
+        let held = catalog.held.as_ref().unwrap();
+        let bits = held.filter.begin(1 << 16, "b1".into());
+        assert!(held.filter.trust(&bits));
+        let (given, made_up) = (KeyHash::of("given"), KeyHash::of("made-up"));
+        assert!(!catalog.may_hold(&given));
+
+        // Act 1: the feed names a client's key.
+        let acme = ClientId::parse("acme").unwrap();
+        let _apply = catalog.apply.lock();
+        catalog.note_changed(3, &acme, &[given], None);
+        drop(_apply);
+
+        // Assert: in the filter; a key never given still refused unread.
+        assert!(catalog.may_hold(&given));
+        assert!(!catalog.may_hold(&made_up));
+
+        // Act 2: a gap in the feed.
+        catalog.start_over(CatalogDump {
+            epoch: Some("e".into()),
+            version: 9,
+            plans: vec![plan("gold")],
+            clients: Vec::new(),
+            safety: None,
+        });
+
+        // Assert: no filter until it is copied again; every key may be a client's.
+        assert!(catalog.may_hold(&made_up));
+    }
+
     fn cache_mode() -> Catalog {
         let catalog = Catalog::new(Mode::Enforce, Keys::new("t:"), Region::parse("eu").unwrap())
             .with_holding(Holding::Cache(crate::configuration::CacheBounds {
@@ -1303,6 +1437,7 @@ mod tests {
                 unknown_keys: 100,
                 unknown_for: Duration::from_secs(60),
                 lookup_timeout: Duration::from_millis(50),
+                key_filter_bits: 0,
             }));
         catalog.apply_plan(PlanName::parse("gold").unwrap(), Some(plan("gold")));
         catalog

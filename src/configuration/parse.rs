@@ -837,6 +837,10 @@ fn holding(raw: &RawCatalog, embedded: bool, p: &mut Problems) -> Option<Holding
             "must be between 1 and 60000",
         ),
     );
+    let key_filter_mib = p.take(
+        "catalog.key_filter_mib",
+        within(raw.key_filter_mib, 0..=512, "must be between 0 and 512"),
+    );
     let cache = match raw.mode.as_str() {
         "mirror" => false,
         "cache" if embedded => {
@@ -857,6 +861,7 @@ fn holding(raw: &RawCatalog, embedded: bool, p: &mut Problems) -> Option<Holding
         unknown_keys: unknown_keys?,
         unknown_for: Duration::from_millis(unknown_for?),
         lookup_timeout: Duration::from_millis(lookup_timeout?),
+        key_filter_bits: key_filter_mib? * 8 * 1024 * 1024,
     };
     Some(if cache {
         Holding::Cache(bounds)
@@ -1357,14 +1362,16 @@ mod tests {
                 unknown_keys: 100_000,
                 unknown_for: Duration::from_secs(600),
                 lookup_timeout: Duration::from_millis(50),
+                key_filter_bits: 16 * 8 * 1024 * 1024,
             })
         );
         assert_eq!(problems("[catalog]\nmode = \"cache\"\n"), ["catalog.mode"]);
         assert_eq!(
-            problems("[catalog]\nmode = \"lru\"\ncached_clients = 0\nlookup_timeout_ms = 0\n"),
+            problems("[catalog]\nmode = \"lru\"\ncached_clients = 0\nlookup_timeout_ms = 0\nkey_filter_mib = 513\n"),
             [
                 "catalog.cached_clients",
                 "catalog.lookup_timeout_ms",
+                "catalog.key_filter_mib",
                 "catalog.mode"
             ]
         );

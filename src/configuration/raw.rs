@@ -100,6 +100,7 @@ pub(super) struct RawCatalog {
     pub(super) unknown_keys: u64,
     pub(super) unknown_for_ms: u64,
     pub(super) lookup_timeout_ms: u64,
+    pub(super) key_filter_mib: u64,
     #[serde(default)]
     pub(super) plans: Vec<RawPlan>,
     #[serde(default)]

@@ -142,6 +142,9 @@ pub struct CacheBounds {
     /// `catalog.lookup_timeout_ms`: how long a request with a key not cached waits for the
     /// store before it is answered `503`.
     pub lookup_timeout: Duration,
+    /// `catalog.key_filter_mib`, in bits: the size of the store's key filter when this
+    /// gateway starts one (0: none; see `catalog::key_filter`).
+    pub key_filter_bits: u64,
 }
 
 /// A declared plan (`[[catalog.plans]]`).

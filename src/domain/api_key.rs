@@ -97,6 +97,14 @@ impl KeyHash {
         KeyHash(Sha256::digest(key.as_bytes()).into())
     }
 
+    /// The hash's `i`th 32-bit word, big-endian (`i` below 8): what the key filter's bits
+    /// are taken from (see `lua/key_filter.lua`).
+    pub fn word(&self, i: usize) -> u32 {
+        let mut w = [0; 4];
+        w.copy_from_slice(&self.0[4 * i..4 * i + 4]);
+        u32::from_be_bytes(w)
+    }
+
     /// A short, non-reversible id for a key (first 8 bytes of the hash, in hex).
     pub fn key_id(&self) -> String {
         hex::encode(&self.0[..8])

@@ -24,8 +24,8 @@ use futures_util::future::BoxFuture;
 
 use super::records::{
     Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, ClientsPage,
-    ImportChunk, ImportOutcome, ImportProgress, KeyLookup, PlanRecord, SafetyRecord, Versioned,
-    Wants, WriteOutcome,
+    ImportChunk, ImportOutcome, ImportProgress, KeyFilterHead, KeyFilterStep, KeyLookup,
+    PlanRecord, SafetyRecord, Versioned, Wants, WriteOutcome,
 };
 use super::shards::{Reconcile, ShardState};
 use super::{Persistence, StoreError};
@@ -99,6 +99,18 @@ pub trait CatalogRecords: Send + Sync {
         hash: &KeyHash,
         near_within: Duration,
     ) -> Result<KeyLookup, StoreError>;
+
+    /// One step of building the store's filter of every key (a Bloom filter, see
+    /// `lua/key_filter.lua`), reading up to `per_step` keys; a filter of `bits` bits is
+    /// started if the store has none. Steps of several gateways share one build.
+    async fn key_filter_step(&self, bits: u64, per_step: u64) -> Result<KeyFilterStep, StoreError>;
+
+    /// The key filter, if the store has one that holds every key.
+    async fn key_filter_head(&self) -> Result<Option<KeyFilterHead>, StoreError>;
+
+    /// Up to `len` bytes of the key filter from byte `offset` (bit n is bit `7 - n % 8` of
+    /// byte `n / 8`, as Redis numbers a bitmap's bits); fewer past its end.
+    async fn key_filter_bytes(&self, offset: u64, len: u64) -> Result<Vec<u8>, StoreError>;
 
     /// Up to `limit` clients in id order, after the id `after` (cursor pagination).
     async fn clients_page(

@@ -305,6 +305,24 @@ pub struct KeyLookup {
     pub client: Option<Versioned<ClientRecord>>,
 }
 
+/// The store's key filter, when it holds every key (see `lua/key_filter.lua`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyFilterHead {
+    /// Its size in bits.
+    pub bits: u64,
+    /// Which build it is: another id is another filter.
+    pub id: String,
+}
+
+/// What one step of building the key filter came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyFilterStep {
+    /// Keys read in this step; more to read.
+    Building(u64),
+    /// Every key is in.
+    Complete(KeyFilterHead),
+}
+
 /// What changed after a version.
 #[derive(Debug, Clone)]
 pub enum CatalogChanges {

@@ -29,7 +29,9 @@ fn toml(redis_url: &str, up: &Upstream, clients: &[&str], catalog: &str) -> Stri
     )
 }
 
-const CACHE: &str = "mode = \"cache\"";
+/// Cache mode without the key filter: every key not held is read (the filter's own test
+/// turns it on).
+const CACHE: &str = "mode = \"cache\"\nkey_filter_mib = 0";
 
 async fn status(gw: &TestGateway, key: &str) -> u16 {
     gw.get("/orders", Some(key)).await.status().as_u16()
@@ -309,6 +311,58 @@ async fn under_a_flood_of_made_up_keys_a_late_worker_sheds_them_and_decides_its_
         (flood.len() - shed) as f64,
         "one read per made-up key not shed"
     );
+}
+
+#[tokio::test]
+async fn with_the_key_filter_a_made_up_key_costs_no_read_and_a_key_given_later_is_admitted() {
+    // Arrange: `old` (with a key) and `new` (without) exist before any filter (the admin
+    // API's write gives the catalog its identity: A follows one catalog throughout); A in
+    // cache mode builds a filter (1 MiB) and copies it.
+    let redis = RedisServer::start().unwrap();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let b = TestGateway::spawn(settings(&toml(&redis.url(), &up, &["old"], ""))).await;
+    put_client(&b, "new", "gold").await;
+    let a = TestGateway::spawn(settings(&toml(
+        &redis.url(),
+        &up,
+        &[],
+        "mode = \"cache\"\nkey_filter_mib = 1",
+    )))
+    .await;
+    eventually(
+        Duration::from_secs(5),
+        "A's key filter in place",
+        || async { a.sample("tollgate_catalog_key_filter_bytes").await == (1 << 20) as f64 },
+    )
+    .await;
+
+    // Act and assert: 50 made-up keys refused, none read.
+    for i in 0..50 {
+        assert_eq!(status(&a, &format!("made-up-{i}-0123456789")).await, 401);
+    }
+    assert_eq!(lookups(&a, "unknown").await, 0.0);
+    assert_eq!(a.sample("tollgate_catalog_keys_filtered_total").await, 50.0);
+
+    // A key given before the filter was built is read and admitted.
+    assert_eq!(status(&a, &key("old")).await, 200);
+    assert_eq!(lookups(&a, "client").await, 1.0);
+
+    // A key created now (in the feed): admitted within A's refresh.
+    let r = b
+        .admin(reqwest::Method::POST, "/clients/new/keys", &rw())
+        .json(&serde_json::json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let body: serde_json::Value = r.json().await.unwrap();
+    let new_key = body["key"].as_str().unwrap().to_string();
+    eventually(
+        Duration::from_secs(2),
+        "A admits a key created after its filter was copied",
+        || async { status(&a, &new_key).await == 200 },
+    )
+    .await;
 }
 
 #[tokio::test]

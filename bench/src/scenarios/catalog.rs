@@ -83,6 +83,9 @@ pub struct Args {
     /// `catalog.unknown_keys` (cache mode).
     #[arg(long, default_value_t = 100_000)]
     unknown_keys: u64,
+    /// `catalog.key_filter_mib` (cache mode; 0: no key filter, every key not held read).
+    #[arg(long, default_value_t = 16)]
+    key_filter_mib: u64,
 }
 
 /// The plan every client is on: never refuses.
@@ -122,6 +125,8 @@ struct Run {
     /// Store reads for the made-up keys, per key sent.
     unknown_reads_per_key: f64,
     unknown_401_pct: f64,
+    /// Made-up keys the key filter refused without a read.
+    unknown_filtered_pct: f64,
     /// Made-up keys answered `503` (shed by a late worker, or a read that failed).
     unknown_503_pct: f64,
     /// Active clients read again during the flood, per active request (0: all held).
@@ -220,7 +225,13 @@ fn load(
     let config = dir.path().join("import.toml");
     std::fs::write(
         &config,
-        format!("[redis]\ncluster_nodes = {:?}\n", cluster.urls()),
+        // Cache mode's key filter is built before the first chunk, and takes each key.
+        format!(
+            "[redis]\ncluster_nodes = {:?}\n[catalog]\nmode = \"{}\"\nkey_filter_mib = {}\n",
+            cluster.urls(),
+            a.mode,
+            a.key_filter_mib
+        ),
     )?;
     let before = used_memory(cluster)?;
     eprintln!("  importing {} clients", a.clients);
@@ -297,11 +308,13 @@ fn one_run(
     }
     let refresh = a.refresh_ms.to_string();
     let (cached_clients, unknown_keys) = (a.cached_clients.to_string(), a.unknown_keys.to_string());
+    let key_filter = a.key_filter_mib.to_string();
     let env = [
         ("TOLLGATE__CATALOG__MODE", a.mode.as_str()),
         ("TOLLGATE__CATALOG__REFRESH_MS", refresh.as_str()),
         ("TOLLGATE__CATALOG__CACHED_CLIENTS", cached_clients.as_str()),
         ("TOLLGATE__CATALOG__UNKNOWN_KEYS", unknown_keys.as_str()),
+        ("TOLLGATE__CATALOG__KEY_FILTER_MIB", key_filter.as_str()),
         ("RUST_LOG", "warn"),
     ];
     let started = Instant::now();
@@ -395,6 +408,7 @@ fn one_run(
     let working_sent = flood.samples[1].len() as f64;
     let working_ok = flood.samples[1].iter().filter(|s| s.status == 200).count();
     let unknown_reads = delta.of("tollgate_catalog_lookups_total{result=\"unknown\"}");
+    let filtered = delta.of("tollgate_catalog_keys_filtered_total");
     let working_reads = delta.of("tollgate_catalog_lookups_total{result=\"client\"}");
     eprintln!(
         "  flood: {sent_unknown} made-up keys, {unknown_reads} store reads, {working_reads} active re-reads"
@@ -416,6 +430,7 @@ fn one_run(
         rss_warm_mib,
         rss_flood_peak_mib: peak as f64 / 1024.0,
         unknown_reads_per_key: unknown_reads / sent_unknown.max(1.0),
+        unknown_filtered_pct: filtered / sent_unknown.max(1.0) * 100.0,
         unknown_401_pct: unknown_401 / sent_unknown.max(1.0) * 100.0,
         unknown_503_pct: unknown_503 / sent_unknown.max(1.0) * 100.0,
         working_misses_pct: working_reads / working_sent.max(1.0) * 100.0,
@@ -506,7 +521,7 @@ fn per_key(v: f64) -> String {
     format!("{v:.3}")
 }
 
-const FIGURES: [Figure; 18] = [
+const FIGURES: [Figure; 19] = [
     (
         "start_s",
         "start, spawn to first forwarded request",
@@ -592,6 +607,13 @@ const FIGURES: [Figure; 18] = [
         per_key,
     ),
     (
+        "unknown_filtered_pct",
+        "made-up keys refused by the key filter, unread",
+        Worse::Lower,
+        |r| r.unknown_filtered_pct,
+        share,
+    ),
+    (
         "unknown_401_pct",
         "made-up keys answered 401",
         Worse::Lower,
@@ -652,6 +674,7 @@ impl Run {
             "unknown_reads_per_key": round(self.unknown_reads_per_key, 4),
             "unknown_401_pct": round(self.unknown_401_pct, 3),
             "unknown_503_pct": round(self.unknown_503_pct, 3),
+            "unknown_filtered_pct": round(self.unknown_filtered_pct, 3),
             "working_misses_pct": round(self.working_misses_pct, 4),
             "working": summary_json(&self.working),
             "revocations_ms": self.revocations_ms.iter().map(|m| round(*m, 1)).collect::<Vec<_>>(),
@@ -674,7 +697,8 @@ fn report(a: &Args, loaded: &Loaded, runs: &[Run], machine: String) -> Outcome {
          {:.0} bytes per client (`used_memory` over the masters, after minus before). \
          {} active clients spread over the catalog at {}/s (Poisson), first then held; \
          {} made-up keys over {} s beside them at {}/s; {} revocations per run; \
-         `catalog.refresh_ms` {}; cache bounds {} clients, {} unknown keys; one worker; \
+         `catalog.refresh_ms` {}; cache bounds {} clients, {} unknown keys; key filter {} MiB; \
+         one worker; \
          {} runs, each with a gateway of its own.\n{steal}{machine}.\n",
         a.clients,
         a.mode,
@@ -690,6 +714,7 @@ fn report(a: &Args, loaded: &Loaded, runs: &[Run], machine: String) -> Outcome {
         a.refresh_ms,
         a.cached_clients,
         a.unknown_keys,
+        a.key_filter_mib,
         runs.len(),
     );
     let json = json!({
@@ -704,6 +729,7 @@ fn report(a: &Args, loaded: &Loaded, runs: &[Run], machine: String) -> Outcome {
         "refresh_ms": a.refresh_ms,
         "cached_clients": a.cached_clients,
         "unknown_keys": a.unknown_keys,
+        "key_filter_mib": a.key_filter_mib,
         "import_s": round(loaded.import_s, 2),
         "store_bytes_per_client": round(loaded.bytes_per_client, 1),
         "figures": figures,

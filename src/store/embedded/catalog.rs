@@ -14,8 +14,8 @@ use super::backend::{
 use crate::domain::{ClientId, KeyHash, PlanName};
 use crate::store::records::{
     Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, ClientsPage,
-    Condition, ImportChunk, ImportOutcome, ImportProgress, KeyLookup, PlanRecord, SafetyRecord,
-    Versioned, Wants, WriteOutcome,
+    Condition, ImportChunk, ImportOutcome, ImportProgress, KeyFilterHead, KeyFilterStep, KeyLookup,
+    PlanRecord, SafetyRecord, Versioned, Wants, WriteOutcome,
 };
 use crate::store::{CatalogAt, CatalogRecords, StoreError};
 
@@ -105,6 +105,21 @@ impl CatalogRecords for EmbeddedStore {
                 .and_then(|id| catalog.data.clients.get(id))
                 .cloned(),
         })
+    }
+
+    /// The embedded store holds every key in this process: no filter to build or read.
+    async fn key_filter_step(&self, _: u64, _: u64) -> Result<KeyFilterStep, StoreError> {
+        Err(StoreError::Protocol(
+            "the embedded store has no key filter".into(),
+        ))
+    }
+
+    async fn key_filter_head(&self) -> Result<Option<KeyFilterHead>, StoreError> {
+        Ok(None)
+    }
+
+    async fn key_filter_bytes(&self, _: u64, _: u64) -> Result<Vec<u8>, StoreError> {
+        Ok(Vec::new())
     }
 
     async fn safety(&self) -> Result<Option<Versioned<SafetyRecord>>, StoreError> {

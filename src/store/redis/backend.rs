@@ -36,6 +36,7 @@ pub struct RedisStore {
     pub(super) catalog_restore_stage: Script,
     pub(super) catalog_import: Script,
     pub(super) client_by_key: Script,
+    pub(super) key_filter_build: Script,
     pub(super) reconcile: Script,
     pub(super) url: String,
 }
@@ -55,13 +56,14 @@ impl RedisStore {
             buckets,
             keys,
             bucket: Script::new(BUCKET_LUA),
-            catalog_write: Script::new(include_str!("../../../lua/catalog_write.lua")),
+            catalog_write: with_key_filter(include_str!("../../../lua/catalog_write.lua")),
             catalog_restore: Script::new(include_str!("../../../lua/catalog_restore.lua")),
             catalog_restore_stage: Script::new(include_str!(
                 "../../../lua/catalog_restore_stage.lua"
             )),
-            catalog_import: Script::new(include_str!("../../../lua/catalog_import.lua")),
+            catalog_import: with_key_filter(include_str!("../../../lua/catalog_import.lua")),
             client_by_key: Script::new(include_str!("../../../lua/client_by_key.lua")),
+            key_filter_build: with_key_filter(include_str!("../../../lua/key_filter_build.lua")),
             reconcile: Script::new(include_str!("../../../lua/reconcile.lua")),
             url,
         }
@@ -124,6 +126,12 @@ impl RedisStore {
     ) -> Result<Option<f64>, StoreError> {
         self.buckets.bucket_tokens(key, field, plan).await
     }
+}
+
+/// A script that gives keys: `lua/key_filter.lua` (which sets a key's bits in the key
+/// filter) before `body`.
+fn with_key_filter(body: &str) -> Script {
+    Script::new(&[include_str!("../../../lua/key_filter.lua"), body].concat())
 }
 
 /// Every field of a hash, with HSCAN (a catalog may hold millions of clients).

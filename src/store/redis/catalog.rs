@@ -13,8 +13,8 @@ use super::backend::{retrying, scan_hash, Conn, FeedEntry, RedisStore};
 use crate::domain::{ClientId, KeyHash, PlanName};
 use crate::store::records::{
     Audit, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, ClientsPage, Condition,
-    ImportChunk, ImportOutcome, ImportProgress, KeyLookup, PlanRecord, SafetyRecord, Versioned,
-    Wants, WriteOutcome, SAFETY,
+    ImportChunk, ImportOutcome, ImportProgress, KeyFilterHead, KeyFilterStep, KeyLookup,
+    PlanRecord, SafetyRecord, Versioned, Wants, WriteOutcome, SAFETY,
 };
 use crate::store::{CatalogAt, CatalogRecords, StoreError};
 
@@ -63,7 +63,9 @@ impl CatalogRecords for RedisStore {
         ] {
             inv.key(self.keys.catalog(part));
         }
-        inv.key(self.keys.catalog(&format!("import:{}", chunk.import)));
+        inv.key(self.keys.catalog(&format!("import:{}", chunk.import)))
+            .key(self.keys.catalog("keyfilter"))
+            .key(self.keys.catalog("keyfilter:meta"));
         inv.arg(chunk.chunk)
             .arg(if chunk.last { "1" } else { "0" })
             .arg(chunk.actor)
@@ -133,7 +135,9 @@ impl CatalogRecords for RedisStore {
             self.keys
                 .catalog(&format!("write:{}", uuid::Uuid::new_v4().simple())),
         )
-        .key(self.keys.catalog("epoch"));
+        .key(self.keys.catalog("epoch"))
+        .key(self.keys.catalog("keyfilter"))
+        .key(self.keys.catalog("keyfilter:meta"));
         let (op, plan, hashes) = match write {
             CatalogWrite::PutClient(c, _) => (
                 "put",
@@ -238,6 +242,69 @@ impl CatalogRecords for RedisStore {
             version: version.unwrap_or(0),
             client: raw.and_then(|r| parse_entity(&r)),
         })
+    }
+
+    async fn key_filter_step(&self, bits: u64, per_step: u64) -> Result<KeyFilterStep, StoreError> {
+        let mut inv = self.key_filter_build.prepare_invoke();
+        inv.key(self.keys.catalog("keys"))
+            .key(self.keys.catalog("keyfilter"))
+            .key(self.keys.catalog("keyfilter:meta"))
+            .arg(bits)
+            .arg(per_step)
+            .arg(uuid::Uuid::new_v4().simple().to_string());
+        let reply: Vec<Value> =
+            retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
+        let text = |v: Option<&Value>| -> Option<String> {
+            v.and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
+        };
+        let int = |v: Option<&Value>| -> Option<u64> {
+            v.and_then(|v| redis::from_redis_value_ref::<u64>(v).ok())
+        };
+        match text(reply.first()).as_deref() {
+            Some("building") => Ok(KeyFilterStep::Building(int(reply.get(1)).unwrap_or(0))),
+            Some("complete") => Ok(KeyFilterStep::Complete(KeyFilterHead {
+                bits: int(reply.get(1)).unwrap_or(0),
+                id: text(reply.get(2)).unwrap_or_default(),
+            })),
+            _ => Err(StoreError::Protocol(format!(
+                "key filter build: unexpected reply {reply:?}"
+            ))),
+        }
+    }
+
+    async fn key_filter_head(&self) -> Result<Option<KeyFilterHead>, StoreError> {
+        let meta = self.keys.catalog("keyfilter:meta");
+        let (bits, id, complete): (Option<u64>, Option<String>, Option<String>) =
+            retrying!(self, |c| async {
+                Ok(redis::cmd("HMGET")
+                    .arg(&meta)
+                    .arg("bits")
+                    .arg("id")
+                    .arg("complete")
+                    .query_async(c)
+                    .await?)
+            }
+            .await)?;
+        Ok(match (bits, id, complete.as_deref()) {
+            (Some(bits), Some(id), Some("1")) if bits > 0 => Some(KeyFilterHead { bits, id }),
+            _ => None,
+        })
+    }
+
+    async fn key_filter_bytes(&self, offset: u64, len: u64) -> Result<Vec<u8>, StoreError> {
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let filter = self.keys.catalog("keyfilter");
+        retrying!(self, |c| async {
+            Ok(redis::cmd("GETRANGE")
+                .arg(&filter)
+                .arg(offset)
+                .arg(offset + len - 1)
+                .query_async(c)
+                .await?)
+        }
+        .await)
     }
 
     async fn safety(&self) -> Result<Option<Versioned<SafetyRecord>>, StoreError> {
@@ -345,6 +412,8 @@ impl RedisStore {
         for key in staging {
             inv.key(key);
         }
+        inv.key(self.keys.catalog("keyfilter"))
+            .key(self.keys.catalog("keyfilter:meta"));
         inv.arg(seen.epoch.unwrap_or(""))
             .arg(seen.version)
             .arg(mirror.epoch.as_deref().unwrap_or(""))
@@ -677,13 +746,18 @@ mod tests {
     /// A mirror at version 9000 of epoch `e1`: plan `gold`, `clients` clients on it with
     /// one key each, and the safety settings.
     fn mirror(clients: usize) -> CatalogDump {
+        mirror_keyed(clients, |i| format!("sha256:{i:064x}"))
+    }
+
+    /// [`mirror`] with client i's key hash `hash(i)`.
+    fn mirror_keyed(clients: usize, hash: impl Fn(usize) -> String) -> CatalogDump {
         serde_json::from_value(json!({
             "epoch": "e1",
             "version": 9000,
             "plans": [{"rev": 1, "value": {"name": "gold", "capacity": 10.0, "rate": 1.0}}],
             "clients": (0..clients).map(|i| json!({"rev": 2 + i, "value": {
                 "id": format!("c{i}"), "plan": "gold",
-                "keys": [{"key_id": format!("k{i}"), "hash": format!("sha256:{i:064x}"),
+                "keys": [{"key_id": format!("k{i}"), "hash": hash(i),
                     "created_at": 1}]}})).collect::<Vec<_>>(),
             "safety": {"rev": 3, "value": {"multiplier": 2.0}},
         }))
@@ -960,5 +1034,107 @@ mod tests {
             assert_eq!(last.len(), 1, "node {i}: {last:?}");
             assert_eq!(last[0] == "evalsha", i == home, "node {i}: {last:?}");
         }
+    }
+    /// The store's key filter built to the end; its head.
+    async fn built_filter(store: &RedisStore, bits: u64) -> KeyFilterHead {
+        loop {
+            match store.key_filter_step(bits, 400).await.unwrap() {
+                KeyFilterStep::Complete(head) => return head,
+                KeyFilterStep::Building(n) => assert!(n <= 1000, "{n} keys in one step"),
+            }
+        }
+    }
+
+    /// A gateway's copy of the store's filter, as its catalog makes it.
+    async fn copied_filter(
+        store: &RedisStore,
+        head: &KeyFilterHead,
+    ) -> crate::catalog::key_filter::KeyFilter {
+        let filter = crate::catalog::key_filter::KeyFilter::default();
+        let bits = filter.begin(head.bits, head.id.clone());
+        for offset in (0..bits.len()).step_by(1000) {
+            let bytes = store.key_filter_bytes(offset as u64, 1000).await.unwrap();
+            bits.or_at(offset, &bytes);
+        }
+        assert!(filter.trust(&bits));
+        filter
+    }
+
+    /// A key's hash as a real key's is: uniform (SHA-256 of something).
+    fn key_hash(i: usize) -> KeyHash {
+        KeyHash::of(&format!("key-{i}"))
+    }
+
+    #[tokio::test]
+    async fn the_key_filter_holds_every_key_built_or_written_since_and_a_restore_drops_it() {
+        // Arrange: 1500 clients, no filter; then one built over them (in steps).
+        let redis = RedisServer::start().unwrap();
+        let store = store(&redis);
+        let keyed = mirror_keyed(1500, |i| key_hash(i).to_string());
+        assert!(store.restore(EMPTY, &keyed).await.unwrap());
+        assert_eq!(store.key_filter_head().await.unwrap(), None);
+        let head = built_filter(&store, 1 << 16).await;
+
+        // Act: a client with a new key written through the write script, and a chunk
+        // imported, after the build.
+        let written: ClientRecord = serde_json::from_value(json!({
+            "id": "late", "plan": "gold",
+            "keys": [{"key_id": "kl", "hash": key_hash(90_001).to_string(), "created_at": 1}],
+        }))
+        .unwrap();
+        let outcome = store
+            .write(
+                &CatalogWrite::PutClient(written, Condition::Absent),
+                &Audit::new("t", "client.put"),
+            )
+            .await
+            .unwrap();
+        assert!(
+            matches!(outcome, WriteOutcome::Written { .. }),
+            "{outcome:?}"
+        );
+        let imported: ClientRecord = serde_json::from_value(json!({
+            "id": "bulk", "plan": "gold",
+            "keys": [{"key_id": "kb", "hash": key_hash(90_002).to_string(), "created_at": 1}],
+        }))
+        .unwrap();
+        let chunk = ImportChunk {
+            import: "i1",
+            chunk: 0,
+            last: true,
+            in_file: 1,
+            clients: std::slice::from_ref(&imported),
+            actor: "t",
+        };
+        assert!(matches!(
+            store.import(&chunk).await.unwrap(),
+            ImportOutcome::Written { .. }
+        ));
+
+        // Assert: the store says it holds every key, and a copy of it has every one, the
+        // Lua's bits and the gateway's the same; keys never given mostly not.
+        assert_eq!(store.key_filter_head().await.unwrap(), Some(head.clone()));
+        let filter = copied_filter(&store, &head).await;
+        for i in (0..1500).chain([90_001, 90_002]) {
+            assert!(filter.may_have(&key_hash(i)), "key {i}");
+        }
+        let absent = (100_000..101_000)
+            .filter(|i| !filter.may_have(&key_hash(*i)))
+            .count();
+        assert!(
+            absent > 950,
+            "{absent} of 1000 keys never given said absent"
+        );
+
+        // A restore writes the keys whole: the filter goes with the old ones.
+        let now = store.dump().await.unwrap();
+        let at = CatalogAt {
+            epoch: now.epoch.as_deref(),
+            version: now.version,
+        };
+        let mut newer = mirror(10);
+        newer.version = now.version + 1;
+        assert!(store.restore(at, &newer).await.unwrap());
+        assert_eq!(store.key_filter_head().await.unwrap(), None);
     }
 }
