@@ -194,6 +194,9 @@ async fn mirror_catalog(
     );
     prepare_store(store, &catalog, settings, tasks).await?;
     catalog.spawn_refresh(tasks, store.clone(), settings.catalog.refresh);
+    catalog
+        .first_key_filter(store, crate::catalog::KEY_FILTER_AT_START)
+        .await;
     catalog.spawn_key_filter(tasks, store.clone());
     catalog.spawn_key_use_flush(tasks, store.clone(), settings.periods.key_use_flush);
     Ok(catalog)

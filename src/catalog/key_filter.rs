@@ -16,7 +16,7 @@
 //! ([`KeyFilter::reset`]) and made again. Bits are never cleared: a revoked or deleted
 //! key costs a store read, never a refusal of a valid key.
 
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use arc_swap::ArcSwapOption;
@@ -55,9 +55,11 @@ pub struct KeyFilter {
     bits: ArcSwapOption<Bits>,
 }
 
-/// The copy's bits, in Redis' order (bit n is bit `7 - n % 8` of byte `n / 8`).
+/// The copy's bits, in Redis' order (bit n is bit `7 - n % 8` of byte `n / 8`), eight
+/// bytes to a word (byte `b` is bits `8 * (b % 8)..` of word `b / 8`): an eighth of the
+/// atomic operations a byte each would cost to make and fill.
 pub struct Bits {
-    bytes: Box<[AtomicU8]>,
+    words: Box<[AtomicU64]>,
     size: u64,
     /// The store filter's build it copies.
     id: String,
@@ -67,9 +69,9 @@ pub struct Bits {
 
 impl Bits {
     fn new(size: u64, id: String) -> Bits {
-        let len = usize::try_from(size.div_ceil(8)).unwrap_or(0);
+        let len = usize::try_from(size.div_ceil(64)).unwrap_or(0);
         Bits {
-            bytes: std::iter::repeat_with(|| AtomicU8::new(0))
+            words: std::iter::repeat_with(|| AtomicU64::new(0))
                 .take(len)
                 .collect(),
             size,
@@ -78,37 +80,44 @@ impl Bits {
         }
     }
 
-    fn places(&self, hash: &KeyHash) -> impl Iterator<Item = (usize, u8)> + use<'_> {
+    /// The word and the mask of each of `hash`'s bits.
+    fn places(&self, hash: &KeyHash) -> impl Iterator<Item = (usize, u64)> + use<'_> {
         let hash = *hash;
         (0..HASHES).map(move |i| {
             let bit = u64::from(hash.word(i)) % self.size;
-            ((bit / 8) as usize, 0x80 >> (bit % 8))
+            let byte = bit / 8;
+            let mask = u64::from(0x80u8 >> (bit % 8)) << (8 * (byte % 8));
+            ((byte / 8) as usize, mask)
         })
     }
 
     fn set(&self, hash: &KeyHash) {
-        for (byte, mask) in self.places(hash) {
-            self.bytes[byte].fetch_or(mask, Relaxed);
+        for (word, mask) in self.places(hash) {
+            self.words[word].fetch_or(mask, Relaxed);
         }
     }
 
     fn has(&self, hash: &KeyHash) -> bool {
         self.places(hash)
-            .all(|(byte, mask)| self.bytes[byte].load(Relaxed) & mask != 0)
+            .all(|(word, mask)| self.words[word].load(Relaxed) & mask != 0)
     }
 
-    /// ORs `bytes`, read from the store's filter at byte `offset`, in.
+    /// ORs `bytes`, read from the store's filter at byte `offset` (a multiple of 8), in.
     pub fn or_at(&self, offset: usize, bytes: &[u8]) {
-        for (slot, b) in self.bytes.iter().skip(offset).zip(bytes) {
-            if *b != 0 {
-                slot.fetch_or(*b, Relaxed);
+        debug_assert_eq!(offset % 8, 0);
+        for (slot, chunk) in self.words.iter().skip(offset / 8).zip(bytes.chunks(8)) {
+            let mut le = [0u8; 8];
+            le[..chunk.len()].copy_from_slice(chunk);
+            let w = u64::from_le_bytes(le);
+            if w != 0 {
+                slot.fetch_or(w, Relaxed);
             }
         }
     }
 
     /// Its size in bytes.
     pub fn len(&self) -> usize {
-        self.bytes.len()
+        self.words.len() * 8
     }
 
     /// The store filter's build it copies.
@@ -227,8 +236,8 @@ mod tests {
         }
 
         // Act: read in two parts.
-        bits.or_at(0, &store[..100]);
-        bits.or_at(100, &store[100..]);
+        bits.or_at(0, &store[..104]);
+        bits.or_at(104, &store[104..]);
         assert!(f.trust(&bits));
 
         // Assert

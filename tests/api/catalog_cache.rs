@@ -363,6 +363,19 @@ async fn with_the_key_filter_a_made_up_key_costs_no_read_and_a_key_given_later_i
         || async { status(&a, &new_key).await == 200 },
     )
     .await;
+
+    // A gateway started now copies the filter before it serves: its first made-up key
+    // is refused unread.
+    let c = TestGateway::spawn(settings(&toml(
+        &redis.url(),
+        &up,
+        &[],
+        "mode = \"cache\"\nkey_filter_mib = 1",
+    )))
+    .await;
+    assert_eq!(status(&c, "made-up-at-start-0123456789").await, 401);
+    assert_eq!(c.sample("tollgate_catalog_keys_filtered_total").await, 1.0);
+    assert_eq!(status(&c, &new_key).await, 200);
 }
 
 #[tokio::test]
