@@ -318,6 +318,14 @@ impl Catalog {
         true
     }
 
+    /// Cache mode: whether a trusted copy of the key filter is in place (keys no client has
+    /// are refused before any lookup).
+    pub fn key_filter_in_place(&self) -> bool {
+        self.held
+            .as_ref()
+            .is_some_and(|h| h.filter.trusted_len() > 0)
+    }
+
     /// Cache mode: the client whose key this is, read from the store (at most
     /// `catalog.lookup_timeout_ms`; requests waiting on the same key share one read), then
     /// held, or the key remembered as unknown. `Ok(None)`: no client has it.

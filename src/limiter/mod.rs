@@ -43,7 +43,7 @@ use crate::catalog::{Catalog, ClientEntry};
 use crate::configuration::{OverloadSettings, Periods};
 use crate::domain::limits::Level;
 use crate::domain::{
-    bucket, Applied, AppliedKind, ClientId, Decision, Limits, Mode, Outcome, Ruling,
+    bucket, Applied, AppliedKind, ClientId, Decision, KeyHash, Limits, Mode, Outcome, Ruling,
 };
 use crate::metrics::{FailOpenReason, Metrics, ShedReason};
 use crate::store::{BucketCalls, Budget, Every, Store, StoreError};
@@ -248,8 +248,8 @@ impl Limiter {
     /// Whether this worker may read the store for a key it does not hold (cache mode):
     /// held while the read is, or `None`, and the request is shed, counted (see
     /// [`Overload::admit_lookup`]).
-    pub fn admit_lookup(&self) -> Option<overload::Pending> {
-        let admitted = self.overload.admit_lookup();
+    pub fn admit_lookup(&self, hash: &KeyHash, filtered: bool) -> Option<overload::Pending> {
+        let admitted = self.overload.admit_lookup(hash, filtered);
         if admitted.is_none() {
             self.metrics.shed(ShedReason::Lookup);
             self.metrics.count_outcome(Outcome::Shed.label());

@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 
 use crate::catalog::ClientEntry;
 use crate::configuration::OverloadSettings;
+use crate::domain::KeyHash;
 
 /// How often each worker measures its event loop's delay.
 pub const PROBE_EVERY: Duration = Duration::from_millis(10);
@@ -144,14 +145,21 @@ impl Overload {
         self.admit_key(std::ptr::from_ref(client) as usize)
     }
 
-    /// Admits a store read for a key this worker does not hold (cache mode) and the
-    /// request waiting on it, or `None`: shed it. The keys not held count as one client:
-    /// a late worker reads one at a time, so a flood of keys that do not exist cannot
-    /// take the worker from the clients it holds; and each waits as an undecided request
-    /// (`max_pending`).
-    pub fn admit_lookup(&self) -> Option<Pending> {
-        // No catalog entry is at address 1 (entries are aligned).
-        self.admit_key(1)
+    /// Admits a store read for the key `hash` this worker does not hold (cache mode) and
+    /// the request waiting on it, or `None`: shed it. Each waits as an undecided request
+    /// (`max_pending`). Without a key filter in place (`filtered` false) the keys not held
+    /// count as one client: a late worker reads one at a time, so a flood of keys that do
+    /// not exist cannot take the worker from the clients it holds. With one, such keys
+    /// are refused before they get here, and each key counts as a client of its own: the
+    /// first requests of clients not held yet are not shed for the others'.
+    pub fn admit_lookup(&self, hash: &KeyHash, filtered: bool) -> Option<Pending> {
+        // No catalog entry is at address 1 (entries are aligned), nor has the top bit set.
+        let key = if filtered {
+            (1 << (usize::BITS - 1)) | hash.word(0) as usize
+        } else {
+            1
+        };
+        self.admit_key(key)
     }
 
     /// [`Overload::admit`] for the client known by `key`.
@@ -257,21 +265,39 @@ mod tests {
     #[test]
     fn a_late_worker_reads_one_key_it_does_not_hold_at_a_time_and_still_decides_its_clients() {
         let o = overload(100);
-        let on_time = (o.admit_lookup(), o.admit_lookup());
+        let (k1, k2) = (KeyHash::of("k1"), KeyHash::of("k2"));
+        let on_time = (o.admit_lookup(&k1, false), o.admit_lookup(&k2, false));
         assert!(
             on_time.0.is_some() && on_time.1.is_some(),
             "on time: any number"
         );
         drop(on_time);
         running_late(&o, true);
-        let first = o.admit_lookup().expect("none pending: read");
-        assert!(o.admit_lookup().is_none(), "a second key not held is shed");
+        let first = o.admit_lookup(&k1, false).expect("none pending: read");
+        assert!(
+            o.admit_lookup(&k2, false).is_none(),
+            "a second key not held is shed"
+        );
         assert!(o.admit_key(7).is_some(), "a held client is still decided");
         drop(first);
         assert!(
-            o.admit_lookup().is_some(),
+            o.admit_lookup(&k2, false).is_some(),
             "the read done, the next is read"
         );
+    }
+
+    #[test]
+    fn with_a_key_filter_a_late_worker_reads_each_key_as_a_client_of_its_own() {
+        let o = overload(100);
+        running_late(&o, true);
+        let (k1, k2) = (KeyHash::of("k1"), KeyHash::of("k2"));
+        let first = o.admit_lookup(&k1, true).expect("read");
+        let second = o.admit_lookup(&k2, true).expect("another key: read too");
+        assert!(
+            o.admit_lookup(&k1, true).is_none(),
+            "the same key again: shed"
+        );
+        drop((first, second));
     }
 
     #[test]

@@ -86,7 +86,8 @@ pub(super) fn client_of(
 /// checked, so it is not let in; the clients held are served as ever).
 pub(super) async fn look_up(state: &AppState, hash: KeyHash) -> Result<LookedUp, ApiError> {
     // An overloaded worker reads no more keys it does not hold: `503`, `Retry-After: 1`.
-    let Some(_waiting) = state.limiter.admit_lookup() else {
+    let filtered = state.catalog.key_filter_in_place();
+    let Some(_waiting) = state.limiter.admit_lookup(&hash, filtered) else {
         return Err(ApiError::Overloaded);
     };
     match state.catalog.look_up(&state.store, hash).await {
