@@ -86,6 +86,9 @@ pub struct Args {
     /// `catalog.key_filter_mib` (cache mode; 0: no key filter, every key not held read).
     #[arg(long, default_value_t = 16)]
     key_filter_mib: u64,
+    /// No `catalog.cache_file` (its snapshots and journal), to see what writing it costs.
+    #[arg(long)]
+    no_cache_file: bool,
 }
 
 /// The plan every client is on: never refuses.
@@ -317,6 +320,12 @@ fn one_run(
         ("TOLLGATE__CATALOG__KEY_FILTER_MIB", key_filter.as_str()),
         ("RUST_LOG", "warn"),
     ];
+    let no_cache_file = [("TOLLGATE__CATALOG__CACHE_FILE", "")];
+    let env: Vec<(&str, &str)> = if a.no_cache_file {
+        env.iter().chain(&no_cache_file).copied().collect()
+    } else {
+        env.to_vec()
+    };
     let started = Instant::now();
     let gw = Gateway::start_env(&config, "/api/probe", &env)?;
     let start_s = started.elapsed().as_secs_f64();
