@@ -1170,20 +1170,14 @@ impl Catalog {
         });
     }
 
-    /// Cache mode: copies the store's key filter before the gateway serves, if the store
-    /// has one, within `within` (the copy is a burst of reads a serving gateway paces over
-    /// a second); else the task copies it later, built first if need be.
+    /// Cache mode: copies the store's key filter (built first if the store has none)
+    /// before the gateway serves, within `within` (unpaced: nothing is served yet); what
+    /// is not done by then the task does later.
     pub async fn first_key_filter(&self, store: &Store, within: Duration) {
         if self.held.as_ref().is_none_or(|h| h.filter_bits == 0) {
             return;
         }
-        let copy = async {
-            if store.catalog.key_filter_head().await?.is_some() {
-                self.copy_key_filter(store, false).await?;
-            }
-            Ok::<_, StoreError>(())
-        };
-        match tokio::time::timeout(within, copy).await {
+        match tokio::time::timeout(within, self.copy_key_filter(store, false)).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::debug!(error = %e, "the key filter was not copied at start"),
             Err(_) => tracing::debug!("the key filter was not copied at start in time"),
