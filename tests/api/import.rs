@@ -195,13 +195,14 @@ async fn an_import_refused_midway_resumes_where_it_stopped() {
 
 #[tokio::test]
 async fn a_gateway_in_cache_mode_admits_an_imported_key_it_had_as_unknown() {
-    // Arrange: A in cache mode remembers c7's key as unknown. (An admin write first gives
-    // the catalog its epoch, so the import is followed through the feed, not a reload.)
+    // Arrange: A in cache mode, without a key filter (which would refuse c7's key unread),
+    // remembers c7's key as unknown. (An admin write first gives the catalog its epoch, so
+    // the import is followed through the feed, not a reload.)
     let redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let b = gateway(&redis.url(), &up, "").await;
     put_client(&b, "first", "gold").await;
-    let a = gateway(&redis.url(), &up, "mode = \"cache\"").await;
+    let a = gateway(&redis.url(), &up, "mode = \"cache\"\nkey_filter_mib = 0").await;
     a.wait_for_catalog(store_version(&redis)).await;
     assert_eq!(a.get("/orders", Some(&key("c7"))).await.status(), 401);
     assert_eq!(a.sample("tollgate_catalog_unknown_keys").await, 1.0);
