@@ -135,6 +135,14 @@ pub struct ClientEntry {
 }
 
 impl ClientEntry {
+    /// Its record and version, copied (as the cache files keep them).
+    fn versioned(&self) -> Versioned<ClientRecord> {
+        Versioned {
+            rev: self.rev,
+            value: self.record.clone(),
+        }
+    }
+
     /// Whether `hash` is one of its keys that has not expired.
     pub fn active_key(&self, hash: &KeyHash) -> bool {
         let now_s = unix_now_s();
@@ -239,6 +247,8 @@ pub struct Catalog {
     source: parking_lot::Mutex<Source>,
     /// Where the last catalog seen is kept on disk (Redis mode), and what was written last.
     cache: Option<std::path::PathBuf>,
+    /// The thread that writes them (started with a cache file).
+    writer: Option<cache::Writer>,
     /// What the cache files need next (see [`cache`]).
     journal: parking_lot::Mutex<Journal>,
     /// Cache mode's bounds and bookkeeping; `None`: the whole catalog is held.
@@ -268,6 +278,7 @@ impl Catalog {
             epoch: parking_lot::Mutex::new(None),
             source: parking_lot::Mutex::new(Source::Config),
             cache: None,
+            writer: None,
             journal: parking_lot::Mutex::new(Journal::default()),
             held: None,
             apply: parking_lot::Mutex::new(()),
@@ -297,7 +308,16 @@ impl Catalog {
     pub fn with_holding(mut self, holding: Holding) -> Catalog {
         self.held = match holding {
             Holding::Mirror => None,
-            Holding::Cache(bounds) => Some(Held::new(bounds)),
+            Holding::Cache(bounds) => {
+                // Sized for the bound at once (see `held::PRESIZED_AT_MOST`): a map that
+                // grows rehashes on the worker that inserts.
+                let at_most = held::presized(bounds.clients);
+                if self.clients.is_empty() && self.keys.is_empty() {
+                    self.clients = DashMap::with_capacity(at_most);
+                    self.keys = DashMap::with_capacity_and_hasher(at_most, Default::default());
+                }
+                Some(Held::new(bounds))
+            }
         };
         self
     }
@@ -562,6 +582,7 @@ impl Catalog {
 
     /// Keeps the last catalog seen in `file` (Redis mode; see [`cache`]).
     pub fn with_cache_file(mut self, file: Option<std::path::PathBuf>) -> Catalog {
+        self.writer = file.as_ref().map(|_| cache::Writer::start());
         self.cache = file;
         self
     }
@@ -639,12 +660,12 @@ impl Catalog {
         source
     }
 
-    /// Writes what changed since the last tick to the cache files, off the async workers:
+    /// Writes what changed since the last tick to the cache files, on the cache's thread:
     /// a journal line, or (after a reload, or once the journal outgrew the snapshot) a new
     /// snapshot. Errors are logged, and the next tick writes a snapshot: the cache only
     /// matters at a start during an outage.
     async fn save_cache(&self) {
-        let Some(file) = self.cache.clone() else {
+        let (Some(file), Some(writer)) = (self.cache.clone(), self.writer.as_ref()) else {
             return;
         };
         let job = {
@@ -677,31 +698,26 @@ impl Catalog {
         };
         let job = match job {
             CacheWrite::SnapshotDue(seq) => {
-                // Copying a hundred thousand records takes tens of milliseconds: off this
-                // runtime thread, whose other tasks (the store's connections) must not wait.
-                let multi = tokio::runtime::Handle::current().runtime_flavor()
-                    == tokio::runtime::RuntimeFlavor::MultiThread;
-                let mut dump = if multi {
-                    tokio::task::block_in_place(|| self.dump())
-                } else {
-                    self.dump()
-                };
+                let mut entries = self.entries();
                 // The epoch and version of the changes taken under the lock.
-                (dump.epoch, dump.version) = self.journal.lock().written_at.clone();
-                CacheWrite::Snapshot(dump, seq)
+                (entries.epoch, entries.version) = self.journal.lock().written_at.clone();
+                CacheWrite::Snapshot(entries, seq)
             }
             other => other,
         };
-        let written = tokio::task::spawn_blocking(move || match &job {
-            CacheWrite::Snapshot(dump, seq) => cache::save(&file, dump, *seq),
-            CacheWrite::SnapshotDue(_) => Ok(()),
-            CacheWrite::Line(line) => cache::append(&file, std::slice::from_ref(line)),
-        })
-        .await;
+        // Copied, encoded and written on the cache's thread, below the request path's
+        // priority (see [`cache`]).
+        let written = writer
+            .run(move || match job {
+                CacheWrite::Snapshot(entries, seq) => cache::save(&file, entries.copied(), seq),
+                CacheWrite::SnapshotDue(_) => Ok(()),
+                CacheWrite::Line(line) => cache::append(&file, &[line.copied()]),
+            })
+            .await;
         let failed = match written {
-            Ok(Ok(())) => return,
-            Ok(Err(e)) => e.to_string(),
-            Err(e) => e.to_string(),
+            Some(Ok(())) => return,
+            Some(Err(e)) => e.to_string(),
+            None => "its writer panicked".to_owned(),
         };
         tracing::warn!(error = %failed, "the catalog cache cannot be written; a snapshot is tried next");
         self.journal.lock().snapshot_due = true;
@@ -892,14 +908,15 @@ impl Catalog {
 
     /// This mirror as a dump: what a restore writes.
     fn dump(&self) -> CatalogDump {
-        // The entries first (an `Arc` each, while each shard of the map is read-locked),
-        // their records copied after: a worker putting a looked-up client in waits for a
-        // shard's `Arc`s, never for 100,000 records' copies (measured: a snapshot's copy
-        // under the locks put a start's first-request p99 at 34-84 ms with 100,000
-        // clients coming in, 8 ms without a cache file).
-        let clients: Vec<Arc<ClientEntry>> =
-            self.clients.iter().map(|c| Arc::clone(c.value())).collect();
-        CatalogDump {
+        self.entries().copied()
+    }
+
+    /// What [`Catalog::dump`] copies, not copied yet: the clients' entries (an `Arc` each,
+    /// while each shard of the map is read-locked), their records copied later, off the
+    /// locks (measured: a snapshot's copy under the locks put a start's first-request p99
+    /// at 34-84 ms with 100,000 clients coming in, 8 ms without a cache file).
+    fn entries(&self) -> Entries {
+        Entries {
             epoch: self.epoch(),
             version: self.version(),
             plans: self
@@ -913,13 +930,7 @@ impl Catalog {
                     }
                 })
                 .collect(),
-            clients: clients
-                .iter()
-                .map(|c| Versioned {
-                    rev: c.rev,
-                    value: c.record.clone(),
-                })
-                .collect(),
+            clients: self.clients.iter().map(|c| Arc::clone(c.value())).collect(),
             safety: (*self.safety.load_full()).clone().map(|value| Versioned {
                 rev: self.safety_rev.load(Ordering::Acquire),
                 value,
@@ -1071,10 +1082,8 @@ impl Catalog {
             }
         }
         if old.is_some() || entry.is_some() {
-            let kept = entry.as_ref().map(|e| Versioned {
-                rev: e.rev,
-                value: e.record.clone(),
-            });
+            // The entry, not a copy of its record: the cache's thread copies it.
+            let kept = entry.clone();
             self.journal(|j| j.clients.push((id.clone(), kept)));
         }
         entry
@@ -1277,7 +1286,7 @@ impl Catalog {
 #[derive(Default)]
 struct Journal {
     plans: Vec<(PlanName, Option<Versioned<PlanRecord>>)>,
-    clients: Vec<(ClientId, Option<Versioned<ClientRecord>>)>,
+    clients: Vec<(ClientId, Option<Arc<ClientEntry>>)>,
     safety: Option<Option<Versioned<SafetyRecord>>>,
     /// The next line's number (0 until the first snapshot, which sets it to 1).
     seq: u64,
@@ -1312,9 +1321,9 @@ impl Journal {
         self.snapshot_due = false;
     }
 
-    /// The next journal line: what changed, at `at`.
-    fn line(&mut self, at: &(Option<String>, u64)) -> cache::Line {
-        let line = cache::Line {
+    /// The next journal line: what changed, at `at` (its clients' records not copied yet).
+    fn line(&mut self, at: &(Option<String>, u64)) -> PendingLine {
+        let line = PendingLine {
             seq: self.seq,
             at_ms: cache::now_ms(),
             epoch: at.0.clone(),
@@ -1328,14 +1337,66 @@ impl Journal {
     }
 }
 
+/// A journal line whose clients are entries, their records copied by [`PendingLine::copied`]
+/// on the cache's thread.
+struct PendingLine {
+    seq: u64,
+    at_ms: u64,
+    epoch: Option<String>,
+    version: u64,
+    plans: Vec<(PlanName, Option<Versioned<PlanRecord>>)>,
+    clients: Vec<(ClientId, Option<Arc<ClientEntry>>)>,
+    safety: Option<Option<Versioned<SafetyRecord>>>,
+}
+
+impl PendingLine {
+    fn copied(self) -> cache::Line {
+        cache::Line {
+            seq: self.seq,
+            at_ms: self.at_ms,
+            epoch: self.epoch,
+            version: self.version,
+            plans: self.plans,
+            clients: self
+                .clients
+                .into_iter()
+                .map(|(id, entry)| (id, entry.map(|e| e.versioned())))
+                .collect(),
+            safety: self.safety,
+        }
+    }
+}
+
+/// The catalog held, its clients as entries (see [`Catalog::entries`]).
+struct Entries {
+    epoch: Option<String>,
+    version: u64,
+    plans: Vec<Versioned<PlanRecord>>,
+    clients: Vec<Arc<ClientEntry>>,
+    safety: Option<Versioned<SafetyRecord>>,
+}
+
+impl Entries {
+    /// The records copied.
+    fn copied(self) -> CatalogDump {
+        CatalogDump {
+            epoch: self.epoch,
+            version: self.version,
+            plans: self.plans,
+            clients: self.clients.iter().map(|c| c.versioned()).collect(),
+            safety: self.safety,
+        }
+    }
+}
+
 /// What a tick writes to the cache files.
 enum CacheWrite {
-    /// A snapshot holding the journal up to this line, its records not copied yet (they
+    /// A snapshot holding the journal up to this line, its entries not taken yet (they
     /// are once the apply lock is let go).
     SnapshotDue(u64),
     /// The whole of what is held, holding the journal up to this line.
-    Snapshot(CatalogDump, u64),
-    Line(cache::Line),
+    Snapshot(Entries, u64),
+    Line(PendingLine),
 }
 
 /// The plans and clients the settings declare, as records.
