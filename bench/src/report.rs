@@ -419,3 +419,63 @@ pub fn figures_over<R>(
     }
     (table, json)
 }
+
+/// The platform's pauses, as a thread at the bench's priority sees them (as jHiccup
+/// measures a JVM's): it sleeps 1 ms at a time and records every wake-up later than
+/// [`Hiccups::AT_LEAST`]. On this kind of host both virtual cores can stop at once for
+/// tens of milliseconds while the steal counter stays at 0; a tail that coincides with
+/// such a pause is the host's, not the code's.
+pub struct Hiccups {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<Hiccup>>,
+}
+
+/// One pause: when it ended (from the meter's `origin`) and how long past the 1 ms sleep.
+#[derive(Debug, Clone, Copy)]
+pub struct Hiccup {
+    pub ended: std::time::Duration,
+    pub late: std::time::Duration,
+}
+
+impl Hiccups {
+    /// Wake-ups later than this are recorded.
+    pub const AT_LEAST: std::time::Duration = std::time::Duration::from_millis(5);
+
+    /// Starts the meter; its times are offsets from `origin` (e.g. an open run's start).
+    pub fn start(origin: std::time::Instant) -> Hiccups {
+        use std::sync::atomic::Ordering::Relaxed;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopped = std::sync::Arc::clone(&stop);
+        let thread = std::thread::Builder::new()
+            .name("bench-hiccups".into())
+            .spawn(move || {
+                // SAFETY: PR_SET_TIMERSLACK only changes this thread's timer slack.
+                unsafe {
+                    libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0);
+                }
+                let tick = std::time::Duration::from_millis(1);
+                let mut seen = Vec::new();
+                while !stopped.load(Relaxed) {
+                    let asked = std::time::Instant::now();
+                    std::thread::sleep(tick);
+                    let now = std::time::Instant::now();
+                    let late = now.saturating_duration_since(asked).saturating_sub(tick);
+                    if late >= Hiccups::AT_LEAST {
+                        seen.push(Hiccup {
+                            ended: now.saturating_duration_since(origin),
+                            late,
+                        });
+                    }
+                }
+                seen
+            })
+            .expect("spawning the hiccup meter");
+        Hiccups { stop, thread }
+    }
+
+    /// Stops the meter: the pauses it saw, in order.
+    pub fn stop(self) -> Vec<Hiccup> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().unwrap_or_default()
+    }
+}

@@ -38,10 +38,11 @@ use tollgate_testkit::{GatewayConfig, RedisCluster, RouteDef};
 
 use super::{seconds, summary_json, MetricsDelta};
 use crate::http::get_request;
-use crate::load::{run_open, Arrivals, OpenRun, Stream, Summary};
+use crate::load::{Arrivals, OpenRun, Stream, Summary};
 use crate::procs::{block_on, gateway_config, raise_fd_limit, rss_kib, Gateway, RssWatch};
 use crate::report::{
-    self, count, machine, mib, ms, round, runs_disturbance, CpuWatch, Disturbance, Outcome, Worse,
+    self, count, machine, mib, ms, round, runs_disturbance, CpuWatch, Disturbance, Hiccup, Hiccups,
+    Outcome, Worse,
 };
 use crate::upstream::{Counts, Server, Upstreams};
 
@@ -137,8 +138,18 @@ struct Run {
     working: Summary,
     revocations_ms: Vec<f64>,
     lookups_first: f64,
+    /// p99 of the first and the held requests sent outside the host's pauses (see [`Pass`]).
+    first_clear_p99_ms: f64,
+    held_clear_p99_ms: f64,
+    /// The host's pauses of at least [`PAUSE`] during the first requests, and the longest.
+    first_pauses: usize,
+    first_pause_max_ms: f64,
     /// Requests not answered 200: first, held, the working set during the flood.
     first_failed: usize,
+    /// Of the first requests' 503s: shed unread (`tollgate_shed_total{reason="lookup"}`),
+    /// and reads that failed (`tollgate_catalog_lookups_total{result="failed"}`).
+    first_shed: f64,
+    first_reads_failed: f64,
     cached_failed: usize,
     working_failed: usize,
     disturbance: Option<Disturbance>,
@@ -312,13 +323,16 @@ fn one_run(
     let refresh = a.refresh_ms.to_string();
     let (cached_clients, unknown_keys) = (a.cached_clients.to_string(), a.unknown_keys.to_string());
     let key_filter = a.key_filter_mib.to_string();
+    // Warnings, unless the bench's own `RUST_LOG` says more (its log is quoted when first
+    // requests fail).
+    let log_filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into());
     let env = [
         ("TOLLGATE__CATALOG__MODE", a.mode.as_str()),
         ("TOLLGATE__CATALOG__REFRESH_MS", refresh.as_str()),
         ("TOLLGATE__CATALOG__CACHED_CLIENTS", cached_clients.as_str()),
         ("TOLLGATE__CATALOG__UNKNOWN_KEYS", unknown_keys.as_str()),
         ("TOLLGATE__CATALOG__KEY_FILTER_MIB", key_filter.as_str()),
-        ("RUST_LOG", "warn"),
+        ("RUST_LOG", log_filter.as_str()),
     ];
     let no_cache_file = [("TOLLGATE__CATALOG__CACHE_FILE", "")];
     let env: Vec<(&str, &str)> = if a.no_cache_file {
@@ -339,18 +353,22 @@ fn one_run(
         .iter()
         .map(|&i| get_request("/api/x", Some(&client_key(i))))
         .collect();
-    let pass = |requests: Vec<Vec<u8>>| -> anyhow::Result<(Summary, usize)> {
+    let pass = |requests: Vec<Vec<u8>>| -> anyhow::Result<Pass> {
         let n = requests.len() as f64;
-        let result = run_open(vec![Stream {
+        let open = OpenRun::start(vec![Stream {
             addr: gw.addr,
             requests,
             rate: a.rate,
             arrivals: Arrivals::Poisson { seed: 36 },
             from: Duration::ZERO,
             until: Duration::from_secs_f64(n / a.rate),
-        }])?;
+        }]);
+        let meter = Hiccups::start(open.start);
+        let result = open.join()?;
+        let hiccups = meter.stop();
         let samples = &result.samples[0];
         let failed = samples.iter().filter(|s| s.status != 200).count();
+        slow_windows(samples, &hiccups);
         if failed > 0 {
             let mut statuses = std::collections::BTreeMap::new();
             for s in samples.iter().filter(|s| s.status != 200) {
@@ -358,17 +376,51 @@ fn one_run(
             }
             eprintln!("  {failed} of {} not 200: {statuses:?}", samples.len());
         }
-        Ok((Summary::of(samples), failed))
+        Ok(Pass::of(samples, failed, &hiccups))
     };
     let before = gw.metrics()?;
-    let (first, first_failed) = pass(requests.clone())?;
-    let after_first = gw.metrics()?;
-    let lookups_first = MetricsDelta {
+    latency_monitor(cluster)?;
+    let first_pass = pass(requests.clone())?;
+    let (first, first_failed) = (first_pass.summary, first_pass.failed);
+    let first_delta = MetricsDelta {
         before,
-        after: after_first,
+        after: gw.metrics()?,
+    };
+    let lookups_first = first_delta.of("tollgate_catalog_lookups_total{result=\"client\"}");
+    // Why first requests were answered 503: shed unread, or a read that failed (the
+    // store's answer later than `catalog.lookup_timeout_ms`, or an error).
+    let first_shed = first_delta.of("tollgate_shed_total{reason=\"lookup\"}");
+    let first_reads_failed = first_delta.of("tollgate_catalog_lookups_total{result=\"failed\"}");
+    let moved: Vec<String> = first_delta
+        .after
+        .keys()
+        .filter(|k| {
+            k.starts_with("tollgate_fail_open_reasons_total")
+                || k.starts_with("tollgate_store_errors_total")
+        })
+        .filter(|k| first_delta.of(k) > 0.0)
+        .map(|k| format!("{k} +{}", first_delta.of(k)))
+        .collect();
+    if !moved.is_empty() {
+        eprintln!("  during the first requests: {}", moved.join(", "));
     }
-    .of("tollgate_catalog_lookups_total{result=\"client\"}");
-    let (cached, cached_failed) = pass(requests)?;
+    if first_failed > 0 {
+        eprintln!("  503s: {first_shed} shed unread, {first_reads_failed} reads failed");
+        let log = std::fs::read_to_string(gw.dir().join("gateway.log")).unwrap_or_default();
+        for line in log
+            .lines()
+            .filter(|l| !l.contains("could not be looked up") && !l.contains("INFO"))
+            .take(20)
+        {
+            eprintln!("  gateway: {line}");
+        }
+        eprintln!(
+            "  redis stalls (LATENCY LATEST, >= 5 ms): {}",
+            latency_latest(cluster)?
+        );
+    }
+    let held_pass = pass(requests)?;
+    let (cached, cached_failed) = (held_pass.summary, held_pass.failed);
     let rss_warm_mib = rss_kib(pid).unwrap_or(0) as f64 / 1024.0;
     let rtt_p99_ms = ping_p99_ms(cluster)?;
     eprintln!(
@@ -426,7 +478,10 @@ fn one_run(
     // Revocations, each timed from the write's answer to the first refusal.
     let mut revocations_ms = Vec::new();
     for r in 0..a.revocations {
+        // A client beside the active ones (made active by `revoke`), so that a later run's
+        // first requests do not meet this run's revoked keys.
         let i = active_ids[(r * 7919 + run * 104_729) % active_ids.len()];
+        let i = if a.clients > a.active { i + 1 } else { i };
         revocations_ms.push(revoke(rt, store, gw.addr, i)?);
     }
     eprintln!("  revoked in {revocations_ms:?} ms");
@@ -446,15 +501,22 @@ fn one_run(
         working: Summary::of(&flood.samples[1]),
         revocations_ms,
         lookups_first,
+        first_clear_p99_ms: first_pass.clear_p99_ms,
+        first_pauses: first_pass.pauses,
+        first_pause_max_ms: first_pass.pause_max_ms,
+        held_clear_p99_ms: held_pass.clear_p99_ms,
         first_failed,
+        first_shed,
+        first_reads_failed,
         cached_failed,
         working_failed: working_sent as usize - working_ok,
         disturbance: None,
     })
 }
 
-/// Revokes client `i`'s key through the store (as the admin API writes it) and asks the
-/// gateway every 2 ms until it refuses the key: the milliseconds from the write's answer.
+/// Makes client `i` active (one request, so the gateway holds it), revokes its key through
+/// the store (as the admin API writes it) and asks the gateway every 2 ms until it refuses
+/// the key: the milliseconds from the write's answer.
 fn revoke(
     rt: &tokio::runtime::Runtime,
     store: &Store,
@@ -462,6 +524,12 @@ fn revoke(
     i: usize,
 ) -> anyhow::Result<f64> {
     let id = client_id(i);
+    let key = client_key(i);
+    let status = block_on(crate::http::fetch(gateway, "/api/x", Some(&key))).map(|(s, _)| s)?;
+    anyhow::ensure!(
+        status == 200,
+        "client {id} answered {status} before its revocation"
+    );
     let written = rt.block_on(async {
         let current = store
             .catalog
@@ -479,7 +547,6 @@ fn revoke(
             .await?;
         anyhow::Ok(Instant::now())
     })?;
-    let key = client_key(i);
     loop {
         let status = block_on(crate::http::fetch(gateway, "/api/x", Some(&key)))
             .map(|(s, _)| s)
@@ -497,6 +564,118 @@ fn revoke(
 
 /// A Redis round trip's p99 (ms): 20,000 `PING`s, one at a time, to each node; the worst
 /// node's.
+/// Host pauses of at least this long mark their 100 ms window, and the next, as paused.
+const PAUSE: Duration = Duration::from_millis(10);
+
+/// The 100 ms windows (from the run's start) a pause of at least [`PAUSE`] touched, and
+/// the window after each (the backlog it left).
+fn paused_windows(hiccups: &[Hiccup]) -> std::collections::BTreeSet<u128> {
+    hiccups
+        .iter()
+        .filter(|h| h.late >= PAUSE)
+        .flat_map(|h| {
+            let from = h.ended.saturating_sub(h.late).as_millis() / 100;
+            from..=h.ended.as_millis() / 100 + 1
+        })
+        .collect()
+}
+
+/// One pass of requests: its latencies, and the host's pauses meanwhile.
+struct Pass {
+    summary: Summary,
+    failed: usize,
+    /// p99 of the requests sent outside [`paused_windows`]: what the gateway adds when the
+    /// host does not stop it.
+    clear_p99_ms: f64,
+    /// Pauses of at least [`PAUSE`], and the longest.
+    pauses: usize,
+    pause_max_ms: f64,
+}
+
+impl Pass {
+    fn of(samples: &[crate::load::Sample], failed: usize, hiccups: &[Hiccup]) -> Pass {
+        let paused = paused_windows(hiccups);
+        let clear = samples
+            .iter()
+            .filter(|s| !paused.contains(&(s.at.as_millis() / 100)));
+        Pass {
+            summary: Summary::of(samples),
+            failed,
+            clear_p99_ms: Summary::of(clear).p99_ms,
+            pauses: hiccups.iter().filter(|h| h.late >= PAUSE).count(),
+            pause_max_ms: hiccups
+                .iter()
+                .map(|h| h.late.as_secs_f64() * 1e3)
+                .fold(0.0, f64::max),
+        }
+    }
+}
+
+/// Prints the 100 ms windows of a pass whose worst answer took over 20 ms, or that had
+/// answers other than 200 (at most 12), with the host's pauses in them: when in the pass
+/// the tail came, and whether the host had stopped.
+fn slow_windows(samples: &[crate::load::Sample], hiccups: &[Hiccup]) {
+    let mut windows = std::collections::BTreeMap::<u128, (usize, usize, Duration)>::new();
+    for s in samples {
+        let w = windows.entry(s.at.as_millis() / 100).or_default();
+        w.0 += 1;
+        w.1 += usize::from(s.status != 200);
+        w.2 = w.2.max(s.latency);
+    }
+    let slow: Vec<String> = windows
+        .iter()
+        .filter(|(_, w)| w.1 > 0 || w.2 > Duration::from_millis(20))
+        .take(12)
+        .map(|(at, (n, bad, worst))| {
+            let paused = hiccups
+                .iter()
+                .filter(|h| (h.ended.as_millis() / 100).abs_diff(*at) <= 1)
+                .map(|h| h.late.as_secs_f64() * 1e3)
+                .fold(0.0, f64::max);
+            format!(
+                "{:.1}s: {n} sent, {bad} not 200, worst {:.1} ms, host paused {paused:.0} ms",
+                *at as f64 / 10.0,
+                worst.as_secs_f64() * 1e3
+            )
+        })
+        .collect();
+    if !slow.is_empty() {
+        eprintln!("  slow windows: {}", slow.join("; "));
+    }
+}
+
+/// Every master records its own stalls of 5 ms or more from now on (`LATENCY`).
+fn latency_monitor(cluster: &RedisCluster) -> anyhow::Result<()> {
+    for node in &cluster.nodes {
+        let mut conn = node.conn()?;
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("latency-monitor-threshold")
+            .arg(5)
+            .query(&mut conn)?;
+        let _: () = redis::cmd("LATENCY").arg("RESET").query(&mut conn)?;
+    }
+    Ok(())
+}
+
+/// The stalls each master recorded since [`latency_monitor`]: `port event max_ms`.
+fn latency_latest(cluster: &RedisCluster) -> anyhow::Result<String> {
+    let mut out = Vec::new();
+    for node in &cluster.nodes {
+        let events: Vec<(String, u64, u64, u64)> = redis::cmd("LATENCY")
+            .arg("LATEST")
+            .query(&mut node.conn()?)?;
+        for (event, _, _, max_ms) in events {
+            out.push(format!("{} {event} {max_ms} ms", node.port));
+        }
+    }
+    Ok(if out.is_empty() {
+        "none".into()
+    } else {
+        out.join(", ")
+    })
+}
+
 fn ping_p99_ms(cluster: &RedisCluster) -> anyhow::Result<f64> {
     let mut worst = 0.0f64;
     for node in &cluster.nodes {
@@ -530,7 +709,7 @@ fn per_key(v: f64) -> String {
     format!("{v:.3}")
 }
 
-const FIGURES: [Figure; 19] = [
+const FIGURES: [Figure; 25] = [
     (
         "start_s",
         "start, spawn to first forwarded request",
@@ -553,10 +732,52 @@ const FIGURES: [Figure; 19] = [
         ms,
     ),
     (
+        "first_clear_p99_ms",
+        "first request: p99 outside the host's pauses (10 ms or more: their 100 ms and the next)",
+        Worse::Higher,
+        |r| r.first_clear_p99_ms,
+        ms,
+    ),
+    (
+        "held_clear_p99_ms",
+        "held: p99 outside the host's pauses",
+        Worse::Higher,
+        |r| r.held_clear_p99_ms,
+        ms,
+    ),
+    (
+        "first_pauses",
+        "host pauses of 10 ms or more during the first requests (a thread's 1 ms sleep)",
+        Worse::Higher,
+        |r| r.first_pauses as f64,
+        count,
+    ),
+    (
+        "first_pause_max_ms",
+        "the longest host pause during the first requests",
+        Worse::Higher,
+        |r| r.first_pause_max_ms,
+        ms,
+    ),
+    (
         "first_failed",
         "first requests not answered 200",
         Worse::Higher,
         |r| r.first_failed as f64,
+        count,
+    ),
+    (
+        "first_shed",
+        "first requests shed unread (503, lookup)",
+        Worse::Higher,
+        |r| r.first_shed,
+        count,
+    ),
+    (
+        "first_reads_failed",
+        "first requests whose read failed or was late (503)",
+        Worse::Higher,
+        |r| r.first_reads_failed,
         count,
     ),
     (
@@ -677,7 +898,13 @@ impl Run {
             "cached": summary_json(&self.cached),
             "redis_rtt_p99_ms": round(self.rtt_p99_ms, 3),
             "lookups_first": self.lookups_first,
+            "first_clear_p99_ms": round(self.first_clear_p99_ms, 3),
+            "held_clear_p99_ms": round(self.held_clear_p99_ms, 3),
+            "first_pauses": self.first_pauses,
+            "first_pause_max_ms": round(self.first_pause_max_ms, 1),
             "first_failed": self.first_failed,
+            "first_shed": self.first_shed,
+            "first_reads_failed": self.first_reads_failed,
             "cached_failed": self.cached_failed,
             "working_failed": self.working_failed,
             "unknown_reads_per_key": round(self.unknown_reads_per_key, 4),
