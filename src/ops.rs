@@ -301,6 +301,13 @@ fn write_catalog(out: &mut Exposition, state: &AppState) {
             "The size of this gateway's copy of the store's key filter once it is trusted (cache mode; 0: none yet, every key not held is read).",
         )
         .sample(&[], counts.filter_bytes);
+        let (buckets, sum, count) = &counts.lookup_seconds;
+        out.family(
+            "tollgate_catalog_lookup_seconds",
+            Kind::Histogram,
+            "How long a store read of a key not held took (cache mode), from its start to its answer, or to its failure at catalog.lookup_timeout_ms; one per key, however many requests waited on it.",
+        )
+        .histogram(&[], &crate::catalog::LOOKUP_BUCKETS, buckets, *sum, *count);
     }
     if let crate::catalog::Source::Cache { saved_at_ms } = source {
         let age = crate::catalog::cache::now_ms().saturating_sub(saved_at_ms) as f64 / 1000.0;

@@ -161,7 +161,14 @@ impl Recent {
     }
 }
 
-/// What lookups found, for the metrics.
+/// Upper bounds (seconds) of the lookup-time histogram (`tollgate_catalog_lookup_seconds`):
+/// a read is a round trip (a tenth of a millisecond to a millisecond), bounded by
+/// `catalog.lookup_timeout_ms` (50 ms by default).
+pub const LOOKUP_BUCKETS: [f64; 10] = [
+    0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 1.0,
+];
+
+/// What lookups found, and how long they took, for the metrics.
 #[derive(Default)]
 pub(super) struct Lookups {
     pub(super) client: AtomicU64,
@@ -169,9 +176,34 @@ pub(super) struct Lookups {
     pub(super) failed: AtomicU64,
     /// Keys the key filter said no client has: refused without a read.
     pub(super) filtered: AtomicU64,
+    /// Reads by [`LOOKUP_BUCKETS`] (not cumulative; a read past the last bound is only in
+    /// `took_count`), their total time and their count.
+    pub(super) took: [AtomicU64; LOOKUP_BUCKETS.len()],
+    pub(super) took_sum_ns: AtomicU64,
+    pub(super) took_count: AtomicU64,
 }
 
 impl Lookups {
+    /// A read of a key not held, from its start to its answer (or its failure).
+    pub(super) fn took(&self, took: Duration) {
+        let secs = took.as_secs_f64();
+        if let Some(i) = LOOKUP_BUCKETS.iter().position(|b| secs <= *b) {
+            self.took[i].fetch_add(1, Relaxed);
+        }
+        self.took_count.fetch_add(1, Relaxed);
+        self.took_sum_ns
+            .fetch_add(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX), Relaxed);
+    }
+
+    /// The histogram: per bucket, the total seconds, the count.
+    pub(super) fn histogram(&self) -> ([u64; LOOKUP_BUCKETS.len()], f64, u64) {
+        (
+            std::array::from_fn(|i| self.took[i].load(Relaxed)),
+            self.took_sum_ns.load(Relaxed) as f64 / 1e9,
+            self.took_count.load(Relaxed),
+        )
+    }
+
     /// Counts a lookup that found a client (`Some(true)`), no client (`Some(false)`), or
     /// had no answer (`None`).
     pub(super) fn count(&self, found: Option<bool>) {

@@ -12,7 +12,7 @@ pub mod cache;
 mod held;
 pub mod key_filter;
 
-pub use held::LookupFailed;
+pub use held::{LookupFailed, LOOKUP_BUCKETS};
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -197,6 +197,8 @@ pub struct CacheCounts {
     pub filtered: u64,
     /// The key filter's size in bytes, when a trusted copy is in place (else 0).
     pub filter_bytes: usize,
+    /// How long reads took: per bucket of [`LOOKUP_BUCKETS`], the seconds in all, the count.
+    pub lookup_seconds: ([u64; LOOKUP_BUCKETS.len()], f64, u64),
 }
 
 /// Which catalog a gateway is serving.
@@ -358,8 +360,10 @@ impl Catalog {
             dashmap::Entry::Vacant(v) => {
                 let (catalog, store) = (Arc::clone(self), store.clone());
                 let read = async move {
+                    let started = Instant::now();
                     let looked = catalog.fetch(&store, hash).await;
                     if let Some(held) = &catalog.held {
+                        held.lookups.took(started.elapsed());
                         held.lookups
                             .count(looked.as_ref().ok().map(Option::is_some));
                         held.inflight.remove(&hash);
@@ -604,6 +608,7 @@ impl Catalog {
             failed: held.lookups.failed.load(Relaxed),
             filtered: held.lookups.filtered.load(Relaxed),
             filter_bytes: held.filter.trusted_len(),
+            lookup_seconds: held.lookups.histogram(),
         })
     }
 

@@ -62,10 +62,18 @@ async fn a_key_not_held_is_looked_up_once_then_held_and_refused_once_revoked() {
     // ones from what A holds, with no further read.
     assert_eq!(status(&a, &key).await, 200);
     assert_eq!(lookups(&a, "client").await, 1.0);
+    // The read is timed: one observation, within the histogram's last bound.
+    assert_eq!(a.sample("tollgate_catalog_lookup_seconds_count").await, 1.0);
+    assert_eq!(
+        a.sample("tollgate_catalog_lookup_seconds_bucket{le=\"1\"}")
+            .await,
+        1.0
+    );
     for _ in 0..5 {
         assert_eq!(status(&a, &key).await, 200);
     }
     assert_eq!(lookups(&a, "client").await, 1.0, "one read for the key");
+    assert_eq!(a.sample("tollgate_catalog_lookup_seconds_count").await, 1.0);
     assert_eq!(a.sample("tollgate_catalog_clients").await, 1.0);
 
     // Revoked on B: refused on A within its refresh.
