@@ -473,6 +473,43 @@ impl Hiccups {
         Hiccups { stop, thread }
     }
 
+    /// The same meter for a Redis server: a `PING` every millisecond on a connection of its
+    /// own, recording every round trip of at least [`Hiccups::AT_LEAST`] (`late` is the
+    /// round trip). A store that stops answering shows here even when none of its
+    /// commands is slow by its own clock (`LATENCY`).
+    pub fn start_redis(origin: std::time::Instant, port: u16) -> std::io::Result<Hiccups> {
+        use std::io::{Read, Write};
+        use std::sync::atomic::Ordering::Relaxed;
+        let mut conn = std::net::TcpStream::connect(("127.0.0.1", port))?;
+        conn.set_nodelay(true)?;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopped = std::sync::Arc::clone(&stop);
+        let thread = std::thread::Builder::new()
+            .name("bench-redis-hiccups".into())
+            .spawn(move || {
+                let mut seen = Vec::new();
+                let mut reply = [0u8; 7];
+                while !stopped.load(Relaxed) {
+                    let asked = std::time::Instant::now();
+                    if conn.write_all(b"PING\r\n").is_err() || conn.read_exact(&mut reply).is_err()
+                    {
+                        break;
+                    }
+                    let now = std::time::Instant::now();
+                    let took = now.saturating_duration_since(asked);
+                    if took >= Hiccups::AT_LEAST {
+                        seen.push(Hiccup {
+                            ended: now.saturating_duration_since(origin),
+                            late: took,
+                        });
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                seen
+            })?;
+        Ok(Hiccups { stop, thread })
+    }
+
     /// Stops the meter: the pauses it saw, in order.
     pub fn stop(self) -> Vec<Hiccup> {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);

@@ -367,11 +367,20 @@ fn one_run(
             until: Duration::from_secs_f64(n / a.rate),
         }]);
         let meter = Hiccups::start(open.start);
+        let stores = cluster
+            .nodes
+            .iter()
+            .map(|n| Hiccups::start_redis(open.start, n.port).map(|m| (n.port, m)))
+            .collect::<std::io::Result<Vec<_>>>()?;
         let result = open.join()?;
         let hiccups = meter.stop();
+        let stores: Vec<(u16, Vec<Hiccup>)> = stores
+            .into_iter()
+            .map(|(port, m)| (port, m.stop()))
+            .collect();
         let samples = &result.samples[0];
         let failed = samples.iter().filter(|s| s.status != 200).count();
-        slow_windows(samples, &hiccups);
+        slow_windows(samples, &hiccups, &stores);
         if failed > 0 {
             let mut statuses = std::collections::BTreeMap::new();
             for s in samples.iter().filter(|s| s.status != 200) {
@@ -648,7 +657,11 @@ impl Pass {
 /// Prints the 100 ms windows of a pass whose worst answer took over 20 ms, or that had
 /// answers other than 200 (at most 12), with the host's pauses in them: when in the pass
 /// the tail came, and whether the host had stopped.
-fn slow_windows(samples: &[crate::load::Sample], hiccups: &[Hiccup]) {
+fn slow_windows(
+    samples: &[crate::load::Sample],
+    hiccups: &[Hiccup],
+    stores: &[(u16, Vec<Hiccup>)],
+) {
     let mut windows = std::collections::BTreeMap::<u128, (usize, usize, Duration)>::new();
     for s in samples {
         let w = windows.entry(s.at.as_millis() / 100).or_default();
@@ -666,10 +679,23 @@ fn slow_windows(samples: &[crate::load::Sample], hiccups: &[Hiccup]) {
                 .filter(|h| (h.ended.as_millis() / 100).abs_diff(*at) <= 1)
                 .map(|h| h.late.as_secs_f64() * 1e3)
                 .fold(0.0, f64::max);
+            // Each master's slowest `PING` near the window (5 ms or more).
+            let redis: Vec<String> = stores
+                .iter()
+                .filter_map(|(port, seen)| {
+                    let worst = seen
+                        .iter()
+                        .filter(|h| (h.ended.as_millis() / 100).abs_diff(*at) <= 1)
+                        .map(|h| h.late.as_secs_f64() * 1e3)
+                        .fold(0.0, f64::max);
+                    (worst > 0.0).then(|| format!("{port} {worst:.0} ms"))
+                })
+                .collect();
             format!(
-                "{:.1}s: {n} sent, {bad} not 200, worst {:.1} ms, host paused {paused:.0} ms",
+                "{:.1}s: {n} sent, {bad} not 200, worst {:.1} ms, host paused {paused:.0} ms, redis PING {}",
                 *at as f64 / 10.0,
-                worst.as_secs_f64() * 1e3
+                worst.as_secs_f64() * 1e3,
+                if redis.is_empty() { "< 5 ms".into() } else { redis.join(" ") }
             )
         })
         .collect();
