@@ -79,10 +79,9 @@ impl<L> Held<L> {
         // Both caches are sized for their bounds at once (up to [`PRESIZED_AT_MOST`]): a
         // cache that grows rehashes its table on the worker that inserts (seen at 100,000
         // clients as milliseconds on the first requests' path).
-        let sized = presized;
         let clients = moka::sync::Cache::builder()
             .max_capacity(bounds.clients)
-            .initial_capacity(sized(bounds.clients))
+            .initial_capacity(presized(bounds.clients))
             .eviction_listener(move |id: Arc<ClientId>, (), cause| {
                 // `Replaced` and `Explicit` are the catalog's own doing; the rest (`Size`,
                 // which includes a newcomer the policy declined) it must forget.
@@ -96,7 +95,7 @@ impl<L> Held<L> {
             evicted,
             unknown: moka::sync::Cache::builder()
                 .max_capacity(bounds.unknown_keys)
-                .initial_capacity(sized(bounds.unknown_keys))
+                .initial_capacity(presized(bounds.unknown_keys))
                 .time_to_live(bounds.unknown_for)
                 .build(),
             recent: parking_lot::Mutex::new(Recent::new(0)),
