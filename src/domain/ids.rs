@@ -5,19 +5,23 @@ use serde::{Deserialize, Serialize};
 
 /// Why an identifier was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("must be 1-{max} characters of A-Z a-z 0-9 - _ . (got {got:?})")]
+#[error("must be 1-{max} characters of A-Z a-z 0-9 - _ ., not only dots (got {got:?})")]
 pub struct IdError {
     max: usize,
     got: String,
 }
 
 /// Identifiers share one charset. It excludes `{`, `}` and `:` so an id can sit inside a
-/// Redis Cluster hash tag (`{client}`) or beside a region (`{client:eu}`) unambiguously.
+/// Redis Cluster hash tag (`{client}`) or beside a region (`{client:eu}`) unambiguously,
+/// and an id of dots alone: `.` and `..` are a path's dot segments (RFC 3986 5.2.4), so
+/// `/admin/v1/clients/..` could never address the client, and a service would be told
+/// `x-client-id: ..`.
 fn check(s: &str, max: usize) -> Result<(), IdError> {
     let ok = !s.is_empty()
         && s.len() <= max
         && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        && s.bytes().any(|b| b != b'.');
     if ok {
         Ok(())
     } else {
@@ -28,8 +32,10 @@ fn check(s: &str, max: usize) -> Result<(), IdError> {
     }
 }
 
-/// The charset of [`check`] as a JSON Schema (ECMA-262) pattern.
-pub const ID_PATTERN: &str = "^[A-Za-z0-9._-]+$";
+/// What [`check`] accepts as a JSON Schema (ECMA-262) pattern: its charset, with one
+/// character at least that is not a dot. (No lookahead, which not every tool that reads
+/// the document supports.)
+pub const ID_PATTERN: &str = "^[A-Za-z0-9._-]*[A-Za-z0-9_-][A-Za-z0-9._-]*$";
 
 macro_rules! id_type {
     ($(#[$doc:meta])* $name:ident, $max:expr, $example:expr) => {
@@ -93,7 +99,7 @@ macro_rules! id_type {
                     .max_length(Some($max))
                     .pattern(Some(ID_PATTERN))
                     .description(Some(format!(
-                        "1-{} characters of A-Z a-z 0-9 - _ .",
+                        "1-{} characters of A-Z a-z 0-9 - _ ., not only dots",
                         $max
                     )))
                     .examples([serde_json::json!($example)])
@@ -152,7 +158,15 @@ mod tests {
 
     #[test]
     fn ids_of_the_documented_charset_are_accepted() {
-        for s in ["acme", "a", "ACME-01_x.y", &"a".repeat(128)] {
+        for s in [
+            "acme",
+            "a",
+            "ACME-01_x.y",
+            ".a",
+            "a..",
+            "-",
+            &"a".repeat(128),
+        ] {
             assert!(ClientId::parse(s).is_ok(), "{s}");
         }
     }
@@ -167,12 +181,25 @@ mod tests {
             "a:b",
             "é",
             "a\nb",
+            ".",
+            "..",
+            "...",
             &"a".repeat(129),
         ] {
             assert!(ClientId::parse(s).is_err(), "{s:?}");
         }
         assert!(Region::parse(&"r".repeat(33)).is_err());
         assert!(ServiceName::parse(&"s".repeat(65)).is_err());
+    }
+
+    #[test]
+    fn the_schema_pattern_accepts_what_parse_accepts() {
+        let pattern = regex::Regex::new(ID_PATTERN).unwrap();
+        for s in [
+            "acme", ".a", "a..", "-", "a.b", ".", "..", "...", "a b", "a:b", "",
+        ] {
+            assert_eq!(pattern.is_match(s), check(s, 128).is_ok(), "{s:?}");
+        }
     }
 
     #[test]

@@ -389,3 +389,70 @@ async fn a_clients_own_view_is_found_by_its_normal_path_and_never_reaches_a_serv
     );
     assert_eq!(up.hits(), 1);
 }
+
+#[tokio::test]
+async fn ids_made_of_dots_are_refused_for_every_record_however_spelled() {
+    // Arrange: the admin API, written to byte for byte (a client library would resolve
+    // the dot segments before sending).
+    let (gw, _orders, _billing) = two_services(&admin_toml()).await;
+    let bearer = format!("Bearer {}", admin_token("ops", "admin:read admin:write"));
+    let put = |target: String, body: &'static str| {
+        let (gw, bearer) = (&gw, bearer.clone());
+        async move {
+            let addr = gw.address.trim_start_matches("http://");
+            let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let head = format!(
+                "PUT {target} HTTP/1.1\r\nhost: {addr}\r\nauthorization: {bearer}\r\n\
+                 content-type: application/json\r\ncontent-length: {}\r\n\
+                 connection: close\r\n\r\n{body}",
+                body.len()
+            );
+            stream.write_all(head.as_bytes()).await.unwrap();
+            let mut buf = Vec::new();
+            let _ =
+                tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut buf)).await;
+            String::from_utf8_lossy(&buf).into_owned()
+        }
+    };
+
+    // Act and assert: `.` and `..`, escaped or not (actix decodes `%2E`), as a client, a
+    // plan or an override's limit: each a 422 naming the field, and nothing is written.
+    for dots in ["%2E", "%2E%2E", "%2e%2e", ".%2E", "...", "%2E%2E%2E"] {
+        let r = put(format!("/admin/v1/clients/{dots}"), r#"{"plan": "gold"}"#).await;
+        assert!(r.starts_with("HTTP/1.1 422"), "{dots}: {r}");
+        assert!(
+            r.contains("\"client\"") && r.contains("not only dots"),
+            "{dots}: {r}"
+        );
+        let r = put(
+            format!("/admin/v1/plans/{dots}"),
+            r#"{"capacity": 5, "rate": 1}"#,
+        )
+        .await;
+        assert!(r.starts_with("HTTP/1.1 422"), "{dots}: {r}");
+        assert!(r.contains("\"plan\""), "{dots}: {r}");
+    }
+    let clients: serde_json::Value = gw
+        .admin(
+            reqwest::Method::GET,
+            "/clients",
+            &admin_token("ops", "admin:read"),
+        )
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids: Vec<&str> = clients["items"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|c| c["id"].as_str()).collect())
+        .unwrap_or_default();
+    assert!(
+        ids.iter().all(|id| id.bytes().any(|b| b != b'.')),
+        "{clients}"
+    );
+    // An id with dots and something else stays valid.
+    let r = put("/admin/v1/clients/.acme.".into(), r#"{"plan": "gold"}"#).await;
+    assert!(r.starts_with("HTTP/1.1 201"), "{r}");
+}
