@@ -275,7 +275,7 @@ pub fn if_match(headers: &HeaderMap) -> Result<Option<IfMatch>, ApiError> {
         for tag in entity_tags(v).ok_or_else(|| bad(v))? {
             match tag {
                 Tag::Star => star = true,
-                Tag::Weak => {}
+                Tag::Weak(_) => {}
                 Tag::Strong(opaque) => revs.extend(opaque.parse::<u64>().ok()),
             }
         }
@@ -287,9 +287,79 @@ pub fn if_match(headers: &HeaderMap) -> Result<Option<IfMatch>, ApiError> {
     }))
 }
 
+/// An `If-None-Match` precondition on a write (RFC 9110 13.1.2): `*` makes a `PUT`
+/// create-only; tags are compared weakly, as that header asks.
+#[derive(Debug, Clone, PartialEq)]
+pub enum IfNoneMatch {
+    /// `*`: false when any current representation exists.
+    Any,
+    /// The revisions of the tags listed, weak or strong.
+    Revisions(Vec<u64>),
+}
+
+impl IfNoneMatch {
+    /// Whether a resource at revision `current` (`None`: it does not exist) matches, so
+    /// the precondition fails (`412`).
+    pub fn matches(&self, current: Option<u64>) -> bool {
+        match (self, current) {
+            (_, None) => false,
+            (IfNoneMatch::Any, Some(_)) => true,
+            (IfNoneMatch::Revisions(revs), Some(cur)) => revs.contains(&cur),
+        }
+    }
+}
+
+/// The `If-None-Match` header(s), `None` without one; `400` when it is not `*` or a list
+/// of entity tags.
+pub fn if_none_match(headers: &HeaderMap) -> Result<Option<IfNoneMatch>, ApiError> {
+    let mut values = headers.get_all(header::IF_NONE_MATCH).peekable();
+    if values.peek().is_none() {
+        return Ok(None);
+    }
+    let bad = |v: &str| {
+        ApiError::BadRequest(format!(
+            "If-None-Match {v:?} is not * or a list of entity tags like \"3\""
+        ))
+    };
+    let mut revs = Vec::new();
+    for v in values {
+        let v = v.to_str().map_err(|_| bad("(not ASCII)"))?;
+        for tag in entity_tags(v).ok_or_else(|| bad(v))? {
+            match tag {
+                Tag::Star => return Ok(Some(IfNoneMatch::Any)),
+                Tag::Weak(opaque) | Tag::Strong(opaque) => revs.extend(opaque.parse::<u64>().ok()),
+            }
+        }
+    }
+    Ok(Some(IfNoneMatch::Revisions(revs)))
+}
+
+/// A write's preconditions, `If-Match` then `If-None-Match` (RFC 9110 13.2.2).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Preconditions {
+    pub if_match: Option<IfMatch>,
+    pub if_none_match: Option<IfNoneMatch>,
+}
+
+impl Preconditions {
+    /// Both headers; `400` when either is malformed.
+    pub fn read(headers: &HeaderMap) -> Result<Self, ApiError> {
+        Ok(Self {
+            if_match: if_match(headers)?,
+            if_none_match: if_none_match(headers)?,
+        })
+    }
+
+    /// Whether the request states any: then a write that loses a race is refused (`412`),
+    /// not retried over what the other writer left.
+    pub fn any(&self) -> bool {
+        self.if_match.is_some() || self.if_none_match.is_some()
+    }
+}
+
 enum Tag<'a> {
     Star,
-    Weak,
+    Weak(&'a str),
     Strong(&'a str),
 }
 
@@ -329,7 +399,11 @@ fn entity_tags(v: &str) -> Option<Vec<Tag<'_>>> {
         {
             return None;
         }
-        tags.push(if weak { Tag::Weak } else { Tag::Strong(opaque) });
+        tags.push(if weak {
+            Tag::Weak(opaque)
+        } else {
+            Tag::Strong(opaque)
+        });
         rest = r[end + 1..].trim_start_matches([' ', '\t']);
         match rest.strip_prefix(',') {
             Some(r) => rest = r,
@@ -490,6 +564,30 @@ mod tests {
                 "{v:?}"
             );
         }
+    }
+
+    fn none_match(values: &[&str]) -> Result<Option<IfNoneMatch>, ApiError> {
+        let mut h = HeaderMap::new();
+        for v in values {
+            h.append(header::IF_NONE_MATCH, v.parse().unwrap());
+        }
+        if_none_match(&h)
+    }
+
+    #[test]
+    fn if_none_match_star_fails_on_any_existing_representation_only() {
+        assert_eq!(none_match(&[]).unwrap(), None);
+        let m = none_match(&["*"]).unwrap().unwrap();
+        assert!(m.matches(Some(1)));
+        assert!(!m.matches(None));
+    }
+
+    #[test]
+    fn if_none_match_compares_weakly() {
+        let m = none_match(&["W/\"3\", \"5\""]).unwrap().unwrap();
+        assert!(m.matches(Some(3)) && m.matches(Some(5)));
+        assert!(!m.matches(Some(4)) && !m.matches(None));
+        assert!(matches!(none_match(&["3"]), Err(ApiError::BadRequest(_))));
     }
 
     #[derive(Deserialize)]

@@ -8,10 +8,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::{IntoParams, ToSchema};
 
-use super::body::{etag, if_match, read_body, Field, Fields};
+use super::body::{etag, read_body, Field, Fields, Preconditions};
 use super::overrides::Until;
 use super::shared::{
-    client_id, current, now_ms, put_over_current, refusal, rfc3339, update_client,
+    client_id, current, now_ms, put_over_current, refusal, rfc3339, unconditional, update_client,
 };
 use super::Actor;
 use crate::catalog::{
@@ -423,10 +423,10 @@ pub async fn put(
     let id = client_id(&id)?;
     let (input, f) = read_body::<ClientInput>(payload).await?;
     let (plan, mode, shards) = parse_client(input, f, &id)?;
-    let wanted = if_match(req.headers())?;
+    let wanted = Preconditions::read(req.headers())?;
     let (written, replaced) = put_over_current(
         "client",
-        wanted.as_ref(),
+        &wanted,
         async || Ok(state.store.catalog.client(id.as_str()).await?),
         |existing: Option<ClientRecord>| {
             let (keys, overrides, extra) = existing
@@ -547,7 +547,7 @@ pub async fn create_key(
         &state,
         &id,
         Audit::new(&actor.sub, "key.create"),
-        None,
+        unconditional(),
         async |c| {
             room_for(c, &record)?;
             c.keys.push(record.clone());
@@ -651,7 +651,7 @@ pub async fn roll_key(
         &state,
         &id,
         Audit::new(&actor.sub, "key.roll"),
-        None,
+        unconditional(),
         async |c| {
             room_for(c, &record)?;
             let Some(old) = c.keys.iter_mut().find(|k| k.key_id == old_id) else {
@@ -702,7 +702,7 @@ pub async fn revoke_key(
         &state,
         &id,
         Audit::new(&actor.sub, "key.revoke"),
-        None,
+        unconditional(),
         async |c| {
             let before = c.keys.len();
             c.keys.retain(|k| k.key_id != key_id);

@@ -199,7 +199,7 @@ fn allow(methods: &'static str) -> actix_web::Route {
         crate::domain::PlanName,
         crate::domain::ClientId,
     )),
-    modifiers(&BearerAuth, &CommonResponses),
+    modifiers(&BearerAuth, &CommonResponses, &RollNeedsOneEnd),
     tags(
         (name = "plans", description = "What each plan allows: its limits"),
         (name = "clients", description = "Clients, their plans, keys, overrides, usage and buckets"),
@@ -222,10 +222,49 @@ impl Modify for BearerAuth {
     }
 }
 
+/// A roll's body gives exactly one of `overlap_s` and `old_expires_at` (`null` is the
+/// same as leaving a field out): stated in the document, where a derived schema cannot.
+struct RollNeedsOneEnd;
+
+impl Modify for RollNeedsOneEnd {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::schema::{AllOfBuilder, ObjectBuilder, OneOfBuilder, Schema};
+        use utoipa::openapi::schema::{SchemaType, Type};
+        use utoipa::openapi::RefOr;
+
+        let Some(components) = openapi.components.as_mut() else {
+            return;
+        };
+        let Some(RefOr::T(body)) = components.schemas.remove("RollInput") else {
+            return;
+        };
+        // `given` is there (not null); `other` is absent or null.
+        let one = |given: &str, kind: Type, other: &str| {
+            ObjectBuilder::new()
+                .required(given)
+                .property(
+                    given,
+                    ObjectBuilder::new().schema_type(SchemaType::Type(kind)),
+                )
+                .property(
+                    other,
+                    ObjectBuilder::new().schema_type(SchemaType::Type(Type::Null)),
+                )
+        };
+        let ends = OneOfBuilder::new()
+            .item(one("overlap_s", Type::Integer, "old_expires_at"))
+            .item(one("old_expires_at", Type::String, "overlap_s"));
+        let whole = AllOfBuilder::new().item(body).item(ends).build();
+        components
+            .schemas
+            .insert("RollInput".to_string(), RefOr::T(Schema::AllOf(whole)));
+    }
+}
+
 /// The statuses every operation of a kind can answer, added in one place so no operation
 /// misses one: the token's (`401`, `403`) and the store's (`503`) and `500` everywhere;
 /// an invalid id in the path (`422`); a body's `400`, `413` and `422`; a query string's
-/// `400` and `422`; `If-Match`'s `400` and `412`. Each is a problem (`application/problem+json`).
+/// `400` and `422`; `If-Match`'s and `If-None-Match`'s `400` and `412`. Each is a problem (`application/problem+json`).
 /// Operations keep the statuses (and descriptions) their annotations give.
 struct CommonResponses;
 
@@ -249,8 +288,9 @@ impl Modify for CommonResponses {
 impl CommonResponses {
     /// Adds to `op` the statuses its kind can answer that it does not list yet.
     fn add_to(op: &mut utoipa::openapi::path::Operation) {
-        use utoipa::openapi::path::{Operation, ParameterIn};
+        use utoipa::openapi::path::{Operation, ParameterBuilder, ParameterIn};
         use utoipa::openapi::schema::{ObjectBuilder, SchemaType, Type};
+        use utoipa::openapi::Required;
         use utoipa::openapi::{ContentBuilder, HeaderBuilder, Ref, ResponseBuilder};
 
         let problem = |description: &str| {
@@ -285,17 +325,34 @@ impl CommonResponses {
             add(op, "422", problem("Invalid fields, each named"));
         }
         if if_match {
-            add(op, "400", problem("A malformed If-Match"));
-            add(
-                op,
-                "412",
-                problem("If-Match does not match the current version"),
-            );
+            add(op, "400", problem("A malformed If-Match or If-None-Match"));
             for p in op.parameters.iter_mut().flatten() {
                 if p.name == "If-Match" {
                     p.schema = Some(string().pattern(Some(body::IF_MATCH_PATTERN)).into());
                 }
             }
+            // Every write that takes If-Match takes If-Match's counterpart as well
+            // (`src/admin/shared.rs`, `precondition`).
+            let parameters = op.parameters.get_or_insert_with(Vec::new);
+            if !parameters.iter().any(|p| p.name == "If-None-Match") {
+                parameters.push(
+                    ParameterBuilder::new()
+                        .name("If-None-Match")
+                        .parameter_in(ParameterIn::Header)
+                        .required(Required::False)
+                        .description(Some(
+                            "Only if it does not exist (`*`: create-only), or is at none of \
+                             these ETags (compared weakly); else 412",
+                        ))
+                        .schema(Some(string().pattern(Some(body::IF_MATCH_PATTERN))))
+                        .build(),
+                );
+            }
+            add(
+                op,
+                "412",
+                problem("If-Match does not match the current version, or If-None-Match does"),
+            );
         }
         add(
             op,

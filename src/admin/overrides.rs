@@ -10,11 +10,13 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
 
-use super::body::{etag, if_match, read_body, Field};
+use super::body::{etag, read_body, Field, Preconditions};
 use super::plans::QuotaAmount;
-use super::shared::{client_id, current, now_ms, path_id, plan_limits, rfc3339, update_client};
+use super::shared::{
+    client_id, current, now_ms, path_id, plan_limits, rfc3339, update_client, PartPreconditions,
+};
 use super::Actor;
-use crate::catalog::Audit;
+use crate::catalog::{Audit, ClientRecord};
 use crate::domain::limits::MAX_LIMITS;
 use crate::domain::{Capacity, ClientId, LimitName, Override, Rate};
 use crate::error::{ApiError, Problem};
@@ -184,9 +186,14 @@ pub async fn put(
         quota: quota.map(f64::from),
         until: until.map(|u| u.0),
     };
-    let wanted = if_match(req.headers())?;
+    let wanted = Preconditions::read(req.headers())?;
     let audit = Audit::new(&actor.sub, "override.put");
-    let (created, rev) = update_client(&state, &id, audit, wanted.as_ref(), async |c| {
+    let part = PartPreconditions {
+        wanted: &wanted,
+        exists: |c: &ClientRecord| c.overrides.iter().any(|x| x.limit == o.limit),
+        what: "override",
+    };
+    let (created, rev) = update_client(&state, &id, audit, part, async |c| {
         // Against the plan the client is on in the version written.
         let limits = plan_limits(&state, &c.plan).await?;
         limits
@@ -249,9 +256,14 @@ pub async fn delete(
     let (id, limit) = path.into_inner();
     let id = client_id(&id)?;
     let limit = path_id(&limit, LimitName::parse, "limit")?;
-    let wanted = if_match(req.headers())?;
+    let wanted = Preconditions::read(req.headers())?;
     let audit = Audit::new(&actor.sub, "override.delete");
-    let ((), rev) = update_client(&state, &id, audit, wanted.as_ref(), async |c| {
+    let part = PartPreconditions {
+        wanted: &wanted,
+        exists: |c: &ClientRecord| c.overrides.iter().any(|x| x.limit == limit),
+        what: "override",
+    };
+    let ((), rev) = update_client(&state, &id, audit, part, async |c| {
         let before = c.overrides.len();
         c.overrides.retain(|o| o.limit != limit);
         if c.overrides.len() == before {

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
 
-use super::body::{etag, if_match, read_body, read_member, Description, Field, Fields};
+use super::body::{etag, read_body, read_member, Description, Field, Fields, Preconditions};
 use super::shared::{condition, path_id, put_over_current};
 use super::Actor;
 use crate::catalog::{Audit, CatalogWrite, Condition, PlanRecord, Versioned, WriteOutcome};
@@ -620,10 +620,10 @@ pub async fn put(
         description.map(String::from),
     )
     .with_max_connections(max_connections);
-    let wanted = if_match(req.headers())?;
+    let wanted = Preconditions::read(req.headers())?;
     let (written, replaced) = put_over_current(
         "plan",
-        wanted.as_ref(),
+        &wanted,
         async || Ok(state.store.catalog.plan(name.as_str()).await?),
         // A newer gateway's fields in the plan stay.
         |existing: Option<PlanRecord>| PlanRecord {

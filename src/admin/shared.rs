@@ -1,11 +1,12 @@
-//! What the handlers share: ids from the path, `If-Match` conditions, refusals, the clock
+//! What the handlers share: ids from the path, `If-Match` and `If-None-Match`
+//! conditions, refusals, the clock
 //! and how times are written, a plan's limits, a client read and changed.
 
 use std::future::Future;
 
 use actix_web::HttpRequest;
 
-use super::body::{self, IfMatch};
+use super::body::{IfMatch, IfNoneMatch, Preconditions};
 use crate::catalog::{Audit, CatalogWrite, ClientRecord, Condition, Versioned, WriteOutcome};
 use crate::domain::{ClientId, Limits, PlanName};
 use crate::error::ApiError;
@@ -53,8 +54,9 @@ pub(super) fn path_id<T, E: std::fmt::Display>(
     parse(raw).map_err(|e| ApiError::field(field, e.to_string()))
 }
 
-/// The write condition from `If-Match`: without it, any; with it, the current revision
-/// when the header matches it (the store checks it again, atomically), else `412`.
+/// The write condition from `If-Match` and `If-None-Match`: without them, any; with them,
+/// the current revision (or its absence) when they hold for it (the store checks it again,
+/// atomically), else `412`.
 pub(super) async fn condition<F, Fut>(
     req: &HttpRequest,
     what: &str,
@@ -64,26 +66,53 @@ where
     F: FnOnce() -> Fut,
     Fut: Future<Output = Result<Option<u64>, ApiError>>,
 {
-    match body::if_match(req.headers())? {
-        None => Ok(Condition::Any),
-        Some(wanted) => {
-            let current = current().await?;
-            precondition(&wanted, current, what)?;
-            Ok(Condition::Rev(current.expect("matched")))
-        }
+    let wanted = Preconditions::read(req.headers())?;
+    if !wanted.any() {
+        return Ok(Condition::Any);
     }
+    let current = current().await?;
+    precondition(&wanted, current, what)?;
+    Ok(match current {
+        Some(rev) => Condition::Rev(rev),
+        None => Condition::Absent,
+    })
 }
 
-/// `412` unless `If-Match` matches the revision `current` (`None`: missing).
+/// `412` unless `If-Match` matches the revision `current` (`None`: missing) and
+/// `If-None-Match` does not.
 pub(super) fn precondition(
-    wanted: &body::IfMatch,
+    wanted: &Preconditions,
     current: Option<u64>,
     what: &str,
 ) -> Result<(), ApiError> {
+    if let Some(m) = &wanted.if_match {
+        if_match_holds(m, current, what)?;
+    }
+    if let Some(n) = &wanted.if_none_match {
+        if_none_match_holds(n, current, what)?;
+    }
+    Ok(())
+}
+
+/// `412` unless `If-Match` matches the revision `current` (`None`: missing).
+fn if_match_holds(m: &IfMatch, current: Option<u64>, what: &str) -> Result<(), ApiError> {
     match current {
-        _ if wanted.matches(current) => Ok(()),
+        _ if m.matches(current) => Ok(()),
         None => Err(refusal(WriteOutcome::Missing, what)),
         Some(current) => Err(refusal(WriteOutcome::Stale { current }, what)),
+    }
+}
+
+/// `412` when `If-None-Match` matches the revision `current` (`None`: missing).
+fn if_none_match_holds(n: &IfNoneMatch, current: Option<u64>, what: &str) -> Result<(), ApiError> {
+    match current {
+        Some(current) if n.matches(Some(current)) => Err(ApiError::PreconditionFailed(match n {
+            IfNoneMatch::Any => format!("the {what} exists already (If-None-Match: *)"),
+            IfNoneMatch::Revisions(_) => {
+                format!("the {what} is at ETag \"{current}\" (If-None-Match)")
+            }
+        })),
+        _ => Ok(()),
     }
 }
 
@@ -134,21 +163,19 @@ pub(super) async fn current(
 /// Creates or replaces a record (a `PUT`) over the one stored now: `read` it, `build` the
 /// new one from what it had (what a `PUT` does not replace: a client's keys, the fields a
 /// newer gateway wrote), and `write` it only over that revision (or only while still
-/// absent), retrying when another writer got in between; with `If-Match` (`wanted`), only
-/// at that version, and `412` rather than a retry. Returns the record as written and
-/// whether it replaced one.
+/// absent), retrying when another writer got in between; with `If-Match` or
+/// `If-None-Match` (`wanted`), only while they hold, and `412` rather than a retry. Returns
+/// the record as written and whether it replaced one.
 pub(super) async fn put_over_current<T, R>(
     what: &str,
-    wanted: Option<&IfMatch>,
+    wanted: &Preconditions,
     read: impl AsyncFn() -> Result<Option<Versioned<T>>, ApiError>,
     build: impl Fn(Option<T>) -> R,
     write: impl AsyncFn(&R, Condition) -> Result<WriteOutcome, ApiError>,
 ) -> Result<(Versioned<R>, bool), ApiError> {
     for _ in 0..WRITE_TRIES {
         let existing = read().await?;
-        if let Some(wanted) = wanted {
-            precondition(wanted, existing.as_ref().map(|e| e.rev), what)?;
-        }
+        precondition(wanted, existing.as_ref().map(|e| e.rev), what)?;
         let cond = match &existing {
             Some(cur) => Condition::Rev(cur.rev),
             None => Condition::Absent,
@@ -159,9 +186,15 @@ pub(super) async fn put_over_current<T, R>(
                 return Ok((Versioned { rev, value: rec }, before.is_some()))
             }
             WriteOutcome::Stale { .. } | WriteOutcome::Exists | WriteOutcome::Missing
-                if wanted.is_none() =>
+                if !wanted.any() =>
             {
                 continue
+            }
+            // Created meanwhile by another writer: `If-None-Match` no longer holds.
+            WriteOutcome::Exists => {
+                return Err(ApiError::PreconditionFailed(format!(
+                    "the {what} exists already (If-None-Match)"
+                )))
             }
             other => return Err(refusal(other, what)),
         }
@@ -171,20 +204,47 @@ pub(super) async fn put_over_current<T, R>(
     )))
 }
 
+/// What a change to part of a client's record is checked against: `If-Match` against the
+/// client's version (the part's ETag), `If-None-Match` against the part, which `exists`
+/// says is there (or not) in a record; `what` names the part.
+pub(super) struct PartPreconditions<'a, E> {
+    pub wanted: &'a Preconditions,
+    pub exists: E,
+    pub what: &'a str,
+}
+
+/// No preconditions: a change to a client's record that states none.
+pub(super) fn unconditional() -> PartPreconditions<'static, fn(&ClientRecord) -> bool> {
+    static NONE: Preconditions = Preconditions {
+        if_match: None,
+        if_none_match: None,
+    };
+    PartPreconditions {
+        wanted: &NONE,
+        exists: |_| true,
+        what: "client",
+    }
+}
+
 /// Changes a client's record with `edit`, retrying when another writer got there first;
-/// with `If-Match` (`wanted`), only at that version, and `412` rather than a retry. Returns
-/// what `edit` returned and the client's new version (its ETag).
+/// with `If-Match` or `If-None-Match` (`part`), only while they hold, and `412` rather than
+/// a retry. Returns what `edit` returned and the client's new version (its ETag).
 pub(super) async fn update_client<T>(
     state: &AppState,
     id: &ClientId,
     audit: Audit,
-    wanted: Option<&IfMatch>,
+    part: PartPreconditions<'_, impl Fn(&ClientRecord) -> bool>,
     edit: impl AsyncFn(&mut ClientRecord) -> Result<T, ApiError>,
 ) -> Result<(T, u64), ApiError> {
+    let wanted = part.wanted;
     for _ in 0..WRITE_TRIES {
         let cur = current(state, id).await?;
-        if let Some(wanted) = wanted {
-            precondition(wanted, Some(cur.rev), "client")?;
+        if let Some(m) = &wanted.if_match {
+            if_match_holds(m, Some(cur.rev), "client")?;
+        }
+        if let Some(n) = &wanted.if_none_match {
+            let there = (part.exists)(&cur.value).then_some(cur.rev);
+            if_none_match_holds(n, there, part.what)?;
         }
         let mut rec = cur.value;
         let out = edit(&mut rec).await?;
@@ -198,7 +258,7 @@ pub(super) async fn update_client<T>(
             .await?
         {
             WriteOutcome::Written { rev, .. } => return Ok((out, rev)),
-            WriteOutcome::Stale { .. } if wanted.is_none() => continue,
+            WriteOutcome::Stale { .. } if !wanted.any() => continue,
             WriteOutcome::Missing => return Err(ApiError::NotFound(format!("no client {id}"))),
             other => return Err(refusal(other, "client")),
         }

@@ -1250,3 +1250,118 @@ async fn an_unknown_method_is_405_with_allow() {
     assert_eq!(r.status(), 400);
     assert_eq!(r.headers()["content-type"], "application/problem+json");
 }
+
+#[tokio::test]
+async fn if_none_match_star_makes_a_put_create_only_and_a_listed_etag_refuses_it() {
+    // Arrange: a gateway with the admin API on the embedded store (the Redis store's
+    // create-only condition is the same script condition `PUT` already used).
+    let gw = admin_gateway("").await;
+    let put = |path: &'static str, body: Value, none_match: &str| {
+        let none_match = none_match.to_string();
+        let gw = &gw;
+        async move {
+            gw.admin(Method::PUT, path, &rw())
+                .header("if-none-match", none_match)
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    let get = |path: &'static str| {
+        let gw = &gw;
+        async move {
+            gw.admin(Method::GET, path, &rw())
+                .send()
+                .await
+                .unwrap()
+                .json::<Value>()
+                .await
+                .unwrap()
+        }
+    };
+
+    // Act and assert: each resource a PUT creates, created once under `*`, then refused
+    // (412, a problem), and left as it was.
+    let limits =
+        |capacity: u32| json!({"limits": [{"name": "burst", "capacity": capacity, "rate": 1}]});
+    let r = put("/plans/gold", limits(10), "*").await;
+    assert_eq!(r.status(), 201);
+    let r = put("/plans/gold", limits(99), "*").await;
+    assert_eq!(r.status(), 412);
+    assert_eq!(r.headers()["content-type"], "application/problem+json");
+    assert_eq!(get("/plans/gold").await["limits"][0]["capacity"], 10.0);
+
+    let r = put(
+        "/clients/acme",
+        json!({"plan": "gold", "mode": "shadow"}),
+        "*",
+    )
+    .await;
+    assert_eq!(r.status(), 201);
+    let etag = r.headers()["etag"].to_str().unwrap().to_string();
+    let r = put(
+        "/clients/acme",
+        json!({"plan": "gold", "mode": "enforce"}),
+        "*",
+    )
+    .await;
+    assert_eq!(r.status(), 412);
+    assert_eq!(get("/clients/acme").await["mode"], "shadow");
+
+    let r = put(
+        "/clients/acme/overrides/burst",
+        json!({"capacity": 20}),
+        "*",
+    )
+    .await;
+    assert_eq!(r.status(), 201, "{:?}", r.text().await);
+    let r = put(
+        "/clients/acme/overrides/burst",
+        json!({"capacity": 30}),
+        "*",
+    )
+    .await;
+    assert_eq!(r.status(), 412);
+    assert_eq!(
+        get("/clients/acme/overrides").await["items"][0]["capacity"],
+        20.0
+    );
+
+    let r = put("/safety", json!({"multiplier": 5}), "*").await;
+    assert_eq!(r.status(), 200);
+    let r = put("/safety", json!({"multiplier": 7}), "*").await;
+    assert_eq!(r.status(), 412);
+    assert_eq!(get("/safety").await["multiplier"], 5.0);
+
+    // A listed ETag (compared weakly) refuses a PUT when the resource is at it, and lets
+    // one through when it is not; a malformed header is a 400.
+    let now = gw
+        .admin(Method::GET, "/clients/acme", &rw())
+        .send()
+        .await
+        .unwrap()
+        .headers()["etag"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert_ne!(now, etag, "the override moved the client on");
+    let weak = format!("W/{now}");
+    let r = put(
+        "/clients/acme",
+        json!({"plan": "gold", "mode": "enforce"}),
+        &weak,
+    )
+    .await;
+    assert_eq!(r.status(), 412);
+    let r = put(
+        "/clients/acme",
+        json!({"plan": "gold", "mode": "enforce"}),
+        &etag,
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(get("/clients/acme").await["mode"], "enforce");
+    let r = put("/plans/gold", limits(10), "no-quotes").await;
+    assert_eq!(r.status(), 400);
+}
