@@ -133,10 +133,20 @@ impl ApiError {
     }
 }
 
+/// What the admin API and `/readyz` say of a store out of memory (`maxmemory` reached
+/// under `noeviction`).
+pub const STORE_OUT_OF_MEMORY: &str = "the store refuses writes: it is out of memory";
+
+/// The store's error goes to the log, not to the caller: it names hosts, scripts and
+/// their lines.
 impl From<crate::store::StoreError> for ApiError {
     fn from(e: crate::store::StoreError) -> ApiError {
         tracing::warn!(error = %e, "store call failed");
-        ApiError::StoreUnavailable(e.to_string())
+        ApiError::StoreUnavailable(if e.out_of_memory() {
+            format!("{STORE_OUT_OF_MEMORY} (Redis maxmemory); the gateway's log has the error")
+        } else {
+            "it failed or did not answer; the gateway's log has the error".into()
+        })
     }
 }
 

@@ -31,7 +31,8 @@ async fn healthz() -> HttpResponse {
     HttpResponse::Ok().json(json!({"status": "ok"}))
 }
 
-/// `200` when the store answers within a second, else `503` with a generic reason; both
+/// `200` when the store answers within a second and no decision met it refusing writes
+/// (out of memory) in the last 10 s, else `503` with a generic reason; both
 /// say which catalog the gateway serves (`store`, `cache` with its age, or `config`).
 /// `/readyz` is served on the public listener, so it names no Redis host, user or error
 /// text: the store's error goes to the log (a `WARN` per failed probe), for operators.
@@ -39,6 +40,11 @@ async fn readyz(state: web::Data<AppState>) -> HttpResponse {
     let reason = match tokio::time::timeout(Duration::from_secs(1), state.store.lifecycle.ping())
         .await
     {
+        // It answers, but refused the decisions' writes lately: every one fails open.
+        Ok(Ok(())) if state.limiter.store_refuses_writes() => {
+            tracing::warn!(store = %state.store.lifecycle.describe(), "not ready: the store refuses writes (out of memory)");
+            Some(crate::error::STORE_OUT_OF_MEMORY)
+        }
         Ok(Ok(())) => None,
         Ok(Err(e)) => {
             tracing::warn!(error = %e, store = %state.store.lifecycle.describe(), "not ready: the store failed");

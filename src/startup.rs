@@ -71,7 +71,8 @@ impl Application {
         metrics.reloads.loaded(reload::unix_ms());
         let keys = Keys::new(&settings.redis.key_prefix);
         let store = open_store(&settings, &keys)?;
-        let catalog = mirror_catalog(&settings, &keys, &store, &tasks).await?;
+        let mirrored = mirror_catalog(&settings, &keys, &store, &tasks).await?;
+        let catalog = Arc::clone(&mirrored.0);
         start_housekeeping(&store, &tasks);
         let regional = open_regional_store(&settings, &keys, &store).await?;
         let limiter = Limiter::start(LimiterParts {
@@ -90,7 +91,7 @@ impl Application {
         if let Some(every) = settings.tls.watch {
             tls::spawn_watch(&tls, every, &tasks);
         }
-        let state = shared_state(&settings, catalog, limiter, store, metrics, tls, &tasks)?;
+        let state = shared_state(&settings, mirrored, limiter, store, metrics, tls, &tasks)?;
         start_health_checks(&state, &settings, &tasks);
         proxy::close_on_sigterm(&state.websockets, &tasks)?;
         start_view_eviction(&state, &tasks);
@@ -177,7 +178,7 @@ async fn mirror_catalog(
     keys: &Keys,
     store: &Store,
     tasks: &Tasks,
-) -> anyhow::Result<Arc<Catalog>> {
+) -> anyhow::Result<(Arc<Catalog>, Arc<StoreStart>)> {
     let cache_file = settings
         .catalog
         .cache_file
@@ -192,14 +193,14 @@ async fn mirror_catalog(
         .with_cache_file(cache_file)
         .with_holding(settings.catalog.holding),
     );
-    prepare_store(store, &catalog, settings, tasks).await?;
+    let start = prepare_store(store, &catalog, settings, tasks).await?;
     catalog.spawn_refresh(tasks, store.clone(), settings.catalog.refresh);
     catalog
         .first_key_filter(store, crate::catalog::KEY_FILTER_AT_START)
         .await;
     catalog.spawn_key_filter(tasks, store.clone());
     catalog.spawn_key_use_flush(tasks, store.clone(), settings.periods.key_use_flush);
-    Ok(catalog)
+    Ok((catalog, start))
 }
 
 /// Starts task `store-housekeeping`, when the store has chores (the embedded store evicts
@@ -241,7 +242,7 @@ fn start_view_eviction(state: &web::Data<AppState>, tasks: &Tasks) {
 /// What every handler shares.
 fn shared_state(
     settings: &Settings,
-    catalog: Arc<Catalog>,
+    (catalog, store_start): (Arc<Catalog>, Arc<StoreStart>),
     limiter: Arc<Limiter>,
     store: Store,
     metrics: Arc<Metrics>,
@@ -259,6 +260,7 @@ fn shared_state(
         catalog,
         limiter,
         store,
+        store_start,
         routes: ArcSwap::from_pointee(RouteTable::new(&settings.routes)),
         metrics: Arc::clone(&metrics),
         key_sources: crate::proxy::KeySources::new(
@@ -526,37 +528,102 @@ async fn open_regional_store(
     Ok(regional)
 }
 
+/// Whether the store got what a gateway puts in at start (its scripts, the declared
+/// catalog) and the catalog was mirrored from it; when not yet (the store was down at
+/// start), who gets there first does it: task `store-start-retry` every second, or an
+/// admin request, which must not answer from a store the declared catalog is not in yet
+/// (`422 "no such plan"` for a plan the request path enforces).
+pub struct StoreStart {
+    done: std::sync::atomic::AtomicBool,
+    /// One attempt at a time.
+    attempt: tokio::sync::Mutex<()>,
+    store: Store,
+    catalog: Arc<Catalog>,
+    settings: Settings,
+}
+
+/// How long an admin request waits for the store's start (scripts, seeding, the first
+/// mirror) before going on without it: a store still down fails the request anyway.
+const START_WAIT: Duration = Duration::from_secs(2);
+
+impl StoreStart {
+    fn new(store: &Store, catalog: &Arc<Catalog>, settings: &Settings) -> Arc<StoreStart> {
+        Arc::new(StoreStart {
+            done: Default::default(),
+            attempt: Default::default(),
+            store: store.clone(),
+            catalog: Arc::clone(catalog),
+            settings: settings.clone(),
+        })
+    }
+
+    /// Whether the store has been started.
+    pub fn done(&self) -> bool {
+        self.done.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Loads the scripts, seeds the declared catalog and mirrors it, unless done already
+    /// (or being done: then it waits for that attempt, and tries again if it failed).
+    pub async fn ensure(&self) -> anyhow::Result<()> {
+        if self.done() {
+            return Ok(());
+        }
+        let _one = self.attempt.lock().await;
+        if self.done() {
+            return Ok(());
+        }
+        self.store.lifecycle.load_scripts().await?;
+        catalog::seed(&self.store, &self.settings).await?;
+        self.catalog.refresh(&self.store).await?;
+        self.done.store(true, std::sync::atomic::Ordering::Release);
+        Ok(())
+    }
+
+    /// Before an admin request: the store started, or tried now (within [`START_WAIT`]).
+    pub async fn before_admin(&self) {
+        if self.done() {
+            return;
+        }
+        match tokio::time::timeout(START_WAIT, self.ensure()).await {
+            Ok(Ok(())) => {
+                tracing::info!("store reachable; catalog seeded and mirrored (on an admin request)")
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "store still unavailable for an admin request")
+            }
+            Err(_) => tracing::debug!("the store's start took longer than an admin request waits"),
+        }
+    }
+}
+
 /// Loads scripts, seeds the declared catalog and mirrors it. A Redis that is down at start
 /// does not stop the gateway (it fails open); task `store-start-retry` tries again every
-/// second instead, until it has.
+/// second instead, until it has (an admin request tries at once: [`StoreStart`]).
 async fn prepare_store(
     store: &Store,
     catalog: &Arc<Catalog>,
     settings: &Settings,
     tasks: &Tasks,
-) -> anyhow::Result<()> {
-    async fn attempt(store: &Store, catalog: &Catalog, settings: &Settings) -> anyhow::Result<()> {
-        store.lifecycle.load_scripts().await?;
-        catalog::seed(store, settings).await?;
-        catalog.refresh(store).await?;
-        Ok(())
-    }
-    match attempt(store, catalog, settings).await {
-        Ok(()) => Ok(()),
+) -> anyhow::Result<Arc<StoreStart>> {
+    let start = StoreStart::new(store, catalog, settings);
+    match start.ensure().await {
+        Ok(()) => Ok(start),
         Err(e) if store.lifecycle.kind() == StoreKind::Embedded => Err(e),
         Err(e) if e.downcast_ref::<crate::store::StoreError>().is_none() => Err(e),
         Err(e) => {
             tracing::warn!(error = %e, "store unavailable at start; failing open and retrying");
             serve_fallback(catalog, settings);
-            let (store, catalog, settings) = (store.clone(), Arc::clone(catalog), settings.clone());
+            let retried = Arc::clone(&start);
             tasks.spawn("store-start-retry", Policy::UntilDone, move |stop| {
-                let (store, catalog) = (store.clone(), Arc::clone(&catalog));
-                let settings = settings.clone();
+                let start = Arc::clone(&retried);
                 async move {
                     let retrying = async {
                         loop {
                             tokio::time::sleep(Duration::from_secs(1)).await;
-                            if attempt(&store, &catalog, &settings).await.is_ok() {
+                            if start.done() {
+                                return;
+                            }
+                            if start.ensure().await.is_ok() {
                                 tracing::info!("store reachable; catalog seeded and mirrored");
                                 return;
                             }
@@ -565,7 +632,7 @@ async fn prepare_store(
                     stop.run_until_cancelled(retrying).await;
                 }
             });
-            Ok(())
+            Ok(start)
         }
     }
 }

@@ -26,6 +26,21 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// Whether Redis refused a write because its memory is full (`maxmemory` under
+    /// `noeviction`): it still answers, and reads, but every decision fails.
+    pub fn out_of_memory(&self) -> bool {
+        const SAYS: &str = "OOM command not allowed";
+        match self {
+            StoreError::Redis(r) => {
+                r.code() == Some("OOM")
+                    || r.detail().is_some_and(|d| d.contains(SAYS))
+                    || r.to_string().contains(SAYS)
+            }
+            StoreError::Refused(s) => s.starts_with("OOM") || s.contains(SAYS),
+            _ => false,
+        }
+    }
+
     /// The `kind` label this failure counts under in `tollgate_store_errors_total`.
     pub fn kind(&self) -> StoreErrorKind {
         match self {

@@ -141,6 +141,11 @@ pub async fn require_token(
         return Ok(req.into_response(e.error_response()));
     }
     req.extensions_mut().insert(Actor { sub: claims.sub });
+    // The store down at start, back now: the declared catalog goes in before this request
+    // reads or writes the store, not on the next retry tick.
+    if let Some(state) = req.app_data::<web::Data<crate::state::AppState>>() {
+        state.store_start.before_admin().await;
+    }
     Ok(next.call(req).await?.map_into_boxed_body())
 }
 

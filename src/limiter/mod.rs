@@ -85,19 +85,39 @@ const ERROR_LOG_EVERY: Duration = Duration::from_secs(10);
 struct ErrorLog {
     gate: Every,
     unlogged: std::sync::atomic::AtomicU64,
+    /// When a decision last met a store out of memory (unix ms; 0: never).
+    out_of_memory_at: std::sync::atomic::AtomicU64,
 }
+
+/// `/readyz` says the store refuses writes for this long after a decision met one out of
+/// memory.
+pub const OUT_OF_MEMORY_SHOWN: Duration = Duration::from_secs(10);
 
 impl ErrorLog {
     fn new() -> ErrorLog {
         ErrorLog {
             gate: Every::new(ERROR_LOG_EVERY),
             unlogged: Default::default(),
+            out_of_memory_at: Default::default(),
+        }
+    }
+
+    /// A decision the store answered: it takes writes again (one load on the request
+    /// path; a store only when it had refused them).
+    #[inline]
+    fn answered(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.out_of_memory_at.load(Relaxed) != 0 {
+            self.out_of_memory_at.store(0, Relaxed);
         }
     }
 
     /// Logs `e` if no error was logged within [`ERROR_LOG_EVERY`], with how many were not.
     fn note(&self, e: &StoreError) {
         use std::sync::atomic::Ordering::Relaxed;
+        if e.out_of_memory() {
+            self.out_of_memory_at.store(unix_ms(), Relaxed);
+        }
         if !self.gate.due() {
             self.unlogged.fetch_add(1, Relaxed);
             return;
@@ -111,6 +131,12 @@ impl ErrorLog {
             ERROR_LOG_EVERY.as_secs()
         );
     }
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// What a limiter is made of: start-up builds it from `Settings`.
@@ -258,6 +284,17 @@ impl Limiter {
     }
 
     /// Every worker's load, for `/metrics`.
+    /// Whether a decision met the store refusing writes (out of memory) within
+    /// [`OUT_OF_MEMORY_SHOWN`], and none was answered since: then every decision fails
+    /// open while the store still answers a `PING`, and `/readyz` says so.
+    pub fn store_refuses_writes(&self) -> bool {
+        let at = self
+            .error_log
+            .out_of_memory_at
+            .load(std::sync::atomic::Ordering::Relaxed);
+        at != 0 && unix_ms().saturating_sub(at) < OUT_OF_MEMORY_SHOWN.as_millis() as u64
+    }
+
     pub fn worker_loads(&self) -> Vec<Arc<WorkerLoad>> {
         self.overload.loads()
     }
@@ -489,6 +526,9 @@ impl Limiter {
         answer: Result<Ruling, StoreError>,
     ) -> Result<Ruling, FailOpenReason> {
         breakers.with(key, |b| b.observe(&answer));
+        if answer.is_ok() {
+            self.error_log.answered();
+        }
         answer.map_err(|e| match e {
             StoreError::Deadline => FailOpenReason::Timeout,
             e => {

@@ -642,3 +642,125 @@ async fn on_redis_a_catalog_write_and_its_audit_entry_are_one_script() {
         ("kim", "client.put", "acme", rev.as_str())
     );
 }
+
+#[tokio::test]
+async fn a_gateway_started_with_redis_down_seeds_its_declared_plans_before_an_admin_write() {
+    // Arrange: Redis unreachable at start; the configuration declares plan `p`, which the
+    // request path serves from the configuration meanwhile.
+    let redis = RedisServer::start().unwrap();
+    let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
+    proxy.refuse();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = TestGateway::spawn(settings(&format!(
+        "{}[redis]\nurl = \"{}\"\ntimeout_ms = 200\n[catalog]\nrefresh_ms = 50\n{}{}",
+        admin_toml(),
+        proxy.redis_url(),
+        route_toml("orders", "/orders", &[up.url()]),
+        catalog_toml(("p", 10.0, 1.0), &["acme"]),
+    )))
+    .await;
+
+    // Act: Redis comes back, and at once (well within the retry task's second) the account
+    // team puts a client on `p`.
+    proxy.heal();
+    let r = call(
+        &gw,
+        Method::PUT,
+        "/clients/late",
+        Some(json!({"plan": "p"})),
+    )
+    .await;
+
+    // Assert: the plan the request path enforces is one the admin API knows.
+    let status = r.status();
+    let body = r.text().await.unwrap();
+    assert_eq!(status, 201, "{body}");
+    let plans: Value = call(&gw, Method::GET, "/plans/p", None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(plans["name"], "p", "{plans}");
+}
+
+#[tokio::test]
+async fn on_redis_out_of_memory_readyz_and_the_admin_api_say_the_store_refuses_writes_without_internals(
+) {
+    // Arrange: the eviction policy the README recommends; a client with a key that works.
+    let redis = RedisServer::start_with(&["--maxmemory-policy", "noeviction"]).unwrap();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = gateway(&redis.url(), &up).await;
+    let r = call(
+        &gw,
+        Method::PUT,
+        "/plans/p",
+        Some(json!({"capacity": 100, "rate": 10})),
+    )
+    .await;
+    assert_eq!(r.status(), 201);
+    let r = call(
+        &gw,
+        Method::PUT,
+        "/clients/acme",
+        Some(json!({"plan": "p"})),
+    )
+    .await;
+    assert_eq!(r.status(), 201);
+    let (_, key) = new_key(&gw, "acme").await;
+    eventually(Duration::from_secs(3), "the key works", || async {
+        gw.get("/orders", Some(&key)).await.status() == 200
+    })
+    .await;
+    assert_eq!(gw.get("/readyz", None).await.status(), 200);
+
+    // Act: memory runs out: 2 MB of data under a `maxmemory` of 1 MB.
+    let mut c = redis.conn().unwrap();
+    let _: () = redis::cmd("SET")
+        .arg("ballast")
+        .arg(vec![b'x'; 2 * 1024 * 1024])
+        .query(&mut c)
+        .unwrap();
+    let config_set = |c: &mut redis::Connection, value: &str| {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxmemory")
+            .arg(value)
+            .query(c)
+            .unwrap();
+    };
+    config_set(&mut c, "1mb");
+    let decided = gw.get("/orders", Some(&key)).await;
+    let ready = gw.get("/readyz", None).await;
+    let (ready_status, ready_body) = (ready.status(), ready.text().await.unwrap());
+    let write = call(
+        &gw,
+        Method::PUT,
+        "/plans/q",
+        Some(json!({"capacity": 5, "rate": 1})),
+    )
+    .await;
+    let (write_status, write_body) = (write.status(), write.text().await.unwrap());
+
+    // Assert: the request fails open (it is forwarded); readiness and the admin API say the
+    // store refuses writes, and neither carries Redis' error (the script, its SHA, a line).
+    assert_eq!(decided.status(), 200);
+    assert_eq!(ready_status, 503, "{ready_body}");
+    assert!(ready_body.contains("refuses writes"), "{ready_body}");
+    assert_eq!(write_status, 503, "{write_body}");
+    assert!(write_body.contains("refuses writes"), "{write_body}");
+    for body in [&ready_body, &write_body] {
+        let internals = ["script", "OOM command", "user_script", "maxmemory'"];
+        assert!(!internals.iter().any(|s| body.contains(s)), "{body}");
+        let hex_run = body
+            .as_bytes()
+            .windows(40)
+            .any(|w| w.iter().all(u8::is_ascii_hexdigit));
+        assert!(!hex_run, "a script's SHA in {body}");
+    }
+
+    // Assert: memory freed, the next decision succeeds and readiness comes back with it.
+    let _: () = redis::cmd("DEL").arg("ballast").query(&mut c).unwrap();
+    config_set(&mut c, "64mb");
+    assert_eq!(gw.get("/orders", Some(&key)).await.status(), 200);
+    assert_eq!(gw.get("/readyz", None).await.status(), 200);
+}
