@@ -235,23 +235,30 @@ impl Fields {
     }
 }
 
-/// An `If-Match` precondition (RFC 9110 13.1.1), compared strongly as a write needs.
+/// An `If-Match` or `If-None-Match` precondition (RFC 9110 13.1.1, 13.1.2): `*`, or the
+/// revisions its entity tags name.
 #[derive(Debug, Clone, PartialEq)]
-pub enum IfMatch {
+pub enum Tags {
     /// `*`: any current representation.
     Any,
-    /// The revisions of the strong tags listed; weak tags (`W/"3"`) and tags that are no
-    /// revision of ours are dropped, since they can never match strongly.
+    /// The revisions of the tags listed that can match: for `If-Match`, compared strongly
+    /// as a write needs, the strong ones only (`W/"3"` never matches); for `If-None-Match`,
+    /// compared weakly, all of them. Tags that are no revision of ours are dropped.
     Revisions(Vec<u64>),
 }
 
-impl IfMatch {
+/// `If-Match`: the write goes ahead only when it matches.
+pub type IfMatch = Tags;
+/// `If-None-Match`: `*` makes a `PUT` create-only; the write is refused when it matches.
+pub type IfNoneMatch = Tags;
+
+impl Tags {
     /// Whether a resource at revision `current` (`None`: it does not exist) matches.
     pub fn matches(&self, current: Option<u64>) -> bool {
         match (self, current) {
             (_, None) => false,
-            (IfMatch::Any, Some(_)) => true,
-            (IfMatch::Revisions(revs), Some(cur)) => revs.contains(&cur),
+            (Tags::Any, Some(_)) => true,
+            (Tags::Revisions(revs), Some(cur)) => revs.contains(&cur),
         }
     }
 }
@@ -259,13 +266,29 @@ impl IfMatch {
 /// The `If-Match` header(s), `None` without one; `400` when it is not `*` or a list of
 /// entity tags.
 pub fn if_match(headers: &HeaderMap) -> Result<Option<IfMatch>, ApiError> {
-    let mut values = headers.get_all(header::IF_MATCH).peekable();
+    tags(headers, header::IF_MATCH, false)
+}
+
+/// The `If-None-Match` header(s), `None` without one; `400` when it is not `*` or a list
+/// of entity tags.
+pub fn if_none_match(headers: &HeaderMap) -> Result<Option<IfNoneMatch>, ApiError> {
+    tags(headers, header::IF_NONE_MATCH, true)
+}
+
+/// Header `name`'s lines as one list of tags; `weak`: weak tags count (a weak comparison).
+fn tags(
+    headers: &HeaderMap,
+    name: header::HeaderName,
+    weak: bool,
+) -> Result<Option<Tags>, ApiError> {
+    let mut values = headers.get_all(&name).peekable();
     if values.peek().is_none() {
         return Ok(None);
     }
     let bad = |v: &str| {
         ApiError::BadRequest(format!(
-            "If-Match {v:?} is not * or a list of entity tags like \"3\""
+            "{} {v:?} is not * or a list of entity tags like \"3\"",
+            if weak { "If-None-Match" } else { "If-Match" }
         ))
     };
     let mut revs = Vec::new();
@@ -275,63 +298,16 @@ pub fn if_match(headers: &HeaderMap) -> Result<Option<IfMatch>, ApiError> {
         for tag in entity_tags(v).ok_or_else(|| bad(v))? {
             match tag {
                 Tag::Star => star = true,
-                Tag::Weak(_) => {}
-                Tag::Strong(opaque) => revs.extend(opaque.parse::<u64>().ok()),
-            }
-        }
-    }
-    Ok(Some(if star {
-        IfMatch::Any
-    } else {
-        IfMatch::Revisions(revs)
-    }))
-}
-
-/// An `If-None-Match` precondition on a write (RFC 9110 13.1.2): `*` makes a `PUT`
-/// create-only; tags are compared weakly, as that header asks.
-#[derive(Debug, Clone, PartialEq)]
-pub enum IfNoneMatch {
-    /// `*`: false when any current representation exists.
-    Any,
-    /// The revisions of the tags listed, weak or strong.
-    Revisions(Vec<u64>),
-}
-
-impl IfNoneMatch {
-    /// Whether a resource at revision `current` (`None`: it does not exist) matches, so
-    /// the precondition fails (`412`).
-    pub fn matches(&self, current: Option<u64>) -> bool {
-        match (self, current) {
-            (_, None) => false,
-            (IfNoneMatch::Any, Some(_)) => true,
-            (IfNoneMatch::Revisions(revs), Some(cur)) => revs.contains(&cur),
-        }
-    }
-}
-
-/// The `If-None-Match` header(s), `None` without one; `400` when it is not `*` or a list
-/// of entity tags.
-pub fn if_none_match(headers: &HeaderMap) -> Result<Option<IfNoneMatch>, ApiError> {
-    let mut values = headers.get_all(header::IF_NONE_MATCH).peekable();
-    if values.peek().is_none() {
-        return Ok(None);
-    }
-    let bad = |v: &str| {
-        ApiError::BadRequest(format!(
-            "If-None-Match {v:?} is not * or a list of entity tags like \"3\""
-        ))
-    };
-    let mut revs = Vec::new();
-    for v in values {
-        let v = v.to_str().map_err(|_| bad("(not ASCII)"))?;
-        for tag in entity_tags(v).ok_or_else(|| bad(v))? {
-            match tag {
-                Tag::Star => return Ok(Some(IfNoneMatch::Any)),
+                Tag::Weak(_) if !weak => {}
                 Tag::Weak(opaque) | Tag::Strong(opaque) => revs.extend(opaque.parse::<u64>().ok()),
             }
         }
     }
-    Ok(Some(IfNoneMatch::Revisions(revs)))
+    Ok(Some(if star {
+        Tags::Any
+    } else {
+        Tags::Revisions(revs)
+    }))
 }
 
 /// A write's preconditions, `If-Match` then `If-None-Match` (RFC 9110 13.2.2).

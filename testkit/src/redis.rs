@@ -125,6 +125,35 @@ impl RedisServer {
         Ok(redis::Client::open(self.url())?.get_connection()?)
     }
 
+    /// Runs the server out of memory (another tenant's data, a runaway key): 2 MB under a
+    /// `maxmemory` of 1 MB, so under `noeviction` it refuses every write and keeps
+    /// answering reads. [`RedisServer::free_memory`] undoes it.
+    pub fn fill_memory(&self) -> anyhow::Result<()> {
+        let mut c = self.conn()?;
+        redis::cmd("SET")
+            .arg("ballast")
+            .arg(vec![b'x'; 2 * 1024 * 1024])
+            .exec(&mut c)?;
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxmemory")
+            .arg("1mb")
+            .exec(&mut c)?;
+        Ok(())
+    }
+
+    /// Frees what [`RedisServer::fill_memory`] took, under a `maxmemory` of 64 MB.
+    pub fn free_memory(&self) -> anyhow::Result<()> {
+        let mut c = self.conn()?;
+        redis::cmd("DEL").arg("ballast").exec(&mut c)?;
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxmemory")
+            .arg("64mb")
+            .exec(&mut c)?;
+        Ok(())
+    }
+
     /// Freezes the server (SIGSTOP): its connections stay open and nothing answers.
     pub fn stall(&self) -> anyhow::Result<()> {
         signal(&self.child, libc::SIGSTOP)

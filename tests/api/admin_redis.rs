@@ -39,6 +39,33 @@ async fn call(
     gw.send_admin(method, path, &token("ops"), body).await
 }
 
+/// Plan `plan` (a bucket of 100, 10 a second), client `client` on it, and a key of its
+/// that the gateway admits: the key's id and the key.
+async fn client_with_key(gw: &TestGateway, plan: &str, client: &str) -> (String, String) {
+    let r = call(
+        gw,
+        Method::PUT,
+        &format!("/plans/{plan}"),
+        Some(json!({"capacity": 100, "rate": 10})),
+    )
+    .await;
+    assert_eq!(r.status(), 201);
+    let r = call(
+        gw,
+        Method::PUT,
+        &format!("/clients/{client}"),
+        Some(json!({"plan": plan})),
+    )
+    .await;
+    assert_eq!(r.status(), 201);
+    let (key_id, key) = new_key(gw, client).await;
+    eventually(Duration::from_secs(3), "the key works", || async {
+        gw.get("/orders", Some(&key)).await.status() == 200
+    })
+    .await;
+    (key_id, key)
+}
+
 fn etag(r: &reqwest::Response) -> String {
     r.headers()["etag"].to_str().unwrap().to_string()
 }
@@ -101,29 +128,15 @@ async fn keys_are_kept_when_a_client_is_replaced_with_put() {
     let redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let gw = gateway(&redis.url(), &up).await;
-    for (plan, capacity) in [("gold", 100), ("silver", 50)] {
-        let r = call(
-            &gw,
-            Method::PUT,
-            &format!("/plans/{plan}"),
-            Some(json!({"capacity": capacity, "rate": 10})),
-        )
-        .await;
-        assert_eq!(r.status(), 201);
-    }
+    let (key_id, key) = client_with_key(&gw, "gold", "acme").await;
     let r = call(
         &gw,
         Method::PUT,
-        "/clients/acme",
-        Some(json!({"plan": "gold"})),
+        "/plans/silver",
+        Some(json!({"capacity": 50, "rate": 10})),
     )
     .await;
     assert_eq!(r.status(), 201);
-    let (key_id, key) = new_key(&gw, "acme").await;
-    eventually(Duration::from_secs(3), "the key works", || async {
-        gw.get("/orders", Some(&key)).await.status() == 200
-    })
-    .await;
 
     // Act: replace the client twice: without `keys`, then with the body a GET gave,
     // its `keys` emptied.
@@ -690,45 +703,11 @@ async fn on_redis_out_of_memory_readyz_and_the_admin_api_say_the_store_refuses_w
     let redis = RedisServer::start_with(&["--maxmemory-policy", "noeviction"]).unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
     let gw = gateway(&redis.url(), &up).await;
-    let r = call(
-        &gw,
-        Method::PUT,
-        "/plans/p",
-        Some(json!({"capacity": 100, "rate": 10})),
-    )
-    .await;
-    assert_eq!(r.status(), 201);
-    let r = call(
-        &gw,
-        Method::PUT,
-        "/clients/acme",
-        Some(json!({"plan": "p"})),
-    )
-    .await;
-    assert_eq!(r.status(), 201);
-    let (_, key) = new_key(&gw, "acme").await;
-    eventually(Duration::from_secs(3), "the key works", || async {
-        gw.get("/orders", Some(&key)).await.status() == 200
-    })
-    .await;
+    let (_, key) = client_with_key(&gw, "p", "acme").await;
     assert_eq!(gw.get("/readyz", None).await.status(), 200);
 
-    // Act: memory runs out: 2 MB of data under a `maxmemory` of 1 MB.
-    let mut c = redis.conn().unwrap();
-    let _: () = redis::cmd("SET")
-        .arg("ballast")
-        .arg(vec![b'x'; 2 * 1024 * 1024])
-        .query(&mut c)
-        .unwrap();
-    let config_set = |c: &mut redis::Connection, value: &str| {
-        let _: () = redis::cmd("CONFIG")
-            .arg("SET")
-            .arg("maxmemory")
-            .arg(value)
-            .query(c)
-            .unwrap();
-    };
-    config_set(&mut c, "1mb");
+    // Act: memory runs out.
+    redis.fill_memory().unwrap();
     let decided = gw.get("/orders", Some(&key)).await;
     let ready = gw.get("/readyz", None).await;
     let (ready_status, ready_body) = (ready.status(), ready.text().await.unwrap());
@@ -759,8 +738,7 @@ async fn on_redis_out_of_memory_readyz_and_the_admin_api_say_the_store_refuses_w
     }
 
     // Assert: memory freed, the next decision succeeds and readiness comes back with it.
-    let _: () = redis::cmd("DEL").arg("ballast").query(&mut c).unwrap();
-    config_set(&mut c, "64mb");
+    redis.free_memory().unwrap();
     assert_eq!(gw.get("/orders", Some(&key)).await.status(), 200);
     assert_eq!(gw.get("/readyz", None).await.status(), 200);
 }

@@ -531,23 +531,9 @@ async fn a_redis_out_of_memory_fails_open_logs_why_once_and_limits_again_once_me
         [(200, true), (200, true), (429, true)]
     );
 
-    // Act: memory runs out (another tenant's data, a runaway key): 2 MB of data under a
-    // `maxmemory` of 1 MB, so Redis refuses every write and keeps answering reads.
-    let mut c = redis.conn().unwrap();
-    let config_set = |c: &mut redis::Connection, value: &str| {
-        let _: () = redis::cmd("CONFIG")
-            .arg("SET")
-            .arg("maxmemory")
-            .arg(value)
-            .query(c)
-            .unwrap();
-    };
-    let _: () = redis::cmd("SET")
-        .arg("ballast")
-        .arg(vec![b'x'; 2 * 1024 * 1024])
-        .query(&mut c)
-        .unwrap();
-    config_set(&mut c, "1mb");
+    // Act: memory runs out (another tenant's data, a runaway key), so Redis refuses every
+    // write and keeps answering reads.
+    redis.fill_memory().unwrap();
     let during_beta = orders(&at, "beta", 10).await;
     let during_acme = orders(&at, "acme", 2).await;
 
@@ -582,8 +568,7 @@ async fn a_redis_out_of_memory_fails_open_logs_why_once_and_limits_again_once_me
 
     // Assert: once memory is freed, limiting resumes at once, and nothing was half
     // written meanwhile: `beta` starts with a full bucket.
-    let _: () = redis::cmd("DEL").arg("ballast").query(&mut c).unwrap();
-    config_set(&mut c, "64mb");
+    redis.free_memory().unwrap();
     assert_eq!(
         orders(&at, "beta", 4).await,
         [(200, true), (200, true), (200, true), (429, true)]
