@@ -13,6 +13,19 @@ use crate::error::{ApiError, FieldError};
 /// Admin bodies are small; anything bigger is refused with `413`.
 pub const MAX_BODY: usize = 64 * 1024;
 
+/// `v` as an integer when it is a number written with a fraction of zero (`478.0`,
+/// `4.78e2`) that fits one; `None` otherwise.
+fn integral(v: &Value) -> Option<Value> {
+    let f = v.as_f64().filter(|f| f.fract() == 0.0 && v.is_f64())?;
+    if (0.0..=u64::MAX as f64).contains(&f) && f < 2f64.powi(64) {
+        Some(Value::from(f as u64))
+    } else if f >= i64::MIN as f64 && f < 0.0 {
+        Some(Value::from(f as i64))
+    } else {
+        None
+    }
+}
+
 /// Reads a JSON object body (an empty body counts as `{}`).
 pub async fn read_object(mut payload: web::Payload) -> Result<Map<String, Value>, ApiError> {
     let mut buf = web::BytesMut::new();
@@ -79,9 +92,13 @@ impl<'de, T: DeserializeOwned> Deserialize<'de> for Field<T> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Field<T>, D::Error> {
         Ok(match Value::deserialize(d)? {
             Value::Null => Field::Absent,
-            v => match serde_json::from_value::<T>(v) {
+            v => match serde_json::from_value::<T>(v.clone()) {
                 Ok(t) => Field::Valid(t),
-                Err(e) => Field::Invalid(e.to_string()),
+                // JSON Schema's `integer` is any number without a fraction: `478.0` is 478.
+                Err(e) => match integral(&v).map(serde_json::from_value::<T>) {
+                    Some(Ok(t)) => Field::Valid(t),
+                    _ => Field::Invalid(e.to_string()),
+                },
             },
         })
     }
@@ -540,6 +557,20 @@ mod tests {
                 "{v:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_whole_number_written_with_a_fraction_is_an_integer_as_json_schema_says() {
+        let f: Field<u64> = serde_json::from_str("478.0").unwrap();
+        assert!(matches!(f, Field::Valid(478)));
+        let f: Field<u64> = serde_json::from_str("4.78e2").unwrap();
+        assert!(matches!(f, Field::Valid(478)));
+        let f: Field<u64> = serde_json::from_str("478.5").unwrap();
+        assert!(matches!(f, Field::Invalid(_)));
+        let f: Field<u64> = serde_json::from_str("-1.0").unwrap();
+        assert!(matches!(f, Field::Invalid(_)));
+        let f: Field<f64> = serde_json::from_str("2.5").unwrap();
+        assert!(matches!(f, Field::Valid(v) if v == 2.5));
     }
 
     fn none_match(values: &[&str]) -> Result<Option<IfNoneMatch>, ApiError> {

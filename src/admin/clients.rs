@@ -518,7 +518,7 @@ pub async fn delete(
 /// this response only; the gateway stores its SHA-256 hash.
 #[utoipa::path(operation_id = "createKey", post, path = "/admin/v1/clients/{client}/keys", tag = "clients",
     params(("client" = ClientId, Path, description = "Client id")),
-    request_body(content = KeyInput, content_type = "application/json"),
+    request_body(content = KeyInput, content_type = "application/json", description = "Optional: an empty body (or `{}`) generates a key that never expires"),
     responses(
         (status = 201, description = "Created; the key is shown only here", body = NewKey),
         (status = 404, description = "No such client", body = Problem, content_type = "application/problem+json"),

@@ -199,7 +199,7 @@ fn allow(methods: &'static str) -> actix_web::Route {
         crate::domain::PlanName,
         crate::domain::ClientId,
     )),
-    modifiers(&BearerAuth, &CommonResponses, &RollNeedsOneEnd),
+    modifiers(&BearerAuth, &CommonResponses, &RollNeedsOneEnd, &KeyBodyOptional),
     tags(
         (name = "plans", description = "What each plan allows: its limits"),
         (name = "clients", description = "Clients, their plans, keys, overrides, usage and buckets"),
@@ -258,6 +258,23 @@ impl Modify for RollNeedsOneEnd {
         components
             .schemas
             .insert("RollInput".to_string(), RefOr::T(Schema::AllOf(whole)));
+    }
+}
+
+/// `POST /clients/{client}/keys` without a body makes a key (an empty body reads as `{}`),
+/// which a derived operation cannot say: its body is marked not required.
+struct KeyBodyOptional;
+
+impl Modify for KeyBodyOptional {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let post = openapi
+            .paths
+            .paths
+            .get_mut("/admin/v1/clients/{client}/keys")
+            .and_then(|item| item.post.as_mut());
+        if let Some(body) = post.and_then(|op| op.request_body.as_mut()) {
+            body.required = Some(utoipa::openapi::Required::False);
+        }
     }
 }
 

@@ -192,6 +192,7 @@ pub async fn put(
         wanted: &wanted,
         exists: |c: &ClientRecord| c.overrides.iter().any(|x| x.limit == o.limit),
         what: "override",
+        deletes: false,
     };
     let (created, rev) = update_client(&state, &id, audit, part, async |c| {
         // Against the plan the client is on in the version written.
@@ -262,6 +263,7 @@ pub async fn delete(
         wanted: &wanted,
         exists: |c: &ClientRecord| c.overrides.iter().any(|x| x.limit == limit),
         what: "override",
+        deletes: true,
     };
     let ((), rev) = update_client(&state, &id, audit, part, async |c| {
         let before = c.overrides.len();

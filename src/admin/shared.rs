@@ -71,6 +71,11 @@ where
         return Ok(Condition::Any);
     }
     let current = current().await?;
+    // RFC 9110 13.2.1: a request that would fail without its preconditions (a `DELETE` of
+    // nothing: `404`) fails so with them; they are not evaluated.
+    if current.is_none() && req.method() == actix_web::http::Method::DELETE {
+        return Ok(Condition::Any);
+    }
     precondition(&wanted, current, what)?;
     Ok(match current {
         Some(rev) => Condition::Rev(rev),
@@ -211,6 +216,9 @@ pub(super) struct PartPreconditions<'a, E> {
     pub wanted: &'a Preconditions,
     pub exists: E,
     pub what: &'a str,
+    /// A `DELETE`: of a part that is not there it is a `404` (from `edit`), whatever the
+    /// preconditions (RFC 9110 13.2.1).
+    pub deletes: bool,
 }
 
 /// No preconditions: a change to a client's record that states none.
@@ -223,6 +231,7 @@ pub(super) fn unconditional() -> PartPreconditions<'static, fn(&ClientRecord) ->
         wanted: &NONE,
         exists: |_| true,
         what: "client",
+        deletes: false,
     }
 }
 
@@ -239,12 +248,12 @@ pub(super) async fn update_client<T>(
     let wanted = part.wanted;
     for _ in 0..WRITE_TRIES {
         let cur = current(state, id).await?;
-        if let Some(m) = &wanted.if_match {
+        let there = (part.exists)(&cur.value);
+        if let Some(m) = wanted.if_match.as_ref().filter(|_| there || !part.deletes) {
             if_match_holds(m, Some(cur.rev), "client")?;
         }
         if let Some(n) = &wanted.if_none_match {
-            let there = (part.exists)(&cur.value).then_some(cur.rev);
-            if_none_match_holds(n, there, part.what)?;
+            if_none_match_holds(n, there.then_some(cur.rev), part.what)?;
         }
         let mut rec = cur.value;
         let out = edit(&mut rec).await?;

@@ -135,7 +135,7 @@ id_type!(
     /// has spent.
     LimitName,
     32,
-    "monthly"
+    "burst"
 );
 impl LimitName {
     /// The name, shared: what a limit as a request sees it carries

@@ -402,9 +402,11 @@ async fn a_client_put_creates_with_a_location_and_if_match_star_needs_the_client
         .send()
         .await
         .unwrap();
+    // A DELETE of nothing is a 404 with or without preconditions (RFC 9110 13.2.1: they
+    // are not evaluated when the request would fail without them).
     assert_eq!(
         r.status(),
-        412,
+        404,
         "DELETE with If-Match: * on a missing client"
     );
 
@@ -1252,7 +1254,8 @@ async fn an_unknown_method_is_405_with_allow() {
 }
 
 #[tokio::test]
-async fn if_none_match_star_makes_a_put_create_only_and_a_listed_etag_refuses_it() {
+async fn if_none_match_star_makes_a_put_create_only_and_a_listed_etag_refuses_it_and_a_delete_of_nothing_is_404(
+) {
     // Arrange: a gateway with the admin API on the embedded store (the Redis store's
     // create-only condition is the same script condition `PUT` already used).
     let gw = admin_gateway("").await;
@@ -1364,4 +1367,13 @@ async fn if_none_match_star_makes_a_put_create_only_and_a_listed_etag_refuses_it
     assert_eq!(get("/clients/acme").await["mode"], "enforce");
     let r = put("/plans/gold", limits(10), "no-quotes").await;
     assert_eq!(r.status(), 400);
+
+    // A DELETE of an override that is not there is a 404, whatever its preconditions.
+    let r = gw
+        .admin(Method::DELETE, "/clients/acme/overrides/nosuch", &rw())
+        .header("if-match", "\"999\"")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
 }
