@@ -24,7 +24,7 @@ use arc_swap::ArcSwap;
 use tracing_actix_web::TracingLogger;
 
 use crate::admin::{self, JwtVerifier};
-use crate::catalog::{self, Catalog};
+use crate::catalog::{self, Catalog, StoreStart};
 use crate::configuration::Settings;
 use crate::limiter::{Limiter, LimiterParts};
 use crate::listen::{self, Admission, Admissions, Bounds, Serving};
@@ -528,74 +528,6 @@ async fn open_regional_store(
     Ok(regional)
 }
 
-/// Whether the store got what a gateway puts in at start (its scripts, the declared
-/// catalog) and the catalog was mirrored from it; when not yet (the store was down at
-/// start), who gets there first does it: task `store-start-retry` every second, or an
-/// admin request, which must not answer from a store the declared catalog is not in yet
-/// (`422 "no such plan"` for a plan the request path enforces).
-pub struct StoreStart {
-    done: std::sync::atomic::AtomicBool,
-    /// One attempt at a time.
-    attempt: tokio::sync::Mutex<()>,
-    store: Store,
-    catalog: Arc<Catalog>,
-    settings: Settings,
-}
-
-/// How long an admin request waits for the store's start (scripts, seeding, the first
-/// mirror) before going on without it: a store still down fails the request anyway.
-const START_WAIT: Duration = Duration::from_secs(2);
-
-impl StoreStart {
-    fn new(store: &Store, catalog: &Arc<Catalog>, settings: &Settings) -> Arc<StoreStart> {
-        Arc::new(StoreStart {
-            done: Default::default(),
-            attempt: Default::default(),
-            store: store.clone(),
-            catalog: Arc::clone(catalog),
-            settings: settings.clone(),
-        })
-    }
-
-    /// Whether the store has been started.
-    pub fn done(&self) -> bool {
-        self.done.load(std::sync::atomic::Ordering::Acquire)
-    }
-
-    /// Loads the scripts, seeds the declared catalog and mirrors it, unless done already
-    /// (or being done: then it waits for that attempt, and tries again if it failed).
-    pub async fn ensure(&self) -> anyhow::Result<()> {
-        if self.done() {
-            return Ok(());
-        }
-        let _one = self.attempt.lock().await;
-        if self.done() {
-            return Ok(());
-        }
-        self.store.lifecycle.load_scripts().await?;
-        catalog::seed(&self.store, &self.settings).await?;
-        self.catalog.refresh(&self.store).await?;
-        self.done.store(true, std::sync::atomic::Ordering::Release);
-        Ok(())
-    }
-
-    /// Before an admin request: the store started, or tried now (within [`START_WAIT`]).
-    pub async fn before_admin(&self) {
-        if self.done() {
-            return;
-        }
-        match tokio::time::timeout(START_WAIT, self.ensure()).await {
-            Ok(Ok(())) => {
-                tracing::info!("store reachable; catalog seeded and mirrored (on an admin request)")
-            }
-            Ok(Err(e)) => {
-                tracing::debug!(error = %e, "store still unavailable for an admin request")
-            }
-            Err(_) => tracing::debug!("the store's start took longer than an admin request waits"),
-        }
-    }
-}
-
 /// Loads scripts, seeds the declared catalog and mirrors it. A Redis that is down at start
 /// does not stop the gateway (it fails open); task `store-start-retry` tries again every
 /// second instead, until it has (an admin request tries at once: [`StoreStart`]).
@@ -605,7 +537,19 @@ async fn prepare_store(
     settings: &Settings,
     tasks: &Tasks,
 ) -> anyhow::Result<Arc<StoreStart>> {
-    let start = StoreStart::new(store, catalog, settings);
+    let start = {
+        let (store, catalog, settings) = (store.clone(), Arc::clone(catalog), settings.clone());
+        Arc::new(StoreStart::new(Box::new(move || {
+            let (store, catalog, settings) =
+                (store.clone(), Arc::clone(&catalog), settings.clone());
+            Box::pin(async move {
+                store.lifecycle.load_scripts().await?;
+                catalog::seed(&store, &settings).await?;
+                catalog.refresh(&store).await?;
+                Ok(())
+            })
+        })))
+    };
     match start.ensure().await {
         Ok(()) => Ok(start),
         Err(e) if store.lifecycle.kind() == StoreKind::Embedded => Err(e),

@@ -20,7 +20,7 @@ pub struct AppState {
     pub store: Store,
     /// Whether the store got the scripts and the declared catalog yet (it may have been
     /// down at start); admin requests wait for it.
-    pub store_start: Arc<crate::startup::StoreStart>,
+    pub store_start: Arc<crate::catalog::StoreStart>,
     /// Swapped whole by a reload (`SIGHUP`); a request keeps the `Arc<Route>` it found.
     pub routes: ArcSwap<RouteTable>,
     pub metrics: Arc<Metrics>,

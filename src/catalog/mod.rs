@@ -11,8 +11,10 @@
 pub mod cache;
 mod held;
 pub mod key_filter;
+mod start;
 
 pub use held::{LookupFailed, LOOKUP_BUCKETS};
+pub use start::StoreStart;
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
