@@ -96,6 +96,7 @@ impl Application {
         proxy::close_on_sigterm(&state.websockets, &tasks)?;
         start_view_eviction(&state, &tasks);
         let jwt = web::Data::new(JwtVerifier::from_settings(&settings.admin)?);
+        jwt.spawn_refresh(&tasks, settings.admin.jwks_refresh);
         let listening = start_servers(&settings, &state, &jwt)?;
         say_started(&settings, &state.store, &listening);
         warn_unless_persistent(&tasks, state.store.clone(), Arc::clone(&state.catalog));

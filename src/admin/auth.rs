@@ -1,7 +1,8 @@
 //! Admin authentication: Bearer JWTs checked with a key and algorithm fixed by
 //! configuration (never taken from the token), then scopes by method.
 
-use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
 
 use actix_web::body::{BoxBody, MessageBody};
 use actix_web::dev::{ServiceRequest, ServiceResponse};
@@ -12,8 +13,10 @@ use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
 use secrecy::ExposeSecret;
 use serde::{Deserialize, Serialize};
 
+use super::jwks::{Issuer, Issuers, Principal};
 use crate::configuration::AdminSettings;
 use crate::error::ApiError;
+use crate::tasks::{Policy, Tasks};
 
 pub const READ: &str = "admin:read";
 pub const WRITE: &str = "admin:write";
@@ -50,9 +53,17 @@ pub struct Actor {
     pub sub: String,
 }
 
-/// The configured verifier; `None` inside when no key is configured.
+/// The configured verifier: the static key (`None` when none is configured) and the
+/// identity providers (`[[admin.issuers]]`, see [`super::jwks`]).
 pub struct JwtVerifier {
     key: Option<(DecodingKey, Validation)>,
+    issuers: Issuers,
+}
+
+/// The one claim read before a token's signature is checked: which issuer's keys check it.
+#[derive(Deserialize)]
+struct IssuedBy {
+    iss: Option<String>,
 }
 
 impl JwtVerifier {
@@ -74,7 +85,10 @@ impl JwtVerifier {
                 Algorithm::HS256,
             )
         } else {
-            return Ok(JwtVerifier { key: None });
+            return Ok(JwtVerifier {
+                key: None,
+                issuers: Issuers::new(&s.issuers, s.jwks_refetch)?,
+            });
         };
         let mut v = Validation::new(alg);
         v.set_issuer(&[&s.jwt_issuer]);
@@ -84,19 +98,70 @@ impl JwtVerifier {
         v.leeway = 30;
         Ok(JwtVerifier {
             key: Some((key, v)),
+            issuers: Issuers::new(&s.issuers, s.jwks_refetch)?,
         })
     }
 
-    /// Verifies a token's signature, algorithm, issuer, audience and expiry.
-    pub fn verify(&self, token: &str) -> Result<Claims, ApiError> {
+    /// Starts task `admin-jwks-refresh`, which reads each issuer's JWKS at once and then
+    /// every `every` (a failure is logged, and the keys held stay).
+    pub fn spawn_refresh(&self, tasks: &Tasks, every: Duration) {
+        let issuers: Vec<Arc<Issuer>> = self.issuers.all().cloned().collect();
+        if issuers.is_empty() {
+            return;
+        }
+        tasks.spawn("admin-jwks-refresh", Policy::Restart, move |stop| {
+            let issuers = issuers.clone();
+            async move {
+                let reading = async {
+                    let mut tick = tokio::time::interval(every);
+                    loop {
+                        tick.tick().await;
+                        for issuer in &issuers {
+                            match issuer.read_keys().await {
+                                Ok(n) => tracing::debug!(issuer = %issuer.name(), keys = n, "JWKS read"),
+                                Err(e) => tracing::warn!(issuer = %issuer.name(), error = %e, "the JWKS could not be read; the keys held stay"),
+                            }
+                        }
+                    }
+                };
+                stop.run_until_cancelled(reading).await;
+            }
+        });
+    }
+
+    /// Verifies a token's signature, algorithm, issuer, audience and expiry: with the keys
+    /// of the configured identity provider its `iss` names, else with the static key.
+    pub async fn verify(&self, token: &str) -> Result<Principal, ApiError> {
+        if !self.issuers.is_empty() {
+            // Only picks whose keys check the token: its issuer's rules check `iss` again.
+            let issued_by = jsonwebtoken::dangerous::insecure_decode::<IssuedBy>(token)
+                .ok()
+                .and_then(|d| d.claims.iss);
+            if let Some(issuer) = issued_by.as_deref().and_then(|i| self.issuers.get(i)) {
+                let kid = jsonwebtoken::decode_header(token)
+                    .map_err(|e| ApiError::InvalidToken(format!("invalid token: {e}")))?
+                    .kid;
+                return issuer.verify(token, kid.as_deref()).await;
+            }
+        }
         let Some((key, validation)) = &self.key else {
-            return Err(ApiError::InvalidToken(
-                "the admin API is disabled: set admin.jwt_hs256_secret or admin.jwt_public_key_pem"
-                    .into(),
-            ));
+            return Err(ApiError::InvalidToken(if self.issuers.is_empty() {
+                "the admin API is disabled: set admin.jwt_hs256_secret, admin.jwt_public_key_pem or [[admin.issuers]]"
+                    .into()
+            } else {
+                "invalid token: not from a configured issuer".into()
+            }));
         };
         jsonwebtoken::decode::<Claims>(token, key, validation)
-            .map(|d| d.claims)
+            .map(|d| Principal {
+                scopes: d
+                    .claims
+                    .scope
+                    .split_whitespace()
+                    .map(str::to_string)
+                    .collect(),
+                sub: d.claims.sub,
+            })
             .map_err(|e| ApiError::InvalidToken(format!("invalid token: {e}")))
     }
 }
@@ -124,7 +189,7 @@ pub async fn require_token(
         None => Err(ApiError::InvalidToken(
             "an Authorization: Bearer <JWT> header is required".into(),
         )),
-        Some(t) => verifier.verify(t),
+        Some(t) => verifier.verify(t).await,
     };
     let claims = match claims {
         Ok(c) => c,
@@ -135,8 +200,7 @@ pub async fn require_token(
     } else {
         WRITE
     };
-    let scopes: HashSet<&str> = claims.scope.split_whitespace().collect();
-    if !scopes.contains(needed) {
+    if !claims.scopes.contains(needed) {
         let e = ApiError::Forbidden(format!("this call needs the {needed} scope"));
         return Ok(req.into_response(e.error_response()));
     }

@@ -7,6 +7,7 @@ pub mod auth;
 mod body;
 mod clients;
 mod hot;
+mod jwks;
 mod overrides;
 mod plans;
 mod safety;

@@ -14,8 +14,8 @@ pub use periods::{BackOff, Periods};
 pub use raw::DEFAULT_TOML;
 pub use settings::{
     AdminSettings, Balance, CacheBounds, CatalogSettings, CertificateFiles, Certificates,
-    ClientSettings, EdgeSettings, HealthCheckSettings, Holding, KeySource, LimitSettings,
-    OtlpCompression, OtlpEndpoint, OtlpHeader, OtlpProtocol, OverloadSettings, PlanSettings,
-    RedisSettings, RouteSettings, ServerSettings, Settings, TelemetrySettings, TlsSettings,
-    TlsVersion, TrustRoots, UpstreamSettings,
+    ClientSettings, EdgeSettings, HealthCheckSettings, Holding, IssuerSettings, KeySource,
+    LimitSettings, OtlpCompression, OtlpEndpoint, OtlpHeader, OtlpProtocol, OverloadSettings,
+    PlanSettings, RedisSettings, RouteSettings, ServerSettings, Settings, TelemetrySettings,
+    TlsSettings, TlsVersion, TrustRoots, UpstreamSettings,
 };

@@ -15,15 +15,16 @@ use secrecy::{ExposeSecret, SecretString};
 
 use super::periods::{BackOff, Periods};
 use super::raw::{
-    RawAdmin, RawCatalog, RawClient, RawEdge, RawHealthCheck, RawLimits, RawOverload, RawPeriods,
-    RawPlan, RawRedis, RawRoute, RawServer, RawSettings, RawTelemetry, RawTls, RawUpstream,
+    RawAdmin, RawCatalog, RawClient, RawEdge, RawHealthCheck, RawIssuer, RawLimits, RawOverload,
+    RawPeriods, RawPlan, RawRedis, RawRoute, RawServer, RawSettings, RawTelemetry, RawTls,
+    RawUpstream,
 };
 use super::settings::{
     AdminSettings, Balance, CacheBounds, CatalogSettings, CertificateFiles, Certificates,
-    ClientSettings, EdgeSettings, HealthCheckSettings, Holding, KeySource, LimitSettings,
-    OtlpCompression, OtlpEndpoint, OtlpHeader, OtlpProtocol, OverloadSettings, PlanSettings,
-    RedisSettings, RouteSettings, ServerSettings, Settings, TelemetrySettings, TlsSettings,
-    TlsVersion, TrustRoots, UpstreamSettings,
+    ClientSettings, EdgeSettings, HealthCheckSettings, Holding, IssuerSettings, KeySource,
+    LimitSettings, OtlpCompression, OtlpEndpoint, OtlpHeader, OtlpProtocol, OverloadSettings,
+    PlanSettings, RedisSettings, RouteSettings, ServerSettings, Settings, TelemetrySettings,
+    TlsSettings, TlsVersion, TrustRoots, UpstreamSettings,
 };
 use crate::domain::{
     ApiKey, Bucket, Capacity, ClientId, KeyHash, Limit, LimitSpec, Limits, MaxConnections, Mode,
@@ -1146,11 +1147,105 @@ fn admin(raw: RawAdmin, p: &mut Problems) -> Option<AdminSettings> {
         );
         None
     };
+    let refetch = p.take(
+        "admin.jwks_refetch_ms",
+        within(
+            raw.jwks_refetch_ms,
+            100..=86_400_000,
+            "must be 100-86400000",
+        ),
+    );
+    let refresh = p.take(
+        "admin.jwks_refresh_ms",
+        within(
+            raw.jwks_refresh_ms,
+            1_000..=604_800_000,
+            "must be 1000-604800000",
+        ),
+    );
+    let audience = raw.jwt_audience.clone();
+    let issuers = each(raw.issuers, |i, r| issuer(i, r, &audience, p));
     Some(AdminSettings {
         jwt_hs256_secret: jwt_hs256_secret?,
         jwt_public_key_pem: jwt_public_key_pem?,
         jwt_issuer: raw.jwt_issuer,
         jwt_audience: raw.jwt_audience,
+        jwks_refetch: Duration::from_millis(refetch?),
+        jwks_refresh: Duration::from_millis(refresh?),
+        issuers: issuers?,
+    })
+}
+
+/// The admin scopes a role may give.
+const ADMIN_SCOPES: [&str; 2] = ["admin:read", "admin:write"];
+
+/// `admin.issuers[i]`.
+fn issuer(i: usize, raw: RawIssuer, audience: &str, p: &mut Problems) -> Option<IssuerSettings> {
+    let key = |field: &str| format!("admin.issuers[{i}].{field}");
+    let url = |v: &str| v.starts_with("https://") || v.starts_with("http://");
+    let mut ok = true;
+    if raw.issuer.is_empty() {
+        p.add(key("issuer"), "is required: the iss its tokens carry");
+        ok = false;
+    }
+    let jwks_url = match raw.jwks_url.as_str() {
+        "" if !url(&raw.issuer) => {
+            p.add(
+                key("jwks_url"),
+                "is required when issuer is not a URL (its discovery document is read from <issuer>/.well-known/openid-configuration)",
+            );
+            ok = false;
+            None
+        }
+        "" => None,
+        u if url(u) => Some(u.to_string()),
+        u => {
+            p.add(key("jwks_url"), format!("{u:?} is not an http(s) URL"));
+            ok = false;
+            None
+        }
+    };
+    let mut algorithms = Vec::new();
+    for a in &raw.algorithms {
+        use jsonwebtoken::Algorithm::*;
+        match a.parse::<jsonwebtoken::Algorithm>() {
+            Ok(HS256 | HS384 | HS512) | Err(_) => {
+                p.add(
+                    key("algorithms"),
+                    format!("{a:?} is not one of RS256 RS384 RS512 PS256 PS384 PS512 ES256 ES384 EdDSA (an identity provider's keys are public)"),
+                );
+                ok = false;
+            }
+            Ok(alg) => algorithms.push(alg),
+        }
+    }
+    if raw.algorithms.is_empty() {
+        p.add(key("algorithms"), "must name one algorithm at least");
+        ok = false;
+    }
+    let mut roles = std::collections::BTreeMap::new();
+    for (role, scopes) in raw.roles {
+        let scopes: Vec<String> = scopes.split_whitespace().map(str::to_string).collect();
+        if let Some(bad) = scopes.iter().find(|s| !ADMIN_SCOPES.contains(&s.as_str())) {
+            p.add(
+                format!("{}.{role}", key("roles")),
+                format!("{bad:?} is not an admin scope (admin:read, admin:write)"),
+            );
+            ok = false;
+        }
+        roles.insert(role, scopes);
+    }
+    ok.then(|| IssuerSettings {
+        issuer: raw.issuer,
+        jwks_url,
+        audience: if raw.audience.is_empty() {
+            audience.to_string()
+        } else {
+            raw.audience
+        },
+        algorithms,
+        roles_claim: (!raw.roles_claim.is_empty()).then_some(raw.roles_claim),
+        roles,
     })
 }
 
@@ -1345,6 +1440,33 @@ mod tests {
                 max_wait: Duration::from_millis(100),
             }
         );
+    }
+
+    #[test]
+    fn identity_providers_take_public_key_algorithms_and_known_scopes_only() {
+        let s = load(
+            "[[admin.issuers]]\nissuer = \"https://idp.example\"\nroles_claim = \"realm_access.roles\"\nroles = { ops = \"admin:read admin:write\" }\n",
+            &[],
+        )
+        .unwrap();
+        let idp = &s.admin.issuers[0];
+        assert_eq!(idp.jwks_url, None, "from the discovery document");
+        assert_eq!(idp.audience, "tollgate-admin");
+        assert_eq!(idp.algorithms, [jsonwebtoken::Algorithm::RS256]);
+        assert_eq!(idp.roles["ops"], ["admin:read", "admin:write"]);
+        let keys = problems(
+            "[[admin.issuers]]\nissuer = \"ops-idp\"\nalgorithms = [\"HS256\", \"none\"]\nroles = { ops = \"admin:root\" }\n\
+             [[admin.issuers]]\nissuer = \"\"\njwks_url = \"ftp://x\"\n",
+        );
+        for k in [
+            "admin.issuers[0].jwks_url",
+            "admin.issuers[0].algorithms",
+            "admin.issuers[0].roles.ops",
+            "admin.issuers[1].issuer",
+            "admin.issuers[1].jwks_url",
+        ] {
+            assert!(keys.contains(&k.to_string()), "{k} not in {keys:?}");
+        }
     }
 
     #[test]

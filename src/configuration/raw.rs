@@ -201,6 +201,31 @@ pub(super) struct RawAdmin {
     pub(super) jwt_public_key_pem: String,
     pub(super) jwt_issuer: String,
     pub(super) jwt_audience: String,
+    pub(super) jwks_refetch_ms: u64,
+    pub(super) jwks_refresh_ms: u64,
+    #[serde(default)]
+    pub(super) issuers: Vec<RawIssuer>,
+}
+
+/// `[[admin.issuers]]`: an identity provider whose tokens the admin API takes.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawIssuer {
+    pub(super) issuer: String,
+    #[serde(default)]
+    pub(super) jwks_url: String,
+    #[serde(default)]
+    pub(super) audience: String,
+    #[serde(default = "default_issuer_algorithms")]
+    pub(super) algorithms: Vec<String>,
+    #[serde(default)]
+    pub(super) roles_claim: String,
+    #[serde(default)]
+    pub(super) roles: std::collections::BTreeMap<String, String>,
+}
+
+fn default_issuer_algorithms() -> Vec<String> {
+    vec!["RS256".to_string()]
 }
 
 #[derive(Debug, Deserialize)]

@@ -489,6 +489,35 @@ pub struct AdminSettings {
     pub jwt_issuer: String,
     /// `admin.jwt_audience`: required `aud`.
     pub jwt_audience: String,
+    /// `admin.jwks_refetch_ms`: a token naming a key id an issuer's keys lack makes the
+    /// gateway read that issuer's JWKS again, at most once in this long.
+    pub jwks_refetch: Duration,
+    /// `admin.jwks_refresh_ms`: each issuer's JWKS is read again this often.
+    pub jwks_refresh: Duration,
+    /// `[[admin.issuers]]`: identity providers whose tokens the admin API takes.
+    pub issuers: Vec<IssuerSettings>,
+}
+
+/// An identity provider (`[[admin.issuers]]`): its tokens are verified with the keys of
+/// its JWKS, with the algorithms configured here (never the token's choice), and their
+/// roles give the admin scopes.
+#[derive(Debug, Clone)]
+pub struct IssuerSettings {
+    /// `issuer`: the `iss` its tokens carry (an `https://` URL for OpenID Connect).
+    pub issuer: String,
+    /// `jwks_url` (`""`: read from `<issuer>/.well-known/openid-configuration`'s
+    /// `jwks_uri`).
+    pub jwks_url: Option<String>,
+    /// `audience` (`""`: `admin.jwt_audience`): the `aud` its tokens must carry.
+    pub audience: String,
+    /// `algorithms` (default `["RS256"]`): asymmetric only.
+    pub algorithms: Vec<jsonwebtoken::Algorithm>,
+    /// `roles_claim` (`""`: none): the claim holding the token's roles or groups, a dotted
+    /// path into nested objects (`realm_access.roles`), an array of strings or a
+    /// space-separated string.
+    pub roles_claim: Option<String>,
+    /// `roles`: role name → the admin scopes it gives (`"admin:read admin:write"`).
+    pub roles: std::collections::BTreeMap<String, Vec<String>>,
 }
 
 /// A route (`[[routes]]`).

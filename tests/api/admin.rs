@@ -134,30 +134,6 @@ async fn bad_tokens_are_refused_with_401_and_a_bearer_challenge() {
     assert!(none.headers().contains_key("www-authenticate"));
 }
 
-/// Makes a key pair with openssl: `private` (PKCS#8 PEM) and `public` (SPKI PEM).
-fn key_pair(genpkey_args: &[&str], private: &std::path::Path, public: &std::path::Path) {
-    let quiet = || std::process::Stdio::null();
-    let ok = std::process::Command::new("openssl")
-        .arg("genpkey")
-        .args(genpkey_args)
-        .arg("-out")
-        .arg(private)
-        .stderr(quiet())
-        .status()
-        .unwrap()
-        .success()
-        && std::process::Command::new("openssl")
-            .args(["pkey", "-pubout", "-in"])
-            .arg(private)
-            .arg("-out")
-            .arg(public)
-            .stderr(quiet())
-            .status()
-            .unwrap()
-            .success();
-    assert!(ok, "openssl could not make a key pair");
-}
-
 #[tokio::test]
 async fn an_es256_key_from_an_identity_provider_is_accepted() {
     let dir = tempfile::tempdir().unwrap();

@@ -798,3 +798,27 @@ pub async fn revoke_key(gw: &TestGateway, client: &str, key_id: &str) {
         .unwrap();
     assert_eq!(r.status(), 204);
 }
+
+/// Makes a key pair with openssl: `private` (PKCS#8 PEM) and `public` (SPKI PEM).
+pub fn key_pair(genpkey_args: &[&str], private: &std::path::Path, public: &std::path::Path) {
+    let quiet = || std::process::Stdio::null();
+    let ok = std::process::Command::new("openssl")
+        .arg("genpkey")
+        .args(genpkey_args)
+        .arg("-out")
+        .arg(private)
+        .stderr(quiet())
+        .status()
+        .unwrap()
+        .success()
+        && std::process::Command::new("openssl")
+            .args(["pkey", "-pubout", "-in"])
+            .arg(private)
+            .arg("-out")
+            .arg(public)
+            .stderr(quiet())
+            .status()
+            .unwrap()
+            .success();
+    assert!(ok, "openssl could not make a key pair");
+}

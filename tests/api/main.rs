@@ -36,6 +36,7 @@ mod reload;
 mod resilience;
 mod shadow;
 mod slow_redis;
+mod sso;
 mod stopping;
 mod stores;
 mod swagger_ui;

@@ -1,0 +1,311 @@
+//! Admin tokens from identity providers (`[[admin.issuers]]`): each issuer's signing keys,
+//! read from its JWKS (its `jwks_url`, or the `jwks_uri` of its OpenID Connect discovery
+//! document), at start, every `admin.jwks_refresh_ms`, and when a token names a key id
+//! the keys held lack, at most once per `admin.jwks_refetch_ms` (so a flood of tokens with
+//! made-up `kid`s costs the provider one read per interval). A read that fails keeps the
+//! keys held: a provider that is down locks no one out whose key is known.
+//!
+//! A token is verified with the algorithms its issuer's configuration names (never the
+//! token's choice, and never a symmetric one: a JWKS is public), against the `iss`,
+//! `aud`, `exp` and `nbf` rules of the static key; its roles (`roles_claim`) give the admin
+//! scopes through the issuer's `roles` table, beside the scopes of its `scope` claim.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use jsonwebtoken::jwk::{AlgorithmParameters, JwkSet};
+use jsonwebtoken::{DecodingKey, Validation};
+use serde_json::Value;
+
+use crate::configuration::IssuerSettings;
+use crate::error::ApiError;
+
+/// How long one read of a JWKS or a discovery document may take.
+const FETCH_TIMEOUT: Duration = Duration::from_secs(5);
+/// The largest JWKS or discovery document read.
+const FETCH_MAX_BYTES: usize = 1 << 20;
+
+/// A client for the providers' documents: hyper over rustls (ring), Mozilla's roots.
+#[derive(Clone)]
+pub struct Fetcher {
+    client: Client<HttpsConnector<HttpConnector>, Empty<bytes::Bytes>>,
+}
+
+impl Fetcher {
+    pub fn new() -> anyhow::Result<Fetcher> {
+        let roots = rustls::RootCertStore {
+            roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
+        };
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let tls = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let https = HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .build();
+        Ok(Fetcher {
+            client: Client::builder(TokioExecutor::new()).build(https),
+        })
+    }
+
+    /// `GET url` as JSON, within [`FETCH_TIMEOUT`] and [`FETCH_MAX_BYTES`].
+    async fn json(&self, url: &str) -> anyhow::Result<Value> {
+        let read = async {
+            let uri: http::Uri = url.parse()?;
+            let response = self.client.get(uri).await?;
+            anyhow::ensure!(
+                response.status().is_success(),
+                "{url} answered {}",
+                response.status()
+            );
+            let body = Limited::new(response.into_body(), FETCH_MAX_BYTES)
+                .collect()
+                .await
+                .map_err(|e| anyhow::anyhow!("{url}: {e}"))?
+                .to_bytes();
+            Ok(serde_json::from_slice(&body)?)
+        };
+        tokio::time::timeout(FETCH_TIMEOUT, read)
+            .await
+            .map_err(|_| anyhow::anyhow!("{url} did not answer within {FETCH_TIMEOUT:?}"))?
+    }
+}
+
+/// One identity provider: its configuration, and the keys last read from its JWKS.
+pub struct Issuer {
+    settings: IssuerSettings,
+    validation: Validation,
+    /// Key id → key; a key without an id under `""`.
+    keys: ArcSwap<HashMap<String, DecodingKey>>,
+    /// When its JWKS was last read (or tried), for the refetch interval.
+    read_at: parking_lot::Mutex<Option<Instant>>,
+    /// One read at a time.
+    reading: tokio::sync::Mutex<()>,
+    refetch: Duration,
+    fetcher: Fetcher,
+}
+
+impl Issuer {
+    pub fn new(settings: IssuerSettings, refetch: Duration, fetcher: Fetcher) -> Issuer {
+        let mut validation = Validation::new(settings.algorithms[0]);
+        validation.algorithms = settings.algorithms.clone();
+        validation.set_issuer(&[&settings.issuer]);
+        validation.set_audience(&[&settings.audience]);
+        validation.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
+        validation.validate_nbf = true;
+        validation.leeway = 30;
+        Issuer {
+            settings,
+            validation,
+            keys: ArcSwap::from_pointee(HashMap::new()),
+            read_at: parking_lot::Mutex::new(None),
+            reading: tokio::sync::Mutex::new(()),
+            refetch,
+            fetcher,
+        }
+    }
+
+    /// The `iss` its tokens carry.
+    pub fn name(&self) -> &str {
+        &self.settings.issuer
+    }
+
+    /// Reads its JWKS now and puts its keys in place; on failure the keys held stay.
+    pub async fn read_keys(&self) -> anyhow::Result<usize> {
+        let _one = self.reading.lock().await;
+        self.read_locked().await
+    }
+
+    /// [`Self::read_keys`], `reading` held.
+    async fn read_locked(&self) -> anyhow::Result<usize> {
+        *self.read_at.lock() = Some(Instant::now());
+        let url = match &self.settings.jwks_url {
+            Some(url) => url.clone(),
+            None => {
+                let discovery = format!(
+                    "{}/.well-known/openid-configuration",
+                    self.settings.issuer.trim_end_matches('/')
+                );
+                let doc = self.fetcher.json(&discovery).await?;
+                doc.get("jwks_uri")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| anyhow::anyhow!("{discovery} names no jwks_uri"))?
+                    .to_string()
+            }
+        };
+        let set: JwkSet = serde_json::from_value(self.fetcher.json(&url).await?)
+            .map_err(|e| anyhow::anyhow!("{url}: not a JWKS: {e}"))?;
+        let mut keys = HashMap::new();
+        for jwk in &set.keys {
+            // A JWKS is public: a symmetric key in it would let anyone sign.
+            if matches!(jwk.algorithm, AlgorithmParameters::OctetKey(_)) {
+                continue;
+            }
+            if let Ok(key) = DecodingKey::from_jwk(jwk) {
+                keys.insert(jwk.common.key_id.clone().unwrap_or_default(), key);
+            }
+        }
+        anyhow::ensure!(!keys.is_empty(), "{url}: no usable public key");
+        let n = keys.len();
+        self.keys.store(Arc::new(keys));
+        Ok(n)
+    }
+
+    /// Reads its JWKS again for a key id not held, unless it was read within the refetch
+    /// interval (then the keys held answer).
+    async fn read_for(&self, kid: &str) {
+        // After a read in flight (at start, or for another token), which may bring it.
+        let _one = self.reading.lock().await;
+        let due = self
+            .read_at
+            .lock()
+            .is_none_or(|at| at.elapsed() >= self.refetch);
+        if !due || self.keys.load().contains_key(kid) {
+            return;
+        }
+        match self.read_locked().await {
+            Ok(n) => {
+                tracing::info!(issuer = %self.name(), kid, keys = n, "JWKS read again for a key id not held")
+            }
+            Err(e) => {
+                tracing::warn!(issuer = %self.name(), error = %e, "the JWKS could not be read; the keys held stay")
+            }
+        }
+    }
+
+    /// Verifies `token` (whose `iss` is this issuer's) and returns who it is and the
+    /// scopes its roles and `scope` claim give.
+    pub async fn verify(&self, token: &str, kid: Option<&str>) -> Result<Principal, ApiError> {
+        let kid = kid.unwrap_or_default();
+        if !self.keys.load().contains_key(kid) {
+            self.read_for(kid).await;
+        }
+        let keys = self.keys.load();
+        let key = keys.get(kid).ok_or_else(|| {
+            ApiError::InvalidToken(format!(
+                "invalid token: issuer {} has no key {kid:?}",
+                self.name()
+            ))
+        })?;
+        let claims =
+            jsonwebtoken::decode::<serde_json::Map<String, Value>>(token, key, &self.validation)
+                .map_err(|e| ApiError::InvalidToken(format!("invalid token: {e}")))?
+                .claims;
+        let sub = claims
+            .get("sub")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
+        let mut scopes: HashSet<String> = claims
+            .get("scope")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .split_whitespace()
+            .map(str::to_string)
+            .collect();
+        if let Some(path) = &self.settings.roles_claim {
+            for role in roles(&claims, path) {
+                scopes.extend(
+                    self.settings
+                        .roles
+                        .get(&role)
+                        .into_iter()
+                        .flatten()
+                        .cloned(),
+                );
+            }
+        }
+        Ok(Principal { sub, scopes })
+    }
+}
+
+/// Who an admin token names, and what it may do.
+#[derive(Debug, Clone)]
+pub struct Principal {
+    pub sub: String,
+    pub scopes: HashSet<String>,
+}
+
+/// The roles at `path` (dotted, into nested objects) of `claims`: an array of strings, or
+/// a space-separated string.
+fn roles(claims: &serde_json::Map<String, Value>, path: &str) -> Vec<String> {
+    let mut parts = path.split('.');
+    let first = parts.next().unwrap_or_default();
+    let mut at = claims.get(first);
+    for part in parts {
+        at = at.and_then(|v| v.get(part));
+    }
+    match at {
+        Some(Value::Array(items)) => items
+            .iter()
+            .filter_map(Value::as_str)
+            .map(str::to_string)
+            .collect(),
+        Some(Value::String(s)) => s.split_whitespace().map(str::to_string).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// The configured issuers, by `iss`.
+#[derive(Default)]
+pub struct Issuers(BTreeMap<String, Arc<Issuer>>);
+
+impl Issuers {
+    pub fn new(settings: &[IssuerSettings], refetch: Duration) -> anyhow::Result<Issuers> {
+        if settings.is_empty() {
+            return Ok(Issuers::default());
+        }
+        let fetcher = Fetcher::new()?;
+        Ok(Issuers(
+            settings
+                .iter()
+                .map(|s| {
+                    let issuer = Issuer::new(s.clone(), refetch, fetcher.clone());
+                    (s.issuer.clone(), Arc::new(issuer))
+                })
+                .collect(),
+        ))
+    }
+
+    pub fn get(&self, iss: &str) -> Option<&Arc<Issuer>> {
+        self.0.get(iss)
+    }
+
+    pub fn all(&self) -> impl Iterator<Item = &Arc<Issuer>> {
+        self.0.values()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roles_are_read_from_a_dotted_path_as_an_array_or_a_string() {
+        let claims: serde_json::Map<String, Value> = serde_json::from_value(serde_json::json!({
+            "groups": ["ops", 7, "viewers"],
+            "realm_access": {"roles": ["admins"]},
+            "roles": "a b",
+        }))
+        .unwrap();
+        assert_eq!(roles(&claims, "groups"), ["ops", "viewers"]);
+        assert_eq!(roles(&claims, "realm_access.roles"), ["admins"]);
+        assert_eq!(roles(&claims, "roles"), ["a", "b"]);
+        assert!(roles(&claims, "realm_access.missing").is_empty());
+        assert!(roles(&claims, "nothing").is_empty());
+    }
+}

@@ -1,0 +1,292 @@
+//! Single sign-on for the admin API: tokens from identity providers the test runs (a JWKS
+//! and a discovery document served over HTTP from a thread), verified against keys that
+//! rotate during the test, with roles from a claim, several issuers, a flood of made-up key
+//! ids, and a provider that goes down.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use jsonwebtoken::jwk::{Jwk, JwkSet};
+use jsonwebtoken::{Algorithm, EncodingKey, Header};
+use reqwest::Method;
+use serde_json::json;
+
+use crate::helpers::*;
+
+/// An identity provider: JWKS documents by path, a discovery document naming `/jwks`, the
+/// reads of each path counted, and a switch that makes it drop every connection.
+struct Provider {
+    base: String,
+    documents: Arc<Mutex<HashMap<String, String>>>,
+    reads: Arc<Mutex<HashMap<String, usize>>>,
+    down: Arc<AtomicBool>,
+    served: Arc<AtomicUsize>,
+}
+
+impl Provider {
+    fn start() -> Provider {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let documents = Arc::new(Mutex::new(HashMap::new()));
+        documents.lock().unwrap().insert(
+            "/.well-known/openid-configuration".to_string(),
+            json!({"issuer": base, "jwks_uri": format!("{base}/jwks")}).to_string(),
+        );
+        let reads = Arc::new(Mutex::new(HashMap::new()));
+        let down = Arc::new(AtomicBool::new(false));
+        let served = Arc::new(AtomicUsize::new(0));
+        let (docs, counted, off, n) = (
+            Arc::clone(&documents),
+            Arc::clone(&reads),
+            Arc::clone(&down),
+            Arc::clone(&served),
+        );
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                if off.load(Ordering::SeqCst) {
+                    continue; // dropped: the connection closes unanswered
+                }
+                let mut line = String::new();
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                if reader.read_line(&mut line).is_err() {
+                    continue;
+                }
+                // The rest of the head.
+                let mut header = String::new();
+                while reader.read_line(&mut header).is_ok_and(|n| n > 2) {
+                    header.clear();
+                }
+                let path = line.split(' ').nth(1).unwrap_or("/").to_string();
+                *counted.lock().unwrap().entry(path.clone()).or_insert(0) += 1;
+                n.fetch_add(1, Ordering::SeqCst);
+                let (status, body) = match docs.lock().unwrap().get(&path) {
+                    Some(b) => ("200 OK", b.clone()),
+                    None => ("404 Not Found", "{}".to_string()),
+                };
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        });
+        Provider {
+            base,
+            documents,
+            reads,
+            down,
+            served,
+        }
+    }
+
+    /// Serves these keys at `path`.
+    fn publish(&self, path: &str, keys: &[&Key]) {
+        let set = JwkSet {
+            keys: keys.iter().map(|k| k.jwk.clone()).collect(),
+        };
+        self.documents
+            .lock()
+            .unwrap()
+            .insert(path.to_string(), serde_json::to_string(&set).unwrap());
+    }
+
+    fn reads(&self, path: &str) -> usize {
+        self.reads.lock().unwrap().get(path).copied().unwrap_or(0)
+    }
+}
+
+/// A signing key of a provider: RSA, with its key id.
+struct Key {
+    kid: String,
+    encoding: EncodingKey,
+    jwk: Jwk,
+}
+
+impl Key {
+    fn new(kid: &str) -> Key {
+        let dir = tempfile::tempdir().unwrap();
+        let (private, public) = (dir.path().join("key.pem"), dir.path().join("pub.pem"));
+        key_pair(
+            &["-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048"],
+            &private,
+            &public,
+        );
+        let encoding = EncodingKey::from_rsa_pem(&std::fs::read(&private).unwrap()).unwrap();
+        let mut jwk = Jwk::from_encoding_key(&encoding, Algorithm::RS256).unwrap();
+        jwk.common.key_id = Some(kid.to_string());
+        Key {
+            kid: kid.to_string(),
+            encoding,
+            jwk,
+        }
+    }
+
+    /// A token of `iss` for `sub` with these groups, signed with this key under `kid`.
+    fn token(&self, iss: &str, sub: &str, groups: &[&str], kid: &str) -> String {
+        let exp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+            + 600;
+        let mut header = Header::new(Algorithm::RS256);
+        header.kid = Some(kid.to_string());
+        let claims =
+            json!({"iss": iss, "sub": sub, "aud": "tollgate-admin", "exp": exp, "groups": groups});
+        jsonwebtoken::encode(&header, &claims, &self.encoding).unwrap()
+    }
+
+    fn signed(&self, iss: &str, sub: &str, groups: &[&str]) -> String {
+        self.token(iss, sub, groups, &self.kid)
+    }
+}
+
+/// A gateway taking tokens from `provider` (found through its discovery document) and from
+/// issuer `ops-idp` (its JWKS at `/jwks2`), with roles from `groups`.
+async fn gateway(provider: &Provider, refetch_ms: u64) -> TestGateway {
+    let roles =
+        r#"roles = { "tg-admins" = "admin:read admin:write", "tg-viewers" = "admin:read" }"#;
+    TestGateway::spawn(settings(&format!(
+        "{}jwks_refetch_ms = {refetch_ms}\n\
+         [[admin.issuers]]\nissuer = \"{base}\"\nroles_claim = \"groups\"\n{roles}\n\
+         [[admin.issuers]]\nissuer = \"ops-idp\"\njwks_url = \"{base}/jwks2\"\nroles_claim = \"groups\"\n{roles}\n",
+        admin_toml(),
+        base = provider.base,
+    )))
+    .await
+}
+
+async fn status(gw: &TestGateway, method: Method, path: &str, token: &str) -> u16 {
+    let mut req = gw.admin(method.clone(), path, token);
+    if method == Method::PUT {
+        req = req.json(&json!({"capacity": 10, "rate": 1}));
+    }
+    req.send().await.unwrap().status().as_u16()
+}
+
+#[tokio::test]
+async fn tokens_of_rotated_keys_are_taken_without_a_restart_and_roles_give_the_scopes() {
+    // Arrange: two providers' keys; the gateway reads them at start.
+    let provider = Provider::start();
+    let (a, b, d) = (Key::new("a"), Key::new("b"), Key::new("d"));
+    provider.publish("/jwks", &[&a]);
+    provider.publish("/jwks2", &[&d]);
+    let gw = gateway(&provider, 200).await;
+    let iss = provider.base.clone();
+
+    // Assert: roles give the scopes: a viewer reads and may not write; an admin writes.
+    let viewer = a.signed(&iss, "vera", &["tg-viewers"]);
+    let admin = a.signed(&iss, "ada", &["staff", "tg-admins"]);
+    assert_eq!(status(&gw, Method::GET, "/plans", &viewer).await, 200);
+    assert_eq!(status(&gw, Method::PUT, "/plans/sso", &viewer).await, 403);
+    assert_eq!(status(&gw, Method::PUT, "/plans/sso", &admin).await, 201);
+    let nobody = a.signed(&iss, "nora", &["staff"]);
+    assert_eq!(status(&gw, Method::GET, "/plans", &nobody).await, 403);
+    // The audit log names the provider's subject.
+    let audit: serde_json::Value = gw
+        .admin(Method::GET, "/audit?limit=1", &admin)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(audit["items"][0]["actor"], "ada", "{audit}");
+    // The second issuer, found by its jwks_url; its key does not sign for the first.
+    let ops = d.signed("ops-idp", "otto", &["tg-admins"]);
+    assert_eq!(status(&gw, Method::PUT, "/plans/ops", &ops).await, 201);
+    let crossed = d.token(&iss, "mallory", &["tg-admins"], "a");
+    assert_eq!(status(&gw, Method::GET, "/plans", &crossed).await, 401);
+
+    // Act: the provider rotates to key b (a withdrawn).
+    provider.publish("/jwks", &[&b]);
+    let rotated = b.signed(&iss, "ada", &["tg-admins"]);
+    let began = Instant::now();
+
+    // Assert: a token of the new key is taken within seconds, with no restart.
+    eventually(
+        Duration::from_secs(5),
+        "the rotated key is taken",
+        || async { status(&gw, Method::GET, "/plans", &rotated).await == 200 },
+    )
+    .await;
+    assert!(
+        began.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        began.elapsed()
+    );
+    // A token naming the new key id, signed by another key, or with no signature to check.
+    let forged = a.token(&iss, "mallory", &["tg-admins"], "b");
+    assert_eq!(status(&gw, Method::GET, "/plans", &forged).await, 401);
+    let mut header = Header::new(Algorithm::HS256);
+    header.kid = Some("b".into());
+    let hs = jsonwebtoken::encode(
+        &header,
+        &json!({"iss": iss, "sub": "mallory", "aud": "tollgate-admin", "exp": 4_000_000_000u64, "groups": ["tg-admins"]}),
+        &EncodingKey::from_secret(b"a secret anyone can pick, 32 bytes at least"),
+    )
+    .unwrap();
+    assert_eq!(status(&gw, Method::GET, "/plans", &hs).await, 401);
+    // The configured static key still works beside the providers.
+    let local = admin_token("ops", "admin:read");
+    assert_eq!(status(&gw, Method::GET, "/plans", &local).await, 200);
+}
+
+#[tokio::test]
+async fn a_flood_of_made_up_key_ids_reads_the_jwks_at_most_once_per_interval() {
+    // Arrange: a refetch interval of 10 s (the default), the keys read at start.
+    let provider = Provider::start();
+    let a = Key::new("a");
+    provider.publish("/jwks", &[&a]);
+    let gw = gateway(&provider, 10_000).await;
+    let iss = provider.base.clone();
+    let good = a.signed(&iss, "ada", &["tg-viewers"]);
+    assert_eq!(status(&gw, Method::GET, "/plans", &good).await, 200);
+    let before = provider.reads("/jwks");
+
+    // Act: 200 tokens, each naming a key id of its own.
+    let mut refused = 0;
+    for i in 0..200 {
+        let t = a.token(&iss, "mallory", &["tg-admins"], &format!("made-up-{i}"));
+        refused += usize::from(status(&gw, Method::GET, "/plans", &t).await == 401);
+    }
+
+    // Assert: every one refused, for one read of the JWKS at most.
+    assert_eq!(refused, 200);
+    let reads = provider.reads("/jwks") - before;
+    assert!(
+        reads <= 1,
+        "{reads} reads of the JWKS for 200 made-up key ids"
+    );
+}
+
+#[tokio::test]
+async fn a_provider_that_is_down_locks_out_no_token_whose_key_is_held() {
+    // Arrange: the keys read at start.
+    let provider = Provider::start();
+    let a = Key::new("a");
+    provider.publish("/jwks", &[&a]);
+    let gw = gateway(&provider, 100).await;
+    let iss = provider.base.clone();
+    let good = a.signed(&iss, "ada", &["tg-admins"]);
+    assert_eq!(status(&gw, Method::GET, "/plans", &good).await, 200);
+
+    // Act: the provider stops answering; a token with an unknown key id makes the gateway
+    // try it (and fail) more than once.
+    provider.down.store(true, Ordering::SeqCst);
+    let served = provider.served.load(Ordering::SeqCst);
+    for i in 0..3 {
+        let t = a.token(&iss, "mallory", &["tg-admins"], &format!("new-{i}"));
+        assert_eq!(status(&gw, Method::GET, "/plans", &t).await, 401);
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+
+    // Assert: the held key still admits its tokens, and nothing was served meanwhile.
+    assert_eq!(status(&gw, Method::GET, "/plans", &good).await, 200);
+    assert_eq!(status(&gw, Method::PUT, "/plans/still", &good).await, 201);
+    assert_eq!(provider.served.load(Ordering::SeqCst), served);
+}
