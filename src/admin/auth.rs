@@ -20,6 +20,9 @@ use crate::tasks::{Policy, Tasks};
 
 pub const READ: &str = "admin:read";
 pub const WRITE: &str = "admin:write";
+/// Writes to a client's keys only (make, roll, revoke): for a team or a provider's role
+/// that issues keys but must not change plans or clients. `admin:write` includes it.
+pub const KEYS: &str = "admin:keys";
 
 /// Claims tollgate reads from an admin token.
 #[derive(Debug, Serialize, Deserialize)]
@@ -166,8 +169,19 @@ impl JwtVerifier {
     }
 }
 
+/// Whether `path` is one of a client's keys' resources (`/admin/v1/clients/{c}/keys`,
+/// `.../keys/{k}`, `.../keys/{k}/roll`), as written: a spelling the router decodes
+/// (`%6Beys`) needs `admin:write`, never less.
+fn writes_keys(path: &str) -> bool {
+    let segments: Vec<&str> = path.split('/').collect();
+    matches!(
+        segments.as_slice(),
+        ["", "admin", "v1", "clients", _, "keys", ..]
+    )
+}
+
 /// Middleware for `/admin/v1`: a valid token, and `admin:read` for reads or
-/// `admin:write` for everything else.
+/// `admin:write` for everything else (`admin:keys` is enough to write a client's keys).
 pub async fn require_token(
     req: ServiceRequest,
     next: Next<impl MessageBody + 'static>,
@@ -200,7 +214,8 @@ pub async fn require_token(
     } else {
         WRITE
     };
-    if !claims.scopes.contains(needed) {
+    let keys_only = needed == WRITE && writes_keys(req.path()) && claims.scopes.contains(KEYS);
+    if !claims.scopes.contains(needed) && !keys_only {
         let e = ApiError::Forbidden(format!("this call needs the {needed} scope"));
         return Ok(req.into_response(e.error_response()));
     }

@@ -388,7 +388,7 @@ impl CommonResponses {
         add(
             op,
             "403",
-            problem("The token lacks the scope (admin:read for GET, admin:write otherwise)"),
+            problem("The token lacks the scope (admin:read for GET, admin:write otherwise; admin:keys is enough to write a client's keys)"),
         );
         add(op, "500", problem("An internal error (logged)"));
         add(op, "503", problem("The store is unavailable"));

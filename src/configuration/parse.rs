@@ -1177,7 +1177,7 @@ fn admin(raw: RawAdmin, p: &mut Problems) -> Option<AdminSettings> {
 }
 
 /// The admin scopes a role may give.
-const ADMIN_SCOPES: [&str; 2] = ["admin:read", "admin:write"];
+const ADMIN_SCOPES: [&str; 3] = ["admin:read", "admin:write", "admin:keys"];
 
 /// `admin.issuers[i]`.
 fn issuer(i: usize, raw: RawIssuer, audience: &str, p: &mut Problems) -> Option<IssuerSettings> {
@@ -1229,7 +1229,7 @@ fn issuer(i: usize, raw: RawIssuer, audience: &str, p: &mut Problems) -> Option<
         if let Some(bad) = scopes.iter().find(|s| !ADMIN_SCOPES.contains(&s.as_str())) {
             p.add(
                 format!("{}.{role}", key("roles")),
-                format!("{bad:?} is not an admin scope (admin:read, admin:write)"),
+                format!("{bad:?} is not an admin scope (admin:read, admin:write, admin:keys)"),
             );
             ok = false;
         }

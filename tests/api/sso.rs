@@ -148,8 +148,7 @@ impl Key {
 /// A gateway taking tokens from `provider` (found through its discovery document) and from
 /// issuer `ops-idp` (its JWKS at `/jwks2`), with roles from `groups`.
 async fn gateway(provider: &Provider, refetch_ms: u64) -> TestGateway {
-    let roles =
-        r#"roles = { "tg-admins" = "admin:read admin:write", "tg-viewers" = "admin:read" }"#;
+    let roles = r#"roles = { "tg-admins" = "admin:read admin:write", "tg-viewers" = "admin:read", "tg-keys" = "admin:keys" }"#;
     TestGateway::spawn(settings(&format!(
         "{}jwks_refetch_ms = {refetch_ms}\n\
          [[admin.issuers]]\nissuer = \"{base}\"\nroles_claim = \"groups\"\n{roles}\n\
@@ -186,16 +185,61 @@ async fn tokens_of_rotated_keys_are_taken_without_a_restart_and_roles_give_the_s
     assert_eq!(status(&gw, Method::PUT, "/plans/sso", &admin).await, 201);
     let nobody = a.signed(&iss, "nora", &["staff"]);
     assert_eq!(status(&gw, Method::GET, "/plans", &nobody).await, 403);
-    // The audit log names the provider's subject.
+    // A key issuer makes and revokes a client's keys, and writes nothing else.
+    let r = gw
+        .admin(Method::PUT, "/clients/acme", &admin)
+        .json(&json!({"plan": "sso"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let keys = a.signed(&iss, "kim", &["tg-keys"]);
+    let made = gw
+        .admin(Method::POST, "/clients/acme/keys", &keys)
+        .send()
+        .await
+        .unwrap();
+
+    assert_eq!(made.status(), 201);
+    let key_id = made.json::<serde_json::Value>().await.unwrap()["key_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let revoke = format!("/clients/acme/keys/{key_id}");
+    assert_eq!(status(&gw, Method::DELETE, &revoke, &keys).await, 204);
+    assert_eq!(status(&gw, Method::PUT, "/plans/sso", &keys).await, 403);
+    assert_eq!(
+        status(&gw, Method::DELETE, "/clients/acme", &keys).await,
+        403
+    );
+    assert_eq!(status(&gw, Method::GET, "/clients/acme", &keys).await, 403);
+    assert_eq!(
+        status(&gw, Method::POST, "/clients/acme/k%65ys", &keys).await,
+        403
+    );
+    // The audit log names the provider's subjects.
     let audit: serde_json::Value = gw
-        .admin(Method::GET, "/audit?limit=1", &admin)
+        .admin(Method::GET, "/audit?limit=10", &admin)
         .send()
         .await
         .unwrap()
         .json()
         .await
         .unwrap();
-    assert_eq!(audit["items"][0]["actor"], "ada", "{audit}");
+    let by: Vec<(&str, &str)> = audit["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["action"].as_str().unwrap(), e["actor"].as_str().unwrap()))
+        .collect();
+    for done in [
+        ("plan.put", "ada"),
+        ("key.create", "kim"),
+        ("key.revoke", "kim"),
+    ] {
+        assert!(by.contains(&done), "{done:?} not in {by:?}");
+    }
+
     // The second issuer, found by its jwks_url; its key does not sign for the first.
     let ops = d.signed("ops-idp", "otto", &["tg-admins"]);
     assert_eq!(status(&gw, Method::PUT, "/plans/ops", &ops).await, 201);
