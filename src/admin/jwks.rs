@@ -32,22 +32,17 @@ const FETCH_TIMEOUT: Duration = Duration::from_secs(5);
 /// The largest JWKS or discovery document read.
 const FETCH_MAX_BYTES: usize = 1 << 20;
 
-/// A client for the providers' documents: hyper over rustls (ring), Mozilla's roots.
+/// A client for a provider's documents: hyper over rustls (ring), Mozilla's roots and the
+/// issuer's `ca_file`.
 #[derive(Clone)]
 pub struct Fetcher {
     client: Client<HttpsConnector<HttpConnector>, Empty<bytes::Bytes>>,
 }
 
 impl Fetcher {
-    pub fn new() -> anyhow::Result<Fetcher> {
-        let roots = rustls::RootCertStore {
-            roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
-        };
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let tls = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
+    /// Trusting the public roots and the certificates of `ca_file` (`key`, for errors).
+    pub fn new(ca_file: Option<&std::path::Path>, key: &str) -> anyhow::Result<Fetcher> {
+        let tls = crate::tls::client_config(ca_file, key)?;
         let https = HttpsConnectorBuilder::new()
             .with_tls_config(tls)
             .https_or_http()
@@ -262,19 +257,14 @@ pub struct Issuers(BTreeMap<String, Arc<Issuer>>);
 
 impl Issuers {
     pub fn new(settings: &[IssuerSettings], refetch: Duration) -> anyhow::Result<Issuers> {
-        if settings.is_empty() {
-            return Ok(Issuers::default());
+        let mut issuers = BTreeMap::new();
+        for (i, s) in settings.iter().enumerate() {
+            let key = format!("admin.issuers[{i}].ca_file");
+            let fetcher = Fetcher::new(s.ca_file.as_deref(), &key)?;
+            let issuer = Issuer::new(s.clone(), refetch, fetcher);
+            issuers.insert(s.issuer.clone(), Arc::new(issuer));
         }
-        let fetcher = Fetcher::new()?;
-        Ok(Issuers(
-            settings
-                .iter()
-                .map(|s| {
-                    let issuer = Issuer::new(s.clone(), refetch, fetcher.clone());
-                    (s.issuer.clone(), Arc::new(issuer))
-                })
-                .collect(),
-        ))
+        Ok(Issuers(issuers))
     }
 
     pub fn get(&self, iss: &str) -> Option<&Arc<Issuer>> {

@@ -1235,6 +1235,15 @@ fn issuer(i: usize, raw: RawIssuer, audience: &str, p: &mut Problems) -> Option<
         }
         roles.insert(role, scopes);
     }
+    let ca_file = match raw.ca_file.as_str() {
+        "" => None,
+        f if Path::new(f).is_file() => Some(PathBuf::from(f)),
+        f => {
+            p.add(key("ca_file"), format!("{f:?} is not a readable file"));
+            ok = false;
+            None
+        }
+    };
     ok.then(|| IssuerSettings {
         issuer: raw.issuer,
         jwks_url,
@@ -1246,6 +1255,7 @@ fn issuer(i: usize, raw: RawIssuer, audience: &str, p: &mut Problems) -> Option<
         algorithms,
         roles_claim: (!raw.roles_claim.is_empty()).then_some(raw.roles_claim),
         roles,
+        ca_file,
     })
 }
 

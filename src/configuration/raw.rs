@@ -222,6 +222,8 @@ pub(super) struct RawIssuer {
     pub(super) roles_claim: String,
     #[serde(default)]
     pub(super) roles: std::collections::BTreeMap<String, String>,
+    #[serde(default)]
+    pub(super) ca_file: String,
 }
 
 fn default_issuer_algorithms() -> Vec<String> {

@@ -518,6 +518,9 @@ pub struct IssuerSettings {
     pub roles_claim: Option<String>,
     /// `roles`: role name → the admin scopes it gives (`"admin:read admin:write"`).
     pub roles: std::collections::BTreeMap<String, Vec<String>>,
+    /// `ca_file` (`""`: none): PEM certificates trusted for its `https://` documents
+    /// besides the built-in public roots (a private CA).
+    pub ca_file: Option<PathBuf>,
 }
 
 /// A route (`[[routes]]`).

@@ -15,6 +15,9 @@
 //! file written in place, one renamed over it, and Kubernetes' swapped symlinks.
 
 mod certificate;
+mod client;
+
+pub use client::client_config;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};

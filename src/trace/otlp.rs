@@ -8,11 +8,9 @@
 //! in logs.
 
 use std::fmt;
-use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use async_trait::async_trait;
 use http::{HeaderName, HeaderValue};
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
@@ -25,8 +23,6 @@ use opentelemetry_otlp::{
 };
 use opentelemetry_sdk::trace::SpanExporter as _;
 use opentelemetry_sdk::Resource;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::CertificateDer;
 use secrecy::ExposeSecret;
 
 use crate::configuration::{OtlpCompression, OtlpEndpoint, OtlpProtocol, TelemetrySettings};
@@ -79,7 +75,10 @@ struct Transport {
 impl Transport {
     fn new(settings: &TelemetrySettings) -> anyhow::Result<Transport> {
         let https = HttpsConnectorBuilder::new()
-            .with_tls_config(tls(settings.otlp_ca_file.as_deref())?)
+            .with_tls_config(crate::tls::client_config(
+                settings.otlp_ca_file.as_deref(),
+                "telemetry.otlp_ca_file",
+            )?)
             .https_or_http()
             .enable_http1()
             .build();
@@ -120,32 +119,6 @@ impl HttpClient for Transport {
     }
 }
 
-/// TLS for `https://` endpoints: Mozilla's roots (built in: the image need not have any)
-/// and the certificates of `ca_file`.
-fn tls(ca_file: Option<&Path>) -> anyhow::Result<rustls::ClientConfig> {
-    let mut roots = rustls::RootCertStore {
-        roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
-    };
-    if let Some(path) = ca_file {
-        let context = || format!("telemetry.otlp_ca_file: {}", path.display());
-        let mut added = 0;
-        for cert in CertificateDer::pem_file_iter(path).with_context(context)? {
-            roots
-                .add(cert.with_context(context)?)
-                .with_context(context)?;
-            added += 1;
-        }
-        if added == 0 {
-            bail!("{}: no certificate in it", context());
-        }
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    Ok(rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots)
-        .with_no_client_auth())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,15 +151,5 @@ mod tests {
         let endpoint = OtlpEndpoint::parse("https://collector.example").unwrap();
         let exporter = exporter(&endpoint, &s).unwrap();
         assert!(!format!("{exporter:?}").contains("sekrit-value"));
-    }
-
-    #[test]
-    fn a_ca_file_without_a_certificate_is_refused() {
-        let dir = tempfile::tempdir().unwrap();
-        let empty = dir.path().join("ca.pem");
-        std::fs::write(&empty, "not a certificate\n").unwrap();
-        let err = tls(Some(&empty)).unwrap_err();
-        assert!(format!("{err:#}").contains("no certificate"), "{err:#}");
-        assert!(tls(Some(&dir.path().join("absent.pem"))).is_err());
     }
 }

@@ -4,7 +4,7 @@
 //! ids, and a provider that goes down.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -29,8 +29,21 @@ struct Provider {
 
 impl Provider {
     fn start() -> Provider {
+        Provider::serve(None)
+    }
+
+    /// Over TLS (`https://`), presenting `cert`.
+    fn start_tls(cert: &SelfSigned) -> Provider {
+        Provider::serve(Some(Arc::new(tls_server_config(
+            &cert.cert_pem,
+            &cert.key_pem,
+        ))))
+    }
+
+    fn serve(tls: Option<Arc<rustls::ServerConfig>>) -> Provider {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let base = format!("http://{}", listener.local_addr().unwrap());
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let base = format!("{scheme}://{}", listener.local_addr().unwrap());
         let documents = Arc::new(Mutex::new(HashMap::new()));
         documents.lock().unwrap().insert(
             "/.well-known/openid-configuration".to_string(),
@@ -47,32 +60,27 @@ impl Provider {
         );
         std::thread::spawn(move || {
             for stream in listener.incoming() {
-                let Ok(mut stream) = stream else { continue };
+                let Ok(stream) = stream else { continue };
                 if off.load(Ordering::SeqCst) {
                     continue; // dropped: the connection closes unanswered
                 }
-                let mut line = String::new();
-                let mut reader = BufReader::new(stream.try_clone().unwrap());
-                if reader.read_line(&mut line).is_err() {
-                    continue;
-                }
-                // The rest of the head.
-                let mut header = String::new();
-                while reader.read_line(&mut header).is_ok_and(|n| n > 2) {
-                    header.clear();
-                }
-                let path = line.split(' ').nth(1).unwrap_or("/").to_string();
-                *counted.lock().unwrap().entry(path.clone()).or_insert(0) += 1;
-                n.fetch_add(1, Ordering::SeqCst);
-                let (status, body) = match docs.lock().unwrap().get(&path) {
-                    Some(b) => ("200 OK", b.clone()),
-                    None => ("404 Not Found", "{}".to_string()),
+                let answer = |path: &str| {
+                    *counted.lock().unwrap().entry(path.to_string()).or_insert(0) += 1;
+                    n.fetch_add(1, Ordering::SeqCst);
+                    match docs.lock().unwrap().get(path) {
+                        Some(b) => ("200 OK", b.clone()),
+                        None => ("404 Not Found", "{}".to_string()),
+                    }
                 };
-                let _ = write!(
-                    stream,
-                    "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                    body.len()
-                );
+                match &tls {
+                    Some(config) => {
+                        let Ok(conn) = rustls::ServerConnection::new(Arc::clone(config)) else {
+                            continue;
+                        };
+                        exchange(rustls::StreamOwned::new(conn, stream), answer);
+                    }
+                    None => exchange(stream, answer),
+                }
             }
         });
         Provider {
@@ -98,6 +106,27 @@ impl Provider {
     fn reads(&self, path: &str) -> usize {
         self.reads.lock().unwrap().get(path).copied().unwrap_or(0)
     }
+}
+
+/// Reads one request's head from `stream` and writes the answer `answer` gives its path.
+fn exchange<S: Read + Write>(mut stream: S, answer: impl Fn(&str) -> (&'static str, String)) {
+    let mut reader = BufReader::new(&mut stream);
+    let mut line = String::new();
+    if reader.read_line(&mut line).is_err() {
+        return;
+    }
+    let mut header = String::new();
+    while reader.read_line(&mut header).is_ok_and(|n| n > 2) {
+        header.clear();
+    }
+    drop(reader);
+    let (status, body) = answer(line.split(' ').nth(1).unwrap_or("/"));
+    let _ = write!(
+        stream,
+        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = stream.flush();
 }
 
 /// A signing key of a provider: RSA, with its key id.
@@ -148,10 +177,15 @@ impl Key {
 /// A gateway taking tokens from `provider` (found through its discovery document) and from
 /// issuer `ops-idp` (its JWKS at `/jwks2`), with roles from `groups`.
 async fn gateway(provider: &Provider, refetch_ms: u64) -> TestGateway {
+    gateway_with(provider, refetch_ms, "").await
+}
+
+/// [`gateway`], with `extra` in the first issuer's table.
+async fn gateway_with(provider: &Provider, refetch_ms: u64, extra: &str) -> TestGateway {
     let roles = r#"roles = { "tg-admins" = "admin:read admin:write", "tg-viewers" = "admin:read", "tg-keys" = "admin:keys" }"#;
     TestGateway::spawn(settings(&format!(
         "{}jwks_refetch_ms = {refetch_ms}\n\
-         [[admin.issuers]]\nissuer = \"{base}\"\nroles_claim = \"groups\"\n{roles}\n\
+         [[admin.issuers]]\nissuer = \"{base}\"\nroles_claim = \"groups\"\n{roles}\n{extra}\n\
          [[admin.issuers]]\nissuer = \"ops-idp\"\njwks_url = \"{base}/jwks2\"\nroles_claim = \"groups\"\n{roles}\n",
         admin_toml(),
         base = provider.base,
@@ -333,4 +367,35 @@ async fn a_provider_that_is_down_locks_out_no_token_whose_key_is_held() {
     assert_eq!(status(&gw, Method::GET, "/plans", &good).await, 200);
     assert_eq!(status(&gw, Method::PUT, "/plans/still", &good).await, 201);
     assert_eq!(provider.served.load(Ordering::SeqCst), served);
+}
+
+#[tokio::test]
+async fn a_provider_behind_a_private_ca_is_read_over_tls_when_its_ca_file_is_trusted() {
+    // Arrange: a provider over https with a self-signed certificate.
+    let cert = SelfSigned::generate();
+    let provider = Provider::start_tls(&cert);
+    let a = Key::new("a");
+    provider.publish("/jwks", &[&a]);
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, &cert.cert_pem).unwrap();
+    let iss = provider.base.clone();
+    let token = a.signed(&iss, "ada", &["tg-viewers"]);
+
+    // Act: one gateway trusting the certificate, one with the public roots alone.
+    let trusting = gateway_with(
+        &provider,
+        100,
+        &format!("ca_file = {:?}", ca.to_str().unwrap()),
+    )
+    .await;
+    let public_only = gateway(&provider, 100).await;
+
+    // Assert: the certificate is verified: only the gateway that trusts it reads the keys.
+    assert_eq!(status(&trusting, Method::GET, "/plans", &token).await, 200);
+    assert_eq!(
+        status(&public_only, Method::GET, "/plans", &token).await,
+        401
+    );
+    assert!(provider.reads("/jwks") >= 1);
 }
