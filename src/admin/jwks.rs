@@ -165,7 +165,7 @@ impl Issuer {
             .read_at
             .lock()
             .is_none_or(|at| at.elapsed() >= self.refetch);
-        if !due || self.keys.load().contains_key(kid) {
+        if !due || key_for(&self.keys.load(), kid).is_some() {
             return;
         }
         match self.read_locked().await {
@@ -182,11 +182,11 @@ impl Issuer {
     /// scopes its roles and `scope` claim give.
     pub async fn verify(&self, token: &str, kid: Option<&str>) -> Result<Principal, ApiError> {
         let kid = kid.unwrap_or_default();
-        if !self.keys.load().contains_key(kid) {
+        if key_for(&self.keys.load(), kid).is_none() {
             self.read_for(kid).await;
         }
         let keys = self.keys.load();
-        let key = keys.get(kid).ok_or_else(|| {
+        let key = key_for(&keys, kid).ok_or_else(|| {
             ApiError::InvalidToken(format!(
                 "invalid token: issuer {} has no key {kid:?}",
                 self.name()
@@ -222,6 +222,15 @@ impl Issuer {
         }
         Ok(Principal { sub, scopes })
     }
+}
+
+/// The key a token naming key id `kid` (`""`: none) is checked with: the one of that id;
+/// for a token naming none, the key without an id, or the issuer's only key.
+fn key_for<'k>(keys: &'k HashMap<String, DecodingKey>, kid: &str) -> Option<&'k DecodingKey> {
+    keys.get(kid).or_else(|| {
+        let only = (kid.is_empty() && keys.len() == 1).then(|| keys.values().next());
+        only.flatten()
+    })
 }
 
 /// Who an admin token names, and what it may do.

@@ -309,6 +309,18 @@ async fn tokens_of_rotated_keys_are_taken_without_a_restart_and_roles_give_the_s
     )
     .unwrap();
     assert_eq!(status(&gw, Method::GET, "/plans", &hs).await, 401);
+    // A token naming no key id is checked with the issuer's only key.
+    let mut header = Header::new(Algorithm::RS256);
+    header.kid = None;
+    let exp = 4_000_000_000u64;
+    let claims = json!({"iss": iss, "sub": "ada", "aud": "tollgate-admin", "exp": exp, "groups": ["tg-viewers"]});
+    let no_kid = jsonwebtoken::encode(&header, &claims, &b.encoding).unwrap();
+    assert_eq!(status(&gw, Method::GET, "/plans", &no_kid).await, 200);
+    let no_kid_forged = jsonwebtoken::encode(&header, &claims, &a.encoding).unwrap();
+    assert_eq!(
+        status(&gw, Method::GET, "/plans", &no_kid_forged).await,
+        401
+    );
     // The configured static key still works beside the providers.
     let local = admin_token("ops", "admin:read");
     assert_eq!(status(&gw, Method::GET, "/plans", &local).await, 200);
