@@ -130,7 +130,10 @@ pub fn probe(listen: SocketAddr, path: &str, timeout: Duration, tls: bool) -> an
 /// `/metrics`: the Prometheus text exposition, every family written by one
 /// [`Exposition`]: the request path's counters ([`crate::metrics::Metrics`]), then what
 /// the limiter, the routes, the exporter, the store and the catalog report.
-async fn metrics(state: web::Data<AppState>) -> HttpResponse {
+async fn metrics(
+    state: web::Data<AppState>,
+    jwt: Option<web::Data<crate::admin::JwtVerifier>>,
+) -> HttpResponse {
     let mut out = Exposition::new();
     state.metrics.write(&mut out);
     write_breaker(&mut out, &state);
@@ -145,6 +148,9 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     write_tasks(&mut out, &state);
     state.tls.write_metrics(&mut out);
     state.connections.write_metrics(&mut out);
+    if let Some(jwt) = jwt {
+        jwt.write_metrics(&mut out);
+    }
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4")
         .body(out.finish())

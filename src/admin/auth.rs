@@ -105,6 +105,11 @@ impl JwtVerifier {
         })
     }
 
+    /// The identity providers' metrics (see [`Issuers::write_metrics`]).
+    pub fn write_metrics(&self, out: &mut crate::metrics::Exposition) {
+        self.issuers.write_metrics(out);
+    }
+
     /// Starts task `admin-jwks-refresh`, which reads each issuer's JWKS at once and then
     /// every `every` (a failure is logged, and the keys held stay).
     pub fn spawn_refresh(&self, tasks: &Tasks, every: Duration) {

@@ -11,6 +11,7 @@
 //! scopes through the issuer's `roles` table, beside the scopes of its `scope` claim.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -26,6 +27,7 @@ use serde_json::Value;
 
 use crate::configuration::IssuerSettings;
 use crate::error::ApiError;
+use crate::metrics::{Exposition, Kind};
 
 /// How long one read of a JWKS or a discovery document may take.
 const FETCH_TIMEOUT: Duration = Duration::from_secs(5);
@@ -88,6 +90,11 @@ pub struct Issuer {
     reading: tokio::sync::Mutex<()>,
     refetch: Duration,
     fetcher: Fetcher,
+    /// Reads of its JWKS that put keys in place, and that failed.
+    reads_ok: AtomicU64,
+    reads_failed: AtomicU64,
+    /// When a read last put keys in place (unix seconds; 0: never).
+    read_ok_at_s: AtomicU64,
 }
 
 impl Issuer {
@@ -107,6 +114,9 @@ impl Issuer {
             reading: tokio::sync::Mutex::new(()),
             refetch,
             fetcher,
+            reads_ok: AtomicU64::new(0),
+            reads_failed: AtomicU64::new(0),
+            read_ok_at_s: AtomicU64::new(0),
         }
     }
 
@@ -123,6 +133,20 @@ impl Issuer {
 
     /// [`Self::read_keys`], `reading` held.
     async fn read_locked(&self) -> anyhow::Result<usize> {
+        let read = self.read_now().await;
+        match &read {
+            Ok(_) => {
+                self.reads_ok.fetch_add(1, Ordering::Relaxed);
+                self.read_ok_at_s.store(unix_s(), Ordering::Relaxed);
+            }
+            Err(_) => {
+                self.reads_failed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        read
+    }
+
+    async fn read_now(&self) -> anyhow::Result<usize> {
         *self.read_at.lock() = Some(Instant::now());
         let url = match &self.settings.jwks_url {
             Some(url) => url.clone(),
@@ -260,6 +284,12 @@ fn roles(claims: &serde_json::Map<String, Value>, path: &str) -> Vec<String> {
     }
 }
 
+fn unix_s() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
 /// The configured issuers, by `iss`.
 #[derive(Default)]
 pub struct Issuers(BTreeMap<String, Arc<Issuer>>);
@@ -286,6 +316,48 @@ impl Issuers {
 
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
+    }
+
+    /// `tollgate_admin_jwks_*`, per issuer: reads by result, keys held, and the age of the
+    /// keys (since the last read that put keys in place), for a provider that stopped
+    /// answering.
+    pub fn write_metrics(&self, out: &mut Exposition) {
+        if self.is_empty() {
+            return;
+        }
+        let mut reads = out.family(
+            "tollgate_admin_jwks_reads_total",
+            Kind::Counter,
+            "Reads of each identity provider's JWKS, by result (failed: the keys held stay).",
+        );
+        for i in self.0.values() {
+            let read = |c: &AtomicU64| c.load(Ordering::Relaxed);
+            reads
+                .sample(&[("issuer", i.name()), ("result", "ok")], read(&i.reads_ok))
+                .sample(
+                    &[("issuer", i.name()), ("result", "failed")],
+                    read(&i.reads_failed),
+                );
+        }
+        let mut keys = out.family(
+            "tollgate_admin_jwks_keys",
+            Kind::Gauge,
+            "Public keys held for each identity provider.",
+        );
+        for i in self.0.values() {
+            keys.sample(&[("issuer", i.name())], i.keys.load().len());
+        }
+        let mut age = out.family(
+            "tollgate_admin_jwks_age_seconds",
+            Kind::Gauge,
+            "Seconds since each identity provider's keys were last read (absent: never).",
+        );
+        for i in self.0.values() {
+            let at = i.read_ok_at_s.load(Ordering::Relaxed);
+            if at > 0 {
+                age.sample(&[("issuer", i.name())], unix_s().saturating_sub(at));
+            }
+        }
     }
 }
 

@@ -379,6 +379,24 @@ async fn a_provider_that_is_down_locks_out_no_token_whose_key_is_held() {
     assert_eq!(status(&gw, Method::GET, "/plans", &good).await, 200);
     assert_eq!(status(&gw, Method::PUT, "/plans/still", &good).await, 201);
     assert_eq!(provider.served.load(Ordering::SeqCst), served);
+    // The metrics show it: reads failing, the key still held.
+    let series = |name: &str, rest: &str| format!("{name}{{issuer=\"{iss}\"{rest}}}");
+    let failed = gw
+        .sample(&series(
+            "tollgate_admin_jwks_reads_total",
+            ",result=\"failed\"",
+        ))
+        .await;
+    assert!(failed >= 2.0, "{failed} failed reads");
+    assert!(
+        gw.sample(&series("tollgate_admin_jwks_reads_total", ",result=\"ok\""))
+            .await
+            >= 1.0
+    );
+    assert_eq!(
+        gw.sample(&series("tollgate_admin_jwks_keys", "")).await,
+        1.0
+    );
 }
 
 #[tokio::test]
