@@ -432,15 +432,10 @@ async fn ids_made_of_dots_are_refused_for_every_record_however_spelled() {
         assert!(r.starts_with("HTTP/1.1 422"), "{dots}: {r}");
         assert!(r.contains("\"plan\""), "{dots}: {r}");
     }
+    let token = admin_token("ops", "admin:read");
     let clients: serde_json::Value = gw
-        .admin(
-            reqwest::Method::GET,
-            "/clients",
-            &admin_token("ops", "admin:read"),
-        )
-        .send()
+        .send_admin(reqwest::Method::GET, "/clients", &token, None)
         .await
-        .unwrap()
         .json()
         .await
         .unwrap();

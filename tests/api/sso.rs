@@ -221,19 +221,18 @@ async fn tokens_of_rotated_keys_are_taken_without_a_restart_and_roles_give_the_s
     assert_eq!(status(&gw, Method::GET, "/plans", &nobody).await, 403);
     // A key issuer makes and revokes a client's keys, and writes nothing else.
     let r = gw
-        .admin(Method::PUT, "/clients/acme", &admin)
-        .json(&json!({"plan": "sso"}))
-        .send()
-        .await
-        .unwrap();
+        .send_admin(
+            Method::PUT,
+            "/clients/acme",
+            &admin,
+            Some(json!({"plan": "sso"})),
+        )
+        .await;
     assert_eq!(r.status(), 201);
     let keys = a.signed(&iss, "kim", &["tg-keys"]);
     let made = gw
-        .admin(Method::POST, "/clients/acme/keys", &keys)
-        .send()
-        .await
-        .unwrap();
-
+        .send_admin(Method::POST, "/clients/acme/keys", &keys, None)
+        .await;
     assert_eq!(made.status(), 201);
     let key_id = made.json::<serde_json::Value>().await.unwrap()["key_id"]
         .as_str()
@@ -253,10 +252,8 @@ async fn tokens_of_rotated_keys_are_taken_without_a_restart_and_roles_give_the_s
     );
     // The audit log names the provider's subjects.
     let audit: serde_json::Value = gw
-        .admin(Method::GET, "/audit?limit=10", &admin)
-        .send()
+        .send_admin(Method::GET, "/audit?limit=10", &admin, None)
         .await
-        .unwrap()
         .json()
         .await
         .unwrap();
