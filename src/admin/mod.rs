@@ -6,6 +6,7 @@ mod audit;
 pub mod auth;
 mod body;
 mod clients;
+mod export;
 mod hot;
 mod jwks;
 mod overrides;
@@ -65,6 +66,11 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
 /// The catalog's resources: plans, clients, their keys and overrides.
 fn catalog_resources(cfg: &mut web::ServiceConfig) {
     cfg.service(
+        web::resource("/catalog")
+            .get(export::get)
+            .default_service(allow("GET")),
+    )
+    .service(
         web::resource("/plans")
             .get(plans::list)
             .default_service(allow("GET")),
@@ -192,7 +198,7 @@ fn allow(methods: &'static str) -> actix_web::Route {
         overrides::list, overrides::put, overrides::delete, usage::get,
         safety::get, safety::put,
         shadow::get, shadow::reset, hot::hot,
-        audit::list,
+        audit::list, export::get,
     ),
     components(schemas(
         crate::error::Problem,
@@ -207,6 +213,7 @@ fn allow(methods: &'static str) -> actix_web::Route {
         (name = "safety", description = "Coarse per-service safety limits"),
         (name = "shadow", description = "Shadow-mode agreement with the services' own limiters"),
         (name = "audit", description = "Who changed what"),
+        (name = "catalog", description = "The whole catalog at one version"),
     )
 )]
 pub struct ApiDoc;

@@ -913,6 +913,20 @@ impl Catalog {
         self.replace(dump);
     }
 
+    /// The whole catalog at one version, as this gateway mirrors it (the admin API's
+    /// export); `None` in cache mode, where it holds only the clients in use.
+    pub fn export(&self) -> Option<CatalogDump> {
+        if self.held.is_some() {
+            return None;
+        }
+        // Under the apply lock, so every record is at the version it says; copied after.
+        let entries = {
+            let _apply = self.apply.lock();
+            self.entries()
+        };
+        Some(entries.copied())
+    }
+
     /// This mirror as a dump: what a restore writes.
     fn dump(&self) -> CatalogDump {
         self.entries().copied()

@@ -438,3 +438,78 @@ async fn on_a_redis_cluster_a_key_not_held_is_looked_up_then_refused_once_revoke
     )
     .await;
 }
+
+#[tokio::test]
+async fn the_catalog_is_exported_whole_at_one_version_by_a_mirror_and_refused_by_a_cache() {
+    // Arrange: on B (a mirror), a plan, a client with a key, an override and safety
+    // settings; A in cache mode beside it.
+    let redis = RedisServer::start().unwrap();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let b = TestGateway::spawn(settings(&toml(&redis.url(), &up, &["declared"], ""))).await;
+    let a = TestGateway::spawn(settings(&toml(&redis.url(), &up, &[], CACHE))).await;
+    put_client(&b, "acme", "gold").await;
+    let (key_id, key) = new_key(&b, "acme").await;
+    let r = b
+        .send_admin(
+            reqwest::Method::PUT,
+            "/clients/acme/overrides/default",
+            &rw(),
+            Some(serde_json::json!({"capacity": 5})),
+        )
+        .await;
+    assert_eq!(r.status(), 201, "{:?}", r.text().await);
+    let r = b
+        .send_admin(
+            reqwest::Method::PUT,
+            "/safety",
+            &rw(),
+            Some(serde_json::json!({"multiplier": 7})),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    b.wait_for_catalog(store_version(&redis)).await;
+
+    // Act
+    let exported = b
+        .send_admin(reqwest::Method::GET, "/catalog", &rw(), None)
+        .await;
+    let from_cache = a
+        .send_admin(reqwest::Method::GET, "/catalog", &rw(), None)
+        .await;
+
+    // Assert: every record, at the version the ETag and the body name (the store's), the
+    // key by its hash and never in plaintext; a gateway caching part of it says so.
+    assert_eq!(exported.status(), 200);
+    let etag = exported.headers()["etag"].to_str().unwrap().to_string();
+    let text = exported.text().await.unwrap();
+    assert!(!text.contains(&key), "a plaintext key in the export");
+    let body: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        body["version"].as_u64(),
+        Some(store_version(&redis)),
+        "{body}"
+    );
+    assert_eq!(etag, format!("\"{}\"", body["version"]));
+    let plans: Vec<&str> = body["plans"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(plans, ["gold"]);
+    let ids: Vec<&str> = body["clients"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["acme", "declared"]);
+    let acme = &body["clients"][0];
+    assert_eq!(acme["plan"], "gold");
+    assert_eq!(acme["keys"][0]["key_id"], key_id.as_str());
+    let hash = tollgate::domain::KeyHash::of(&key).to_string();
+    assert_eq!(acme["keys"][0]["hash"], hash.as_str());
+    assert_eq!(acme["overrides"][0]["capacity"], 5.0, "{acme}");
+    assert_eq!(body["safety"]["multiplier"], 7.0);
+    assert_eq!(from_cache.status(), 409);
+}
