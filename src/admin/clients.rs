@@ -89,6 +89,14 @@ pub struct ShardsView {
     pub regions: Vec<String>,
 }
 
+impl From<Shards> for ShardsView {
+    fn from(s: Shards) -> ShardsView {
+        ShardsView {
+            regions: s.regions.iter().map(|r| r.to_string()).collect(),
+        }
+    }
+}
+
 /// A client of the gateway.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ClientView {
@@ -308,9 +316,7 @@ impl From<ClientRecord> for ClientView {
             id: c.id.to_string(),
             plan: c.plan.to_string(),
             mode: c.mode.map(|m| m.to_string()),
-            shards: c.shards.map(|s| ShardsView {
-                regions: s.regions.iter().map(|r| r.to_string()).collect(),
-            }),
+            shards: c.shards.map(Into::into),
             keys: c
                 .keys
                 .iter()

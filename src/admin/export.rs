@@ -86,9 +86,7 @@ impl From<ClientRecord> for ClientExport {
             id: c.id.to_string(),
             plan: c.plan.to_string(),
             mode: c.mode.map(|m| m.to_string()),
-            shards: c.shards.map(|s| ShardsView {
-                regions: s.regions.iter().map(|r| r.to_string()).collect(),
-            }),
+            shards: c.shards.map(Into::into),
             keys: c.keys.iter().map(Into::into).collect(),
             overrides: c.overrides.iter().map(Into::into).collect(),
         }
