@@ -24,6 +24,8 @@ struct Provider {
     documents: Arc<Mutex<HashMap<String, String>>>,
     reads: Arc<Mutex<HashMap<String, usize>>>,
     down: Arc<AtomicBool>,
+    /// Connections are taken and never answered.
+    hung: Arc<AtomicBool>,
     served: Arc<AtomicUsize>,
 }
 
@@ -51,18 +53,25 @@ impl Provider {
         );
         let reads = Arc::new(Mutex::new(HashMap::new()));
         let down = Arc::new(AtomicBool::new(false));
+        let hung = Arc::new(AtomicBool::new(false));
         let served = Arc::new(AtomicUsize::new(0));
-        let (docs, counted, off, n) = (
+        let (docs, counted, off, silent, n) = (
             Arc::clone(&documents),
             Arc::clone(&reads),
             Arc::clone(&down),
+            Arc::clone(&hung),
             Arc::clone(&served),
         );
         std::thread::spawn(move || {
+            let mut held = Vec::new();
             for stream in listener.incoming() {
                 let Ok(stream) = stream else { continue };
                 if off.load(Ordering::SeqCst) {
                     continue; // dropped: the connection closes unanswered
+                }
+                if silent.load(Ordering::SeqCst) {
+                    held.push(stream); // kept open, never answered
+                    continue;
                 }
                 let answer = |path: &str| {
                     *counted.lock().unwrap().entry(path.to_string()).or_insert(0) += 1;
@@ -88,6 +97,7 @@ impl Provider {
             documents,
             reads,
             down,
+            hung,
             served,
         }
     }
@@ -280,7 +290,6 @@ async fn tokens_of_rotated_keys_are_taken_without_a_restart_and_roles_give_the_s
     // Act: the provider rotates to key b (a withdrawn).
     provider.publish("/jwks", &[&b]);
     let rotated = b.signed(&iss, "ada", &["tg-admins"]);
-    let began = Instant::now();
 
     // Assert: a token of the new key is taken within seconds, with no restart.
     eventually(
@@ -289,11 +298,6 @@ async fn tokens_of_rotated_keys_are_taken_without_a_restart_and_roles_give_the_s
         || async { status(&gw, Method::GET, "/plans", &rotated).await == 200 },
     )
     .await;
-    assert!(
-        began.elapsed() < Duration::from_secs(3),
-        "{:?}",
-        began.elapsed()
-    );
     // A token naming the new key id, signed by another key, or with no signature to check.
     let forged = a.token(&iss, "mallory", &["tg-admins"], "b");
     assert_eq!(status(&gw, Method::GET, "/plans", &forged).await, 401);
@@ -336,18 +340,22 @@ async fn a_flood_of_made_up_key_ids_reads_the_jwks_at_most_once_per_interval() {
     let before = provider.reads("/jwks");
 
     // Act: 200 tokens, each naming a key id of its own.
+    let began = Instant::now();
     let mut refused = 0;
     for i in 0..200 {
         let t = a.token(&iss, "mallory", &["tg-admins"], &format!("made-up-{i}"));
         refused += usize::from(status(&gw, Method::GET, "/plans", &t).await == 401);
     }
 
-    // Assert: every one refused, for one read of the JWKS at most.
+    // Assert: every one refused, for one read of the JWKS at most in each 10 s (one, on
+    // a host that sends them within 10 s).
     assert_eq!(refused, 200);
     let reads = provider.reads("/jwks") - before;
+    let intervals = 1 + began.elapsed().as_secs() as usize / 10;
     assert!(
-        reads <= 1,
-        "{reads} reads of the JWKS for 200 made-up key ids"
+        reads <= intervals,
+        "{reads} reads of the JWKS for 200 made-up key ids in {:?}",
+        began.elapsed()
     );
 }
 
@@ -425,4 +433,45 @@ async fn a_provider_behind_a_private_ca_is_read_over_tls_when_its_ca_file_is_tru
         401
     );
     assert!(provider.reads("/jwks") >= 1);
+}
+
+#[tokio::test]
+async fn a_provider_that_hangs_delays_only_tokens_of_unknown_key_ids_and_no_longer_than_the_read_timeout(
+) {
+    // Arrange: the keys read at start; then the provider takes connections and never
+    // answers.
+    let provider = Provider::start();
+    let a = Key::new("a");
+    provider.publish("/jwks", &[&a]);
+    let gw = gateway(&provider, 100).await;
+    let iss = provider.base.clone();
+    let good = a.signed(&iss, "ada", &["tg-viewers"]);
+    assert_eq!(status(&gw, Method::GET, "/plans", &good).await, 200);
+    provider.hung.store(true, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(150)).await; // past the refetch interval
+
+    // Act: a token naming a new key id, and beside it one of the key held.
+    let unknown = a.token(&iss, "mallory", &["tg-admins"], "new");
+    let began = Instant::now();
+    let waiting = status(&gw, Method::GET, "/plans", &unknown);
+    let beside = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let at = Instant::now();
+        (
+            status(&gw, Method::GET, "/plans", &good).await,
+            at.elapsed(),
+        )
+    };
+    let (refused, (admitted, beside_took)) = tokio::join!(waiting, beside);
+
+    // Assert: the unknown key id is refused once the read's 5 s are up, not later; the
+    // held key is answered meanwhile without waiting for it.
+    let took = began.elapsed();
+    assert_eq!(refused, 401);
+    assert!(
+        took >= Duration::from_secs(4) && took < Duration::from_secs(8),
+        "{took:?}"
+    );
+    assert_eq!(admitted, 200);
+    assert!(beside_took < Duration::from_secs(2), "{beside_took:?}");
 }
