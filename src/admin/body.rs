@@ -92,7 +92,7 @@ impl<'de, T: DeserializeOwned> Deserialize<'de> for Field<T> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Field<T>, D::Error> {
         Ok(match Value::deserialize(d)? {
             Value::Null => Field::Absent,
-            v => match serde_json::from_value::<T>(v.clone()) {
+            v => match T::deserialize(&v) {
                 Ok(t) => Field::Valid(t),
                 // JSON Schema's `integer` is any number without a fraction: `478.0` is 478.
                 Err(e) => match integral(&v).map(serde_json::from_value::<T>) {
