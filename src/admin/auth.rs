@@ -13,7 +13,7 @@ use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
 use secrecy::ExposeSecret;
 use serde::{Deserialize, Serialize};
 
-use super::jwks::{Issuer, Issuers, Principal};
+use super::jwks::{validation, Issuer, Issuers, Principal};
 use crate::configuration::AdminSettings;
 use crate::error::ApiError;
 use crate::tasks::{Policy, Tasks};
@@ -71,36 +71,8 @@ struct IssuedBy {
 
 impl JwtVerifier {
     pub fn from_settings(s: &AdminSettings) -> anyhow::Result<JwtVerifier> {
-        let (key, alg) = if let Some(path) = &s.jwt_public_key_pem {
-            let pem = std::fs::read(path)
-                .map_err(|e| anyhow::anyhow!("admin.jwt_public_key_pem: {e}"))?;
-            // The key's type decides the algorithm: RSA → RS256, EC P-256 → ES256.
-            if let Ok(k) = DecodingKey::from_rsa_pem(&pem) {
-                (k, Algorithm::RS256)
-            } else if let Ok(k) = DecodingKey::from_ec_pem(&pem) {
-                (k, Algorithm::ES256)
-            } else {
-                anyhow::bail!("admin.jwt_public_key_pem: not an RSA or EC public key in PEM");
-            }
-        } else if let Some(secret) = &s.jwt_hs256_secret {
-            (
-                DecodingKey::from_secret(secret.expose_secret().as_bytes()),
-                Algorithm::HS256,
-            )
-        } else {
-            return Ok(JwtVerifier {
-                key: None,
-                issuers: Issuers::new(&s.issuers, s.jwks_refetch)?,
-            });
-        };
-        let mut v = Validation::new(alg);
-        v.set_issuer(&[&s.jwt_issuer]);
-        v.set_audience(&[&s.jwt_audience]);
-        v.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
-        v.validate_nbf = true;
-        v.leeway = 30;
         Ok(JwtVerifier {
-            key: Some((key, v)),
+            key: static_key(s)?,
             issuers: Issuers::new(&s.issuers, s.jwks_refetch)?,
         })
     }
@@ -172,6 +144,32 @@ impl JwtVerifier {
             })
             .map_err(|e| ApiError::InvalidToken(format!("invalid token: {e}")))
     }
+}
+
+/// The configured key (`admin.jwt_public_key_pem`, else `admin.jwt_hs256_secret`) and its
+/// rules; `None` when neither is set.
+fn static_key(s: &AdminSettings) -> anyhow::Result<Option<(DecodingKey, Validation)>> {
+    let (key, alg) = if let Some(path) = &s.jwt_public_key_pem {
+        let pem =
+            std::fs::read(path).map_err(|e| anyhow::anyhow!("admin.jwt_public_key_pem: {e}"))?;
+        // The key's type decides the algorithm: RSA → RS256, EC P-256 → ES256.
+        if let Ok(k) = DecodingKey::from_rsa_pem(&pem) {
+            (k, Algorithm::RS256)
+        } else if let Ok(k) = DecodingKey::from_ec_pem(&pem) {
+            (k, Algorithm::ES256)
+        } else {
+            anyhow::bail!("admin.jwt_public_key_pem: not an RSA or EC public key in PEM");
+        }
+    } else if let Some(secret) = &s.jwt_hs256_secret {
+        (
+            DecodingKey::from_secret(secret.expose_secret().as_bytes()),
+            Algorithm::HS256,
+        )
+    } else {
+        return Ok(None);
+    };
+    let rules = validation(&[alg], &s.jwt_issuer, &s.jwt_audience);
+    Ok(Some((key, rules)))
 }
 
 /// Whether `path` is one of a client's keys' resources (`/admin/v1/clients/{c}/keys`,

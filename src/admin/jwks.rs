@@ -22,7 +22,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use jsonwebtoken::jwk::{AlgorithmParameters, JwkSet};
-use jsonwebtoken::{DecodingKey, Validation};
+use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use serde_json::Value;
 
 use crate::configuration::IssuerSettings;
@@ -99,13 +99,7 @@ pub struct Issuer {
 
 impl Issuer {
     pub fn new(settings: IssuerSettings, refetch: Duration, fetcher: Fetcher) -> Issuer {
-        let mut validation = Validation::new(settings.algorithms[0]);
-        validation.algorithms = settings.algorithms.clone();
-        validation.set_issuer(&[&settings.issuer]);
-        validation.set_audience(&[&settings.audience]);
-        validation.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
-        validation.validate_nbf = true;
-        validation.leeway = 30;
+        let validation = validation(&settings.algorithms, &settings.issuer, &settings.audience);
         Issuer {
             settings,
             validation,
@@ -255,6 +249,20 @@ fn key_for<'k>(keys: &'k HashMap<String, DecodingKey>, kid: &str) -> Option<&'k 
         let only = (kid.is_empty() && keys.len() == 1).then(|| keys.values().next());
         only.flatten()
     })
+}
+
+/// The rules every admin token is checked by, the static key's and each issuer's: one of
+/// `algorithms` (never the token's choice), `iss` and `aud` as given, `exp` and `sub`
+/// required, `nbf` checked when present, 30 s of leeway.
+pub fn validation(algorithms: &[Algorithm], iss: &str, aud: &str) -> Validation {
+    let mut v = Validation::new(algorithms[0]);
+    v.algorithms = algorithms.to_vec();
+    v.set_issuer(&[iss]);
+    v.set_audience(&[aud]);
+    v.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
+    v.validate_nbf = true;
+    v.leeway = 30;
+    v
 }
 
 /// Who an admin token names, and what it may do.
