@@ -150,10 +150,16 @@ impl Issuer {
                     self.settings.issuer.trim_end_matches('/')
                 );
                 let doc = self.fetcher.json(&discovery).await?;
-                doc.get("jwks_uri")
+                let uri = doc
+                    .get("jwks_uri")
                     .and_then(Value::as_str)
-                    .ok_or_else(|| anyhow::anyhow!("{discovery} names no jwks_uri"))?
-                    .to_string()
+                    .ok_or_else(|| anyhow::anyhow!("{discovery} names no jwks_uri"))?;
+                // An https issuer's keys are not read over plain http.
+                anyhow::ensure!(
+                    !discovery.starts_with("https://") || uri.starts_with("https://"),
+                    "{discovery} names a jwks_uri that is not https: {uri}"
+                );
+                uri.to_string()
             }
         };
         let set: JwkSet = serde_json::from_value(self.fetcher.json(&url).await?)
@@ -188,7 +194,7 @@ impl Issuer {
         }
         match self.read_locked().await {
             Ok(n) => {
-                tracing::info!(issuer = %self.name(), kid, keys = n, "JWKS read again for a key id not held")
+                tracing::info!(issuer = %self.name(), kid = ?kid, keys = n, "JWKS read again for a key id not held")
             }
             Err(e) => {
                 tracing::warn!(issuer = %self.name(), error = %e, "the JWKS could not be read; the keys held stay")

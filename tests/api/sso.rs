@@ -433,6 +433,21 @@ async fn a_provider_behind_a_private_ca_is_read_over_tls_when_its_ca_file_is_tru
         401
     );
     assert!(provider.reads("/jwks") >= 1);
+
+    // And an https issuer whose discovery document names keys over plain http (served
+    // there) is not followed there.
+    let plain = Provider::start();
+    plain.publish("/jwks", &[&a]);
+    provider.documents.lock().unwrap().insert(
+        "/.well-known/openid-configuration".to_string(),
+        json!({"issuer": iss, "jwks_uri": format!("{}/jwks", plain.base)}).to_string(),
+    );
+    let ca_file = format!("ca_file = {:?}", ca.to_str().unwrap());
+    let downgraded = gateway_with(&provider, 100, &ca_file).await;
+    assert_eq!(
+        status(&downgraded, Method::GET, "/plans", &token).await,
+        401
+    );
 }
 
 #[tokio::test]
