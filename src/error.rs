@@ -64,6 +64,9 @@ pub enum ApiError {
     Conflict(String),
     #[error("{0}")]
     PreconditionFailed(String),
+    /// A write that must name the version it was made against (RFC 6585, `428`).
+    #[error("{0}")]
+    PreconditionRequired(String),
     #[error("the request has invalid fields: {}", fields(.0))]
     Validation(Vec<FieldError>),
     #[error("the store is unavailable: {0}")]
@@ -198,6 +201,7 @@ impl ApiError {
             ApiError::MethodNotAllowed(_) => "method-not-allowed",
             ApiError::Conflict(_) => "conflict",
             ApiError::PreconditionFailed(_) => "precondition-failed",
+            ApiError::PreconditionRequired(_) => "precondition-required",
             ApiError::Validation(_) => "validation",
             ApiError::StoreUnavailable(_) => "store-unavailable",
             ApiError::NotHeld(_) | ApiError::CatalogUnavailable(_) => "catalog-unavailable",
@@ -232,6 +236,7 @@ impl ResponseError for ApiError {
             ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::PreconditionFailed(_) => StatusCode::PRECONDITION_FAILED,
+            ApiError::PreconditionRequired(_) => StatusCode::PRECONDITION_REQUIRED,
             ApiError::Validation(_) => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::StoreUnavailable(_)
             | ApiError::NotHeld(_)

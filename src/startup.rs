@@ -278,6 +278,7 @@ fn shared_state(
             settings.edge.failed_keys_per_minute,
         ),
         max_body_bytes: settings.server.max_body_bytes.get(),
+        catalog_max_bytes: settings.admin.catalog_max_bytes,
         upstream: settings.upstream.clone(),
         safety_multiplier: settings.limits.safety_multiplier,
         traces,

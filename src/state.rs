@@ -35,6 +35,8 @@ pub struct AppState {
     /// bucket per client that did, so bounded by the catalog.
     pub views: crate::store::LocalBuckets<crate::domain::ClientId>,
     pub max_body_bytes: u64,
+    /// `admin.catalog_max_bytes`: the largest catalog `PUT /admin/v1/catalog` reads.
+    pub catalog_max_bytes: usize,
     /// `[upstream]`: how routes reach their replicas.
     pub upstream: UpstreamSettings,
     /// `limits.safety_multiplier`, until the admin API stores safety settings.

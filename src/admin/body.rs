@@ -27,12 +27,20 @@ fn integral(v: &Value) -> Option<Value> {
 }
 
 /// Reads a JSON object body (an empty body counts as `{}`).
-pub async fn read_object(mut payload: web::Payload) -> Result<Map<String, Value>, ApiError> {
+pub async fn read_object(payload: web::Payload) -> Result<Map<String, Value>, ApiError> {
+    read_object_within(payload, MAX_BODY).await
+}
+
+/// Reads a JSON object body of at most `max` bytes (an empty body counts as `{}`).
+pub async fn read_object_within(
+    mut payload: web::Payload,
+    max: usize,
+) -> Result<Map<String, Value>, ApiError> {
     let mut buf = web::BytesMut::new();
     while let Some(chunk) = payload.next().await {
         let chunk = chunk.map_err(|e| ApiError::BadRequest(format!("reading the body: {e}")))?;
-        if buf.len() + chunk.len() > MAX_BODY {
-            return Err(ApiError::PayloadTooLarge(MAX_BODY as u64));
+        if buf.len() + chunk.len() > max {
+            return Err(ApiError::PayloadTooLarge(max as u64));
         }
         buf.extend_from_slice(&chunk);
     }
@@ -122,12 +130,19 @@ pub async fn read_body<T: DeserializeOwned>(
 /// Reads one object inside a body (an item of a list, say) into `T` as [`read_body`] reads
 /// a body: its members `T` does not have are refused by name, `{at}.{member}`, and a value
 /// that is no object is refused as `at`. The caller names `T`'s fields `{at}.{field}`.
+/// `at` empty: the body itself, whose members are named as they are.
 pub fn read_member<T: DeserializeOwned>(value: Value, at: &str, f: &mut Fields) -> Option<T> {
+    let at = if at.is_empty() { "body" } else { at };
     let Value::Object(mut obj) = value else {
         f.bad(at, "must be an object");
         return None;
     };
-    known_members::<T>(&mut obj, &format!("{at}."), "is not a field of it", f);
+    let prefix = if at == "body" {
+        String::new()
+    } else {
+        format!("{at}.")
+    };
+    known_members::<T>(&mut obj, &prefix, "is not a field of it", f);
     match serde_json::from_value(Value::Object(obj)) {
         Ok(t) => Some(t),
         Err(e) => {
@@ -240,6 +255,17 @@ impl Fields {
                     path_id.to_string()
                 ),
             ),
+        }
+    }
+
+    /// The problems `inner` found in a part of the body, each named within `at`
+    /// (`clients[3]` and `plan`: `clients[3].plan`).
+    pub fn within(&mut self, at: &str, inner: Fields) {
+        for e in inner.errors {
+            self.errors.push(FieldError {
+                field: format!("{at}.{}", e.field),
+                message: e.message,
+            });
         }
     }
 

@@ -159,7 +159,7 @@ fn read_only_id() -> utoipa::openapi::RefOr<utoipa::openapi::Schema> {
 #[serde(deny_unknown_fields, try_from = "RawShards")]
 pub struct ShardsInput {
     #[schema(schema_with = distinct_regions)]
-    regions: Vec<Region>,
+    pub(super) regions: Vec<Region>,
 }
 
 fn distinct_regions() -> utoipa::openapi::schema::Array {

@@ -2,6 +2,7 @@
 //! Swagger UI. Reads go to the store (read-your-writes on any gateway); writes are single
 //! atomic catalog scripts that every gateway's mirror picks up within `refresh_ms`.
 
+mod apply;
 mod audit;
 pub mod auth;
 mod body;
@@ -68,7 +69,8 @@ fn catalog_resources(cfg: &mut web::ServiceConfig) {
     cfg.service(
         web::resource("/catalog")
             .get(export::get)
-            .default_service(allow("GET")),
+            .put(apply::put)
+            .default_service(allow("GET, PUT")),
     )
     .service(
         web::resource("/plans")
@@ -198,7 +200,7 @@ fn allow(methods: &'static str) -> actix_web::Route {
         overrides::list, overrides::put, overrides::delete, usage::get,
         safety::get, safety::put,
         shadow::get, shadow::reset, hot::hot,
-        audit::list, export::get,
+        audit::list, export::get, apply::put,
     ),
     components(schemas(
         crate::error::Problem,
@@ -213,7 +215,7 @@ fn allow(methods: &'static str) -> actix_web::Route {
         (name = "safety", description = "Coarse per-service safety limits"),
         (name = "shadow", description = "Shadow-mode agreement with the services' own limiters"),
         (name = "audit", description = "Who changed what"),
-        (name = "catalog", description = "The whole catalog at one version"),
+        (name = "catalog", description = "The whole catalog at one version: exported, and applied from a file"),
     )
 )]
 pub struct ApiDoc;

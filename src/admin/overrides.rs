@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
 
-use super::body::{etag, read_body, Field, Preconditions};
+use super::body::{etag, read_body, Field, Fields, Preconditions};
 use super::plans::QuotaAmount;
 use super::shared::{
     client_id, current, now_ms, path_id, plan_limits, rfc3339, update_client, PartPreconditions,
@@ -112,6 +112,23 @@ impl TryFrom<Value> for Until {
     }
 }
 
+/// The override of `limit` a body gives (its `limit` member aside), every problem named in
+/// `f`; `until` may be past (a catalog file keeps overrides that ran out).
+pub(super) fn override_of(limit: LimitName, input: OverrideInput, f: &mut Fields) -> Override {
+    Override {
+        limit,
+        capacity: f.optional("capacity", input.capacity).map(Capacity::get),
+        rate: f.optional("rate", input.rate).map(Rate::get),
+        quota: f.optional("quota", input.quota).map(f64::from),
+        until: f.optional("until", input.until).map(|u| u.0),
+    }
+}
+
+/// The limit an override's body names (`GET` shows it; a catalog file names each so).
+pub(super) fn limit_named(input: &mut OverrideInput) -> Field<LimitName> {
+    std::mem::take(&mut input.limit)
+}
+
 /// A client's overrides.
 #[derive(Serialize, ToSchema)]
 pub struct OverrideList {
@@ -169,23 +186,13 @@ pub async fn put(
     let (id, limit) = path.into_inner();
     let id = client_id(&id)?;
     let limit = path_id(&limit, LimitName::parse, "limit")?;
-    let (input, mut f) = read_body::<OverrideInput>(payload).await?;
-    f.same_id("limit", input.limit, &limit);
-    let capacity = f.optional("capacity", input.capacity);
-    let rate = f.optional("rate", input.rate);
-    let quota = f.optional("quota", input.quota);
-    let until = f.optional("until", input.until);
-    if until.is_some_and(|u| u.0 <= now_ms() / 1000) {
+    let (mut input, mut f) = read_body::<OverrideInput>(payload).await?;
+    f.same_id("limit", std::mem::take(&mut input.limit), &limit);
+    let o = override_of(limit, input, &mut f);
+    if o.until.is_some_and(|u| u <= now_ms() / 1000) {
         f.bad("until", "must be in the future");
     }
     f.finish()?;
-    let o = Override {
-        limit,
-        capacity: capacity.map(Capacity::get),
-        rate: rate.map(Rate::get),
-        quota: quota.map(f64::from),
-        until: until.map(|u| u.0),
-    };
     let wanted = Preconditions::read(req.headers())?;
     let audit = Audit::new(&actor.sub, "override.put");
     let part = PartPreconditions {

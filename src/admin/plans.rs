@@ -365,6 +365,29 @@ impl From<PlanRecord> for PlanView {
     }
 }
 
+/// The plan `name` a body gives (its `name` member aside), every problem named in `f`.
+pub(super) fn plan_record(
+    name: PlanName,
+    mut input: PlanInput,
+    f: &mut Fields,
+) -> Option<PlanRecord> {
+    let description = f.optional("description", std::mem::take(&mut input.description));
+    let max_connections = f.optional(
+        "max_connections",
+        std::mem::take(&mut input.max_connections),
+    );
+    let limits = parse_limits(input, f)?;
+    Some(
+        PlanRecord::new(name, &limits, description.map(String::from))
+            .with_max_connections(max_connections),
+    )
+}
+
+/// A plan's name given in its body (`GET` shows it; a catalog file names each plan so).
+pub(super) fn named(input: &mut PlanInput) -> Field<PlanName> {
+    std::mem::take(&mut input.name)
+}
+
 /// The limits a `PUT` body gives, every problem named in `f`.
 fn parse_limits(input: PlanInput, f: &mut Fields) -> Option<Limits> {
     const ONE_OR_OTHER: &str = "give either limits or capacity and rate, not both (beside \
@@ -607,19 +630,9 @@ pub async fn put(
     let name = path_id(&name, PlanName::parse, "plan")?;
     let (mut input, mut f) = read_body::<PlanInput>(payload).await?;
     f.same_id("name", std::mem::take(&mut input.name), &name);
-    let description = f.optional("description", std::mem::take(&mut input.description));
-    let max_connections = f.optional(
-        "max_connections",
-        std::mem::take(&mut input.max_connections),
-    );
-    let limits = parse_limits(input, &mut f);
+    let rec = plan_record(name.clone(), input, &mut f);
     f.finish()?;
-    let rec = PlanRecord::new(
-        name.clone(),
-        &limits.expect("checked"),
-        description.map(String::from),
-    )
-    .with_max_connections(max_connections);
+    let rec = rec.expect("checked");
     let wanted = Preconditions::read(req.headers())?;
     let (written, replaced) = put_over_current(
         "plan",

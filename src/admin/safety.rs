@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
 
-use super::body::{etag, read_body, Field};
+use super::body::{etag, read_body, Field, Fields};
 use super::shared::{condition, refusal};
 use super::Actor;
 use crate::catalog::{Audit, CatalogWrite, SafetyRecord, WriteOutcome};
@@ -85,6 +85,32 @@ fn service_name_ok(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
 }
 
+/// The safety settings a body gives, every problem named in `f`.
+pub(super) fn safety_record(input: SafetyInput, f: &mut Fields) -> Option<SafetyRecord> {
+    let multiplier = f.required("multiplier", input.multiplier);
+    let mut services = BTreeMap::new();
+    // Each service is its own field, so every bad one is named.
+    for (name, v) in f.optional("services", input.services).unwrap_or_default() {
+        let field = format!("services.{name}");
+        if !service_name_ok(&name) {
+            f.bad(
+                &field,
+                "service names are 1-64 characters of A-Z a-z 0-9 - _ .",
+            );
+        } else if let Some(m) = f.required(
+            &field,
+            serde_json::from_value::<Field<Multiplier>>(v)
+                .unwrap_or_else(|e| Field::Invalid(e.to_string())),
+        ) {
+            services.insert(name, m.0);
+        }
+    }
+    Some(SafetyRecord {
+        multiplier: multiplier?.0,
+        services,
+    })
+}
+
 /// Read the safety limits (the configured `limits.safety_multiplier` until set here).
 #[utoipa::path(operation_id = "getSafety", get, path = "/admin/v1/safety", tag = "safety",
     responses((status = 200, description = "The safety limits", body = SafetyView)),
@@ -121,29 +147,9 @@ pub async fn put(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let (input, mut f) = read_body::<SafetyInput>(payload).await?;
-    let multiplier = f.required("multiplier", input.multiplier);
-    let mut services = BTreeMap::new();
-    // Each service is its own field, so every bad one is named.
-    for (name, v) in f.optional("services", input.services).unwrap_or_default() {
-        let field = format!("services.{name}");
-        if !service_name_ok(&name) {
-            f.bad(
-                &field,
-                "service names are 1-64 characters of A-Z a-z 0-9 - _ .",
-            );
-        } else if let Some(m) = f.required(
-            &field,
-            serde_json::from_value::<Field<Multiplier>>(v)
-                .unwrap_or_else(|e| Field::Invalid(e.to_string())),
-        ) {
-            services.insert(name, m.0);
-        }
-    }
+    let rec = safety_record(input, &mut f);
     f.finish()?;
-    let rec = SafetyRecord {
-        multiplier: multiplier.expect("checked").0,
-        services,
-    };
+    let rec = rec.expect("checked");
     let cond = condition(&req, "safety settings", || async {
         Ok(state.store.catalog.safety().await?.map(|s| s.rev))
     })

@@ -9,6 +9,7 @@
 //! unknown.
 
 pub mod cache;
+pub mod diff;
 mod held;
 pub mod key_filter;
 mod start;

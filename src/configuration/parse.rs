@@ -1163,6 +1163,14 @@ fn admin(raw: RawAdmin, p: &mut Problems) -> Option<AdminSettings> {
             "must be 1000-604800000",
         ),
     );
+    let catalog_max = p.take(
+        "admin.catalog_max_bytes",
+        within(
+            raw.catalog_max_bytes,
+            65_536..=1_073_741_824,
+            "must be 65536-1073741824",
+        ),
+    );
     let audience = raw.jwt_audience.clone();
     let issuers = each(raw.issuers, |i, r| issuer(i, r, &audience, p));
     Some(AdminSettings {
@@ -1172,6 +1180,7 @@ fn admin(raw: RawAdmin, p: &mut Problems) -> Option<AdminSettings> {
         jwt_audience: raw.jwt_audience,
         jwks_refetch: Duration::from_millis(refetch?),
         jwks_refresh: Duration::from_millis(refresh?),
+        catalog_max_bytes: catalog_max? as usize,
         issuers: issuers?,
     })
 }

@@ -203,6 +203,7 @@ pub(super) struct RawAdmin {
     pub(super) jwt_audience: String,
     pub(super) jwks_refetch_ms: u64,
     pub(super) jwks_refresh_ms: u64,
+    pub(super) catalog_max_bytes: u64,
     #[serde(default)]
     pub(super) issuers: Vec<RawIssuer>,
 }

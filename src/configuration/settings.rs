@@ -494,6 +494,9 @@ pub struct AdminSettings {
     pub jwks_refetch: Duration,
     /// `admin.jwks_refresh_ms`: each issuer's JWKS is read again this often.
     pub jwks_refresh: Duration,
+    /// `admin.catalog_max_bytes`: the largest whole catalog `PUT /admin/v1/catalog` reads
+    /// (every other admin body is 64 KiB at most).
+    pub catalog_max_bytes: usize,
     /// `[[admin.issuers]]`: identity providers whose tokens the admin API takes.
     pub issuers: Vec<IssuerSettings>,
 }

@@ -23,9 +23,9 @@ use async_trait::async_trait;
 use futures_util::future::BoxFuture;
 
 use super::records::{
-    Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, ClientsPage,
-    ImportChunk, ImportOutcome, ImportProgress, KeyFilterHead, KeyFilterStep, KeyLookup,
-    PlanRecord, SafetyRecord, Versioned, Wants, WriteOutcome,
+    ApplyOutcome, Audit, AuditEntry, CatalogApply, CatalogChanges, CatalogDump, CatalogWrite,
+    ClientRecord, ClientsPage, ImportChunk, ImportOutcome, ImportProgress, KeyFilterHead,
+    KeyFilterStep, KeyLookup, PlanRecord, SafetyRecord, Versioned, Wants, WriteOutcome,
 };
 use super::shards::{Reconcile, ShardState};
 use super::{Persistence, StoreError};
@@ -80,6 +80,10 @@ pub trait CatalogRecords: Send + Sync {
     /// atomic step, only if the store is still at `seen`. `false`: it moved (another
     /// gateway restored it, or it was written), and nothing was written.
     async fn restore(&self, seen: CatalogAt<'_>, mirror: &CatalogDump) -> Result<bool, StoreError>;
+
+    /// Many catalog writes as one (see [`CatalogApply`]): all of them, or none when the
+    /// catalog moved from the version they were computed against.
+    async fn apply(&self, apply: &CatalogApply<'_>) -> Result<ApplyOutcome, StoreError>;
 
     /// One atomic catalog write with its audit entry: all of it happens, or none of it.
     async fn write(&self, write: &CatalogWrite, audit: &Audit) -> Result<WriteOutcome, StoreError>;

@@ -7,6 +7,7 @@ mod admin_limits;
 mod admin_redis;
 mod breaker;
 mod catalog;
+mod catalog_apply;
 mod catalog_cache;
 mod cluster;
 mod configuration;

@@ -13,9 +13,10 @@ use super::backend::{
 };
 use crate::domain::{ClientId, KeyHash, PlanName};
 use crate::store::records::{
-    Audit, AuditEntry, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, ClientsPage,
-    Condition, ImportChunk, ImportOutcome, ImportProgress, KeyFilterHead, KeyFilterStep, KeyLookup,
-    PlanRecord, SafetyRecord, Versioned, Wants, WriteOutcome,
+    ApplyOutcome, Audit, AuditEntry, CatalogApply, CatalogChanges, CatalogDump, CatalogWrite,
+    ClientRecord, ClientsPage, Condition, ImportChunk, ImportOutcome, ImportProgress,
+    KeyFilterHead, KeyFilterStep, KeyLookup, PlanRecord, SafetyRecord, Versioned, Wants,
+    WriteOutcome,
 };
 use crate::store::{CatalogAt, CatalogRecords, StoreError};
 
@@ -67,6 +68,15 @@ impl CatalogRecords for EmbeddedStore {
 
     async fn import_progress(&self, _import: &str) -> Result<ImportProgress, StoreError> {
         Ok(ImportProgress::default())
+    }
+
+    async fn apply(&self, apply: &CatalogApply<'_>) -> Result<ApplyOutcome, StoreError> {
+        let at = (apply.at_epoch.map(str::to_string), apply.at_version);
+        let writes = apply.writes.to_vec();
+        let (audit, summary) = (apply.audit.clone(), apply.summary.clone());
+        self.file
+            .off_worker(move |file| file.apply(at, &writes, &audit, summary))
+            .await
     }
 
     async fn write(&self, write: &CatalogWrite, audit: &Audit) -> Result<WriteOutcome, StoreError> {
@@ -210,6 +220,80 @@ impl FileStore {
         persist(&self.path, &next)?;
         *self.catalog.lock() = FileCatalog::from_data(next);
         Ok(true)
+    }
+
+    /// Many writes as one (as the Redis side's `lua/catalog_apply.lua`), if the catalog is
+    /// still at `at` (epoch, version): staged on one copy, put on disk, then committed.
+    pub(super) fn apply(
+        &self,
+        at: (Option<String>, u64),
+        writes: &[CatalogWrite],
+        audit: &Audit,
+        summary: serde_json::Value,
+    ) -> Result<ApplyOutcome, StoreError> {
+        let _one = self.writer.lock();
+        let mut next = {
+            let cat = self.catalog.lock();
+            if cat.data.epoch != at.0 || cat.data.version != at.1 {
+                return Ok(ApplyOutcome::Moved {
+                    version: cat.data.version,
+                });
+            }
+            Staged {
+                data: cat.data.clone(),
+                users: cat.users.clone(),
+                keys: cat.keys.clone(),
+                change: (0, "", String::new()),
+                outcome: WriteOutcome::Missing,
+            }
+        };
+        // Every client written or deleted lets go of its keys and its plan first, so a key
+        // that moves between two clients of the apply finds its new owner in any order.
+        for w in writes {
+            if let CatalogWrite::PutClient(ClientRecord { id, .. }, _)
+            | CatalogWrite::DeleteClient(id, _) = w
+            {
+                if let Some(prev) = next.data.clients.get(id) {
+                    unlink(&prev.value, &mut next.users, &mut next.keys);
+                }
+            }
+        }
+        let mut feed = Vec::with_capacity(writes.len());
+        for w in writes {
+            let rev = next.data.version + 1;
+            next.data.version = rev;
+            next.place(w, rev);
+            feed.push((rev, w.kind(), w.id().to_string()));
+        }
+        if next.data.epoch.is_none() && audit.names_catalog {
+            next.data.epoch = Some(uuid::Uuid::new_v4().simple().to_string());
+        }
+        push_audit(
+            &mut next.data.audit,
+            AuditEntry {
+                at_ms: now_ms(),
+                actor: audit.actor.clone(),
+                action: "catalog.apply".into(),
+                kind: "catalog".into(),
+                id: uuid::Uuid::new_v4().simple().to_string(),
+                rev: next.data.version,
+                before: Some(serde_json::json!({"version": at.1})),
+                after: Some(summary),
+            },
+        );
+        persist(&self.path, &next.data)?;
+        let version = next.data.version;
+        let mut cat = self.catalog.lock();
+        cat.data = next.data;
+        cat.users = next.users;
+        cat.keys = next.keys;
+        for change in feed {
+            cat.feed.push_back(change);
+            if cat.feed.len() > FEED_LEN {
+                cat.feed.pop_front();
+            }
+        }
+        Ok(ApplyOutcome::Applied { version })
     }
 
     /// One write with its audit entry, staged, put on disk, then committed.
@@ -432,6 +516,50 @@ impl Staged {
             }
         }
         Ok(())
+    }
+}
+
+impl Staged {
+    /// Makes `write` at revision `rev` as an apply does: checked before (against the
+    /// catalog it was computed for), its client's old keys already let go.
+    fn place(&mut self, write: &CatalogWrite, rev: u64) {
+        let next = &mut self.data;
+        match write {
+            CatalogWrite::PutSafety(rec, _) => {
+                next.safety = Some(Versioned {
+                    rev,
+                    value: rec.clone(),
+                });
+            }
+            CatalogWrite::PutPlan(p, _) => {
+                next.plans.insert(
+                    p.name.clone(),
+                    Versioned {
+                        rev,
+                        value: p.clone(),
+                    },
+                );
+            }
+            CatalogWrite::DeletePlan(name, _) => {
+                next.plans.remove(name);
+            }
+            CatalogWrite::PutClient(c, _) => {
+                *self.users.entry(c.plan.clone()).or_default() += 1;
+                for k in &c.keys {
+                    self.keys.insert(k.hash, c.id.clone());
+                }
+                next.clients.insert(
+                    c.id.clone(),
+                    Versioned {
+                        rev,
+                        value: c.clone(),
+                    },
+                );
+            }
+            CatalogWrite::DeleteClient(cid, _) => {
+                next.clients.remove(cid);
+            }
+        }
     }
 }
 

@@ -34,6 +34,8 @@ pub struct RedisStore {
     pub(super) catalog_write: Script,
     pub(super) catalog_restore: Script,
     pub(super) catalog_restore_stage: Script,
+    pub(super) catalog_apply: Script,
+    pub(super) catalog_apply_stage: Script,
     pub(super) catalog_import: Script,
     pub(super) client_by_key: Script,
     pub(super) key_filter_build: Script,
@@ -61,6 +63,8 @@ impl RedisStore {
             catalog_restore_stage: Script::new(include_str!(
                 "../../../lua/catalog_restore_stage.lua"
             )),
+            catalog_apply: with_key_filter(include_str!("../../../lua/catalog_apply.lua")),
+            catalog_apply_stage: Script::new(include_str!("../../../lua/catalog_apply_stage.lua")),
             catalog_import: with_key_filter(include_str!("../../../lua/catalog_import.lua")),
             client_by_key: Script::new(include_str!("../../../lua/client_by_key.lua")),
             key_filter_build: with_key_filter(include_str!("../../../lua/key_filter_build.lua")),

@@ -12,9 +12,9 @@ use redis::{AsyncCommands, RedisError, ScriptInvocation, Value};
 use super::backend::{retrying, scan_hash, Conn, FeedEntry, RedisStore};
 use crate::domain::{ClientId, KeyHash, PlanName};
 use crate::store::records::{
-    Audit, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord, ClientsPage, Condition,
-    ImportChunk, ImportOutcome, ImportProgress, KeyFilterHead, KeyFilterStep, KeyLookup,
-    PlanRecord, SafetyRecord, Versioned, Wants, WriteOutcome, SAFETY,
+    ApplyOutcome, Audit, CatalogApply, CatalogChanges, CatalogDump, CatalogWrite, ClientRecord,
+    ClientsPage, Condition, ImportChunk, ImportOutcome, ImportProgress, KeyFilterHead,
+    KeyFilterStep, KeyLookup, PlanRecord, SafetyRecord, Versioned, Wants, WriteOutcome, SAFETY,
 };
 use crate::store::{CatalogAt, CatalogRecords, StoreError};
 
@@ -200,6 +200,65 @@ impl CatalogRecords for RedisStore {
             self.stage_restore(&staging, &chunk).await?;
         }
         self.commit_restore(&staging, seen, mirror).await
+    }
+
+    /// Stages the writes under an apply id of their own, [`RESTORE_CHUNK`] a call
+    /// (`lua/catalog_apply_stage.lua`), then makes them in one atomic step
+    /// (`lua/catalog_apply.lua`). Each call is retried on a fresh connection like any
+    /// write: a chunk resent adds nothing, and a commit resent after a lost reply answers
+    /// the first run's reply.
+    async fn apply(&self, apply: &CatalogApply<'_>) -> Result<ApplyOutcome, StoreError> {
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let staging = self.keys.catalog(&format!("apply:{id}:writes"));
+        let mut staged = 0usize;
+        for chunk in apply.writes.chunks(RESTORE_CHUNK) {
+            let mut inv = self.catalog_apply_stage.prepare_invoke();
+            inv.key(&staging).arg(STAGING_KEPT.as_secs()).arg(staged);
+            for w in chunk {
+                inv.arg(staged_write(w)?);
+            }
+            let now: usize = retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
+            staged += chunk.len();
+            if now != staged {
+                return Err(StoreError::Protocol(format!(
+                    "catalog apply: {now} writes staged, {staged} sent"
+                )));
+            }
+        }
+        let mut inv = self.catalog_apply.prepare_invoke();
+        for part in [
+            "plans", "clients", "keys", "users", "version", "changes", "settings", "index",
+            "audit", "epoch",
+        ] {
+            inv.key(self.keys.catalog(part));
+        }
+        inv.key(&staging)
+            .key(self.keys.catalog(&format!("apply:{id}:reply")))
+            .key(self.keys.catalog("keyfilter"))
+            .key(self.keys.catalog("keyfilter:meta"));
+        inv.arg(apply.at_epoch.unwrap_or(""))
+            .arg(apply.at_version)
+            .arg(staged)
+            .arg(&apply.audit.actor)
+            .arg(&id)
+            .arg(if apply.audit.names_catalog {
+                uuid::Uuid::new_v4().simple().to_string()
+            } else {
+                String::new()
+            })
+            .arg(apply.summary.to_string());
+        let (status, version): (String, u64) =
+            retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
+        match status.as_str() {
+            "applied" => Ok(ApplyOutcome::Applied { version }),
+            "moved" => Ok(ApplyOutcome::Moved { version }),
+            "incomplete" => Err(StoreError::Protocol(
+                "catalog apply: the staged writes were not all there when committed (they \
+                 expired, or the store lost them); nothing changed"
+                    .into(),
+            )),
+            other => Err(StoreError::Protocol(format!("catalog apply: {other}"))),
+        }
     }
 
     async fn plan(&self, name: &str) -> Result<Option<Versioned<PlanRecord>>, StoreError> {
@@ -613,6 +672,33 @@ impl RedisStore {
     }
 }
 
+/// One write as `lua/catalog_apply_stage.lua` stages it: kind, op, id, the record's JSON,
+/// the client's plan and its key hashes.
+fn staged_write(w: &CatalogWrite) -> Result<String, StoreError> {
+    let (op, plan, hashes): (&str, &str, Vec<String>) = match w {
+        CatalogWrite::PutClient(c, _) => (
+            "put",
+            c.plan.as_str(),
+            c.keys.iter().map(|k| k.hash.to_string()).collect(),
+        ),
+        CatalogWrite::PutPlan(..) | CatalogWrite::PutSafety(..) => ("put", "", vec![]),
+        CatalogWrite::DeletePlan(..) | CatalogWrite::DeleteClient(..) => ("delete", "", vec![]),
+    };
+    let json = match w.json() {
+        Some(j) => j,
+        None if op == "delete" => String::new(),
+        None => {
+            return Err(StoreError::Protocol(format!(
+                "catalog apply: {} {} is not JSON",
+                w.kind(),
+                w.id()
+            )))
+        }
+    };
+    serde_json::to_string(&(w.kind(), op, w.id(), json, plan, hashes))
+        .map_err(|e| StoreError::Protocol(format!("catalog apply: {e}")))
+}
+
 /// Parses `"<rev> <json>"`.
 fn parse_entity<T: serde::de::DeserializeOwned>(raw: &str) -> Option<Versioned<T>> {
     let (rev, json) = raw.split_once(' ')?;
@@ -933,6 +1019,185 @@ mod tests {
             .unwrap();
         assert_eq!(audited, 1);
         assert!(redis.keys("*restore:*").unwrap().is_empty());
+    }
+
+    /// Every record of `dump` put, as an apply over an empty catalog writes them.
+    fn puts(dump: &CatalogDump) -> Vec<CatalogWrite> {
+        let mut w: Vec<CatalogWrite> = dump
+            .plans
+            .iter()
+            .map(|p| CatalogWrite::PutPlan(p.value.clone(), Condition::Any))
+            .collect();
+        w.extend(
+            dump.clients
+                .iter()
+                .map(|c| CatalogWrite::PutClient(c.value.clone(), Condition::Any)),
+        );
+        w
+    }
+
+    fn applying<'a>(at: u64, writes: &'a [CatalogWrite], audit: &'a Audit) -> CatalogApply<'a> {
+        CatalogApply {
+            at_epoch: None,
+            at_version: at,
+            writes,
+            audit,
+            summary: json!({"n": writes.len()}),
+        }
+    }
+
+    #[tokio::test]
+    async fn an_apply_stages_in_chunks_and_makes_every_write_at_once_one_version_each() {
+        // Arrange: one plan and 2,500 clients: three chunks.
+        let redis = RedisServer::start().unwrap();
+        let store = store(&redis);
+        let writes = puts(&mirror(2500));
+        let audit = Audit::new("ops", "catalog.apply");
+
+        // Act.
+        let done = store.apply(&applying(0, &writes, &audit)).await.unwrap();
+
+        // Assert: at version 2,501, one feed entry and revision per write, every key
+        // linked, one audit entry, no staging left.
+        assert_eq!(done, ApplyOutcome::Applied { version: 2501 });
+        assert_eq!(hlen(&redis, "clients"), 2500);
+        assert_eq!(hlen(&redis, "keys"), 2500);
+        let mut c = redis.conn().unwrap();
+        let feed: usize = redis::cmd("XLEN")
+            .arg("tollgate:{catalog}:changes")
+            .query(&mut c)
+            .unwrap();
+        assert_eq!(feed, 2501);
+        let last = store.client("c2499").await.unwrap().unwrap();
+        assert_eq!(last.rev, 2501);
+        let users: u64 = redis::cmd("HGET")
+            .arg("tollgate:{catalog}:users")
+            .arg("gold")
+            .query(&mut c)
+            .unwrap();
+        assert_eq!(users, 2500);
+        let audited: usize = redis::cmd("XLEN")
+            .arg("tollgate:{catalog}:audit")
+            .query(&mut c)
+            .unwrap();
+        assert_eq!(audited, 1);
+        assert!(redis.keys("*:writes").unwrap().is_empty());
+        // The change feed tells a gateway at version 0 what changed, as for single writes.
+        let epoch = store.dump().await.unwrap().epoch;
+        assert!(epoch.is_some(), "an apply gives the catalog an identity");
+        let CatalogChanges::Delta { version, .. } = store
+            .changes(0, epoch.as_deref(), Wants::Whole)
+            .await
+            .unwrap()
+        else {
+            panic!("no delta");
+        };
+        assert_eq!(version, 1000);
+    }
+
+    #[tokio::test]
+    async fn an_apply_over_a_catalog_that_moved_or_was_lost_writes_nothing() {
+        // Arrange: one apply made (version 3).
+        let redis = RedisServer::start().unwrap();
+        let store = store(&redis);
+        let writes = puts(&mirror(2));
+        let audit = Audit::new("ops", "catalog.apply");
+        store.apply(&applying(0, &writes, &audit)).await.unwrap();
+
+        let epoch = store.dump().await.unwrap().epoch;
+
+        // Act: the same apply computed at version 0 of this catalog, and at version 3 of
+        // no catalog (one whose store lost it).
+        let moved = store
+            .apply(&CatalogApply {
+                at_epoch: epoch.as_deref(),
+                ..applying(0, &writes, &audit)
+            })
+            .await
+            .unwrap();
+        let other = store.apply(&applying(3, &writes, &audit)).await.unwrap();
+
+        // Assert: refused with where the catalog is; nothing written, no staging left.
+        assert_eq!(moved, ApplyOutcome::Moved { version: 3 });
+        assert_eq!(other, ApplyOutcome::Moved { version: 3 });
+        assert_eq!(store_version(&redis), 3);
+        assert!(redis.keys("*:writes").unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_key_moving_between_two_clients_of_an_apply_is_linked_to_its_new_owner() {
+        // Arrange: c0 and c1 with a key each; then c1 takes c0's key and c0 gets a new one.
+        let redis = RedisServer::start().unwrap();
+        let store = store(&redis);
+        let before = mirror(2);
+        let audit = Audit::new("ops", "catalog.apply");
+        store
+            .apply(&applying(0, &puts(&before), &audit))
+            .await
+            .unwrap();
+        let mut c0 = before.clients[0].value.clone();
+        let mut c1 = before.clients[1].value.clone();
+        c1.keys = c0.keys.clone();
+        c0.keys = vec![crate::store::records::KeyRecord::new(
+            format!("sha256:{:064x}", 77).parse().unwrap(),
+        )];
+        // c1 first: a naive order would link the key to c1, then drop it with c0's old keys.
+        let writes = [
+            CatalogWrite::PutClient(c1, Condition::Any),
+            CatalogWrite::PutClient(c0, Condition::Any),
+        ];
+
+        let epoch = store.dump().await.unwrap().epoch;
+        let apply = CatalogApply {
+            at_epoch: epoch.as_deref(),
+            ..applying(3, &writes, &audit)
+        };
+
+        // Act.
+        let done = store.apply(&apply).await.unwrap();
+
+        // Assert.
+        assert_eq!(done, ApplyOutcome::Applied { version: 5 });
+        let owner = |i: u64| {
+            let hash: KeyHash = format!("sha256:{i:064x}").parse().unwrap();
+            let store = &store;
+            async move {
+                store
+                    .client_by_key(&hash, Duration::from_millis(100))
+                    .await
+                    .unwrap()
+                    .client
+                    .map(|c| c.value.id.to_string())
+            }
+        };
+        assert_eq!(owner(0).await.as_deref(), Some("c1"));
+        assert_eq!(owner(77).await.as_deref(), Some("c0"));
+        assert_eq!(owner(1).await, None);
+    }
+
+    fn store_version(redis: &RedisServer) -> u64 {
+        redis::cmd("GET")
+            .arg("tollgate:{catalog}:version")
+            .query(&mut redis.conn().unwrap())
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn on_a_cluster_an_apply_stages_and_commits_in_the_catalogs_slot() {
+        let cluster = RedisCluster::start().unwrap();
+        let urls: Vec<SecretString> = cluster.urls().into_iter().map(SecretString::from).collect();
+        let store =
+            RedisStore::connect_cluster(&urls, Duration::from_secs(5), Keys::new("tollgate:"))
+                .unwrap();
+        let writes = puts(&mirror(1500));
+        let audit = Audit::new("ops", "catalog.apply");
+
+        let done = store.apply(&applying(0, &writes, &audit)).await;
+
+        assert_eq!(done.unwrap(), ApplyOutcome::Applied { version: 1501 });
+        let node = &cluster.nodes[cluster.owner("tollgate:{catalog}:clients").unwrap()];
+        assert_eq!(hlen(node, "clients"), 1500);
+        assert!(node.keys("*:writes").unwrap().is_empty());
     }
 
     #[tokio::test]
