@@ -1,4 +1,5 @@
-//! The command line: `tollgate [serve|token|openapi|healthcheck|import] [--config FILE]...`.
+//! The command line: `tollgate [serve|token|openapi|healthcheck|import|catalog]
+//! [--config FILE]...`.
 
 use std::path::PathBuf;
 
@@ -53,11 +54,66 @@ pub enum Command {
         #[arg(long, default_value = "import")]
         actor: String,
     },
+    /// The catalog as code, over a gateway's admin API: export it to a file (TOML, or JSON
+    /// by a `.json` name), diff a file against it, apply a file in one atomic step.
+    Catalog {
+        #[command(subcommand)]
+        action: CatalogAction,
+        /// The gateway, e.g. http://127.0.0.1:8080.
+        #[arg(
+            long,
+            global = true,
+            env = "TOLLGATE_URL",
+            default_value = "http://127.0.0.1:8080"
+        )]
+        url: String,
+        /// An admin token (`tollgate token`, or your identity provider's).
+        #[arg(
+            long,
+            global = true,
+            env = "TOLLGATE_ADMIN_TOKEN",
+            hide_env_values = true
+        )]
+        token: Option<String>,
+        /// A PEM file of CA certificates to trust beside the public roots (https).
+        #[arg(long, global = true)]
+        ca_file: Option<PathBuf>,
+    },
     /// Exit 0 when the gateway on `server.listen` answers 200 to `GET PATH`, else 1
     /// (the container image's HEALTHCHECK: it has no shell or curl).
     Healthcheck {
         /// `/healthz` (liveness) or `/readyz` (readiness: the store answers).
         #[arg(long, default_value = "/healthz")]
         path: String,
+    },
+}
+
+/// `tollgate catalog ...`.
+#[derive(Debug, Subcommand)]
+pub enum CatalogAction {
+    /// Write the whole catalog (plans, clients with key hashes, overrides, safety) to FILE,
+    /// or to stdout as TOML.
+    Export {
+        /// `-` or absent: stdout.
+        #[arg(short, long)]
+        out: Option<PathBuf>,
+    },
+    /// Say what applying FILE would change, and whose limits; exit 0 when nothing, 1 when
+    /// something would change, 2 on trouble (as diff(1)).
+    Diff { file: PathBuf },
+    /// Apply FILE in one atomic step: diffed first, then applied only if the catalog is
+    /// still at the version diffed (or `--if-version`'s).
+    Apply {
+        file: PathBuf,
+        /// Only diff.
+        #[arg(long)]
+        dry_run: bool,
+        /// Apply over whatever the catalog is now.
+        #[arg(long, conflicts_with = "if_version")]
+        force: bool,
+        /// The catalog version the change was reviewed at (from `diff`): refused if the
+        /// catalog has moved since.
+        #[arg(long)]
+        if_version: Option<u64>,
     },
 }

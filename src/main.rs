@@ -26,6 +26,16 @@ async fn main() {
         print!("{}", tollgate::admin::openapi_json());
         return;
     }
+    // Over a gateway's admin API: no configuration of its own.
+    if let Some(Command::Catalog {
+        action,
+        url,
+        token,
+        ca_file,
+    }) = cli.command
+    {
+        std::process::exit(catalog(action, &url, token, ca_file.as_deref()).await);
+    }
     tollgate::telemetry::init();
     let settings = match Settings::load(&cli.config) {
         Ok(s) => s,
@@ -89,7 +99,9 @@ async fn main() {
             chunk,
             actor,
         } => import(&settings, &file, id.as_deref(), chunk.into(), &actor).await,
-        Command::Openapi => unreachable!("handled before loading settings"),
+        Command::Openapi | Command::Catalog { .. } => {
+            unreachable!("handled before loading settings")
+        }
     }
 }
 
@@ -127,6 +139,49 @@ async fn import(
         Err(e) => {
             eprintln!("tollgate import: {e:#}");
             std::process::exit(1);
+        }
+    }
+}
+
+/// `tollgate catalog`: the exit code. `diff` exits as diff(1) does: 0 when nothing would
+/// change, 1 when something would, 2 on trouble; `export` and `apply` 0, or 2 on trouble.
+async fn catalog(
+    action: tollgate::cli::CatalogAction,
+    url: &str,
+    token: Option<String>,
+    ca_file: Option<&std::path::Path>,
+) -> i32 {
+    use tollgate::cli::CatalogAction;
+    use tollgate::sync;
+    let run = async {
+        let remote = sync::Remote::new(url, &sync::token(token)?, ca_file)?;
+        anyhow::Ok(match action {
+            CatalogAction::Export { out } => (sync::export(&remote, out.as_deref()).await?, 0),
+            CatalogAction::Diff { file } => {
+                let (text, changes) = sync::diff(&remote, &file).await?;
+                (text, i32::from(changes))
+            }
+            CatalogAction::Apply {
+                file,
+                dry_run,
+                force,
+                if_version,
+            } => (
+                sync::apply(&remote, &file, dry_run, force, if_version).await?,
+                0,
+            ),
+        })
+    };
+    match run.await {
+        Ok((text, code)) => {
+            if !text.is_empty() {
+                println!("{}", text.trim_end());
+            }
+            code
+        }
+        Err(e) => {
+            eprintln!("tollgate catalog: {e:#}");
+            2
         }
     }
 }

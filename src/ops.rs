@@ -148,6 +148,7 @@ async fn metrics(
     write_tasks(&mut out, &state);
     state.tls.write_metrics(&mut out);
     state.connections.write_metrics(&mut out);
+    state.webhooks.write_metrics(&mut out);
     if let Some(jwt) = jwt {
         jwt.write_metrics(&mut out);
     }

@@ -75,6 +75,9 @@ impl Application {
         let catalog = Arc::clone(&mirrored.0);
         start_housekeeping(&store, &tasks);
         let regional = open_regional_store(&settings, &keys, &store).await?;
+        // Quota warnings: claimed in the store under this gateway's own id.
+        let holder = uuid::Uuid::new_v4().simple().to_string();
+        let webhooks = crate::webhooks::start(&settings.warnings, &store, &holder, &tasks)?;
         let limiter = Limiter::start(LimiterParts {
             store: store.clone(),
             regional,
@@ -85,13 +88,22 @@ impl Application {
             safety_multiplier: settings.limits.safety_multiplier,
             periods: settings.periods,
             overload: settings.overload,
+            warnings: webhooks.warnings.clone(),
             tasks: tasks.clone(),
         });
         let tls = tls::Listeners::load(&settings.tls)?;
         if let Some(every) = settings.tls.watch {
             tls::spawn_watch(&tls, every, &tasks);
         }
-        let state = shared_state(&settings, mirrored, limiter, store, metrics, tls, &tasks)?;
+        let state = shared_state(
+            &settings,
+            mirrored,
+            limiter,
+            store,
+            (metrics, webhooks.stats),
+            tls,
+            &tasks,
+        )?;
         start_health_checks(&state, &settings, &tasks);
         proxy::close_on_sigterm(&state.websockets, &tasks)?;
         start_view_eviction(&state, &tasks);
@@ -246,7 +258,7 @@ fn shared_state(
     (catalog, store_start): (Arc<Catalog>, Arc<StoreStart>),
     limiter: Arc<Limiter>,
     store: Store,
-    metrics: Arc<Metrics>,
+    (metrics, webhooks): (Arc<Metrics>, Arc<crate::webhooks::WebhookStats>),
     tls: tls::Listeners,
     tasks: &Tasks,
 ) -> anyhow::Result<web::Data<AppState>> {
@@ -279,6 +291,7 @@ fn shared_state(
         ),
         max_body_bytes: settings.server.max_body_bytes.get(),
         catalog_max_bytes: settings.admin.catalog_max_bytes,
+        webhooks,
         upstream: settings.upstream.clone(),
         safety_multiplier: settings.limits.safety_multiplier,
         traces,

@@ -37,6 +37,8 @@ pub struct AppState {
     pub max_body_bytes: u64,
     /// `admin.catalog_max_bytes`: the largest catalog `PUT /admin/v1/catalog` reads.
     pub catalog_max_bytes: usize,
+    /// What became of the quota warnings (`/metrics`).
+    pub webhooks: Arc<crate::webhooks::WebhookStats>,
     /// `[upstream]`: how routes reach their replicas.
     pub upstream: UpstreamSettings,
     /// `limits.safety_multiplier`, until the admin API stores safety settings.

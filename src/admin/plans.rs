@@ -114,6 +114,27 @@ pub struct QuotaLimit {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(example = "UTC", nullable = false)]
     pub time_zone: Option<String>,
+    /// Percentages of the quota (1-100, at most 4, distinct) whose crossing is announced
+    /// to the configured webhooks, once per window for the whole fleet (README, "Quota
+    /// warnings"); absent: none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[schema(schema_with = warn_at_schema)]
+    pub warn_at: Vec<i64>,
+}
+
+fn warn_at_schema() -> utoipa::openapi::schema::Array {
+    use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, SchemaType, Type};
+    ArrayBuilder::new()
+        .items(
+            ObjectBuilder::new()
+                .schema_type(SchemaType::Type(Type::Integer))
+                .minimum(Some(1.0))
+                .maximum(Some(100.0)),
+        )
+        .max_items(Some(crate::domain::limits::MAX_WARNINGS))
+        .unique_items(true)
+        .examples([serde_json::json!([80, 100])])
+        .build()
 }
 
 fn service_schema() -> utoipa::openapi::RefOr<utoipa::openapi::Schema> {
@@ -244,6 +265,8 @@ struct LimitInput {
     anchor_day: Field<AnchorDay>,
     #[serde(default)]
     time_zone: Field<TimeZoneName>,
+    #[serde(default)]
+    warn_at: Field<Vec<i64>>,
 }
 
 /// The body of `PUT /admin/v1/plans/{plan}`: `limits`, or (the body of plans before they
@@ -325,6 +348,7 @@ impl From<LimitSpec> for PlanLimit {
                 reset: s.reset,
                 anchor_day: s.anchor_day,
                 time_zone: s.time_zone,
+                warn_at: s.warn_at,
             }),
             _ => PlanLimit::Bucket(BucketLimit {
                 name: s.name,
@@ -493,6 +517,9 @@ fn parse_limit(mut value: Value, at: &str, f: &mut Fields) -> Option<crate::doma
         time_zone: f
             .optional(&field("time_zone"), input.time_zone)
             .map(|t| t.0),
+        warn_at: f
+            .optional(&field("warn_at"), input.warn_at)
+            .unwrap_or_default(),
     };
     if f.errors.len() > before {
         return None;
@@ -512,6 +539,7 @@ fn one_kind(input: &LimitInput, at: &str, f: &mut Fields) {
         ("reset", input.reset.is_given()),
         ("anchor_day", input.anchor_day.is_given()),
         ("time_zone", input.time_zone.is_given()),
+        ("warn_at", input.warn_at.is_given()),
     ];
     match (bucket, quota) {
         (true, true) => f.bad(

@@ -17,14 +17,14 @@ use super::periods::{BackOff, Periods};
 use super::raw::{
     RawAdmin, RawCatalog, RawClient, RawEdge, RawHealthCheck, RawIssuer, RawLimits, RawOverload,
     RawPeriods, RawPlan, RawRedis, RawRoute, RawServer, RawSettings, RawTelemetry, RawTls,
-    RawUpstream,
+    RawUpstream, RawWarnings,
 };
 use super::settings::{
     AdminSettings, Balance, CacheBounds, CatalogSettings, CertificateFiles, Certificates,
     ClientSettings, EdgeSettings, HealthCheckSettings, Holding, IssuerSettings, KeySource,
     LimitSettings, OtlpCompression, OtlpEndpoint, OtlpHeader, OtlpProtocol, OverloadSettings,
     PlanSettings, RedisSettings, RouteSettings, ServerSettings, Settings, TelemetrySettings,
-    TlsSettings, TlsVersion, TrustRoots, UpstreamSettings,
+    TlsSettings, TlsVersion, TrustRoots, UpstreamSettings, WarningSettings, WebhookSettings,
 };
 use crate::domain::{
     ApiKey, Bucket, Capacity, ClientId, KeyHash, Limit, LimitSpec, Limits, MaxConnections, Mode,
@@ -140,9 +140,10 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
     let edge = edge(raw.edge, &mut p);
     let tls = tls(raw.tls, server.as_ref(), &mut p);
     let routes = routes(raw.routes, upstream.as_ref(), &mut p);
+    let warnings = warnings(raw.warnings, &mut p);
     match (
         server, redis, catalog, limits, admin, periods, overload, upstream, telemetry, edge, tls,
-        routes,
+        routes, warnings,
     ) {
         (
             Some(server),
@@ -157,6 +158,7 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
             Some(edge),
             Some(tls),
             Some(routes),
+            Some(warnings),
         ) if p.0.is_empty() => Ok(Settings {
             server,
             redis,
@@ -170,6 +172,7 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
             edge,
             tls,
             routes,
+            warnings,
         }),
         _ => {
             debug_assert!(!p.0.is_empty(), "a section failed without naming a key");
@@ -584,6 +587,79 @@ fn telemetry(raw: RawTelemetry, p: &mut Problems) -> Option<TelemetrySettings> {
         otlp_compression: otlp_compression?,
         otlp_headers: otlp_headers?,
         otlp_ca_file: otlp_ca_file?,
+    })
+}
+
+/// The shortest webhook secret: an HMAC-SHA256 key of 32 bytes.
+pub const MIN_WEBHOOK_SECRET: usize = 32;
+
+fn warnings(raw: RawWarnings, p: &mut Problems) -> Option<WarningSettings> {
+    let retries = p.take(
+        "warnings.retries",
+        within(raw.retries, 0..=20, "must be 0-20"),
+    );
+    let backoff = p.take(
+        "warnings.backoff_ms",
+        within(raw.backoff_ms, 10..=600_000, "must be 10-600000"),
+    );
+    let timeout = p.take(
+        "warnings.timeout_ms",
+        within(raw.timeout_ms, 100..=60_000, "must be 100-60000"),
+    );
+    let queue = p.take(
+        "warnings.queue",
+        within(raw.queue, 1..=1_000_000, "must be 1-1000000"),
+    );
+    let mut webhooks = Vec::new();
+    let mut ok = true;
+    for (i, w) in raw.webhooks.into_iter().enumerate() {
+        let key = |field: &str| format!("warnings.webhooks[{i}].{field}");
+        let url = match w.url.parse::<http::Uri>() {
+            Ok(u) if matches!(u.scheme_str(), Some("http" | "https")) && u.host().is_some() => {
+                Some(w.url.clone())
+            }
+            _ => {
+                p.add(key("url"), format!("{:?} is not an http(s) URL", w.url));
+                None
+            }
+        };
+        if w.secret.expose_secret().len() < MIN_WEBHOOK_SECRET {
+            p.add(
+                key("secret"),
+                format!("must be {MIN_WEBHOOK_SECRET} bytes at least (an HMAC-SHA256 key)"),
+            );
+            ok = false;
+        }
+        let ca_file = if w.ca_file.is_empty() {
+            None
+        } else if Path::new(&w.ca_file).is_file() {
+            Some(PathBuf::from(&w.ca_file))
+        } else {
+            p.add(
+                key("ca_file"),
+                format!("{:?} is not a readable file", w.ca_file),
+            );
+            ok = false;
+            None
+        };
+        match url {
+            Some(url) if ok => webhooks.push(WebhookSettings {
+                url,
+                secret: w.secret,
+                ca_file,
+            }),
+            _ => ok = false,
+        }
+    }
+    if !ok {
+        return None;
+    }
+    Some(WarningSettings {
+        retries: u32::try_from(retries?).ok()?,
+        backoff: Duration::from_millis(backoff?),
+        timeout: Duration::from_millis(timeout?),
+        queue: usize::try_from(queue?).ok()?,
+        webhooks,
     })
 }
 

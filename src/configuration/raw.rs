@@ -24,8 +24,30 @@ pub(super) struct RawSettings {
     pub(super) telemetry: RawTelemetry,
     pub(super) edge: RawEdge,
     pub(super) tls: RawTls,
+    pub(super) warnings: RawWarnings,
     #[serde(default)]
     pub(super) routes: Vec<RawRoute>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawWarnings {
+    pub(super) retries: u64,
+    pub(super) backoff_ms: u64,
+    pub(super) timeout_ms: u64,
+    pub(super) queue: u64,
+    #[serde(default)]
+    pub(super) webhooks: Vec<RawWebhook>,
+}
+
+/// `[[warnings.webhooks]]`: an endpoint quota warnings are sent to.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawWebhook {
+    pub(super) url: String,
+    pub(super) secret: SecretString,
+    #[serde(default)]
+    pub(super) ca_file: String,
 }
 
 #[derive(Debug, Deserialize)]

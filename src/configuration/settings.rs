@@ -37,6 +37,45 @@ pub struct Settings {
     pub tls: TlsSettings,
     /// `routes`: upstream services, matched by longest path prefix.
     pub routes: Vec<RouteSettings>,
+    /// `warnings`: where quota warnings are sent.
+    pub warnings: WarningSettings,
+}
+
+/// `[warnings]`: quota warnings (a plan's quota `warn_at`), sent to every webhook.
+#[derive(Debug, Clone)]
+pub struct WarningSettings {
+    /// `warnings.retries`: a delivery that fails is tried again this many times at most.
+    pub retries: u32,
+    /// `warnings.backoff_ms`: the wait before the first retry, doubled each time (at most
+    /// a minute).
+    pub backoff: Duration,
+    /// `warnings.timeout_ms`: each try's deadline.
+    pub timeout: Duration,
+    /// `warnings.queue`: warnings waiting to be sent, at most (more are dropped, counted).
+    pub queue: usize,
+    /// `[[warnings.webhooks]]`: none: no warning is looked for.
+    pub webhooks: Vec<WebhookSettings>,
+}
+
+/// `[[warnings.webhooks]]`: an endpoint every quota warning is sent to, signed with its
+/// own secret.
+#[derive(Clone)]
+pub struct WebhookSettings {
+    pub url: String,
+    /// The HMAC-SHA256 key of its `Tollgate-Signature` header.
+    pub secret: SecretString,
+    /// A PEM file of CA certificates trusted beside the public roots.
+    pub ca_file: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for WebhookSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WebhookSettings")
+            .field("url", &self.url)
+            .field("secret", &"[redacted]")
+            .field("ca_file", &self.ca_file)
+            .finish()
+    }
 }
 
 #[derive(Debug, Clone)]

@@ -48,6 +48,8 @@ pub enum LimitError {
     Duplicate(String),
     #[error("the first limit applies to every service (no service)")]
     FirstScoped,
+    #[error("{0}")]
+    WarnAt(String),
 }
 
 impl LimitError {
@@ -62,9 +64,41 @@ impl LimitError {
             LimitError::Kind => "quota",
             LimitError::Reset(_) => "reset",
             LimitError::AnchorMissing => "anchor_day",
+            LimitError::WarnAt(_) => "warn_at",
             LimitError::Count(_) | LimitError::Duplicate(_) | LimitError::FirstScoped => "limits",
         }
     }
+}
+
+/// Checks a limit's `warn_at`: percentages 1-100 of a quota, distinct, at most
+/// [`MAX_WARNINGS`]; sorted.
+fn warnings(given: &[i64], kind: &LimitKind) -> Result<Arc<[u8]>, LimitError> {
+    if given.is_empty() {
+        return Ok(Arc::from([]));
+    }
+    if matches!(kind, LimitKind::Bucket(_)) {
+        return Err(LimitError::WarnAt(
+            "only a quota warns (a bucket refills as it is used)".into(),
+        ));
+    }
+    if given.len() > MAX_WARNINGS {
+        return Err(LimitError::WarnAt(format!(
+            "at most {MAX_WARNINGS} warnings a quota"
+        )));
+    }
+    let mut out = Vec::with_capacity(given.len());
+    for &p in given {
+        let p = u8::try_from(p)
+            .ok()
+            .filter(|p| (1..=100).contains(p))
+            .ok_or_else(|| LimitError::WarnAt(format!("percentages are 1-100 (got {p})")))?;
+        if out.contains(&p) {
+            return Err(LimitError::WarnAt(format!("{p} is given twice")));
+        }
+        out.push(p);
+    }
+    out.sort_unstable();
+    Ok(Arc::from(out))
 }
 
 /// `amount` per window of a [`QuotaClock`].
@@ -115,7 +149,12 @@ pub struct Limit {
     kind: LimitKind,
     /// Where its state lives in the client's hash: `""` for [`DEFAULT_LIMIT`], else `name:`.
     field: Arc<str>,
+    /// A quota's warnings: the percentages of it whose crossing is announced, ascending.
+    warn_at: Arc<[u8]>,
 }
+
+/// Most warnings one quota names.
+pub const MAX_WARNINGS: usize = 4;
 
 /// A limit as it is written (TOML, JSON, the store): flat, every field optional, checked by
 /// [`Limit::from_spec`].
@@ -138,6 +177,9 @@ pub struct LimitSpec {
     pub anchor_day: Option<i64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub time_zone: Option<String>,
+    /// A quota's warnings, in percent of it (1-100, at most [`MAX_WARNINGS`], distinct).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warn_at: Vec<i64>,
 }
 
 impl TryFrom<LimitSpec> for Limit {
@@ -165,6 +207,7 @@ impl Limit {
             service,
             kind,
             field,
+            warn_at: Arc::from([]),
         }
     }
 
@@ -212,7 +255,16 @@ impl Limit {
             (Some(_), None, None, None) => return Err(PlanError::Rate(f64::NAN).into()),
             _ => return Err(LimitError::Kind),
         };
-        Ok(Limit::new(name, service, kind))
+        let warn_at = warnings(&s.warn_at, &kind)?;
+        Ok(Limit {
+            warn_at,
+            ..Limit::new(name, service, kind)
+        })
+    }
+
+    /// A quota's warnings, in percent of it, ascending (none for a bucket).
+    pub fn warn_at(&self) -> &[u8] {
+        &self.warn_at
     }
 
     /// The limit as written.
@@ -220,6 +272,7 @@ impl Limit {
         let mut s = LimitSpec {
             name: self.name.to_string(),
             service: self.service.as_ref().map(|s| s.to_string()),
+            warn_at: self.warn_at.iter().map(|&p| i64::from(p)).collect(),
             ..LimitSpec::default()
         };
         match &self.kind {

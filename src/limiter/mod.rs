@@ -23,6 +23,7 @@ mod public;
 mod safety;
 mod shadow;
 pub mod shares;
+pub mod warnings;
 
 use std::rc::Rc;
 use std::sync::Arc;
@@ -38,6 +39,7 @@ pub use public::Anonymous;
 pub use safety::SafetyLimit;
 pub use shadow::ShadowStats;
 pub use shares::ShareBook;
+pub use warnings::{Crossing, Warnings};
 
 use crate::catalog::{Catalog, ClientEntry};
 use crate::configuration::{OverloadSettings, Periods};
@@ -69,6 +71,8 @@ pub struct Limiter {
     /// Sharded clients whose global quota is used up, until when (unix µs).
     /// With the quotas' amounts then: a raised quota (an override, a plan change) lifts it.
     quota_blocks: Arc<dashmap::DashMap<ClientId, (u64, f64)>>,
+    /// Quota warnings found (`None`: no webhook is configured).
+    warnings: Option<Arc<Warnings>>,
     /// Store errors the request path met, said in the log at most every
     /// [`ERROR_LOG_EVERY`].
     error_log: ErrorLog,
@@ -156,6 +160,8 @@ pub struct LimiterParts {
     pub safety_multiplier: f64,
     pub periods: Periods,
     pub overload: OverloadSettings,
+    /// Where quota warnings go (`None`: nowhere; none are looked for).
+    pub warnings: Option<Arc<Warnings>>,
     /// Where its background tasks start.
     pub tasks: Tasks,
 }
@@ -176,6 +182,7 @@ impl Limiter {
             safety_multiplier,
             periods,
             overload,
+            warnings,
             tasks,
         } = parts;
         let limiter = Arc::new(Limiter {
@@ -200,6 +207,7 @@ impl Limiter {
             periods,
             overload: Overload::new(overload),
             quota_blocks: Arc::new(dashmap::DashMap::new()),
+            warnings,
             error_log: ErrorLog::new(),
             tasks,
         });
@@ -345,6 +353,16 @@ impl Limiter {
         };
         self.metrics
             .record_decision(decision.outcome, started.elapsed());
+        if let (Some(w), Some(r)) = (&self.warnings, &decision.ruling) {
+            w.observe(
+                &client.id,
+                &client.plan.name,
+                &limits,
+                &decision.applied,
+                &r.levels,
+                r.now_us,
+            );
+        }
         decision
     }
 
@@ -616,7 +634,14 @@ impl Limiter {
         let blocks = Arc::clone(&self.quota_blocks);
         let (id, kinds) = (client.id.clone(), quotas.to_vec());
         let amounts = amounts(quotas);
+        let warned = self
+            .warnings
+            .clone()
+            .map(|w| (w, client.plan.name.clone(), client.limits()));
         let on_reply: debits::OnReply = Rc::new(move |r: &Ruling| {
+            if let Some((w, plan, limits)) = &warned {
+                w.observe(&id, plan, limits, &kinds, &r.levels, r.now_us);
+            }
             // Used up: refused here until the latest exhausted window ends.
             let until = r
                 .levels
@@ -677,9 +702,23 @@ impl Limiter {
                 &decision.applied,
                 delta,
                 period,
-                None,
+                self.warnings_on_reply(client, &decision.applied),
             ),
         }
+    }
+
+    /// What a debit's reply is looked at for: the quota warnings its levels reach.
+    fn warnings_on_reply(
+        &self,
+        client: &ClientEntry,
+        applied: &[Applied],
+    ) -> Option<debits::OnReply> {
+        let w = Arc::clone(self.warnings.as_ref()?);
+        let (id, plan, limits) = (client.id.clone(), client.plan.name.clone(), client.limits());
+        let applied = applied.to_vec();
+        Some(Rc::new(move |r: &Ruling| {
+            w.observe(&id, &plan, &limits, &applied, &r.levels, r.now_us);
+        }))
     }
 
     /// For shadow-mode clients: compares the decision with the service's answer.

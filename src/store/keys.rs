@@ -55,6 +55,12 @@ impl Keys {
         format!("{}{{keyuse}}:last_used", self.prefix)
     }
 
+    /// A name claimed once by the fleet (`tollgate:claim:<name>`: one key each, wherever
+    /// its slot is).
+    pub fn claim(&self, name: &str) -> String {
+        format!("{}claim:{name}", self.prefix)
+    }
+
     /// Shadow-mode comparison counters (all in the `{shadow}` slot).
     pub fn shadow(&self, part: &str) -> String {
         format!("{}{{shadow}}:{}", self.prefix, part)

@@ -27,8 +27,8 @@ pub use self::local::{LocalBuckets, LocalLimits, LocalOp, Probe};
 pub use self::open::Store;
 pub use self::persistence::Persistence;
 pub use self::ports::{
-    AuditLog, BucketCalls, Buckets, CatalogAt, CatalogRecords, KeyUse, Lifecycle, PoolState,
-    ShadowCount, ShadowCounts, ShardView, Shards, SlotRange, StoreKind,
+    AuditLog, BucketCalls, Buckets, CatalogAt, CatalogRecords, Claims, KeyUse, Lifecycle,
+    PoolState, ShadowCount, ShadowCounts, ShardView, Shards, SlotRange, StoreKind,
 };
 pub use self::records::ClientsPage;
 pub use self::shards::{Reconcile, RegionShare, ShardState};

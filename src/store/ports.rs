@@ -160,6 +160,15 @@ pub trait KeyUse: Send + Sync {
     async fn forget(&self, members: &[String]) -> Result<(), StoreError>;
 }
 
+/// Names claimed once by the whole fleet: the first gateway to claim a name within its
+/// time holds it (a quota warning is sent by the gateway that claims it, so by one).
+#[async_trait]
+pub trait Claims: Send + Sync {
+    /// Claims `name` for `ttl`, as `holder` (this gateway's id); `true` when this caller
+    /// holds it, also when its own claim's reply was lost and the claim is asked again.
+    async fn claim(&self, name: &str, holder: &str, ttl: Duration) -> Result<bool, StoreError>;
+}
+
 /// Shadow mode's comparisons per client, added up from every gateway.
 #[async_trait]
 pub trait ShadowCounts: Send + Sync {

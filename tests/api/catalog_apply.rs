@@ -403,3 +403,90 @@ async fn a_bad_file_is_refused_whole_with_each_problem_named() {
     let r = apply(&gw, &big, Some(at), "").await;
     assert_eq!(r.status(), 413);
 }
+
+/// `tollgate catalog <args>` against `gw`: its exit code, stdout and stderr.
+async fn cli(gw: &TestGateway, args: &[&str]) -> (i32, String, String) {
+    let out = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        tokio::process::Command::new(binary())
+            .arg("catalog")
+            .args(args)
+            .env("TOLLGATE_URL", &gw.address)
+            .env("TOLLGATE_ADMIN_TOKEN", rw())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the command ends")
+    .expect("the binary runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn the_cli_exports_a_toml_file_diffs_it_and_applies_it_only_over_the_version_diffed() {
+    // Arrange: a catalog; exported to TOML by the command line.
+    let dir = tempfile::tempdir().unwrap();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let redis = RedisServer::start().unwrap();
+    let gw = TestGateway::spawn(settings(&toml(Some(&redis.url()), dir.path(), &up))).await;
+    let acme_key = fill(&gw).await;
+    gw.wait_for_catalog(store_version(&redis)).await;
+    let file = dir.path().join("catalog.toml");
+    let file_arg = file.to_str().unwrap();
+    let (code, said, err) = cli(&gw, &["export", "--out", file_arg]).await;
+    assert_eq!(code, 0, "{said}{err}");
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(text.contains("[[clients]]"), "{text}");
+    assert!(!text.contains(&acme_key), "a plaintext key in the file");
+
+    // Act 1: diffed as exported, then with gold's description edited.
+    let (same, same_said, _) = cli(&gw, &["diff", file_arg]).await;
+    std::fs::write(
+        &file,
+        text.replace("description = \"gold\"", "description = \"gold, reviewed\""),
+    )
+    .unwrap();
+    let (differs, differs_said, _) = cli(&gw, &["diff", file_arg]).await;
+    let reviewed_at = store_version(&redis);
+    // Someone changes the catalog after the review.
+    admin(
+        &gw,
+        Method::PUT,
+        "/clients/late",
+        Some(json!({"plan": "silver"})),
+    )
+    .await;
+    let at = reviewed_at.to_string();
+    let (stale, _, stale_err) = cli(&gw, &["apply", file_arg, "--if-version", &at]).await;
+    let after_stale = store_version(&redis);
+    let (applied, applied_said, applied_err) = cli(&gw, &["apply", file_arg]).await;
+
+    // Assert: as diff(1): 0 the same, 1 different (naming gold); the apply over the
+    // version reviewed is refused (2) and writes nothing; the apply that diffs itself
+    // writes gold and removes late, which the file lacks.
+    assert_eq!(same, 0, "{same_said}");
+    assert!(same_said.contains("0 record(s)"), "{same_said}");
+    assert_eq!(differs, 1, "{differs_said}");
+    assert!(differs_said.contains("~ plan gold"), "{differs_said}");
+    assert_eq!(stale, 2);
+    assert!(stale_err.contains("412"), "{stale_err}");
+    assert_eq!(after_stale, reviewed_at + 1);
+    assert_eq!(applied, 0, "{applied_said}{applied_err}");
+    assert!(applied_said.contains("- client late"), "{applied_said}");
+    assert!(applied_said.contains("applied"), "{applied_said}");
+    let gold = admin(&gw, Method::GET, "/plans/gold", None).await;
+    assert_eq!(gold["description"], "gold, reviewed");
+    // Without a token the command says what it needs.
+    let out = tokio::process::Command::new(binary())
+        .args(["catalog", "diff", file_arg, "--url", &gw.address])
+        .env_remove("TOLLGATE_ADMIN_TOKEN")
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("admin token"));
+}

@@ -31,6 +31,7 @@ mod own_view;
 mod paths;
 mod plans;
 mod public;
+mod quota_warnings;
 mod quotas;
 mod regions;
 mod reload;

@@ -24,6 +24,8 @@ pub struct EmbeddedStore {
     pub(super) shadow: Mutex<HashMap<String, (u64, u64)>>,
     /// When each key was last used (unix s): in memory, lost on restart.
     pub(super) key_use: Mutex<HashMap<String, u64>>,
+    /// Names claimed (holder, until when): in memory, lost on restart.
+    pub(super) claims: Mutex<HashMap<String, (String, std::time::Instant)>>,
     /// An exclusive lock on `<catalog file>.lock`, held while the store is open: a second
     /// process on the same file is refused (the embedded store is for one instance).
     _lock: std::sync::Arc<std::fs::File>,
@@ -118,6 +120,7 @@ impl EmbeddedStore {
             }),
             shadow: Mutex::new(HashMap::new()),
             key_use: Mutex::new(HashMap::new()),
+            claims: Mutex::new(HashMap::new()),
             _lock: lock,
         })
     }

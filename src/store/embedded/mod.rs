@@ -9,6 +9,7 @@ mod audit;
 mod backend;
 mod buckets;
 mod catalog;
+mod claims;
 mod key_use;
 mod lifecycle;
 mod shadow;

@@ -15,6 +15,7 @@ mod arithmetic;
 mod audit;
 mod backend;
 mod catalog;
+mod claims;
 mod key_use;
 mod lifecycle;
 mod persistence;
