@@ -5,6 +5,7 @@
 //! names (`If-Match`), or at the one the changes were computed against (`?force=true`).
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use actix_web::http::header;
 use actix_web::{web, HttpRequest, HttpResponse};
@@ -133,10 +134,12 @@ pub async fn put(
                 .into(),
         ));
     }
-    let body = read_object_within(payload, state.catalog_max_bytes).await?;
-    let desired_of = |body: &Map<String, Value>| desired(Value::Object(body.clone()));
-    // Checked once before the store is read: a bad file costs no dump.
-    desired_of(&body)?;
+    let body = Arc::new(read_object_within(payload, state.catalog_max_bytes).await?);
+    // Checked once before the store is read: a bad file costs no dump. Reading and
+    // diffing a catalog of thousands of clients takes a while: off the worker, whose
+    // requests it would hold up.
+    let file = Arc::clone(&body);
+    off_worker(move || desired(&file).map(drop)).await?;
     for _ in 0..FORCED_TRIES {
         let current = state.store.catalog.dump().await?;
         if let Some(tags) = &guard {
@@ -147,7 +150,12 @@ pub async fn put(
                 )));
             }
         }
-        let changes = diff(&current, desired_of(&body)?, now_ms() / 1000);
+        let file = Arc::clone(&body);
+        let (changes, current) = off_worker(move || {
+            let changes = diff(&current, desired(&file)?, now_ms() / 1000);
+            Ok((changes, current))
+        })
+        .await?;
         if query.dry_run || changes.is_empty() {
             return Ok(report(changes, current.version, current.version, false));
         }
@@ -181,6 +189,15 @@ pub async fn put(
     Err(ApiError::Conflict(format!(
         "the catalog changed under each of {FORCED_TRIES} tries; try again"
     )))
+}
+
+/// `work` on a blocking thread.
+async fn off_worker<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    web::block(work)
+        .await
+        .map_err(|e| ApiError::Internal(anyhow::anyhow!("the catalog's check stopped: {e}")))?
 }
 
 /// The audit entry's `after`: the version the apply ends at and what it counted.
@@ -267,9 +284,9 @@ struct KeyEntry {
 /// The catalog a file describes, every record checked as its own `PUT` checks it and the
 /// whole as a catalog: ids and key hashes once, each client's plan in the file, each
 /// override against its plan. `422` lists the problems, each named by its place.
-fn desired(body: Value) -> Result<Desired, ApiError> {
+fn desired(body: &Map<String, Value>) -> Result<Desired, ApiError> {
     let mut f = Fields::default();
-    let out = read_desired(body, &mut f);
+    let out = read_desired(Value::Object(body.clone()), &mut f);
     if f.errors.len() > PROBLEMS_LISTED {
         let more = f.errors.len() - PROBLEMS_LISTED;
         f.errors.truncate(PROBLEMS_LISTED);
