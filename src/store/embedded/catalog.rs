@@ -457,23 +457,7 @@ impl Staged {
     /// Applies `write` at revision `rev` to the staged copy (`existed`: the record it names
     /// exists), keeping the plans' user counts and the key index with it.
     fn apply(&mut self, write: &CatalogWrite, rev: u64, existed: bool) -> Result<(), WriteOutcome> {
-        let next = &mut self.data;
         match write {
-            CatalogWrite::PutSafety(rec, _) => {
-                next.safety = Some(Versioned {
-                    rev,
-                    value: rec.clone(),
-                });
-            }
-            CatalogWrite::PutPlan(p, _) => {
-                next.plans.insert(
-                    p.name.clone(),
-                    Versioned {
-                        rev,
-                        value: p.clone(),
-                    },
-                );
-            }
             CatalogWrite::DeletePlan(name, _) => {
                 if !existed {
                     return Err(WriteOutcome::Missing);
@@ -481,10 +465,9 @@ impl Staged {
                 if self.users.get(name).copied().unwrap_or(0) > 0 {
                     return Err(WriteOutcome::PlanInUse);
                 }
-                next.plans.remove(name);
             }
             CatalogWrite::PutClient(c, _) => {
-                if !next.plans.contains_key(&c.plan) {
+                if !self.data.plans.contains_key(&c.plan) {
                     return Err(WriteOutcome::UnknownPlan);
                 }
                 if c.keys
@@ -493,35 +476,26 @@ impl Staged {
                 {
                     return Err(WriteOutcome::KeyConflict);
                 }
-                if let Some(prev) = next.clients.get(&c.id) {
+                if let Some(prev) = self.data.clients.get(&c.id) {
                     unlink(&prev.value, &mut self.users, &mut self.keys);
                 }
-                *self.users.entry(c.plan.clone()).or_default() += 1;
-                for k in &c.keys {
-                    self.keys.insert(k.hash, c.id.clone());
-                }
-                next.clients.insert(
-                    c.id.clone(),
-                    Versioned {
-                        rev,
-                        value: c.clone(),
-                    },
-                );
             }
             CatalogWrite::DeleteClient(cid, _) => {
-                let Some(prev) = next.clients.remove(cid) else {
+                let Some(prev) = self.data.clients.get(cid) else {
                     return Err(WriteOutcome::Missing);
                 };
                 unlink(&prev.value, &mut self.users, &mut self.keys);
             }
+            CatalogWrite::PutSafety(..) | CatalogWrite::PutPlan(..) => {}
         }
+        self.place(write, rev);
         Ok(())
     }
 }
 
 impl Staged {
-    /// Makes `write` at revision `rev` as an apply does: checked before (against the
-    /// catalog it was computed for), its client's old keys already let go.
+    /// Makes `write` at revision `rev`, checked before and its client's old keys let go
+    /// (by [`Staged::apply`] for one write, by an apply of many for all of them first).
     fn place(&mut self, write: &CatalogWrite, rev: u64) {
         let next = &mut self.data;
         match write {
