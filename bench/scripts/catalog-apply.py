@@ -54,6 +54,15 @@ def catalog_toml(n, mode):
     return "\n".join(out)
 
 
+def slow_durations(port):
+    """The duration (µs) of every call in Redis' slow log, read as JSON-free RESP lines."""
+    out = subprocess.run(
+        ["redis-cli", "-p", str(port), "--json", "SLOWLOG", "GET", "10000"],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    return [entry[2] for entry in json.loads(out)]
+
+
 def run(cmd, env):
     t0 = time.monotonic()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -103,6 +112,13 @@ def main():
         code, _, said = run([BIN, "catalog", "apply", files[0], "--force"], env)
         if code != 0:
             sys.exit(f"seeding failed: {said}")
+        # Every call over 1 ms is kept: the longest is an apply's commit, which holds
+        # Redis (and every gateway's decisions on it) while it runs.
+        subprocess.run(["redis-cli", "-p", str(rport), "CONFIG", "SET", "slowlog-log-slower-than", "1000"],
+                       check=True, capture_output=True)
+        subprocess.run(["redis-cli", "-p", str(rport), "CONFIG", "SET", "slowlog-max-len", "10000"],
+                       check=True, capture_output=True)
+        subprocess.run(["redis-cli", "-p", str(rport), "SLOWLOG", "RESET"], check=True, capture_output=True)
         diffs, applies = [], []
         total0, steal0 = cpu_times()
         for i in range(a.runs):
@@ -116,6 +132,8 @@ def main():
                 sys.exit(f"apply {i}: exit {code}: {said[:500]}")
             applies.append(took)
         total1, steal1 = cpu_times()
+        durations = [int(x) for x in slow_durations(rport)]
+        commits = sorted(durations, reverse=True)[: a.runs]
         steal = 100.0 * (steal1 - steal0) / max(1, total1 - total0)
         result = {
             "clients": a.clients,
@@ -124,12 +142,14 @@ def main():
             "diff_s": {"median": statistics.median(diffs), "worst": max(diffs), "all": diffs},
             "apply_s": {"median": statistics.median(applies), "worst": max(applies), "all": applies},
             "cpu_steal_pct": round(steal, 2),
+            "longest_store_calls_ms": [round(d / 1000, 1) for d in commits],
         }
         print(
             f"{a.clients} clients ({size / 1e6:.1f} MB of TOML), {a.runs} runs, steal {steal:.1f}%:\n"
             f"  diff  median {result['diff_s']['median']:.2f} s, worst {result['diff_s']['worst']:.2f} s\n"
             f"  apply median {result['apply_s']['median']:.2f} s, worst {result['apply_s']['worst']:.2f} s"
-            f" (its own diff included; {a.clients} records written)"
+            f" (its own diff included; {a.clients} records written)\n"
+            f"  the longest store calls (the commits): {', '.join(f'{d / 1000:.0f} ms' for d in commits)}"
         )
         if a.json:
             Path(a.json).write_text(json.dumps(result, indent=2) + "\n")
