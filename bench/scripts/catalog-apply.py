@@ -15,6 +15,7 @@ worst of the runs, and the host's CPU steal over them.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import socket
@@ -54,13 +55,26 @@ def catalog_toml(n, mode):
     return "\n".join(out)
 
 
+def script_names():
+    """Each Lua script's SHA-1 as the gateway loads it (key_filter.lua before those that
+    use it), to name the calls in the slow log."""
+    lua = REPO / "lua"
+    prefix = (lua / "key_filter.lua").read_bytes()
+    names = {}
+    for f in lua.glob("*.lua"):
+        body = f.read_bytes()
+        for text in (body, prefix + body):
+            names[hashlib.sha1(text).hexdigest()] = f.name
+    return names
+
+
 def slow_durations(port):
     """The duration (µs) of every call in Redis' slow log, read as JSON-free RESP lines."""
     out = subprocess.run(
         ["redis-cli", "-p", str(port), "--json", "SLOWLOG", "GET", "10000"],
         check=True, capture_output=True, text=True,
     ).stdout
-    return [entry[2] for entry in json.loads(out)]
+    return [(entry[2], " ".join(str(a) for a in entry[3][:2])[:60]) for entry in json.loads(out)]
 
 
 def run(cmd, env):
@@ -112,8 +126,8 @@ def main():
         code, _, said = run([BIN, "catalog", "apply", files[0], "--force"], env)
         if code != 0:
             sys.exit(f"seeding failed: {said}")
-        # Every call over 1 ms is kept: the longest is an apply's commit, which holds
-        # Redis (and every gateway's decisions on it) while it runs.
+        # Every call over 1 ms is kept: the longest hold Redis (and every gateway's
+        # decisions on it) while they run.
         subprocess.run(["redis-cli", "-p", str(rport), "CONFIG", "SET", "slowlog-log-slower-than", "1000"],
                        check=True, capture_output=True)
         subprocess.run(["redis-cli", "-p", str(rport), "CONFIG", "SET", "slowlog-max-len", "10000"],
@@ -132,8 +146,15 @@ def main():
                 sys.exit(f"apply {i}: exit {code}: {said[:500]}")
             applies.append(took)
         total1, steal1 = cpu_times()
-        durations = [int(x) for x in slow_durations(rport)]
-        commits = sorted(durations, reverse=True)[: a.runs]
+        # The longest call of each kind (a staging chunk, the commit, a dump's page).
+        names = script_names()
+        longest = {}
+        for d, what in slow_durations(rport):
+            parts = what.split()
+            what = names.get(parts[1], parts[1]) if parts[0] == "EVALSHA" and len(parts) > 1 else what
+            longest[what] = max(longest.get(what, 0), d)
+        slowest = sorted(((d, w) for w, d in longest.items()), reverse=True)
+        commits = [d for d, _ in slowest]
         steal = 100.0 * (steal1 - steal0) / max(1, total1 - total0)
         result = {
             "clients": a.clients,
@@ -143,13 +164,14 @@ def main():
             "apply_s": {"median": statistics.median(applies), "worst": max(applies), "all": applies},
             "cpu_steal_pct": round(steal, 2),
             "longest_store_calls_ms": [round(d / 1000, 1) for d in commits],
+            "longest_store_calls": [f"{d / 1000:.1f} ms {what}" for d, what in slowest],
         }
         print(
             f"{a.clients} clients ({size / 1e6:.1f} MB of TOML), {a.runs} runs, steal {steal:.1f}%:\n"
             f"  diff  median {result['diff_s']['median']:.2f} s, worst {result['diff_s']['worst']:.2f} s\n"
             f"  apply median {result['apply_s']['median']:.2f} s, worst {result['apply_s']['worst']:.2f} s"
             f" (its own diff included; {a.clients} records written)\n"
-            f"  the longest store calls (the commits): {', '.join(f'{d / 1000:.0f} ms' for d in commits)}"
+            f"  the longest store calls: {'; '.join(f'{d / 1000:.1f} ms {w}' for d, w in slowest)}"
         )
         if a.json:
             Path(a.json).write_text(json.dumps(result, indent=2) + "\n")

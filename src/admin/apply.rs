@@ -21,7 +21,7 @@ use super::plans::{named, plan_record, PlanInput};
 use super::safety::{safety_record, SafetyInput};
 use super::shared::now_ms;
 use super::Actor;
-use crate::catalog::diff::{diff, CatalogDiff, Changes, Desired};
+use crate::catalog::diff::{diff, whole, CatalogDiff, Changes, Desired};
 use crate::catalog::{Audit, ClientRecord, KeyRecord, PlanRecord};
 use crate::domain::limits::MAX_LIMITS;
 use crate::domain::{ClientId, KeyHash, Mode, PlanName};
@@ -151,9 +151,10 @@ pub async fn put(
             }
         }
         let file = Arc::clone(&body);
-        let (changes, current) = off_worker(move || {
+        let (changes, current, after) = off_worker(move || {
             let changes = diff(&current, desired(&file)?, now_ms() / 1000);
-            Ok((changes, current))
+            let after = whole(&current, &changes.writes);
+            Ok((changes, current, after))
         })
         .await?;
         if query.dry_run || changes.is_empty() {
@@ -164,6 +165,7 @@ pub async fn put(
             at_epoch: current.epoch.as_deref(),
             at_version: current.version,
             writes: &changes.writes,
+            whole: &after,
             audit: &audit,
             summary: summary(&changes, current.version),
         };

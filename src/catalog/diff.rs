@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::domain::{ClientId, LimitSpec, Limits, PlanName};
 use crate::store::records::{
-    CatalogDump, CatalogWrite, ClientRecord, Condition, PlanRecord, SafetyRecord,
+    CatalogDump, CatalogWrite, ClientRecord, Condition, PlanRecord, SafetyRecord, Versioned,
 };
 
 /// The catalog a file asks for, checked record by record and as a whole (every client's
@@ -150,6 +150,66 @@ pub fn diff(current: &CatalogDump, desired: Desired, now_s: u64) -> CatalogDiff 
     out
 }
 
+/// The catalog `writes` make of `current`: the n-th write's record at version
+/// `current.version + n` (as a store making them one by one gives it), the others at
+/// their own revisions; the catalog at the last write's.
+pub fn whole(current: &CatalogDump, writes: &[CatalogWrite]) -> CatalogDump {
+    let mut plans: BTreeMap<PlanName, Versioned<PlanRecord>> = current
+        .plans
+        .iter()
+        .map(|p| (p.value.name.clone(), p.clone()))
+        .collect();
+    let mut clients: BTreeMap<ClientId, Versioned<ClientRecord>> = current
+        .clients
+        .iter()
+        .map(|c| (c.value.id.clone(), c.clone()))
+        .collect();
+    let mut safety = current.safety.clone();
+    let mut version = current.version;
+    for w in writes {
+        version += 1;
+        match w {
+            CatalogWrite::PutPlan(p, _) => {
+                plans.insert(
+                    p.name.clone(),
+                    Versioned {
+                        rev: version,
+                        value: p.clone(),
+                    },
+                );
+            }
+            CatalogWrite::DeletePlan(name, _) => {
+                plans.remove(name);
+            }
+            CatalogWrite::PutClient(c, _) => {
+                clients.insert(
+                    c.id.clone(),
+                    Versioned {
+                        rev: version,
+                        value: c.clone(),
+                    },
+                );
+            }
+            CatalogWrite::DeleteClient(id, _) => {
+                clients.remove(id);
+            }
+            CatalogWrite::PutSafety(s, _) => {
+                safety = Some(Versioned {
+                    rev: version,
+                    value: s.clone(),
+                });
+            }
+        }
+    }
+    CatalogDump {
+        epoch: current.epoch.clone(),
+        version,
+        plans: plans.into_values().collect(),
+        clients: clients.into_values().collect(),
+        safety,
+    }
+}
+
 /// A stored client's fields of a newer gateway, and its keys', kept on the file's record.
 fn keep_extras(c: &mut ClientRecord, old: &ClientRecord) {
     c.extra = old.extra.clone();
@@ -183,7 +243,7 @@ fn in_force(
 mod tests {
     use super::*;
     use crate::domain::{Bucket, KeyHash, Override};
-    use crate::store::records::{KeyRecord, Versioned};
+    use crate::store::records::KeyRecord;
 
     fn plan(name: &str, capacity: f64) -> PlanRecord {
         PlanRecord::new(

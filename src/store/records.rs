@@ -372,19 +372,21 @@ pub enum CatalogWrite {
     PutSafety(SafetyRecord, Condition),
 }
 
-/// A whole set of catalog changes written as one (`PUT /admin/v1/catalog`): every write
-/// happens, in order, each at a version of its own with its change-feed entry (so
-/// gateways follow it as they follow single writes), only if the catalog is still at
-/// `at`; one audit entry stands for all of them. The writes were checked against the
-/// catalog at `at` (plans exist, keys are owned once, no plan in use is deleted): the
-/// store checks only that it is still there, and applies them as given (their
-/// conditions are not read).
+/// A whole set of catalog changes written as one (`PUT /admin/v1/catalog`), only if the
+/// catalog is still at `at`: the n-th write at version `at_version + n`, as single writes
+/// would be; one audit entry stands for all of them. The writes were checked against
+/// the catalog at `at` (plans exist, keys are owned once, no plan in use is deleted): the
+/// store checks only that it is still there, and applies them as given (their conditions
+/// are not read). A store may make them one by one, or put `whole` (the catalog they
+/// give) in the old one's place.
 #[derive(Debug)]
 pub struct CatalogApply<'a> {
     /// The epoch and version the writes were computed against.
     pub at_epoch: Option<&'a str>,
     pub at_version: u64,
     pub writes: &'a [CatalogWrite],
+    /// The catalog after the writes: every record, each written one at its version.
+    pub whole: &'a CatalogDump,
     /// Who applied it; its action is `catalog.apply`.
     pub audit: &'a Audit,
     /// What the audit entry's `after` says besides the versions: the changes counted.
@@ -394,7 +396,7 @@ pub struct CatalogApply<'a> {
 /// What an apply did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ApplyOutcome {
-    /// Written: the catalog is at `version` (the last write's).
+    /// Written: the catalog is at `version`.
     Applied { version: u64 },
     /// The catalog is no longer at the version (or epoch) the writes were computed
     /// against: nothing was written. `version` is where it is now.

@@ -490,3 +490,44 @@ async fn the_cli_exports_a_toml_file_diffs_it_and_applies_it_only_over_the_versi
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("admin token"));
 }
+
+#[tokio::test]
+async fn an_apply_of_many_changes_is_put_in_place_whole_and_every_gateway_reloads_it() {
+    // Arrange: two gateways on one Redis; a file of 150 clients (past the hundred an apply
+    // makes one by one), each with a key.
+    let dir = tempfile::tempdir().unwrap();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let redis = RedisServer::start().unwrap();
+    let gw = TestGateway::spawn(settings(&toml(Some(&redis.url()), dir.path(), &up))).await;
+    let other = TestGateway::spawn(settings(&toml(
+        Some(&redis.url()),
+        &dir.path().join("other"),
+        &up,
+    )))
+    .await;
+    let key = |i: usize| format!("bulk-key-{i:04}-0123456789");
+    let clients: Vec<Value> = (0..150)
+        .map(|i| {
+            let hash = tollgate::domain::KeyHash::of(&key(i)).to_string();
+            json!({"id": format!("c{i:03}"), "plan": "p", "keys": [{"hash": hash}]})
+        })
+        .collect();
+    let file = json!({"plans": [{"name": "p", "capacity": 10, "rate": 1}], "clients": clients});
+
+    // Act
+    let r = apply(&gw, &file, Some(0), "").await;
+
+    // Assert: 151 records, at versions 1 to 151 as one by one; both gateways serve the
+    // last client's key, the one that followed by reloading; one audit entry.
+    assert_eq!(r.status(), 200);
+    let report: Value = r.json().await.unwrap();
+    assert_eq!(report["writes"], 151, "{report}");
+    assert_eq!(report["version"], 151);
+    for g in [&gw, &other] {
+        g.wait_for_catalog(151).await;
+        assert_eq!(g.get("/orders", Some(&key(149))).await.status(), 200);
+    }
+    let c149 = admin(&other, Method::GET, "/clients/c149", None).await;
+    assert_eq!(c149["plan"], "p");
+    assert_eq!(audited(&redis, "catalog.apply").len(), 1);
+}

@@ -223,7 +223,8 @@ impl FileStore {
     }
 
     /// Many writes as one (as the Redis side's `lua/catalog_apply.lua`), if the catalog is
-    /// still at `at` (epoch, version): staged on one copy, put on disk, then committed.
+    /// still at `at` (epoch, version): staged on one copy, put on disk, then committed,
+    /// each write a version and an entry of the change feed.
     pub(super) fn apply(
         &self,
         at: (Option<String>, u64),

@@ -21,13 +21,19 @@ use crate::store::{CatalogAt, CatalogRecords, StoreError};
 /// How many change-feed entries one poll reads.
 const FEED_PAGE: usize = 1000;
 
-/// How many records one call of a restore stages: every call stays this small, however
-/// large the catalog (a million clients in one argument were hundreds of MB).
-const RESTORE_CHUNK: usize = 1000;
+/// How many records one call of a restore (or a large apply) stages: every call stays this
+/// small, however large the catalog (a million clients in one argument were hundreds of
+/// MB), and holds Redis well under a decision's budget (1,000 records held it 15 ms: about
+/// 15 µs a record; 200, some 3 ms).
+const RESTORE_CHUNK: usize = 200;
 
 /// How long a restore's staging keys outlive its latest staging call: a gateway that
 /// stops mid-restore leaves keys that expire, never a catalog.
 const STAGING_KEPT: Duration = Duration::from_secs(600);
+
+/// The most writes an apply makes one by one, each with its feed entry, in one script
+/// (about 30 µs of Redis each: some 3 ms); more put the whole catalog in place.
+pub(super) const DELTA_MAX: usize = 100;
 
 /// What a restore stages, one key each, in the order both restore scripts name them.
 const STAGED: [&str; 6] = ["plans", "clients", "keys", "users", "index", "settings"];
@@ -202,62 +208,17 @@ impl CatalogRecords for RedisStore {
         self.commit_restore(&staging, seen, mirror).await
     }
 
-    /// Stages the writes under an apply id of their own, [`RESTORE_CHUNK`] a call
-    /// (`lua/catalog_apply_stage.lua`), then makes them in one atomic step
-    /// (`lua/catalog_apply.lua`). Each call is retried on a fresh connection like any
-    /// write: a chunk resent adds nothing, and a commit resent after a lost reply answers
-    /// the first run's reply.
+    /// A few writes (at most [`DELTA_MAX`]) are made one by one in one script, each with
+    /// its change-feed entry, so gateways follow them as single writes
+    /// ([`RedisStore::apply_delta`]); more are made by putting the whole catalog they give
+    /// in place ([`RedisStore::apply_swap`]), whose commit costs the same however many
+    /// change, and after which gateways reload. Either way no call holds Redis much longer
+    /// than a decision's budget.
     async fn apply(&self, apply: &CatalogApply<'_>) -> Result<ApplyOutcome, StoreError> {
-        let id = uuid::Uuid::new_v4().simple().to_string();
-        let staging = self.keys.catalog(&format!("apply:{id}:writes"));
-        let mut staged = 0usize;
-        for chunk in apply.writes.chunks(RESTORE_CHUNK) {
-            let mut inv = self.catalog_apply_stage.prepare_invoke();
-            inv.key(&staging).arg(STAGING_KEPT.as_secs()).arg(staged);
-            for w in chunk {
-                inv.arg(staged_write(w)?);
-            }
-            let now: usize = retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
-            staged += chunk.len();
-            if now != staged {
-                return Err(StoreError::Protocol(format!(
-                    "catalog apply: {now} writes staged, {staged} sent"
-                )));
-            }
-        }
-        let mut inv = self.catalog_apply.prepare_invoke();
-        for part in [
-            "plans", "clients", "keys", "users", "version", "changes", "settings", "index",
-            "audit", "epoch",
-        ] {
-            inv.key(self.keys.catalog(part));
-        }
-        inv.key(&staging)
-            .key(self.keys.catalog(&format!("apply:{id}:reply")))
-            .key(self.keys.catalog("keyfilter"))
-            .key(self.keys.catalog("keyfilter:meta"));
-        inv.arg(apply.at_epoch.unwrap_or(""))
-            .arg(apply.at_version)
-            .arg(staged)
-            .arg(&apply.audit.actor)
-            .arg(&id)
-            .arg(if apply.audit.names_catalog {
-                uuid::Uuid::new_v4().simple().to_string()
-            } else {
-                String::new()
-            })
-            .arg(apply.summary.to_string());
-        let (status, version): (String, u64) =
-            retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
-        match status.as_str() {
-            "applied" => Ok(ApplyOutcome::Applied { version }),
-            "moved" => Ok(ApplyOutcome::Moved { version }),
-            "incomplete" => Err(StoreError::Protocol(
-                "catalog apply: the staged writes were not all there when committed (they \
-                 expired, or the store lost them); nothing changed"
-                    .into(),
-            )),
-            other => Err(StoreError::Protocol(format!("catalog apply: {other}"))),
+        if apply.writes.len() <= DELTA_MAX {
+            self.apply_delta(apply).await
+        } else {
+            self.apply_swap(apply).await
         }
     }
 
@@ -424,6 +385,138 @@ impl CatalogRecords for RedisStore {
 }
 
 impl RedisStore {
+    /// Stages the writes under an apply id of their own, [`RESTORE_CHUNK`] a call
+    /// (`lua/catalog_apply_stage.lua`), then makes them in one atomic step
+    /// (`lua/catalog_apply.lua`). Each call is retried on a fresh connection like any
+    /// write: a chunk resent adds nothing, and a commit resent after a lost reply answers
+    /// the first run's reply.
+    async fn apply_delta(&self, apply: &CatalogApply<'_>) -> Result<ApplyOutcome, StoreError> {
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let staging = self.keys.catalog(&format!("apply:{id}:writes"));
+        let mut staged = 0usize;
+        for chunk in apply.writes.chunks(RESTORE_CHUNK) {
+            let mut inv = self.catalog_apply_stage.prepare_invoke();
+            inv.key(&staging).arg(STAGING_KEPT.as_secs()).arg(staged);
+            for w in chunk {
+                inv.arg(staged_write(w)?);
+            }
+            let now: usize = retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
+            staged += chunk.len();
+            if now != staged {
+                return Err(StoreError::Protocol(format!(
+                    "catalog apply: {now} writes staged, {staged} sent"
+                )));
+            }
+        }
+        let mut inv = self.catalog_apply.prepare_invoke();
+        for part in [
+            "plans", "clients", "keys", "users", "version", "changes", "settings", "index",
+            "audit", "epoch",
+        ] {
+            inv.key(self.keys.catalog(part));
+        }
+        inv.key(&staging)
+            .key(self.keys.catalog(&format!("apply:{id}:reply")))
+            .key(self.keys.catalog("keyfilter"))
+            .key(self.keys.catalog("keyfilter:meta"));
+        inv.arg(apply.at_epoch.unwrap_or(""))
+            .arg(apply.at_version)
+            .arg(staged)
+            .arg(&apply.audit.actor)
+            .arg(&id)
+            .arg(if apply.audit.names_catalog {
+                uuid::Uuid::new_v4().simple().to_string()
+            } else {
+                String::new()
+            })
+            .arg(apply.summary.to_string());
+        let (status, version): (String, u64) =
+            retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
+        match status.as_str() {
+            "applied" => Ok(ApplyOutcome::Applied { version }),
+            "moved" => Ok(ApplyOutcome::Moved { version }),
+            "incomplete" => Err(StoreError::Protocol(
+                "catalog apply: the staged writes were not all there when committed (they \
+                 expired, or the store lost them); nothing changed"
+                    .into(),
+            )),
+            other => Err(StoreError::Protocol(format!("catalog apply: {other}"))),
+        }
+    }
+
+    /// Stages the whole catalog the writes give (`apply.whole`) under an apply id of its
+    /// own, [`RESTORE_CHUNK`] records a call (`lua/catalog_restore_stage.lua`), sets the key
+    /// filter's bits for the keys of every client written (`lua/key_filter_add.lua`), then
+    /// puts the staged catalog in place in one atomic step of a few renames
+    /// (`lua/catalog_apply_swap.lua`): the commit costs the same however many records
+    /// change.
+    /// Each call is retried on a fresh connection like any write: a chunk staged again
+    /// changes nothing, and a commit resent after a lost reply answers the first run's
+    /// reply.
+    async fn apply_swap(&self, apply: &CatalogApply<'_>) -> Result<ApplyOutcome, StoreError> {
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let staging: Vec<String> = STAGED
+            .iter()
+            .map(|part| self.keys.catalog(&format!("apply:{id}:{part}")))
+            .collect();
+        for chunk in restore_chunks(apply.whole) {
+            self.stage_restore(&staging, &chunk).await?;
+        }
+        let given: Vec<String> = apply
+            .writes
+            .iter()
+            .filter_map(|w| match w {
+                CatalogWrite::PutClient(c, _) => Some(c),
+                _ => None,
+            })
+            .flat_map(|c| c.keys.iter().map(|k| k.hash.to_string()))
+            .collect();
+        for hashes in given.chunks(RESTORE_CHUNK) {
+            let mut inv = self.key_filter_add.prepare_invoke();
+            inv.key(self.keys.catalog("keyfilter"))
+                .key(self.keys.catalog("keyfilter:meta"))
+                .arg(hashes);
+            let _: u64 = retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
+        }
+        let mut inv = self.catalog_apply_swap.prepare_invoke();
+        for part in [
+            "plans", "clients", "keys", "users", "version", "changes", "settings", "index",
+            "audit", "epoch",
+        ] {
+            inv.key(self.keys.catalog(part));
+        }
+        for key in &staging {
+            inv.key(key);
+        }
+        inv.key(self.keys.catalog(&format!("apply:{id}:reply")));
+        inv.arg(apply.at_epoch.unwrap_or(""))
+            .arg(apply.at_version)
+            .arg(apply.whole.plans.len())
+            .arg(apply.whole.clients.len())
+            .arg(usize::from(apply.whole.safety.is_some()))
+            .arg(&apply.audit.actor)
+            .arg(&id)
+            .arg(if apply.audit.names_catalog {
+                uuid::Uuid::new_v4().simple().to_string()
+            } else {
+                String::new()
+            })
+            .arg(apply.summary.to_string())
+            .arg(apply.whole.version);
+        let (status, version): (String, u64) =
+            retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
+        match status.as_str() {
+            "applied" => Ok(ApplyOutcome::Applied { version }),
+            "moved" => Ok(ApplyOutcome::Moved { version }),
+            "incomplete" => Err(StoreError::Protocol(
+                "catalog apply: the staged catalog was not all there when committed (it \
+                 expired, or the store lost it); nothing changed"
+                    .into(),
+            )),
+            other => Err(StoreError::Protocol(format!("catalog apply: {other}"))),
+        }
+    }
+
     /// The staging keys of the restore `restore` (see [`STAGED`]), in the `{catalog}` slot
     /// beside the live keys.
     fn restore_staging(&self, restore: &str) -> Vec<String> {
@@ -882,7 +975,7 @@ mod tests {
     }
 
     #[test]
-    fn a_mirror_is_staged_in_chunks_of_at_most_a_thousand_records_each_record_once() {
+    fn a_mirror_is_staged_in_chunks_of_at_most_two_hundred_records_each_record_once() {
         // Arrange: one plan, 2,500 clients, the safety settings: 2,502 records.
         let mirror = mirror(2500);
 
@@ -891,7 +984,8 @@ mod tests {
 
         // Assert.
         let sizes: Vec<usize> = chunks.iter().map(Vec::len).collect();
-        assert_eq!(sizes, [1000, 1000, 502]);
+        assert_eq!(sizes[..12], [200; 12]);
+        assert_eq!(sizes[12..], [102]);
         let sent: Vec<String> = chunks.iter().flatten().map(name).collect();
         let mut once = sent.clone();
         once.sort();
@@ -1036,92 +1130,187 @@ mod tests {
         w
     }
 
-    fn applying<'a>(at: u64, writes: &'a [CatalogWrite], audit: &'a Audit) -> CatalogApply<'a> {
+    /// The catalog an apply of [`puts`] over an empty one gives: the n-th record (plans,
+    /// then clients) at version n.
+    fn applied(dump: &CatalogDump) -> CatalogDump {
+        let mut n = 0;
+        let mut next = || {
+            n += 1;
+            n
+        };
+        let plans = dump
+            .plans
+            .iter()
+            .map(|p| Versioned {
+                rev: next(),
+                ..p.clone()
+            })
+            .collect();
+        let clients = dump
+            .clients
+            .iter()
+            .map(|c| Versioned {
+                rev: next(),
+                ..c.clone()
+            })
+            .collect();
+        CatalogDump {
+            epoch: None,
+            version: n,
+            plans,
+            clients,
+            safety: None,
+        }
+    }
+
+    fn applying<'a>(
+        at: u64,
+        writes: &'a [CatalogWrite],
+        whole: &'a CatalogDump,
+        audit: &'a Audit,
+    ) -> CatalogApply<'a> {
         CatalogApply {
             at_epoch: None,
             at_version: at,
             writes,
+            whole,
             audit,
             summary: json!({"n": writes.len()}),
         }
     }
 
-    #[tokio::test]
-    async fn an_apply_stages_in_chunks_and_makes_every_write_at_once_one_version_each() {
-        // Arrange: one plan and 2,500 clients: three chunks.
-        let redis = RedisServer::start().unwrap();
-        let store = store(&redis);
-        let writes = puts(&mirror(2500));
+    /// Applies every record of `source` over an empty catalog on `store`.
+    async fn apply_all(store: &RedisStore, source: &CatalogDump) -> ApplyOutcome {
         let audit = Audit::new("ops", "catalog.apply");
-
-        // Act.
-        let done = store.apply(&applying(0, &writes, &audit)).await.unwrap();
-
-        // Assert: at version 2,501, one feed entry and revision per write, every key
-        // linked, one audit entry, no staging left.
-        assert_eq!(done, ApplyOutcome::Applied { version: 2501 });
-        assert_eq!(hlen(&redis, "clients"), 2500);
-        assert_eq!(hlen(&redis, "keys"), 2500);
-        let mut c = redis.conn().unwrap();
-        let feed: usize = redis::cmd("XLEN")
-            .arg("tollgate:{catalog}:changes")
-            .query(&mut c)
-            .unwrap();
-        assert_eq!(feed, 2501);
-        let last = store.client("c2499").await.unwrap().unwrap();
-        assert_eq!(last.rev, 2501);
-        let users: u64 = redis::cmd("HGET")
-            .arg("tollgate:{catalog}:users")
-            .arg("gold")
-            .query(&mut c)
-            .unwrap();
-        assert_eq!(users, 2500);
-        let audited: usize = redis::cmd("XLEN")
-            .arg("tollgate:{catalog}:audit")
-            .query(&mut c)
-            .unwrap();
-        assert_eq!(audited, 1);
-        assert!(redis.keys("*:writes").unwrap().is_empty());
-        // The change feed tells a gateway at version 0 what changed, as for single writes.
-        let epoch = store.dump().await.unwrap().epoch;
-        assert!(epoch.is_some(), "an apply gives the catalog an identity");
-        let CatalogChanges::Delta { version, .. } = store
-            .changes(0, epoch.as_deref(), Wants::Whole)
+        let (writes, whole) = (puts(source), applied(source));
+        store
+            .apply(&applying(0, &writes, &whole, &audit))
             .await
             .unwrap()
-        else {
-            panic!("no delta");
-        };
-        assert_eq!(version, 1000);
+    }
+
+    fn feed_len(redis: &RedisServer) -> usize {
+        redis::cmd("XLEN")
+            .arg("tollgate:{catalog}:changes")
+            .query(&mut redis.conn().unwrap())
+            .unwrap()
     }
 
     #[tokio::test]
-    async fn an_apply_over_a_catalog_that_moved_or_was_lost_writes_nothing() {
-        // Arrange: one apply made (version 3).
+    async fn a_few_writes_are_made_one_by_one_each_a_version_with_its_feed_entry() {
+        // Arrange: one plan and 60 clients: 61 writes, under DELTA_MAX.
         let redis = RedisServer::start().unwrap();
         let store = store(&redis);
-        let writes = puts(&mirror(2));
-        let audit = Audit::new("ops", "catalog.apply");
-        store.apply(&applying(0, &writes, &audit)).await.unwrap();
 
+        // Act.
+        let done = apply_all(&store, &mirror(60)).await;
+
+        // Assert: at version 61, one feed entry and revision per write, every key
+        // linked, one audit entry, no staging left; a gateway follows the feed.
+        assert_eq!(done, ApplyOutcome::Applied { version: 61 });
+        assert_eq!(hlen(&redis, "clients"), 60);
+        assert_eq!(hlen(&redis, "keys"), 60);
+        assert_eq!(feed_len(&redis), 61);
+        assert_eq!(store.client("c59").await.unwrap().unwrap().rev, 61);
+        assert_eq!(audited_entries(&redis), 1);
+        assert!(redis
+            .keys("*apply:*")
+            .unwrap()
+            .iter()
+            .all(|k| k.ends_with(":reply")));
         let epoch = store.dump().await.unwrap().epoch;
-
-        // Act: the same apply computed at version 0 of this catalog, and at version 3 of
-        // no catalog (one whose store lost it).
-        let moved = store
-            .apply(&CatalogApply {
-                at_epoch: epoch.as_deref(),
-                ..applying(0, &writes, &audit)
-            })
+        assert!(epoch.is_some(), "an apply gives the catalog an identity");
+        let changes = store
+            .changes(0, epoch.as_deref(), Wants::Whole)
             .await
             .unwrap();
-        let other = store.apply(&applying(3, &writes, &audit)).await.unwrap();
+        assert!(matches!(changes, CatalogChanges::Delta { version: 61, .. }));
+    }
 
-        // Assert: refused with where the catalog is; nothing written, no staging left.
-        assert_eq!(moved, ApplyOutcome::Moved { version: 3 });
-        assert_eq!(other, ApplyOutcome::Moved { version: 3 });
-        assert_eq!(store_version(&redis), 3);
-        assert!(redis.keys("*:writes").unwrap().is_empty());
+    #[tokio::test]
+    async fn many_writes_put_the_whole_catalog_staged_in_chunks_in_place_at_their_versions() {
+        // Arrange: one plan and 2,500 clients: thirteen chunks staged.
+        let redis = RedisServer::start().unwrap();
+        let store = store(&redis);
+
+        // Act.
+        let done = apply_all(&store, &mirror(2500)).await;
+
+        // Assert: at version 2,501, each record at the version its write would have
+        // (so ETags are the same either way), every key linked and counted on its plan,
+        // one audit entry, no staging left; the feed dropped, so a gateway reloads.
+        assert_eq!(done, ApplyOutcome::Applied { version: 2501 });
+        assert_eq!(hlen(&redis, "clients"), 2500);
+        assert_eq!(hlen(&redis, "keys"), 2500);
+        assert_eq!(store.client("c2499").await.unwrap().unwrap().rev, 2501);
+        assert_eq!(store.plan("gold").await.unwrap().unwrap().rev, 1);
+        let users: u64 = redis::cmd("HGET")
+            .arg("tollgate:{catalog}:users")
+            .arg("gold")
+            .query(&mut redis.conn().unwrap())
+            .unwrap();
+        assert_eq!(users, 2500);
+        assert_eq!(audited_entries(&redis), 1);
+        assert_eq!(feed_len(&redis), 0);
+        assert!(redis
+            .keys("*apply:*")
+            .unwrap()
+            .iter()
+            .all(|k| k.ends_with(":reply")));
+        let epoch = store.dump().await.unwrap().epoch;
+        let changes = store
+            .changes(0, epoch.as_deref(), Wants::Whole)
+            .await
+            .unwrap();
+        assert!(matches!(changes, CatalogChanges::Reload(d) if d.clients.len() == 2500));
+    }
+
+    fn audited_entries(redis: &RedisServer) -> usize {
+        redis::cmd("XLEN")
+            .arg("tollgate:{catalog}:audit")
+            .query(&mut redis.conn().unwrap())
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn an_apply_over_a_catalog_that_moved_or_was_lost_writes_nothing_either_way() {
+        for clients in [2, 200] {
+            // Arrange: one apply made.
+            let redis = RedisServer::start().unwrap();
+            let store = store(&redis);
+            let source = mirror(clients);
+            let first = apply_all(&store, &source).await;
+            let version = clients as u64 + 1;
+            assert_eq!(first, ApplyOutcome::Applied { version });
+            let epoch = store.dump().await.unwrap().epoch;
+            let (writes, whole) = (puts(&source), applied(&source));
+            let audit = Audit::new("ops", "catalog.apply");
+
+            // Act: the same apply computed at version 0 of this catalog, and at the
+            // version it is at of no catalog (one whose store lost it).
+            let moved = store
+                .apply(&CatalogApply {
+                    at_epoch: epoch.as_deref(),
+                    ..applying(0, &writes, &whole, &audit)
+                })
+                .await
+                .unwrap();
+            let other = store
+                .apply(&applying(version, &writes, &whole, &audit))
+                .await
+                .unwrap();
+
+            // Assert: refused with where the catalog is; nothing written, no staging.
+            assert_eq!(moved, ApplyOutcome::Moved { version }, "{clients}");
+            assert_eq!(other, ApplyOutcome::Moved { version }, "{clients}");
+            assert_eq!(store_version(&redis), version);
+            assert_eq!(audited_entries(&redis), 1);
+            assert!(redis
+                .keys("*apply:*")
+                .unwrap()
+                .iter()
+                .all(|k| k.ends_with(":reply")));
+        }
     }
 
     #[tokio::test]
@@ -1130,11 +1319,7 @@ mod tests {
         let redis = RedisServer::start().unwrap();
         let store = store(&redis);
         let before = mirror(2);
-        let audit = Audit::new("ops", "catalog.apply");
-        store
-            .apply(&applying(0, &puts(&before), &audit))
-            .await
-            .unwrap();
+        apply_all(&store, &before).await;
         let mut c0 = before.clients[0].value.clone();
         let mut c1 = before.clients[1].value.clone();
         c1.keys = c0.keys.clone();
@@ -1143,14 +1328,18 @@ mod tests {
         )];
         // c1 first: a naive order would link the key to c1, then drop it with c0's old keys.
         let writes = [
-            CatalogWrite::PutClient(c1, Condition::Any),
-            CatalogWrite::PutClient(c0, Condition::Any),
+            CatalogWrite::PutClient(c1.clone(), Condition::Any),
+            CatalogWrite::PutClient(c0.clone(), Condition::Any),
         ];
-
+        let mut whole = applied(&before);
+        whole.clients[1] = Versioned { rev: 4, value: c1 };
+        whole.clients[0] = Versioned { rev: 5, value: c0 };
+        whole.version = 5;
         let epoch = store.dump().await.unwrap().epoch;
+        let audit = Audit::new("ops", "catalog.apply");
         let apply = CatalogApply {
             at_epoch: epoch.as_deref(),
-            ..applying(3, &writes, &audit)
+            ..applying(3, &writes, &whole, &audit)
         };
 
         // Act.
@@ -1175,6 +1364,39 @@ mod tests {
         assert_eq!(owner(1).await, None);
     }
 
+    #[tokio::test]
+    async fn an_applys_keys_are_in_the_key_filter_either_way() {
+        for clients in [3, 150] {
+            // Arrange: a key filter built over an empty catalog.
+            let redis = RedisServer::start().unwrap();
+            let store = store(&redis);
+            while !matches!(
+                store.key_filter_step(1 << 16, 1000).await.unwrap(),
+                KeyFilterStep::Complete(_)
+            ) {}
+            let source = mirror(clients);
+
+            // Act.
+            apply_all(&store, &source).await;
+
+            // Assert: every key's seven bits are set.
+            let head = store.key_filter_head().await.unwrap().unwrap();
+            let bytes = store
+                .key_filter_bytes(0, head.bits.div_ceil(8))
+                .await
+                .unwrap();
+            for c in &source.clients {
+                let hash = c.value.keys[0].hash.to_string();
+                for i in 0..7 {
+                    let word = u64::from_str_radix(&hash[7 + 8 * i..15 + 8 * i], 16).unwrap();
+                    let bit = word % head.bits;
+                    let set = bytes[(bit / 8) as usize] & (0x80 >> (bit % 8)) != 0;
+                    assert!(set, "{clients}: {hash}: bit {bit}");
+                }
+            }
+        }
+    }
+
     fn store_version(redis: &RedisServer) -> u64 {
         redis::cmd("GET")
             .arg("tollgate:{catalog}:version")
@@ -1189,15 +1411,37 @@ mod tests {
         let store =
             RedisStore::connect_cluster(&urls, Duration::from_secs(5), Keys::new("tollgate:"))
                 .unwrap();
-        let writes = puts(&mirror(1500));
+        // Many writes (the whole catalog staged and swapped in), then a few (one by one).
+        let done = apply_all(&store, &mirror(1500)).await;
+        let epoch = store.dump().await.unwrap().epoch;
+        let extra = mirror(1);
+        let writes = [CatalogWrite::PutPlan(
+            PlanRecord {
+                description: Some("more".into()),
+                ..extra.plans[0].value.clone()
+            },
+            Condition::Any,
+        )];
+        let mut whole = store.dump().await.unwrap();
+        whole.plans[0].rev = 1502;
+        whole.version = 1502;
         let audit = Audit::new("ops", "catalog.apply");
+        let few = store
+            .apply(&CatalogApply {
+                at_epoch: epoch.as_deref(),
+                ..applying(1501, &writes, &whole, &audit)
+            })
+            .await;
 
-        let done = store.apply(&applying(0, &writes, &audit)).await;
-
-        assert_eq!(done.unwrap(), ApplyOutcome::Applied { version: 1501 });
+        assert_eq!(done, ApplyOutcome::Applied { version: 1501 });
+        assert_eq!(few.unwrap(), ApplyOutcome::Applied { version: 1502 });
         let node = &cluster.nodes[cluster.owner("tollgate:{catalog}:clients").unwrap()];
         assert_eq!(hlen(node, "clients"), 1500);
-        assert!(node.keys("*:writes").unwrap().is_empty());
+        assert!(node
+            .keys("*apply:*")
+            .unwrap()
+            .iter()
+            .all(|k| k.ends_with(":reply")));
     }
 
     #[tokio::test]
