@@ -85,6 +85,8 @@ impl Application {
             safety_multiplier: settings.limits.safety_multiplier,
             periods: settings.periods,
             overload: settings.overload,
+            usage: settings.usage,
+            control_timeout: settings.redis.control_timeout,
             tasks: tasks.clone(),
         });
         let tls = tls::Listeners::load(&settings.tls)?;
@@ -280,6 +282,7 @@ fn shared_state(
         max_body_bytes: settings.server.max_body_bytes.get(),
         upstream: settings.upstream.clone(),
         safety_multiplier: settings.limits.safety_multiplier,
+        usage: settings.usage,
         traces,
         tasks: tasks.clone(),
         tls,

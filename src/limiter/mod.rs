@@ -23,6 +23,7 @@ mod public;
 mod safety;
 mod shadow;
 pub mod shares;
+mod usage;
 
 use std::rc::Rc;
 use std::sync::Arc;
@@ -38,9 +39,10 @@ pub use public::Anonymous;
 pub use safety::SafetyLimit;
 pub use shadow::ShadowStats;
 pub use shares::ShareBook;
+pub use usage::UsageTally;
 
 use crate::catalog::{Catalog, ClientEntry};
-use crate::configuration::{OverloadSettings, Periods};
+use crate::configuration::{OverloadSettings, Periods, UsageSettings};
 use crate::domain::limits::Level;
 use crate::domain::{
     bucket, Applied, AppliedKind, ClientId, Decision, KeyHash, Limits, Mode, Outcome, Ruling,
@@ -72,6 +74,10 @@ pub struct Limiter {
     /// Store errors the request path met, said in the log at most every
     /// [`ERROR_LOG_EVERY`].
     error_log: ErrorLog,
+    /// Usage history: every client decision counted, flushed in batches.
+    usage: Arc<UsageTally>,
+    /// `redis.control_timeout_ms`: the bound on each usage flush's store call.
+    control_timeout: Duration,
     /// Where its background tasks and its workers' start.
     tasks: Tasks,
 }
@@ -156,6 +162,10 @@ pub struct LimiterParts {
     pub safety_multiplier: f64,
     pub periods: Periods,
     pub overload: OverloadSettings,
+    /// `[usage]`: usage history.
+    pub usage: UsageSettings,
+    /// `redis.control_timeout_ms`: deadline of store calls off the request path.
+    pub control_timeout: Duration,
     /// Where its background tasks start.
     pub tasks: Tasks,
 }
@@ -176,6 +186,8 @@ impl Limiter {
             safety_multiplier,
             periods,
             overload,
+            usage,
+            control_timeout,
             tasks,
         } = parts;
         let limiter = Arc::new(Limiter {
@@ -194,13 +206,15 @@ impl Limiter {
             store,
             catalog,
             timeout,
-            metrics,
+            metrics: Arc::clone(&metrics),
             safety: SafetyLimit::new(safety_multiplier),
             shadow: Arc::new(ShadowStats::default()),
             periods,
             overload: Overload::new(overload),
             quota_blocks: Arc::new(dashmap::DashMap::new()),
             error_log: ErrorLog::new(),
+            usage: Arc::new(UsageTally::new(usage, Arc::clone(&metrics))),
+            control_timeout,
             tasks,
         });
         limiter.spawn_background();
@@ -221,6 +235,8 @@ impl Limiter {
         );
         self.shadow
             .spawn_flush(tasks, self.store.clone(), self.periods.shadow_flush);
+        self.usage
+            .spawn_flush(tasks, self.store.clone(), self.control_timeout);
         let me = Arc::clone(self);
         tasks.spawn("safety-eviction", Policy::Restart, move |stop| {
             let me = Arc::clone(&me);
@@ -345,6 +361,7 @@ impl Limiter {
         };
         self.metrics
             .record_decision(decision.outcome, started.elapsed());
+        self.usage.record(&client.id, &decision);
         decision
     }
 

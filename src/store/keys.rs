@@ -55,6 +55,13 @@ impl Keys {
         format!("{}{{keyuse}}:last_used", self.prefix)
     }
 
+    /// One client's usage history for one UTC day (`YYYYMMDD`, see
+    /// [`day_name`](crate::store::day_name)): a hash of `<limit>|<hour>|<count>` fields
+    /// (`tollgate:u:{acme}:20261206`), in the client's slot.
+    pub fn usage(&self, client: &ClientId, day: &str) -> String {
+        format!("{}u:{{{}}}:{}", self.prefix, client, day)
+    }
+
     /// Shadow-mode comparison counters (all in the `{shadow}` slot).
     pub fn shadow(&self, part: &str) -> String {
         format!("{}{{shadow}}:{}", self.prefix, part)
@@ -78,5 +85,6 @@ mod tests {
         let eu = Region::parse("eu").unwrap();
         assert_eq!(k.regional_bucket(&acme, &eu), "tollgate:b:{acme:eu}");
         assert_eq!(k.catalog("plans"), "tollgate:{catalog}:plans");
+        assert_eq!(k.usage(&acme, "20261206"), "tollgate:u:{acme}:20261206");
     }
 }

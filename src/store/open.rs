@@ -8,7 +8,9 @@ use std::time::Duration;
 use secrecy::SecretString;
 
 use super::embedded::EmbeddedStore;
-use super::ports::{AuditLog, Buckets, CatalogRecords, KeyUse, Lifecycle, ShadowCounts, Shards};
+use super::ports::{
+    AuditLog, Buckets, CatalogRecords, KeyUse, Lifecycle, ShadowCounts, Shards, UsageHistory,
+};
 use super::redis::RedisStore;
 use super::{Keys, StoreError};
 
@@ -21,6 +23,7 @@ pub struct Store {
     pub audit: Arc<dyn AuditLog>,
     pub shadow: Arc<dyn ShadowCounts>,
     pub key_use: Arc<dyn KeyUse>,
+    pub usage: Arc<dyn UsageHistory>,
     pub lifecycle: Arc<dyn Lifecycle>,
 }
 
@@ -72,7 +75,14 @@ impl Store {
 
     fn of<S>(buckets: Arc<dyn Buckets>, s: Arc<S>) -> Store
     where
-        S: Shards + CatalogRecords + AuditLog + ShadowCounts + KeyUse + Lifecycle + 'static,
+        S: Shards
+            + CatalogRecords
+            + AuditLog
+            + ShadowCounts
+            + KeyUse
+            + UsageHistory
+            + Lifecycle
+            + 'static,
     {
         Store {
             buckets,
@@ -81,6 +91,7 @@ impl Store {
             audit: s.clone(),
             shadow: s.clone(),
             key_use: s.clone(),
+            usage: s.clone(),
             lifecycle: s,
         }
     }

@@ -44,4 +44,5 @@ mod tls;
 mod traces;
 mod upstreams;
 mod upstreams_tls;
+mod usage_history;
 mod websocket;
