@@ -20,7 +20,8 @@ use crate::store::{UsageCounts, DAY_S, HOUR_S};
 #[derive(Deserialize, IntoParams)]
 pub struct HistoryQuery {
     /// The start (RFC 3339), rounded down to its UTC hour; default: 24 hours before `to`.
-    /// At most `usage.retention_days` (plus one) days before `to`.
+    /// Read as at most `usage.retention_days` (plus one) days before `to`: nothing older
+    /// is kept. Before `to`.
     #[param(value_type = Option<String>, format = DateTime, example = "2026-12-01T00:00:00Z")]
     from: Option<String>,
     /// The end (RFC 3339), exclusive, rounded up to its UTC hour; default: now.
@@ -60,7 +61,7 @@ pub enum Format {
         "unmetered": 2, "unmetered_cost": 2.0}]}))]
 pub struct HistoryView {
     pub client: String,
-    /// The range's start, as rounded (RFC 3339, UTC).
+    /// The range's start, as rounded, and no earlier than the retention (RFC 3339, UTC).
     #[schema(format = DateTime)]
     pub from: String,
     /// The range's end, exclusive, as rounded.
@@ -164,16 +165,8 @@ pub async fn get(
     if from_s >= to_s {
         return Err(ApiError::field("from", "must be before to"));
     }
-    let most = (state.usage.retention_days + 1) * DAY_S;
-    if to_s - from_s > most {
-        return Err(ApiError::field(
-            "from",
-            format!(
-                "must be at most {} days before to (usage.retention_days + 1)",
-                most / DAY_S
-            ),
-        ));
-    }
+    // Nothing older is kept: a longer range reads as far back as the store keeps.
+    let from_s = from_s.max(to_s.saturating_sub((state.usage.retention_days + 1) * DAY_S));
     let step = match q.step.as_deref() {
         None | Some("hour") => Step::Hour,
         Some("day") => Step::Day,
@@ -228,7 +221,8 @@ pub async fn get(
     Ok(HttpResponse::Ok().json(view))
 }
 
-/// An RFC 3339 instant as unix seconds; one before 1970 or unreadable names `field`.
+/// An RFC 3339 instant as unix seconds (one before 1970 as 1970: nothing is older); an
+/// unreadable one names `field`.
 fn instant(field: &str, raw: &str) -> Result<u64, ApiError> {
     let t: jiff::Timestamp = raw.parse().map_err(|_| {
         ApiError::field(
@@ -236,7 +230,7 @@ fn instant(field: &str, raw: &str) -> Result<u64, ApiError> {
             "must be an RFC 3339 date-time, e.g. 2026-12-01T00:00:00Z",
         )
     })?;
-    u64::try_from(t.as_second()).map_err(|_| ApiError::field(field, "must be after 1970"))
+    Ok(u64::try_from(t.as_second()).unwrap_or(0))
 }
 
 /// Whether the request's `Accept` prefers CSV: it names `text/csv` and not JSON first.
@@ -293,7 +287,8 @@ mod tests {
             instant("to", "2026-12-01T01:00:00+01:00").unwrap(),
             1_796_083_200
         );
-        for bad in ["yesterday", "2026-12-01", "1969-12-31T23:59:59Z"] {
+        assert_eq!(instant("from", "1969-12-31T23:59:59Z").unwrap(), 0);
+        for bad in ["yesterday", "2026-12-01", "2026-12-01T25:00:00Z"] {
             match instant("to", bad) {
                 Err(ApiError::Validation(f)) => assert_eq!(f[0].field, "to", "{bad}"),
                 other => panic!("{bad}: {other:?}"),

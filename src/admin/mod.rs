@@ -212,6 +212,8 @@ fn allow(methods: &'static str) -> actix_web::Route {
         crate::error::FieldError,
         crate::domain::PlanName,
         crate::domain::ClientId,
+        history::Step,
+        history::Format,
     )),
     modifiers(&BearerAuth, &CommonResponses, &RollNeedsOneEnd, &KeyBodyOptional),
     tags(

@@ -56,10 +56,12 @@ impl Keys {
     }
 
     /// One client's usage history for one UTC day (`YYYYMMDD`, see
-    /// [`day_name`](crate::store::day_name)): a hash of `<limit>|<hour>|<count>` fields
-    /// (`tollgate:u:{acme}:20261206`), in the client's slot.
-    pub fn usage(&self, client: &ClientId, day: &str) -> String {
-        format!("{}u:{{{}}}:{}", self.prefix, client, day)
+    /// [`day_name`](crate::store::day_name)): a hash of `<limit>|<hour>|<count>` fields,
+    /// tagged as the client's state group (`group`, the tag of its key, e.g. `0` for
+    /// `tollgate:s:{0}`): `tollgate:u:{0}:acme:20261206`. One flush writes a group's
+    /// clients in one script call, in one slot.
+    pub fn usage(&self, group: &str, client: &ClientId, day: &str) -> String {
+        format!("{}u:{{{}}}:{}:{}", self.prefix, group, client, day)
     }
 
     /// Shadow-mode comparison counters (all in the `{shadow}` slot).
@@ -85,6 +87,9 @@ mod tests {
         let eu = Region::parse("eu").unwrap();
         assert_eq!(k.regional_bucket(&acme, &eu), "tollgate:b:{acme:eu}");
         assert_eq!(k.catalog("plans"), "tollgate:{catalog}:plans");
-        assert_eq!(k.usage(&acme, "20261206"), "tollgate:u:{acme}:20261206");
+        assert_eq!(
+            k.usage("0", &acme, "20261206"),
+            "tollgate:u:{0}:acme:20261206"
+        );
     }
 }

@@ -1,7 +1,8 @@
-//! Usage history: one hash per client per UTC day (`Keys::usage`), in the client's slot,
-//! added to by `lua/usage_add.lua` (idempotent per gateway batch) and expiring the
-//! retention after the day ends. A batch is one `EVALSHA` per client-day it touches,
-//! pipelined: on one server in chunks, on a cluster per slot (a client's days share one).
+//! Usage history: one hash per client per UTC day (`Keys::usage`), tagged as the client's
+//! state group, added to by `lua/usage_add.lua` (idempotent per gateway batch) and
+//! expiring the retention after the day ends. A batch is one `EVALSHA` per state group and
+//! [`KEYS_PER_CALL`] client-days, pipelined: on one server (one group) in pipelines of
+//! [`CALLS_PER_PIPELINE`], on a cluster per slot, [`SLOTS_AT_ONCE`] at a time.
 
 use std::collections::BTreeMap;
 
@@ -15,9 +16,12 @@ use crate::store::{
     day_name, key_slot, StoreError, UsageBatch, UsageCounts, UsageHistory, UsageRow, DAY_S, HOUR_S,
 };
 
-/// Script calls per pipeline on one server: a batch of thousands of clients does not
-/// hold Redis for one long read.
-const CHUNK: usize = 256;
+/// Client-days per script call: a call adds a few fields to each, so it holds Redis for
+/// well under a millisecond.
+const KEYS_PER_CALL: usize = 100;
+
+/// Script calls per pipeline on one server.
+const CALLS_PER_PIPELINE: usize = 64;
 
 /// Slots a cluster flush writes at once.
 const SLOTS_AT_ONCE: usize = 32;
@@ -59,25 +63,35 @@ impl UsageHistory for RedisStore {
                 put(UNMETERED_COST, c.unmetered_cost.to_string());
             }
         }
-        let calls: Vec<(u16, redis::Cmd)> = days
-            .into_iter()
-            .filter(|(_, args)| !args.is_empty())
-            .map(|((client, day), args)| {
-                let key = self.keys.usage(client, &day_name(day));
+        // A script call per state group (one slot) and chunk of its clients' days.
+        let mut by_group: BTreeMap<usize, Vec<(String, u64, Vec<String>)>> = BTreeMap::new();
+        for ((client, day), args) in days {
+            if args.is_empty() {
+                continue;
+            }
+            let (group, key) = self.usage_key(client, day);
+            by_group.entry(group).or_default().push((key, day, args));
+        }
+        let mut calls: Vec<(u16, redis::Cmd)> = Vec::new();
+        for days in by_group.into_values() {
+            for chunk in days.chunks(KEYS_PER_CALL) {
                 let mut cmd = redis::cmd("EVALSHA");
-                cmd.arg(self.usage_add.get_hash())
-                    .arg(1)
-                    .arg(&key)
-                    .arg(&batch.gateway)
-                    .arg(batch.seq)
-                    .arg(day + DAY_S + batch.retention_s)
-                    .arg(args);
-                (key_slot(&key), cmd)
-            })
-            .collect();
+                cmd.arg(self.usage_add.get_hash()).arg(chunk.len());
+                for (key, _, _) in chunk {
+                    cmd.arg(key);
+                }
+                cmd.arg(&batch.gateway).arg(batch.seq);
+                for (_, day, args) in chunk {
+                    cmd.arg(day + DAY_S + batch.retention_s)
+                        .arg(args.len() / 2)
+                        .arg(args);
+                }
+                calls.push((key_slot(&chunk[0].0), cmd));
+            }
+        }
         match &*self.backend {
             Backend::Single { .. } => {
-                for chunk in calls.chunks(CHUNK) {
+                for chunk in calls.chunks(CALLS_PER_PIPELINE) {
                     let mut c = self.conn().await?;
                     self.send(&mut c, chunk.iter().map(|(_, cmd)| cmd)).await?;
                 }
@@ -112,7 +126,7 @@ impl UsageHistory for RedisStore {
         let hashes: Vec<Vec<(String, String)>> = retrying!(self, |c| async {
             let mut pipe = redis::pipe();
             for day in &days {
-                pipe.hgetall(self.keys.usage(client, &day_name(*day)));
+                pipe.hgetall(self.usage_key(client, *day).1);
             }
             Ok(pipe.query_async(c).await?)
         }
@@ -152,6 +166,19 @@ impl UsageHistory for RedisStore {
 }
 
 impl RedisStore {
+    /// `client`'s record of the day starting at `day` (unix s), and its state group: the
+    /// usage key carries the group's tag, beside the client's bucket state.
+    fn usage_key(&self, client: &ClientId, day: u64) -> (usize, String) {
+        let groups = self.buckets.groups();
+        let (group, _) = groups.locate(&self.keys.bucket(client));
+        let key = groups.key(group);
+        let tag = key
+            .split_once('{')
+            .and_then(|(_, t)| t.split_once('}'))
+            .map_or("0", |(t, _)| t);
+        (group, self.keys.usage(tag, client, &day_name(day)))
+    }
+
     /// Sends one slot's calls on a connection of their own.
     async fn send_slot(&self, cmds: Vec<redis::Cmd>) -> Result<(), StoreError> {
         let mut c = self.conn().await?;
