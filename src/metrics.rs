@@ -828,6 +828,11 @@ mod tests {
         m.websockets.closed("orders");
         m.websockets.upgrade(UpgradeResult::Upgraded);
         m.websockets.upgrade(UpgradeResult::TooManyConnections);
+        m.usage.flush(true);
+        m.usage.flush(true);
+        m.usage.flush(false);
+        m.usage.set_held(42);
+        m.usage.dropped(3);
         let text = m.render();
         let expected = include_str!("../tests/golden/metrics.txt");
         assert_eq!(text, expected);
