@@ -32,9 +32,9 @@ fn usage_toml(flush_ms: u64) -> String {
     format!("[usage]\nflush_ms = {flush_ms}\nretention_days = 2\n")
 }
 
-async fn gateway(store: &str, up: &Upstream, flush_ms: u64, more: &str) -> TestGateway {
+async fn gateway(store: &str, up: &Upstream, flush_ms: u64) -> TestGateway {
     TestGateway::spawn(settings(&format!(
-        "{store}{}{}{}{}{more}",
+        "{store}{}{}{}{}",
         usage_toml(flush_ms),
         admin_toml(),
         plan_toml(&["acme", "other"]),
@@ -154,7 +154,7 @@ async fn the_history_counts_every_request_and_its_cost_is_the_quotas_used_exactl
     clear_of_midnight().await;
     let redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
-    let gw = gateway(&redis_toml(&redis), &up, 200, "").await;
+    let gw = gateway(&redis_toml(&redis), &up, 200).await;
 
     // Act: 30 requests against a burst of 20.
     let (admitted, refused) = send(&gw, 30).await;
@@ -204,8 +204,8 @@ async fn two_gateways_on_one_redis_add_up_in_one_history() {
     clear_of_midnight().await;
     let redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
-    let a = gateway(&redis_toml(&redis), &up, 200, "").await;
-    let b = gateway(&redis_toml(&redis), &up, 300, "").await;
+    let a = gateway(&redis_toml(&redis), &up, 200).await;
+    let b = gateway(&redis_toml(&redis), &up, 300).await;
 
     // Act: 12 requests through each; the burst of 20 is shared.
     let (a_in, a_out) = send(&a, 12).await;
@@ -230,7 +230,7 @@ async fn a_flush_redis_ran_but_did_not_answer_and_one_it_never_got_are_each_coun
         "[redis]\nurl = \"{}\"\ntimeout_ms = 2000\ncontrol_timeout_ms = 300\n",
         proxy.redis_url()
     );
-    let gw = gateway(&store, &up, 200, "").await;
+    let gw = gateway(&store, &up, 200).await;
 
     // Act: 8 requests; then every reply from Redis arrives 1 s late, so the flush that
     // carries them runs in Redis but times out at the gateway.
@@ -293,14 +293,14 @@ async fn a_gateway_stopping_flushes_what_it_counted() {
     clear_of_midnight().await;
     let redis = RedisServer::start().unwrap();
     let up = Upstream::start(Behaviour::Echo).await;
-    let gw = gateway(&redis_toml(&redis), &up, 3_600_000, "").await;
+    let gw = gateway(&redis_toml(&redis), &up, 3_600_000).await;
     let (admitted, refused) = send(&gw, 22).await;
 
     // Act: a graceful stop.
     gw.stop().await;
 
     // Assert: another gateway reads all of it.
-    let reader = gateway(&redis_toml(&redis), &up, 3_600_000, "").await;
+    let reader = gateway(&redis_toml(&redis), &up, 3_600_000).await;
     let h = history(&reader, "hour").await;
     assert_eq!(
         totals(&h, "daily"),
@@ -315,7 +315,7 @@ async fn the_embedded_store_serves_history_as_json_and_csv_and_bad_input_is_name
     // Arrange: no Redis.
     clear_of_midnight().await;
     let up = Upstream::start(Behaviour::Echo).await;
-    let gw = gateway("", &up, 200, "").await;
+    let gw = gateway("", &up, 200).await;
     let (admitted, refused) = send(&gw, 25).await;
     assert_eq!((admitted, refused), (20, 5));
 
@@ -466,4 +466,32 @@ async fn on_a_redis_cluster_every_clients_history_is_kept_in_its_groups_slot() {
         .filter(|n| !n.keys("tollgate:u:*").unwrap().is_empty())
         .count();
     assert!(holding >= 2, "usage records on {holding} master(s)");
+}
+
+#[tokio::test]
+async fn counts_past_max_entries_are_dropped_and_counted() {
+    // Arrange: room for one (client, limit, hour) count, the embedded store.
+    clear_of_midnight().await;
+    let up = Upstream::start(Behaviour::Echo).await;
+    let gw = TestGateway::spawn(settings(&format!(
+        "[usage]\nflush_ms = 200\nmax_entries = 1\n{}{}{}",
+        admin_toml(),
+        plan_toml(&["acme"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    )))
+    .await;
+
+    // Act: three requests, each counted on two limits.
+    let (admitted, _) = send(&gw, 3).await;
+    assert_eq!(admitted, 3);
+
+    // Assert: the first limit's counts are kept, the second's dropped, each counted.
+    eventually(
+        Duration::from_secs(10),
+        "the first limit flushed",
+        || async { totals(&history(&gw, "hour").await, "burst") == (3, 0, 3.0, 0) },
+    )
+    .await;
+    assert_eq!(totals(&history(&gw, "hour").await, "daily"), (0, 0, 0.0, 0));
+    assert_eq!(gw.sample("tollgate_usage_dropped_total").await, 3.0);
 }
