@@ -106,7 +106,8 @@ pub struct HistoryCounts {
     /// by the gateway's safety limit.
     #[schema(example = 30)]
     pub refused: u64,
-    /// What the admitted requests took: over a quota's window, equal to its `used`.
+    /// What the admitted requests took (their real cost when the service reported one):
+    /// over a quota's window, equal to its `used`.
     #[schema(example = 1200.0)]
     pub cost: f64,
     /// Requests admitted without the store (failing open): in no quota.

@@ -673,6 +673,7 @@ impl Limiter {
             return;
         }
         let delta = real_cost - decision.cost;
+        self.usage.settle(&client.id, decision, delta);
         let period = self.periods.debit;
         match (
             decision.sharded,

@@ -84,13 +84,8 @@ impl UsageTally {
             }
             (Outcome::Shed, _) => return,
         };
-        let now_us = match &decision.ruling {
-            Some(r) if r.now_us > 0 => r.now_us,
-            _ => LocalLimits::now_us(),
-        };
-        let hour_s = now_us / 1_000_000 / HOUR_S * HOUR_S;
         let cost = decision.cost;
-        let add = |counts: &mut UsageCounts| match counted {
+        self.add(client, decision, |counts| match counted {
             Counted::Admitted => {
                 counts.admitted += 1;
                 counts.cost += cost;
@@ -100,7 +95,33 @@ impl UsageTally {
                 counts.unmetered += 1;
                 counts.unmetered_cost += cost;
             }
+        });
+    }
+
+    /// Adds `delta` to the cost of an admitted `decision`, when its service reported a
+    /// real cost other than the one taken up front (the same difference is debited from
+    /// its limits, `Limiter::settle`): in the decision's hour, so `cost` stays what its
+    /// quota counted.
+    pub fn settle(&self, client: &ClientId, decision: &Decision, delta: f64) {
+        if !self.settings.enabled || delta == 0.0 || !delta.is_finite() {
+            return;
+        }
+        if decision.outcome == Outcome::Allowed && decision.ruling.is_some() {
+            self.add(client, decision, |counts| counts.cost += delta);
+        }
+    }
+
+    /// Applies `count` to `client`'s counts of each limit `decision` applied, in its hour:
+    /// the store's clock when the store decided, else this gateway's.
+    fn add(&self, client: &ClientId, decision: &Decision, count: impl Fn(&mut UsageCounts)) {
+        if decision.applied.is_empty() {
+            return;
+        }
+        let now_us = match &decision.ruling {
+            Some(r) if r.now_us > 0 => r.now_us,
+            _ => LocalLimits::now_us(),
         };
+        let hour_s = now_us / 1_000_000 / HOUR_S * HOUR_S;
         let mut hours = match self.pending.get_mut(client) {
             Some(hours) => hours,
             None => self.pending.entry(client.clone()).or_default(),
@@ -115,10 +136,10 @@ impl UsageTally {
         let limits = &mut hours[at].1;
         for a in &decision.applied {
             if let Some((_, counts)) = limits.iter_mut().find(|(n, _)| **n == *a.name) {
-                add(counts);
+                count(counts);
             } else if self.held() < self.settings.max_entries {
                 let mut counts = UsageCounts::default();
-                add(&mut counts);
+                count(&mut counts);
                 limits.push((Arc::clone(&a.name), counts));
                 self.summing.fetch_add(1, Relaxed);
             } else {
@@ -134,9 +155,10 @@ impl UsageTally {
 
     /// Takes the counts summed so far as the next batch, if there are any.
     fn cut_batch(&self) {
-        let mut entries = Vec::new();
+        let (mut entries, mut drained) = (Vec::new(), 0);
         self.pending.retain(|client, hours| {
             for (hour_s, limits) in hours.drain(..) {
+                drained += limits.len();
                 for (limit, counts) in limits {
                     if !counts.is_empty() {
                         entries.push(UsageEntry {
@@ -151,7 +173,7 @@ impl UsageTally {
             false
         });
         // Each entry was counted in `summing` under its client's lock, when it was made.
-        self.summing.fetch_sub(entries.len(), Relaxed);
+        self.summing.fetch_sub(drained, Relaxed);
         if entries.is_empty() {
             return;
         }

@@ -19,7 +19,8 @@ pub struct UsageCounts {
     /// Requests refused: by the store (enforce and shadow mode), or by the gateway without
     /// it (the safety limit, a cost the limit can never hold).
     pub refused: u64,
-    /// What the admitted requests took from this limit: over a quota's window, its `used`.
+    /// What the admitted requests took from this limit (their real cost when the service
+    /// reported one): over a quota's window, its `used`.
     pub cost: f64,
     /// Requests admitted without the store counting them (failing open: timeout, error,
     /// breaker open); never in `admitted` or `cost`.

@@ -495,3 +495,31 @@ async fn counts_past_max_entries_are_dropped_and_counted() {
     assert_eq!(totals(&history(&gw, "hour").await, "daily"), (0, 0, 0.0, 0));
     assert_eq!(gw.sample("tollgate_usage_dropped_total").await, 3.0);
 }
+
+#[tokio::test]
+async fn a_cost_the_service_reports_is_in_the_history_as_the_quota_counted_it() {
+    // Arrange: the route takes 1 up front and its service reports 5 for each request.
+    clear_of_midnight().await;
+    let redis = RedisServer::start().unwrap();
+    let up = Upstream::start(Behaviour::Header("x-tollgate-cost", "5")).await;
+    let gw = TestGateway::spawn(settings(&format!(
+        "{}{}{}{}{}cost = 1.0\ncost_header = \"x-tollgate-cost\"\n",
+        redis_toml(&redis),
+        usage_toml(200),
+        admin_toml(),
+        plan_toml(&["acme"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    )))
+    .await;
+
+    // Act: 4 requests: 4 taken up front, 20 in the end.
+    let (admitted, refused) = send(&gw, 4).await;
+    assert_eq!((admitted, refused), (4, 0));
+
+    // Assert: the history's cost is the real cost, and the quota's used.
+    history_reaches(&gw, (4, 0, 20.0, 0)).await;
+    eventually(Duration::from_secs(5), "the quota counts 20", || async {
+        quota_used(&gw).await == 20.0
+    })
+    .await;
+}
