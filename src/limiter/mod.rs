@@ -350,7 +350,8 @@ impl Limiter {
                         tokio::task::spawn_local(async move {
                             let late = decided.await;
                             if late.outcome == Outcome::Allowed {
-                                this.settle(&owner, &late, 0.0);
+                                // Not in the usage history: it was not counted.
+                                this.debit(&owner, &late, -late.cost);
                             }
                         });
                         self.shed(client, &limits, cost, ShedReason::DecisionWait)
@@ -674,6 +675,12 @@ impl Limiter {
         }
         let delta = real_cost - decision.cost;
         self.usage.settle(&client.id, decision, delta);
+        self.debit(client, decision, delta);
+    }
+
+    /// Debits `delta` (a refund when negative) from the limits an admitted `decision` was
+    /// decided against, batched (see [`debits`]).
+    fn debit(&self, client: &ClientEntry, decision: &Decision, delta: f64) {
         let period = self.periods.debit;
         match (
             decision.sharded,
