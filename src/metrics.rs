@@ -131,6 +131,8 @@ pub struct Metrics {
     pub reloads: Reloads,
     /// Upgraded (WebSocket) connections.
     pub websockets: WebSockets,
+    /// Usage history's flushes and what it holds.
+    pub usage: UsageMetrics,
 }
 
 impl Default for Metrics {
@@ -143,6 +145,7 @@ impl Default for Metrics {
             shards: (0..SHARDS).map(|_| Shard::default()).collect(),
             reloads: Reloads::default(),
             websockets: WebSockets::default(),
+            usage: UsageMetrics::default(),
         }
     }
 }
@@ -253,6 +256,7 @@ impl Metrics {
         self.write_cost_reports(out);
         self.reloads.write(out);
         self.websockets.write(out);
+        self.usage.write(out);
     }
 
     fn write_decisions(&self, out: &mut Exposition) {
@@ -417,6 +421,56 @@ struct UpstreamTotals {
 
 /// The `status_class` label of `tollgate_upstream_requests_total`, by class 1xx..5xx.
 const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
+
+/// Usage history (`limiter::UsageTally`): batches flushed to the store or not, the counts
+/// held (unsent included), and those dropped because too many were held.
+#[derive(Debug, Default)]
+pub struct UsageMetrics {
+    flushed: AtomicU64,
+    failed: AtomicU64,
+    held: AtomicU64,
+    dropped: AtomicU64,
+}
+
+impl UsageMetrics {
+    /// A batch was added to the store (`true`), or the attempt failed and it is kept.
+    pub fn flush(&self, ok: bool) {
+        let n = if ok { &self.flushed } else { &self.failed };
+        n.fetch_add(1, Relaxed);
+    }
+
+    /// (client, limit, hour) counts held now, in batches unsent and summing.
+    pub fn set_held(&self, entries: usize) {
+        self.held.store(entries as u64, Relaxed);
+    }
+
+    /// Counts dropped: `entries` past `usage.max_entries`.
+    pub fn dropped(&self, entries: u64) {
+        self.dropped.fetch_add(entries, Relaxed);
+    }
+
+    fn write(&self, out: &mut Exposition) {
+        out.family(
+            "tollgate_usage_flushes_total",
+            Kind::Counter,
+            "Usage history batches sent to the store: added (ok) or failed (kept and sent again).",
+        )
+        .sample(&[("result", "ok")], self.flushed.load(Relaxed))
+        .sample(&[("result", "failed")], self.failed.load(Relaxed));
+        out.family(
+            "tollgate_usage_entries",
+            Kind::Gauge,
+            "Usage history counts (client, limit, hour) this gateway holds: summing, and unsent.",
+        )
+        .sample(&[], self.held.load(Relaxed));
+        out.family(
+            "tollgate_usage_dropped_total",
+            Kind::Counter,
+            "Usage history counts dropped because usage.max_entries were held (the store unreachable for long).",
+        )
+        .sample(&[], self.dropped.load(Relaxed));
+    }
+}
 
 /// Configuration reloads: how many were applied or refused, and when the configuration
 /// served now was last loaded.
@@ -774,6 +828,11 @@ mod tests {
         m.websockets.closed("orders");
         m.websockets.upgrade(UpgradeResult::Upgraded);
         m.websockets.upgrade(UpgradeResult::TooManyConnections);
+        m.usage.flush(true);
+        m.usage.flush(true);
+        m.usage.flush(false);
+        m.usage.set_held(42);
+        m.usage.dropped(3);
         let text = m.render();
         let expected = include_str!("../tests/golden/metrics.txt");
         assert_eq!(text, expected);

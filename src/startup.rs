@@ -89,6 +89,8 @@ impl Application {
             periods: settings.periods,
             overload: settings.overload,
             warnings: webhooks.warnings.clone(),
+            usage: settings.usage,
+            control_timeout: settings.redis.control_timeout,
             tasks: tasks.clone(),
         });
         let tls = tls::Listeners::load(&settings.tls)?;
@@ -294,6 +296,7 @@ fn shared_state(
         webhooks,
         upstream: settings.upstream.clone(),
         safety_multiplier: settings.limits.safety_multiplier,
+        usage: settings.usage,
         traces,
         tasks: tasks.clone(),
         tls,

@@ -6,7 +6,7 @@ use arc_swap::ArcSwap;
 use ipnet::IpNet;
 
 use crate::catalog::Catalog;
-use crate::configuration::UpstreamSettings;
+use crate::configuration::{UpstreamSettings, UsageSettings};
 use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 use crate::proxy::RouteTable;
@@ -41,6 +41,8 @@ pub struct AppState {
     pub webhooks: Arc<crate::webhooks::WebhookStats>,
     /// `[upstream]`: how routes reach their replicas.
     pub upstream: UpstreamSettings,
+    /// `[usage]`: how far back the usage history's reads may go.
+    pub usage: UsageSettings,
     /// `limits.safety_multiplier`, until the admin API stores safety settings.
     pub safety_multiplier: f64,
     /// The span exporter, when `telemetry.otlp_endpoint` is set.

@@ -107,6 +107,10 @@ enum Scenario {
     /// is replaced under load; HTTP/2 and HTTP/1.1 over TLS beside nginx (added p50/p99,
     /// closed-loop throughput); others' p99 while one client does rapid reset.
     Protocols(scenarios::protocols::Args),
+    /// Usage history (issue 37): Redis CPU per decision with usage history on vs off, two
+    /// gateways on Redis servers of their own, the same load over N clients, its flushes
+    /// included.
+    Usage(scenarios::usage::Args),
     /// (Internal) the bare actix-web + awc proxy `throughput` measures as the stack's floor.
     #[command(hide = true)]
     Floor(floor::Args),
@@ -148,6 +152,7 @@ fn main() -> ExitCode {
         Scenario::Upstreams(a) => scenarios::upstreams::run(&a),
         Scenario::Edge(a) => scenarios::edge::run(&a),
         Scenario::Protocols(a) => scenarios::protocols::run(&a),
+        Scenario::Usage(a) => scenarios::usage::run(&a),
         Scenario::Floor(_) => unreachable!("handled above"),
     };
     let mut outcome = match result {

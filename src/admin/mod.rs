@@ -8,6 +8,7 @@ pub mod auth;
 mod body;
 mod clients;
 mod export;
+mod history;
 mod hot;
 mod jwks;
 mod overrides;
@@ -124,12 +125,18 @@ fn catalog_resources(cfg: &mut web::ServiceConfig) {
     );
 }
 
-/// The rest, read (and some reset) beside the catalog: a client's usage and bucket, the
+/// The rest, read (and some reset) beside the catalog: a client's usage (now and its
+/// history) and bucket, the
 /// safety settings, the hot clients, shadow mode's comparisons, the audit log of writes.
 fn state_resources(cfg: &mut web::ServiceConfig) {
     cfg.service(
         web::resource("/clients/{client}/usage")
             .get(usage::get)
+            .default_service(allow("GET")),
+    )
+    .service(
+        web::resource("/clients/{client}/usage/history")
+            .get(history::get)
             .default_service(allow("GET")),
     )
     .service(
@@ -197,7 +204,7 @@ fn allow(methods: &'static str) -> actix_web::Route {
         clients::list, clients::get, clients::put, clients::delete,
         clients::create_key, clients::revoke_key, clients::roll_key, clients::bucket,
         clients::refill,
-        overrides::list, overrides::put, overrides::delete, usage::get,
+        overrides::list, overrides::put, overrides::delete, usage::get, history::get,
         safety::get, safety::put,
         shadow::get, shadow::reset, hot::hot,
         audit::list, export::get, apply::put,
@@ -207,6 +214,8 @@ fn allow(methods: &'static str) -> actix_web::Route {
         crate::error::FieldError,
         crate::domain::PlanName,
         crate::domain::ClientId,
+        history::Step,
+        history::Format,
     )),
     modifiers(&BearerAuth, &CommonResponses, &RollNeedsOneEnd, &KeyBodyOptional),
     tags(

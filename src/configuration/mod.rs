@@ -17,5 +17,6 @@ pub use settings::{
     ClientSettings, EdgeSettings, HealthCheckSettings, Holding, IssuerSettings, KeySource,
     LimitSettings, OtlpCompression, OtlpEndpoint, OtlpHeader, OtlpProtocol, OverloadSettings,
     PlanSettings, RedisSettings, RouteSettings, ServerSettings, Settings, TelemetrySettings,
-    TlsSettings, TlsVersion, TrustRoots, UpstreamSettings, WarningSettings, WebhookSettings,
+    TlsSettings, TlsVersion, TrustRoots, UpstreamSettings, UsageSettings, WarningSettings,
+    WebhookSettings,
 };

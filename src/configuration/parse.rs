@@ -17,14 +17,15 @@ use super::periods::{BackOff, Periods};
 use super::raw::{
     RawAdmin, RawCatalog, RawClient, RawEdge, RawHealthCheck, RawIssuer, RawLimits, RawOverload,
     RawPeriods, RawPlan, RawRedis, RawRoute, RawServer, RawSettings, RawTelemetry, RawTls,
-    RawUpstream, RawWarnings,
+    RawUpstream, RawUsage, RawWarnings,
 };
 use super::settings::{
     AdminSettings, Balance, CacheBounds, CatalogSettings, CertificateFiles, Certificates,
     ClientSettings, EdgeSettings, HealthCheckSettings, Holding, IssuerSettings, KeySource,
     LimitSettings, OtlpCompression, OtlpEndpoint, OtlpHeader, OtlpProtocol, OverloadSettings,
     PlanSettings, RedisSettings, RouteSettings, ServerSettings, Settings, TelemetrySettings,
-    TlsSettings, TlsVersion, TrustRoots, UpstreamSettings, WarningSettings, WebhookSettings,
+    TlsSettings, TlsVersion, TrustRoots, UpstreamSettings, UsageSettings, WarningSettings,
+    WebhookSettings,
 };
 use crate::domain::{
     ApiKey, Bucket, Capacity, ClientId, KeyHash, Limit, LimitSpec, Limits, MaxConnections, Mode,
@@ -139,11 +140,12 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
     let telemetry = telemetry(raw.telemetry, &mut p);
     let edge = edge(raw.edge, &mut p);
     let tls = tls(raw.tls, server.as_ref(), &mut p);
+    let usage = usage(raw.usage, &mut p);
     let routes = routes(raw.routes, upstream.as_ref(), &mut p);
     let warnings = warnings(raw.warnings, &mut p);
     match (
         server, redis, catalog, limits, admin, periods, overload, upstream, telemetry, edge, tls,
-        routes, warnings,
+        usage, routes, warnings,
     ) {
         (
             Some(server),
@@ -157,6 +159,7 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
             Some(telemetry),
             Some(edge),
             Some(tls),
+            Some(usage),
             Some(routes),
             Some(warnings),
         ) if p.0.is_empty() => Ok(Settings {
@@ -171,6 +174,7 @@ fn parse(raw: RawSettings) -> Result<Settings, Vec<Problem>> {
             telemetry,
             edge,
             tls,
+            usage,
             routes,
             warnings,
         }),
@@ -1102,6 +1106,36 @@ fn limits(raw: RawLimits, p: &mut Problems) -> Option<LimitSettings> {
     })
 }
 
+/// `[usage]`.
+fn usage(raw: RawUsage, p: &mut Problems) -> Option<UsageSettings> {
+    let flush = p.take(
+        "usage.flush_ms",
+        within(
+            raw.flush_ms,
+            100..=3_600_000,
+            "must be between 100 and 3600000",
+        ),
+    );
+    let retention_days = p.take(
+        "usage.retention_days",
+        within(raw.retention_days, 1..=3660, "must be between 1 and 3660"),
+    );
+    let max_entries = p.take(
+        "usage.max_entries",
+        within(
+            raw.max_entries,
+            1..=100_000_000,
+            "must be between 1 and 100000000",
+        ),
+    );
+    Some(UsageSettings {
+        enabled: raw.enabled,
+        flush: Duration::from_millis(flush?),
+        retention_days: retention_days?,
+        max_entries: usize::try_from(max_entries?).ok()?,
+    })
+}
+
 /// `[overload]`. `redis`: the store's budget, which the whole decision's must exceed twice
 /// over (a call ahead of the take's own, then its own), so a slow store fails open before a
 /// decision is shed for taking too long (`None` when the Redis settings are bad, which
@@ -1590,6 +1624,31 @@ mod tests {
                 "catalog.lookup_timeout_ms",
                 "catalog.key_filter_mib",
                 "catalog.mode"
+            ]
+        );
+    }
+
+    #[test]
+    fn usage_history_settings_are_read_and_bad_ones_named() {
+        let s = load(
+            "[usage]\nenabled = false\nflush_ms = 2500\nretention_days = 7\nmax_entries = 10\n",
+            &[],
+        )
+        .unwrap();
+        assert!(!s.usage.enabled);
+        assert_eq!(s.usage.flush, Duration::from_millis(2500));
+        assert_eq!(s.usage.retention_days, 7);
+        assert_eq!(s.usage.max_entries, 10);
+        let d = load("", &[]).unwrap();
+        assert!(d.usage.enabled);
+        assert_eq!(d.usage.flush, Duration::from_secs(10));
+        assert_eq!(d.usage.retention_days, 35);
+        assert_eq!(
+            problems("[usage]\nflush_ms = 99\nretention_days = 0\nmax_entries = 0\n"),
+            [
+                "usage.flush_ms",
+                "usage.retention_days",
+                "usage.max_entries"
             ]
         );
     }

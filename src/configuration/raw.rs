@@ -25,6 +25,7 @@ pub(super) struct RawSettings {
     pub(super) edge: RawEdge,
     pub(super) tls: RawTls,
     pub(super) warnings: RawWarnings,
+    pub(super) usage: RawUsage,
     #[serde(default)]
     pub(super) routes: Vec<RawRoute>,
 }
@@ -165,6 +166,15 @@ pub(super) struct RawClient {
 pub(super) struct RawLimits {
     pub(super) default_mode: String,
     pub(super) safety_multiplier: f64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawUsage {
+    pub(super) enabled: bool,
+    pub(super) flush_ms: u64,
+    pub(super) retention_days: u64,
+    pub(super) max_entries: u64,
 }
 
 #[derive(Debug, Deserialize)]

@@ -35,6 +35,8 @@ pub struct Settings {
     pub edge: EdgeSettings,
     /// `tls`: TLS on the listeners.
     pub tls: TlsSettings,
+    /// `usage`: usage history (README, "Usage history").
+    pub usage: UsageSettings,
     /// `routes`: upstream services, matched by longest path prefix.
     pub routes: Vec<RouteSettings>,
     /// `warnings`: where quota warnings are sent.
@@ -286,6 +288,24 @@ pub struct CertificateFiles {
 pub enum TlsVersion {
     V1_2,
     V1_3,
+}
+
+/// Usage history: what each gateway counts per client, limit and hour, and how long the
+/// store keeps it (README, "Usage history").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UsageSettings {
+    /// `usage.enabled`: whether decisions are counted and flushed at all.
+    pub enabled: bool,
+    /// `usage.flush_ms`: counts are flushed to the store this often (and once more at a
+    /// graceful stop).
+    pub flush: Duration,
+    /// `usage.retention_days`: the store keeps each UTC day this many days after it ends;
+    /// the admin API reads at most this far back.
+    pub retention_days: u64,
+    /// `usage.max_entries`: (client, limit, hour) counts a gateway holds at most, unsent
+    /// ones included (the store down); past it new ones are dropped, counted in
+    /// `tollgate_usage_dropped_total`.
+    pub max_entries: usize,
 }
 
 /// How requests without a key are told apart (README, "Public routes").

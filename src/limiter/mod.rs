@@ -23,6 +23,7 @@ mod public;
 mod safety;
 mod shadow;
 pub mod shares;
+mod usage;
 pub mod warnings;
 
 use std::rc::Rc;
@@ -39,10 +40,11 @@ pub use public::Anonymous;
 pub use safety::SafetyLimit;
 pub use shadow::ShadowStats;
 pub use shares::ShareBook;
+pub use usage::UsageTally;
 pub use warnings::{Crossing, Warnings};
 
 use crate::catalog::{Catalog, ClientEntry};
-use crate::configuration::{OverloadSettings, Periods};
+use crate::configuration::{OverloadSettings, Periods, UsageSettings};
 use crate::domain::limits::Level;
 use crate::domain::{
     bucket, Applied, AppliedKind, ClientId, Decision, KeyHash, Limits, Mode, Outcome, Ruling,
@@ -76,6 +78,10 @@ pub struct Limiter {
     /// Store errors the request path met, said in the log at most every
     /// [`ERROR_LOG_EVERY`].
     error_log: ErrorLog,
+    /// Usage history: every client decision counted, flushed in batches.
+    usage: Arc<UsageTally>,
+    /// `redis.control_timeout_ms`: the bound on each usage flush's store call.
+    control_timeout: Duration,
     /// Where its background tasks and its workers' start.
     tasks: Tasks,
 }
@@ -162,6 +168,10 @@ pub struct LimiterParts {
     pub overload: OverloadSettings,
     /// Where quota warnings go (`None`: nowhere; none are looked for).
     pub warnings: Option<Arc<Warnings>>,
+    /// `[usage]`: usage history.
+    pub usage: UsageSettings,
+    /// `redis.control_timeout_ms`: deadline of store calls off the request path.
+    pub control_timeout: Duration,
     /// Where its background tasks start.
     pub tasks: Tasks,
 }
@@ -183,6 +193,8 @@ impl Limiter {
             periods,
             overload,
             warnings,
+            usage,
+            control_timeout,
             tasks,
         } = parts;
         let limiter = Arc::new(Limiter {
@@ -201,7 +213,7 @@ impl Limiter {
             store,
             catalog,
             timeout,
-            metrics,
+            metrics: Arc::clone(&metrics),
             safety: SafetyLimit::new(safety_multiplier),
             shadow: Arc::new(ShadowStats::default()),
             periods,
@@ -209,6 +221,8 @@ impl Limiter {
             quota_blocks: Arc::new(dashmap::DashMap::new()),
             warnings,
             error_log: ErrorLog::new(),
+            usage: Arc::new(UsageTally::new(usage, Arc::clone(&metrics))),
+            control_timeout,
             tasks,
         });
         limiter.spawn_background();
@@ -229,6 +243,8 @@ impl Limiter {
         );
         self.shadow
             .spawn_flush(tasks, self.store.clone(), self.periods.shadow_flush);
+        self.usage
+            .spawn_flush(tasks, self.store.clone(), self.control_timeout);
         let me = Arc::clone(self);
         tasks.spawn("safety-eviction", Policy::Restart, move |stop| {
             let me = Arc::clone(&me);
@@ -342,7 +358,8 @@ impl Limiter {
                         tokio::task::spawn_local(async move {
                             let late = decided.await;
                             if late.outcome == Outcome::Allowed {
-                                this.settle(&owner, &late, 0.0);
+                                // Not in the usage history: it was not counted.
+                                this.debit(&owner, &late, -late.cost);
                             }
                         });
                         self.shed(client, &limits, cost, ShedReason::DecisionWait)
@@ -363,6 +380,7 @@ impl Limiter {
                 r.now_us,
             );
         }
+        self.usage.record(&client.id, &decision);
         decision
     }
 
@@ -681,6 +699,13 @@ impl Limiter {
             return;
         }
         let delta = real_cost - decision.cost;
+        self.usage.settle(&client.id, decision, delta);
+        self.debit(client, decision, delta);
+    }
+
+    /// Debits `delta` (a refund when negative) from the limits an admitted `decision` was
+    /// decided against, batched (see [`debits`]).
+    fn debit(&self, client: &ClientEntry, decision: &Decision, delta: f64) {
         let period = self.periods.debit;
         match (
             decision.sharded,

@@ -61,6 +61,15 @@ impl Keys {
         format!("{}claim:{name}", self.prefix)
     }
 
+    /// One client's usage history for one UTC day (`YYYYMMDD`, see
+    /// [`day_name`](crate::store::day_name)): a hash of `<limit>|<hour>|<count>` fields,
+    /// tagged as the client's state group (`group`, the tag of its key, e.g. `0` for
+    /// `tollgate:s:{0}`): `tollgate:u:{0}:acme:20261206`. One flush writes a group's
+    /// clients in one script call, in one slot.
+    pub fn usage(&self, group: &str, client: &ClientId, day: &str) -> String {
+        format!("{}u:{{{}}}:{}:{}", self.prefix, group, client, day)
+    }
+
     /// Shadow-mode comparison counters (all in the `{shadow}` slot).
     pub fn shadow(&self, part: &str) -> String {
         format!("{}{{shadow}}:{}", self.prefix, part)
@@ -84,5 +93,9 @@ mod tests {
         let eu = Region::parse("eu").unwrap();
         assert_eq!(k.regional_bucket(&acme, &eu), "tollgate:b:{acme:eu}");
         assert_eq!(k.catalog("plans"), "tollgate:{catalog}:plans");
+        assert_eq!(
+            k.usage("0", &acme, "20261206"),
+            "tollgate:u:{0}:acme:20261206"
+        );
     }
 }

@@ -21,6 +21,7 @@ mod ports;
 pub mod records;
 mod redis;
 mod shards;
+mod usage;
 
 pub use self::keys::Keys;
 pub use self::local::{LocalBuckets, LocalLimits, LocalOp, Probe};
@@ -28,10 +29,11 @@ pub use self::open::Store;
 pub use self::persistence::Persistence;
 pub use self::ports::{
     AuditLog, BucketCalls, Buckets, CatalogAt, CatalogRecords, Claims, KeyUse, Lifecycle,
-    PoolState, ShadowCount, ShadowCounts, ShardView, Shards, SlotRange, StoreKind,
+    PoolState, ShadowCount, ShadowCounts, ShardView, Shards, SlotRange, StoreKind, UsageHistory,
 };
 pub use self::records::ClientsPage;
 pub use self::shards::{Reconcile, RegionShare, ShardState};
+pub use self::usage::{day_name, UsageBatch, UsageCounts, UsageEntry, UsageRow, DAY_S, HOUR_S};
 pub use tollgate_engine::{
     key_in_slot, key_slot, state_field, Budget, Every, StateGroups, StoreError,
     CLUSTER_STATE_GROUPS,

@@ -10,6 +10,7 @@ use secrecy::SecretString;
 use super::embedded::EmbeddedStore;
 use super::ports::{
     AuditLog, Buckets, CatalogRecords, Claims, KeyUse, Lifecycle, ShadowCounts, Shards,
+    UsageHistory,
 };
 use super::redis::RedisStore;
 use super::{Keys, StoreError};
@@ -24,6 +25,7 @@ pub struct Store {
     pub shadow: Arc<dyn ShadowCounts>,
     pub key_use: Arc<dyn KeyUse>,
     pub claims: Arc<dyn Claims>,
+    pub usage: Arc<dyn UsageHistory>,
     pub lifecycle: Arc<dyn Lifecycle>,
 }
 
@@ -81,6 +83,7 @@ impl Store {
             + ShadowCounts
             + KeyUse
             + Claims
+            + UsageHistory
             + Lifecycle
             + 'static,
     {
@@ -92,6 +95,7 @@ impl Store {
             shadow: s.clone(),
             key_use: s.clone(),
             claims: s.clone(),
+            usage: s.clone(),
             lifecycle: s,
         }
     }

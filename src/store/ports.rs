@@ -10,6 +10,7 @@
 //! | [`CatalogRecords`] | plans, clients and safety settings, versioned      | no           |
 //! | [`AuditLog`]       | who changed what                                   | no           |
 //! | [`ShadowCounts`]   | shadow mode's comparisons, from every gateway      | no           |
+//! | [`UsageHistory`]   | per client, limit and hour: admitted, refused, cost | no           |
 //! | [`Lifecycle`]      | start-up, health, readiness, what the store is      | no           |
 //!
 //! The request path's port is not `Send`: a take joins the calling worker's batch and
@@ -28,6 +29,7 @@ use super::records::{
     KeyFilterStep, KeyLookup, PlanRecord, SafetyRecord, Versioned, Wants, WriteOutcome,
 };
 use super::shards::{Reconcile, ShardState};
+use super::usage::{UsageBatch, UsageRow};
 use super::{Persistence, StoreError};
 use crate::domain::{ClientId, KeyHash};
 pub use tollgate_engine::redis::SlotRange;
@@ -180,6 +182,26 @@ pub trait ShadowCounts: Send + Sync {
 
     /// Forgets every count.
     async fn reset(&self) -> Result<(), StoreError>;
+}
+
+/// Usage history: per client, per limit, per UTC hour, what every gateway counted
+/// (`limiter::UsageTally`, flushed in batches off the request path), kept
+/// `usage.retention_days`; read by the admin API.
+#[async_trait]
+pub trait UsageHistory: Send + Sync {
+    /// Adds a batch's counts. Idempotent: a batch of a gateway already added (by its
+    /// `gateway` and `seq`) adds nothing, so a batch whose reply was lost may be sent again.
+    async fn add(&self, batch: &UsageBatch) -> Result<(), StoreError>;
+
+    /// What `client` counted in the hours from `from_s` (inclusive) to `to_s` (exclusive),
+    /// unix seconds, every gateway summed: one row per limit and hour with counts, ordered
+    /// by hour then limit.
+    async fn read(
+        &self,
+        client: &ClientId,
+        from_s: u64,
+        to_s: u64,
+    ) -> Result<Vec<UsageRow>, StoreError>;
 }
 
 /// How often the gateway and a client's service agreed, for one client.

@@ -46,4 +46,5 @@ mod tls;
 mod traces;
 mod upstreams;
 mod upstreams_tls;
+mod usage_history;
 mod websocket;

@@ -15,6 +15,7 @@ pub mod slowredis;
 mod takes;
 pub mod throughput;
 pub mod upstreams;
+pub mod usage;
 
 use std::collections::HashMap;
 

@@ -26,9 +26,20 @@ pub struct EmbeddedStore {
     pub(super) key_use: Mutex<HashMap<String, u64>>,
     /// Names claimed (holder, until when): in memory, lost on restart.
     pub(super) claims: Mutex<HashMap<String, (String, std::time::Instant)>>,
+    /// Usage history: in memory, lost on restart.
+    pub(super) usage: Mutex<EmbeddedUsage>,
     /// An exclusive lock on `<catalog file>.lock`, held while the store is open: a second
     /// process on the same file is refused (the embedded store is for one instance).
     _lock: std::sync::Arc<std::fs::File>,
+}
+
+/// Usage history held in memory: each (client, hour)'s counts by limit, with when its day
+/// is forgotten (unix s), and each gateway's last batch added (one gateway: this one, but
+/// the port's promise is kept).
+#[derive(Default)]
+pub(super) struct EmbeddedUsage {
+    pub(super) hours: BTreeMap<(ClientId, u64), (u64, BTreeMap<String, crate::store::UsageCounts>)>,
+    pub(super) batches: HashMap<String, u64>,
 }
 
 /// The catalog and the file it lives in.
@@ -121,6 +132,7 @@ impl EmbeddedStore {
             shadow: Mutex::new(HashMap::new()),
             key_use: Mutex::new(HashMap::new()),
             claims: Mutex::new(HashMap::new()),
+            usage: Mutex::new(EmbeddedUsage::default()),
             _lock: lock,
         })
     }

@@ -14,5 +14,6 @@ mod key_use;
 mod lifecycle;
 mod shadow;
 mod shards;
+mod usage;
 
 pub(super) use self::backend::EmbeddedStore;

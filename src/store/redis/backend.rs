@@ -42,6 +42,7 @@ pub struct RedisStore {
     pub(super) client_by_key: Script,
     pub(super) key_filter_build: Script,
     pub(super) reconcile: Script,
+    pub(super) usage_add: Script,
     pub(super) url: String,
 }
 
@@ -73,6 +74,7 @@ impl RedisStore {
             client_by_key: Script::new(include_str!("../../../lua/client_by_key.lua")),
             key_filter_build: with_key_filter(include_str!("../../../lua/key_filter_build.lua")),
             reconcile: Script::new(include_str!("../../../lua/reconcile.lua")),
+            usage_add: Script::new(include_str!("../../../lua/usage_add.lua")),
             url,
         }
     }

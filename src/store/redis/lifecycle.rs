@@ -51,6 +51,7 @@ impl Lifecycle for RedisStore {
         retrying!(self, |c| async {
             self.bucket.load_async(c).await?;
             self.catalog_write.load_async(c).await?;
+            self.usage_add.load_async(c).await?;
             Ok(())
         }
         .await)

@@ -23,5 +23,6 @@ mod persistence;
 mod script_paths;
 mod shadow;
 mod shards;
+mod usage;
 
 pub(super) use self::backend::RedisStore;
