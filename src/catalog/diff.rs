@@ -168,37 +168,21 @@ pub fn whole(current: &CatalogDump, writes: &[CatalogWrite]) -> CatalogDump {
     let mut version = current.version;
     for w in writes {
         version += 1;
+        let rev = version;
         match w {
             CatalogWrite::PutPlan(p, _) => {
-                plans.insert(
-                    p.name.clone(),
-                    Versioned {
-                        rev: version,
-                        value: p.clone(),
-                    },
-                );
+                plans.insert(p.name.clone(), at(rev, p));
             }
             CatalogWrite::DeletePlan(name, _) => {
                 plans.remove(name);
             }
             CatalogWrite::PutClient(c, _) => {
-                clients.insert(
-                    c.id.clone(),
-                    Versioned {
-                        rev: version,
-                        value: c.clone(),
-                    },
-                );
+                clients.insert(c.id.clone(), at(rev, c));
             }
             CatalogWrite::DeleteClient(id, _) => {
                 clients.remove(id);
             }
-            CatalogWrite::PutSafety(s, _) => {
-                safety = Some(Versioned {
-                    rev: version,
-                    value: s.clone(),
-                });
-            }
+            CatalogWrite::PutSafety(s, _) => safety = Some(at(rev, s)),
         }
     }
     CatalogDump {
@@ -207,6 +191,14 @@ pub fn whole(current: &CatalogDump, writes: &[CatalogWrite]) -> CatalogDump {
         plans: plans.into_values().collect(),
         clients: clients.into_values().collect(),
         safety,
+    }
+}
+
+/// `value` at revision `rev`.
+fn at<T: Clone>(rev: u64, value: &T) -> Versioned<T> {
+    Versioned {
+        rev,
+        value: value.clone(),
     }
 }
 
