@@ -11,10 +11,9 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
-use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 
 /// How long one call to the gateway may take (an apply of 100,000 clients included).
@@ -40,16 +39,10 @@ impl Remote {
     /// The admin API of the gateway at `url` (`http(s)://host:port`), with `token`;
     /// `ca_file` is trusted beside the public roots.
     pub fn new(url: &str, token: &str, ca_file: Option<&Path>) -> anyhow::Result<Remote> {
-        let tls = crate::tls::client_config(ca_file, "--ca-file")?;
-        let https = HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
-            .https_or_http()
-            .enable_http1()
-            .build();
         Ok(Remote {
             url: url.trim_end_matches('/').to_string(),
             token: token.to_string(),
-            client: Client::builder(TokioExecutor::new()).build(https),
+            client: crate::tls::https_client(ca_file, "--ca-file")?,
         })
     }
 

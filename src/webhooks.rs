@@ -15,10 +15,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use hmac::{Hmac, Mac};
 use http_body_util::Full;
-use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use secrecy::{ExposeSecret, SecretString};
 use sha2::Sha256;
 use tokio::sync::mpsc;
@@ -118,20 +117,14 @@ pub fn start(
     }
     let mut endpoints = Vec::new();
     for (i, w) in settings.webhooks.iter().enumerate() {
-        let tls = crate::tls::client_config(
-            w.ca_file.as_deref(),
-            &format!("warnings.webhooks[{i}].ca_file"),
-        )?;
-        let https = HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
-            .https_or_http()
-            .enable_http1()
-            .build();
         endpoints.push(Arc::new(Endpoint {
             shown: shown(&w.url),
             url: w.url.clone(),
             secret: w.secret.clone(),
-            client: Client::builder(TokioExecutor::new()).build(https),
+            client: crate::tls::https_client(
+                w.ca_file.as_deref(),
+                &format!("warnings.webhooks[{i}].ca_file"),
+            )?,
         }));
     }
     let (tx, rx) = mpsc::channel(settings.queue);

@@ -17,10 +17,9 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use http_body_util::{BodyExt, Empty, Limited};
-use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use jsonwebtoken::jwk::{AlgorithmParameters, JwkSet};
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use serde_json::Value;
@@ -44,14 +43,8 @@ pub struct Fetcher {
 impl Fetcher {
     /// Trusting the public roots and the certificates of `ca_file` (`key`, for errors).
     pub fn new(ca_file: Option<&std::path::Path>, key: &str) -> anyhow::Result<Fetcher> {
-        let tls = crate::tls::client_config(ca_file, key)?;
-        let https = HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
-            .https_or_http()
-            .enable_http1()
-            .build();
         Ok(Fetcher {
-            client: Client::builder(TokioExecutor::new()).build(https),
+            client: crate::tls::https_client(ca_file, key)?,
         })
     }
 

@@ -1,6 +1,7 @@
 //! TLS for the gateway's own requests to `https://` services of its operator's (the span
-//! collector, an identity provider's keys): Mozilla's roots, built in (the image need not
-//! have any), and the certificates of a configured CA file.
+//! collector, an identity provider's keys, quota warnings' webhooks, and a gateway's admin
+//! API for `tollgate catalog`): Mozilla's roots, built in (the image need not have any),
+//! and the certificates of a configured CA file.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -34,6 +35,32 @@ pub fn client_config(ca_file: Option<&Path>, key: &str) -> anyhow::Result<rustls
         .with_safe_default_protocol_versions()?
         .with_root_certificates(roots)
         .with_no_client_auth())
+}
+
+/// An HTTP/1.1 client over hyper for `http://` and `https://` URLs, trusting what
+/// [`client_config`] trusts, with request bodies of type `B`.
+pub fn https_client<B>(
+    ca_file: Option<&Path>,
+    key: &str,
+) -> anyhow::Result<
+    hyper_util::client::legacy::Client<
+        hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+        B,
+    >,
+>
+where
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+{
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(client_config(ca_file, key)?)
+        .https_or_http()
+        .enable_http1()
+        .build();
+    Ok(
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build(https),
+    )
 }
 
 #[cfg(test)]

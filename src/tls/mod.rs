@@ -17,7 +17,7 @@
 mod certificate;
 mod client;
 
-pub use client::client_config;
+pub use client::{client_config, https_client};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
