@@ -32,6 +32,10 @@ use crate::tasks::{Policy, Tasks};
 /// The longest wait between two tries of a delivery.
 const MAX_BACKOFF: Duration = Duration::from_secs(60);
 
+/// Tries in flight to one webhook at most: a webhook that is down, or slow, while many
+/// warnings are due (the first of a month) holds this many connections, not one each.
+const IN_FLIGHT: usize = 16;
+
 /// How long after its window ends a warning's claim is kept (a clock apart between
 /// gateways cannot make a late one claim it again).
 const CLAIM_AFTER_WINDOW: Duration = Duration::from_secs(86_400);
@@ -92,6 +96,8 @@ struct Endpoint {
     shown: String,
     secret: SecretString,
     client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
+    /// [`IN_FLIGHT`] permits: one per try.
+    tries: tokio::sync::Semaphore,
 }
 
 /// The warnings' way out: the limiter's [`Warnings`] (`None` without a webhook) and what
@@ -125,6 +131,7 @@ pub fn start(
                 w.ca_file.as_deref(),
                 &format!("warnings.webhooks[{i}].ca_file"),
             )?,
+            tries: tokio::sync::Semaphore::new(IN_FLIGHT),
         }));
     }
     let (tx, rx) = mpsc::channel(settings.queue);
@@ -264,8 +271,10 @@ impl Deliver {
         }
     }
 
-    /// One POST: its status, or why there was none.
+    /// One POST, once one of the webhook's [`IN_FLIGHT`] tries is free: its status, or why
+    /// there was none.
     async fn try_once(&self, e: &Endpoint, event: &Event) -> Result<u16, String> {
+        let _try = e.tries.acquire().await.map_err(|err| err.to_string())?;
         let t = now_us() / 1_000_000;
         let req = http::Request::post(&e.url)
             .header("content-type", "application/json")

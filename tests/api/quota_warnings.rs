@@ -364,3 +364,69 @@ async fn warn_at_is_a_quotas_and_is_checked() {
     let plan: Value = ok.json().await.unwrap();
     assert_eq!(plan["limits"][1]["warn_at"], json!([80, 100]));
 }
+
+/// A webhook that takes connections and never answers: how many it holds open.
+async fn hanging_webhook() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/hooks", listener.local_addr().unwrap());
+    let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = Arc::clone(&open);
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = listener.accept().await {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            held.push(conn);
+        }
+    });
+    (url, open)
+}
+
+#[tokio::test]
+async fn a_webhook_that_hangs_holds_at_most_sixteen_tries_however_many_warnings_are_due() {
+    // Arrange: 40 clients on a quota of 1 that warns at 100%: each one's first request is
+    // a warning; the webhook never answers.
+    let redis = RedisServer::start().unwrap();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let (url, open) = hanging_webhook().await;
+    let mut config = format!(
+        "{}[redis]\nurl = \"{}\"\n[catalog]\nrefresh_ms = 50\ncache_file = \"\"\n\
+         [[catalog.plans]]\nname = \"one\"\nlimits = [\n  \
+         {{ name = \"burst\", capacity = 1000, rate = 1000 }},\n  \
+         {{ name = \"daily\", quota = 1, period = \"day\", warn_at = [100] }},\n]\n",
+        admin_toml(),
+        redis.url(),
+    );
+    for i in 0..40 {
+        config.push_str(&format!(
+            "[[catalog.clients]]\nid = \"c{i}\"\nplan = \"one\"\nkeys = [\"{}\"]\n",
+            key(&format!("c{i}"))
+        ));
+    }
+    config.push_str(&format!(
+        "[warnings]\ntimeout_ms = 60000\n[[warnings.webhooks]]\nurl = \"{url}\"\nsecret = \"{SECRET}\"\n"
+    ));
+    config.push_str(&route_toml("orders", "/orders", &[up.url()]));
+    let gw = TestGateway::spawn(settings(&config)).await;
+
+    // Act
+    for i in 0..40 {
+        let r = gw.get("/orders", Some(&key(&format!("c{i}")))).await;
+        assert_eq!(r.status(), 200);
+    }
+
+    // Assert: 40 warnings claimed, 16 connections held open, no more.
+    eventually(Duration::from_secs(10), "every warning claimed", || async {
+        gw.sample("tollgate_quota_warnings_total{result=\"claimed\"}")
+            .await
+            == 40.0
+    })
+    .await;
+    eventually(
+        Duration::from_secs(5),
+        "the webhook's tries in flight",
+        || async { open.load(std::sync::atomic::Ordering::SeqCst) >= 16 },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(open.load(std::sync::atomic::Ordering::SeqCst), 16);
+}
