@@ -134,12 +134,11 @@ pub async fn put(
                 .into(),
         ));
     }
-    let body = Arc::new(read_object_within(payload, state.catalog_max_bytes).await?);
-    // Checked once before the store is read: a bad file costs no dump. Reading and
-    // diffing a catalog of thousands of clients takes a while: off the worker, whose
+    let body = read_object_within(payload, state.catalog_max_bytes).await?;
+    // Read and checked once, before the store is read: a bad file costs no dump. Reading
+    // and diffing a catalog of thousands of clients takes a while: off the worker, whose
     // requests it would hold up.
-    let file = Arc::clone(&body);
-    off_worker(move || desired(&file).map(drop)).await?;
+    let wanted = Arc::new(off_worker(move || desired(body)).await?);
     for _ in 0..FORCED_TRIES {
         let current = state.store.catalog.dump().await?;
         if let Some(tags) = &guard {
@@ -150,9 +149,9 @@ pub async fn put(
                 )));
             }
         }
-        let file = Arc::clone(&body);
+        let file = Arc::clone(&wanted);
         let (changes, current, after) = off_worker(move || {
-            let changes = diff(&current, desired(&file)?, now_ms() / 1000);
+            let changes = diff(&current, Desired::clone(&file), now_ms() / 1000);
             let after = whole(&current, &changes.writes);
             Ok((changes, current, after))
         })
@@ -286,9 +285,9 @@ struct KeyEntry {
 /// The catalog a file describes, every record checked as its own `PUT` checks it and the
 /// whole as a catalog: ids and key hashes once, each client's plan in the file, each
 /// override against its plan. `422` lists the problems, each named by its place.
-fn desired(body: &Map<String, Value>) -> Result<Desired, ApiError> {
+fn desired(body: Map<String, Value>) -> Result<Desired, ApiError> {
     let mut f = Fields::default();
-    let out = read_desired(Value::Object(body.clone()), &mut f);
+    let out = read_desired(Value::Object(body), &mut f);
     if f.errors.len() > PROBLEMS_LISTED {
         let more = f.errors.len() - PROBLEMS_LISTED;
         f.errors.truncate(PROBLEMS_LISTED);

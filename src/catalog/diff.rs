@@ -3,7 +3,7 @@
 //! clients whose limits in force change, and the writes that make it so, in the order an
 //! apply makes them.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::domain::{ClientId, LimitSpec, Limits, PlanName};
 use crate::store::records::{
@@ -12,7 +12,7 @@ use crate::store::records::{
 
 /// The catalog a file asks for, checked record by record and as a whole (every client's
 /// plan is in it, no id or key hash twice).
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Desired {
     pub plans: Vec<PlanRecord>,
     pub clients: Vec<ClientRecord>,
@@ -87,20 +87,20 @@ pub fn diff(current: &CatalogDump, desired: Desired, now_s: u64) -> CatalogDiff 
             }
         }
     }
-    let new_plan_names: BTreeMap<&PlanName, ()> = plans.iter().map(|p| (&p.name, ())).collect();
+    let new_plan_names: BTreeSet<&PlanName> = plans.iter().map(|p| &p.name).collect();
     let plan_deletes: Vec<CatalogWrite> = old_plans
         .keys()
-        .filter(|n| !new_plan_names.contains_key(*n))
+        .filter(|n| !new_plan_names.contains(*n))
         .map(|n| {
             out.plans.removed.push(n.to_string());
             CatalogWrite::DeletePlan((*n).clone(), Condition::Any)
         })
         .collect();
 
-    let new_ids: BTreeMap<&ClientId, ()> = clients.iter().map(|c| (&c.id, ())).collect();
+    let new_ids: BTreeSet<&ClientId> = clients.iter().map(|c| &c.id).collect();
     let client_deletes: Vec<CatalogWrite> = old_clients
         .keys()
-        .filter(|id| !new_ids.contains_key(*id))
+        .filter(|id| !new_ids.contains(*id))
         .map(|id| {
             out.clients.removed.push(id.to_string());
             CatalogWrite::DeleteClient((*id).clone(), Condition::Any)
