@@ -288,8 +288,10 @@ async fn a_get_over_http2_has_no_body_so_it_is_tried_again_when_a_replica_drops_
     let client = h2_client(TcpStream::connect(addr).await.unwrap()).await;
     let acme = key("acme");
 
+    // Least-request picks either replica on a tie: go on until the dropping one has been
+    // tried a few times (ten requests alone miss it one run in a thousand).
     let mut statuses = Vec::new();
-    for _ in 0..10 {
+    while drops.requests() < 3 && statuses.len() < 200 {
         let a = send(
             &client,
             "GET",
@@ -302,7 +304,11 @@ async fn a_get_over_http2_has_no_body_so_it_is_tried_again_when_a_replica_drops_
     }
 
     assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
-    assert!(drops.requests() > 0, "the dropping replica was never tried");
+    assert!(
+        drops.requests() >= 3,
+        "the dropping replica was tried {} times",
+        drops.requests()
+    );
     gw.stop().await;
 }
 
