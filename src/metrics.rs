@@ -428,6 +428,8 @@ const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
 pub struct UsageMetrics {
     flushed: AtomicU64,
     failed: AtomicU64,
+    checkpoints: [AtomicU64; 2],
+    adopted: [AtomicU64; 2],
     held: AtomicU64,
     dropped: AtomicU64,
 }
@@ -437,6 +439,16 @@ impl UsageMetrics {
     pub fn flush(&self, ok: bool) {
         let n = if ok { &self.flushed } else { &self.failed };
         n.fetch_add(1, Relaxed);
+    }
+
+    /// A checkpoint was written (`true`), or the attempt failed.
+    pub fn checkpoint(&self, ok: bool) {
+        self.checkpoints[usize::from(!ok)].fetch_add(1, Relaxed);
+    }
+
+    /// A silent gateway's checkpoint was added (`true`), or dropped as unreadable.
+    pub fn adopted(&self, ok: bool) {
+        self.adopted[usize::from(!ok)].fetch_add(1, Relaxed);
     }
 
     /// (client, limit, hour) counts held now, in batches unsent and summing.
@@ -453,14 +465,28 @@ impl UsageMetrics {
         out.family(
             "tollgate_usage_flushes_total",
             Kind::Counter,
-            "Usage history batches sent to the store: added (ok) or failed (kept and sent again).",
+            "Usage history batches added to the store at a fold: added (ok) or failed (kept and added again).",
         )
         .sample(&[("result", "ok")], self.flushed.load(Relaxed))
         .sample(&[("result", "failed")], self.failed.load(Relaxed));
         out.family(
+            "tollgate_usage_checkpoints_total",
+            Kind::Counter,
+            "Usage history checkpoints (what the gateway holds, written to the store each usage.flush_ms): written (ok) or failed.",
+        )
+        .sample(&[("result", "ok")], self.checkpoints[0].load(Relaxed))
+        .sample(&[("result", "failed")], self.checkpoints[1].load(Relaxed));
+        out.family(
+            "tollgate_usage_adopted_total",
+            Kind::Counter,
+            "Silent gateways' usage history checkpoints this gateway added on their behalf (ok), or dropped as unreadable (unreadable).",
+        )
+        .sample(&[("result", "ok")], self.adopted[0].load(Relaxed))
+        .sample(&[("result", "unreadable")], self.adopted[1].load(Relaxed));
+        out.family(
             "tollgate_usage_entries",
             Kind::Gauge,
-            "Usage history counts (client, limit, hour) this gateway holds: summing, and unsent.",
+            "Usage history counts (client, limit, hour) this gateway holds: summing, and not yet added.",
         )
         .sample(&[], self.held.load(Relaxed));
         out.family(
@@ -831,6 +857,9 @@ mod tests {
         m.usage.flush(true);
         m.usage.flush(true);
         m.usage.flush(false);
+        m.usage.checkpoint(true);
+        m.usage.checkpoint(false);
+        m.usage.adopted(true);
         m.usage.set_held(42);
         m.usage.dropped(3);
         let text = m.render();

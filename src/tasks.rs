@@ -270,6 +270,33 @@ impl Tasks {
         });
     }
 
+    /// Starts task `name`, a thread below the request path's priority (nice 10) that runs
+    /// the CPU work [`Niced::run`] hands it, and returns the handle to hand it work with.
+    /// Work a background task does for long (encoding a batch, merging counts) would
+    /// otherwise take its turn from the requests on a busy host.
+    pub fn spawn_niced(&self, name: impl Into<String>) -> Niced {
+        let niced = Niced::default();
+        let inbox = Arc::clone(&niced.inbox);
+        self.spawn_thread(name, Policy::Restart, move |stop| {
+            // SAFETY: setpriority only reads its arguments; 0 is the calling thread.
+            if unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 10) } != 0 {
+                tracing::debug!("a niced worker runs at the request path's priority");
+            }
+            let (tx, rx) = std::sync::mpsc::channel::<Job>();
+            *inbox.lock() = Some(tx);
+            while !stop.is_cancelled() {
+                match rx.recv_timeout(Duration::from_millis(100)) {
+                    Ok(job) => job(),
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+                }
+            }
+            // Work queued and not run is dropped: each `run` waiting on it runs it itself.
+            *inbox.lock() = None;
+        });
+        niced
+    }
+
     /// Restarts so far, by task name (for `/metrics`).
     pub fn restarts(&self) -> BTreeMap<String, u64> {
         let counts = self.shared.counts.lock();
@@ -304,6 +331,48 @@ impl Tasks {
             policy,
         });
         running.push(Running { name, handle });
+    }
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// A handle to a niced worker ([`Tasks::spawn_niced`]).
+#[derive(Clone, Default)]
+pub struct Niced {
+    /// The running worker's queue; `None` while none runs.
+    inbox: Arc<Mutex<Option<std::sync::mpsc::Sender<Job>>>>,
+}
+
+impl Niced {
+    /// Runs `work` on the worker and waits for it; on the caller, as it is, when no worker
+    /// runs (the gateway stopping, or a handle of [`Niced::default`]) or the worker
+    /// stopped before running it. `None` only when `work` panicked on the worker (the
+    /// worker is started again).
+    pub async fn run<R, F>(&self, work: F) -> Option<R>
+    where
+        F: FnOnce() -> R + Send + 'static,
+        R: Send + 'static,
+    {
+        let slot = Arc::new(Mutex::new(Some(work)));
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let taken = Arc::clone(&slot);
+        let job: Job = Box::new(move || {
+            let work = taken.lock().take();
+            if let Some(work) = work {
+                let _ = tx.send(work());
+            }
+        });
+        let queued = match &*self.inbox.lock() {
+            Some(inbox) => inbox.send(job).is_ok(),
+            None => false,
+        };
+        if queued {
+            if let Ok(done) = rx.await {
+                return Some(done);
+            }
+        }
+        let work = slot.lock().take();
+        work.map(|work| work())
     }
 }
 

@@ -466,6 +466,23 @@ impl Gateway {
         Ok(gateway)
     }
 
+    /// Stops it as an orchestrator would (SIGTERM) and waits until it has exited, at most
+    /// `within`.
+    pub fn terminate(&mut self, within: Duration) -> anyhow::Result<()> {
+        let pid = libc::pid_t::try_from(self.0.child.id())?;
+        // SAFETY: kill only reads its arguments; the pid is this gateway's child.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+        let deadline = std::time::Instant::now() + within;
+        while self.0.child.try_wait()?.is_none() {
+            anyhow::ensure!(
+                std::time::Instant::now() < deadline,
+                "the gateway did not stop within {within:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
     /// [`Gateway::start`] with `env` set (settings the configuration builder does not
     /// write, e.g. `TOLLGATE__CATALOG__MODE`), probing every 10 ms: what a start's duration
     /// is measured with.

@@ -1128,9 +1128,40 @@ fn usage(raw: RawUsage, p: &mut Problems) -> Option<UsageSettings> {
             "must be between 1 and 100000000",
         ),
     );
+    let fold = p.take(
+        "usage.fold_ms",
+        within(
+            raw.fold_ms,
+            100..=86_400_000,
+            "must be between 100 and 86400000",
+        ),
+    );
+    let adopt_after = p.take(
+        "usage.adopt_after_ms",
+        within(
+            raw.adopt_after_ms,
+            300..=86_400_000,
+            "must be between 300 and 86400000",
+        ),
+    );
+    let (flush, fold, adopt_after) = (flush?, fold?, adopt_after?);
+    if fold < flush {
+        p.add("usage.fold_ms", "must be at least usage.flush_ms");
+        return None;
+    }
+    if adopt_after < 3 * flush {
+        // A gateway misses a checkpoint or two when the store blinks: it is not dead.
+        p.add(
+            "usage.adopt_after_ms",
+            "must be at least three times usage.flush_ms",
+        );
+        return None;
+    }
     Some(UsageSettings {
         enabled: raw.enabled,
-        flush: Duration::from_millis(flush?),
+        flush: Duration::from_millis(flush),
+        fold: Duration::from_millis(fold),
+        adopt_after: Duration::from_millis(adopt_after),
         retention_days: retention_days?,
         max_entries: usize::try_from(max_entries?).ok()?,
     })
@@ -1642,7 +1673,17 @@ mod tests {
         let d = load("", &[]).unwrap();
         assert!(d.usage.enabled);
         assert_eq!(d.usage.flush, Duration::from_secs(10));
+        assert_eq!(d.usage.fold, Duration::from_secs(3600));
+        assert_eq!(d.usage.adopt_after, Duration::from_secs(60));
         assert_eq!(d.usage.retention_days, 35);
+        assert_eq!(
+            problems("[usage]\nflush_ms = 1000\nfold_ms = 999\n"),
+            ["usage.fold_ms"]
+        );
+        assert_eq!(
+            problems("[usage]\nflush_ms = 1000\nadopt_after_ms = 2999\n"),
+            ["usage.adopt_after_ms"]
+        );
         assert_eq!(
             problems("[usage]\nflush_ms = 99\nretention_days = 0\nmax_entries = 0\n"),
             [

@@ -173,6 +173,8 @@ pub(super) struct RawLimits {
 pub(super) struct RawUsage {
     pub(super) enabled: bool,
     pub(super) flush_ms: u64,
+    pub(super) fold_ms: u64,
+    pub(super) adopt_after_ms: u64,
     pub(super) retention_days: u64,
     pub(super) max_entries: u64,
 }

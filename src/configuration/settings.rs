@@ -296,9 +296,17 @@ pub enum TlsVersion {
 pub struct UsageSettings {
     /// `usage.enabled`: whether decisions are counted and flushed at all.
     pub enabled: bool,
-    /// `usage.flush_ms`: counts are flushed to the store this often (and once more at a
-    /// graceful stop).
+    /// `usage.flush_ms`: what the gateway counted and has not folded is checkpointed in
+    /// the store this often (one value: another gateway adds it should this one die).
     pub flush: Duration,
+    /// `usage.fold_ms`: counts are added to the history this often, each client's once
+    /// per fold, on the fold's boundary (multiples of it since the epoch, plus a
+    /// gateway's own delay of up to a tenth of it, at most a minute), and once more at a
+    /// graceful stop. At least `flush`.
+    pub fold: Duration,
+    /// `usage.adopt_after_ms`: a gateway silent this long (no checkpoint written) has its
+    /// checkpoint added by another. At least three times `flush`.
+    pub adopt_after: Duration,
     /// `usage.retention_days`: the store keeps each UTC day this many days after it ends;
     /// the admin API reads at most this far back.
     pub retention_days: u64,

@@ -70,6 +70,12 @@ impl Keys {
         format!("{}u:{{{}}}:{}:{}", self.prefix, group, client, day)
     }
 
+    /// Usage history's checkpoints and who holds them (all in the `{usage}` slot):
+    /// `tollgate:{usage}:gateways`, `tollgate:{usage}:ck:<gateway>`.
+    pub fn usage_fold(&self, part: &str) -> String {
+        format!("{}{{usage}}:{}", self.prefix, part)
+    }
+
     /// Shadow-mode comparison counters (all in the `{shadow}` slot).
     pub fn shadow(&self, part: &str) -> String {
         format!("{}{{shadow}}:{}", self.prefix, part)

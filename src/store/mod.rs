@@ -33,7 +33,10 @@ pub use self::ports::{
 };
 pub use self::records::ClientsPage;
 pub use self::shards::{Reconcile, RegionShare, ShardState};
-pub use self::usage::{day_name, UsageBatch, UsageCounts, UsageEntry, UsageRow, DAY_S, HOUR_S};
+pub use self::usage::{
+    day_name, decode_checkpoint, encode_checkpoint, Checkpoint, Checkpointed, UsageBatch,
+    UsageCounts, UsageEntry, UsageRow, DAY_S, HOUR_S,
+};
 pub use tollgate_engine::{
     key_in_slot, key_slot, state_field, Budget, Every, StateGroups, StoreError,
     CLUSTER_STATE_GROUPS,

@@ -29,7 +29,7 @@ use super::records::{
     KeyFilterStep, KeyLookup, PlanRecord, SafetyRecord, Versioned, Wants, WriteOutcome,
 };
 use super::shards::{Reconcile, ShardState};
-use super::usage::{UsageBatch, UsageRow};
+use super::usage::{Checkpoint, Checkpointed, UsageBatch, UsageRow};
 use super::{Persistence, StoreError};
 use crate::domain::{ClientId, KeyHash};
 pub use tollgate_engine::redis::SlotRange;
@@ -192,6 +192,30 @@ pub trait UsageHistory: Send + Sync {
     /// Adds a batch's counts. Idempotent: a batch of a gateway already added (by its
     /// `gateway` and `seq`) adds nothing, so a batch whose reply was lost may be sent again.
     async fn add(&self, batch: &UsageBatch) -> Result<(), StoreError>;
+
+    /// Keeps what `gateway` holds and has not yet added in place of what it kept before
+    /// (unless [`Checkpoint::Same`]), and notes it alive; `noted`: it was noted before, so
+    /// finding it not means it was adopted ([`Checkpointed::Adopted`], nothing written).
+    /// A store that dies with its gateway (the embedded one) keeps nothing.
+    async fn checkpoint(
+        &self,
+        gateway: &str,
+        held: Checkpoint<'_>,
+        noted: bool,
+    ) -> Result<Checkpointed, StoreError>;
+
+    /// Takes the checkpoint of one gateway silent for longer than `grace` (dead, or cut
+    /// off), or of one whose adopter went silent before releasing it: its id and what it
+    /// held, to add on its behalf ([`UsageHistory::add`], its batches in order with their
+    /// own numbers: should it come back, it adds them too, and each is added once), then
+    /// [`UsageHistory::release`]. `None` when there is none.
+    async fn adopt(&self, grace: Duration) -> Result<Option<(String, Vec<u8>)>, StoreError>;
+
+    /// Forgets the adopted checkpoint of `gateway`, once its batches are added.
+    async fn release(&self, gateway: &str) -> Result<(), StoreError>;
+
+    /// Forgets `gateway`, which stops holding nothing: no one waits for it.
+    async fn retire(&self, gateway: &str) -> Result<(), StoreError>;
 
     /// What `client` counted in the hours from `from_s` (inclusive) to `to_s` (exclusive),
     /// unix seconds, every gateway summed: one row per limit and hour with counts, ordered

@@ -1,8 +1,9 @@
 //! Usage history (issue 37): every decision about a client is counted per limit and hour
-//! on its gateway, flushed to the store in batches every `usage.flush_ms` (off the request
-//! path), and read by the admin API as JSON or CSV. Admitted cost over a quota's window is
-//! the quota's `used`, exactly; a flush Redis does not acknowledge is sent again and counted
-//! once.
+//! on its gateway, checkpointed to the store every `usage.flush_ms` and folded into the
+//! history every `usage.fold_ms` (off the request path; here most gateways fold at each
+//! flush), and read by the admin API as JSON or CSV. Admitted cost over a quota's window is
+//! the quota's `used`, exactly; a fold Redis does not acknowledge is sent again and counted
+//! once; what a killed or cut-off gateway held is added by another, once.
 
 use std::time::Duration;
 
@@ -28,8 +29,12 @@ fn plan_toml(clients: &[&str]) -> String {
     )
 }
 
+/// Checkpoints and folds every `flush_ms`; a gateway silent for three of them is adopted.
 fn usage_toml(flush_ms: u64) -> String {
-    format!("[usage]\nflush_ms = {flush_ms}\nretention_days = 2\n")
+    format!(
+        "[usage]\nflush_ms = {flush_ms}\nfold_ms = {flush_ms}\nadopt_after_ms = {}\nretention_days = 2\n",
+        3 * flush_ms
+    )
 }
 
 async fn gateway(store: &str, up: &Upstream, flush_ms: u64) -> TestGateway {
@@ -474,7 +479,7 @@ async fn counts_past_max_entries_are_dropped_and_counted() {
     clear_of_midnight().await;
     let up = Upstream::start(Behaviour::Echo).await;
     let gw = TestGateway::spawn(settings(&format!(
-        "[usage]\nflush_ms = 200\nmax_entries = 1\n{}{}{}",
+        "[usage]\nflush_ms = 200\nfold_ms = 200\nmax_entries = 1\n{}{}{}",
         admin_toml(),
         plan_toml(&["acme"]),
         route_toml("orders", "/orders", &[up.url()]),
@@ -522,4 +527,126 @@ async fn a_cost_the_service_reports_is_in_the_history_as_the_quota_counted_it() 
         quota_used(&gw).await == 20.0
     })
     .await;
+}
+
+/// Checkpointed every 200 ms, folded hourly: what it counts stays in its checkpoint.
+const HOLDING: &str =
+    "[usage]\nflush_ms = 200\nfold_ms = 3600000\nadopt_after_ms = 1000\nretention_days = 2\n";
+
+/// Waits until `metrics` (a gateway's `/metrics` page, read anew each time) shows two more
+/// checkpoints written than now: one begun after this call, done.
+async fn checkpointed<F, Fut>(metrics: F)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = String>,
+{
+    let series = "tollgate_usage_checkpoints_total{result=\"ok\"}";
+    let before = sample_in(&metrics().await, series).unwrap();
+    eventually(Duration::from_secs(10), "two more checkpoints", || async {
+        sample_in(&metrics().await, series).unwrap() >= before + 2.0
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_gateway_killed_between_folds_has_what_it_counted_added_by_another() {
+    // Arrange: gateway A, a process of its own, holds its counts for the hour.
+    clear_of_midnight().await;
+    let redis = RedisServer::start().unwrap();
+    let up = Upstream::start(Behaviour::Echo).await;
+    let mut a = gateway_process(
+        &format!(
+            "{}{HOLDING}{}{}",
+            redis_toml(&redis),
+            plan_toml(&["acme", "other"]),
+            route_toml("orders", "/orders", &[up.url()]),
+        ),
+        &[],
+    );
+    let http = reqwest::Client::new();
+    let (mut admitted, mut refused) = (0, 0);
+    for _ in 0..22 {
+        let r = http
+            .get(format!("{}/orders", a.address))
+            .header("x-api-key", key("acme"))
+            .send()
+            .await
+            .unwrap();
+        match r.status().as_u16() {
+            200 => admitted += 1,
+            429 => refused += 1,
+            s => panic!("unexpected status {s}"),
+        }
+    }
+    let metrics = || async {
+        let page = http.get(format!("{}/metrics", a.address)).send().await;
+        page.unwrap().text().await.unwrap()
+    };
+    checkpointed(metrics).await;
+
+    // Act: A is killed, an hour before its fold; B runs on.
+    a.child.kill().unwrap();
+    a.child.wait().unwrap();
+    let b = gateway(&redis_toml(&redis), &up, 200).await;
+
+    // Assert: B adds what A held, once; the history is the quota's count.
+    assert_eq!((admitted, refused), (20, 2));
+    history_reaches(&b, (20, 2, 20.0, 0)).await;
+    assert_eq!(quota_used(&b).await, 20.0);
+    eventually(Duration::from_secs(5), "one adoption counted", || async {
+        b.sample("tollgate_usage_adopted_total{result=\"ok\"}")
+            .await
+            == 1.0
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let h = history(&b, "hour").await;
+    assert_eq!(totals(&h, "daily"), (20, 2, 20.0, 0), "{h}");
+}
+
+#[tokio::test]
+async fn a_gateway_cut_off_long_enough_to_be_adopted_comes_back_and_nothing_is_counted_twice() {
+    // Arrange: A reaches Redis through a proxy and holds its counts for the hour; B
+    // folds at each flush and adopts a gateway silent for 600 ms.
+    clear_of_midnight().await;
+    let redis = RedisServer::start().unwrap();
+    let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port).parse().unwrap());
+    let up = Upstream::start(Behaviour::Echo).await;
+    let through_proxy = format!(
+        "[redis]\nurl = \"{}\"\ntimeout_ms = 2000\ncontrol_timeout_ms = 300\n",
+        proxy.redis_url()
+    );
+    let a = TestGateway::spawn(settings(&format!(
+        "{through_proxy}{HOLDING}{}{}{}",
+        admin_toml(),
+        plan_toml(&["acme", "other"]),
+        route_toml("orders", "/orders", &[up.url()]),
+    )))
+    .await;
+    let b = gateway(&redis_toml(&redis), &up, 200).await;
+    assert_eq!(send(&a, 10).await, (10, 0));
+    checkpointed(|| async { a.get("/metrics", None).await.text().await.unwrap() }).await;
+
+    // Act: A is cut off until B has added what it held; then it comes back, counts 5
+    // more, and stops (folding everything, what B added too).
+    proxy.refuse();
+    proxy.reset();
+    eventually(Duration::from_secs(10), "B adopts A", || async {
+        b.sample("tollgate_usage_adopted_total{result=\"ok\"}")
+            .await
+            >= 1.0
+    })
+    .await;
+    history_reaches(&b, (10, 0, 10.0, 0)).await;
+    proxy.heal();
+    checkpointed(|| async { a.get("/metrics", None).await.text().await.unwrap() }).await;
+    assert_eq!(send(&a, 5).await, (5, 0));
+    a.stop().await;
+
+    // Assert: each request counted once.
+    history_reaches(&b, (15, 0, 15.0, 0)).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let h = history(&b, "hour").await;
+    assert_eq!(totals(&h, "burst"), (15, 0, 15.0, 0), "{h}");
+    assert_eq!(quota_used(&b).await, 15.0);
 }

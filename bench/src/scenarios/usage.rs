@@ -4,9 +4,11 @@
 //! open-loop load (fixed rate, a seeded draw of the clients per request) goes to each in
 //! alternating slices. Per round and gateway: decisions, `EVALSHA` calls, and Redis' CPU
 //! per decision (`INFO cpu`, minus what that Redis spends idle over the same wall time),
-//! its usage flushes included: the round's window starts after the warm-up's counts were
-//! flushed, and ends a flush period after the load, so every decision of the window was
-//! flushed inside it and none from outside was.
+//! its usage checkpoints (and folds, when `--fold-ms` puts one there) included: the
+//! round's window starts after the warm-up's counts were checkpointed, and ends a flush
+//! period after the load, so every decision of the window was checkpointed inside it.
+//! Last, the gateway with history on is stopped (SIGTERM), which folds all it holds: that
+//! fold's Redis CPU, over the records it wrote, is a record's cost.
 
 use std::time::{Duration, Instant};
 
@@ -38,6 +40,9 @@ pub struct Args {
     /// `usage.flush_ms` of the gateway with usage history on.
     #[arg(long, default_value_t = 10_000)]
     flush_ms: u64,
+    /// `usage.fold_ms` of the gateway with usage history on.
+    #[arg(long, default_value_t = 3_600_000)]
+    fold_ms: u64,
     /// Seconds each Redis is watched idle per round, to subtract its own CPU.
     #[arg(long, default_value = "3", value_parser = seconds)]
     idle_seconds: f64,
@@ -74,9 +79,10 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         let mut config = one_unlimited_client(Some(r.url()), upstream.urls(), "usage-client", KEY);
         a.clients.add_to(&mut config, "large");
         config.extra.push_str(&format!(
-            "[usage]\nenabled = {}\nflush_ms = {}\n",
+            "[usage]\nenabled = {}\nflush_ms = {}\nfold_ms = {}\n",
             i == 0,
-            a.flush_ms
+            a.flush_ms,
+            a.fold_ms.max(a.flush_ms)
         ));
         gateways.push(Gateway::start(&config, PATH)?);
     }
@@ -110,12 +116,13 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     let flush = Duration::from_millis(a.flush_ms) + Duration::from_secs(1);
     let mut sides: [Side; 2] = Default::default();
     eprintln!(
-        "usage: {} req/s, {} s per gateway per round, {} rounds, {}, flush every {} ms ({machine})",
+        "usage: {} req/s, {} s per gateway per round, {} rounds, {}, checkpoint every {} ms, fold every {} ms ({machine})",
         a.rate,
         a.duration,
         a.rounds,
         a.clients.describe(),
-        a.flush_ms
+        a.flush_ms,
+        a.fold_ms
     );
     for round_i in 0..a.rounds {
         // Warm-up: every client's state in each Redis, then its counts flushed.
@@ -187,6 +194,20 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         eprintln!("  {said}");
         outcomes.push(said);
     }
+    // The fold: the gateway with history on stops, adding everything it holds.
+    let before = RedisSpent::read(&redis[0])?;
+    let stopping = Instant::now();
+    gateways[0].terminate(Duration::from_secs(60))?;
+    let stop_s = stopping.elapsed().as_secs_f64();
+    let fold = RedisSpent::read(&redis[0])?.since(&before);
+    let fold_records = fold.calls("expireat");
+    let per_record_us = fold.cpu_s * 1e6 / fold_records.max(1) as f64;
+    let fold_said = format!(
+        "the fold at its stop (SIGTERM to exit {stop_s:.2} s): {fold_records} records, {:.1} ms of Redis CPU, {per_record_us:.2} µs per record ({:.2} µs inside usage_add's EVALSHA per record)",
+        fold.cpu_s * 1e3,
+        fold.usec("evalsha") as f64 / fold_records.max(1) as f64
+    );
+    eprintln!("  {fold_said}");
     let mut table = Table::new(&[
         "gateway",
         "decisions",
@@ -201,7 +222,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     let mut json_sides = Vec::new();
     for (i, s) in sides.iter().enumerate() {
         let worst = s.cpu_us.iter().copied().fold(f64::MIN, f64::max);
-        // Each record a flush adds to gets one `EXPIREAT` (nothing else sends one).
+        // Each record a fold adds to gets one `EXPIREAT` (nothing else sends one).
         let records = s.spent.calls("expireat") as f64 / s.decisions.max(1) as f64;
         table.row(vec![
             names[i].into(),
@@ -241,15 +262,19 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     }
     let markdown = format!(
         "### Usage history: Redis CPU per decision, on vs off\n\n{}, {} req/s per gateway in \
-         alternating {} s slices, {} s each per round, {} rounds, flush every {} ms ({machine}).\n\n{}",
+         alternating {} s slices, {} s each per round, {} rounds, checkpoint every {} ms, fold every {} ms ({machine}).\n\n{}",
         a.clients.describe(),
         a.rate,
         a.slice,
         a.duration,
         a.rounds,
         a.flush_ms,
+        a.fold_ms,
         table.render()
-    ) + &format!("\nThe gateways' own counts over the whole run: {}.\n", outcomes.join("; "));
+    ) + &format!(
+        "\nThe gateways' own counts over the whole run: {}.\n\nThen {fold_said}.\n",
+        outcomes.join("; ")
+    );
     Ok(Outcome {
         markdown,
         json: json!({
@@ -259,6 +284,13 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
             "duration_s": a.duration,
             "rounds": a.rounds,
             "flush_ms": a.flush_ms,
+            "fold_ms": a.fold_ms,
+            "fold_at_stop": {
+                "records": fold_records,
+                "redis_cpu_ms": round(fold.cpu_s * 1e3, 3),
+                "redis_cpu_us_per_record": round(per_record_us, 3),
+                "seconds_to_exit": round(stop_s, 3),
+            },
             "clients": a.clients.describe(),
             "sides": json_sides,
         }),

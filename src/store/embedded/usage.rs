@@ -7,7 +7,11 @@ use async_trait::async_trait;
 
 use super::backend::EmbeddedStore;
 use crate::domain::ClientId;
-use crate::store::{StoreError, UsageBatch, UsageHistory, UsageRow, DAY_S};
+use std::time::Duration;
+
+use crate::store::{
+    Checkpoint, Checkpointed, StoreError, UsageBatch, UsageHistory, UsageRow, DAY_S,
+};
 
 #[async_trait]
 impl UsageHistory for EmbeddedStore {
@@ -53,5 +57,27 @@ impl UsageHistory for EmbeddedStore {
                 })
             })
             .collect())
+    }
+
+    // The store dies with its gateway: there is nothing to keep for another to adopt.
+    async fn checkpoint(
+        &self,
+        _gateway: &str,
+        _held: Checkpoint<'_>,
+        _noted: bool,
+    ) -> Result<Checkpointed, StoreError> {
+        Ok(Checkpointed::Written)
+    }
+
+    async fn adopt(&self, _grace: Duration) -> Result<Option<(String, Vec<u8>)>, StoreError> {
+        Ok(None)
+    }
+
+    async fn release(&self, _gateway: &str) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    async fn retire(&self, _gateway: &str) -> Result<(), StoreError> {
+        Ok(())
     }
 }

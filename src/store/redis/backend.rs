@@ -43,6 +43,9 @@ pub struct RedisStore {
     pub(super) key_filter_build: Script,
     pub(super) reconcile: Script,
     pub(super) usage_add: Script,
+    pub(super) usage_checkpoint: Script,
+    pub(super) usage_orphan: Script,
+    pub(super) usage_adopt: Script,
     pub(super) url: String,
 }
 
@@ -75,6 +78,9 @@ impl RedisStore {
             key_filter_build: with_key_filter(include_str!("../../../lua/key_filter_build.lua")),
             reconcile: Script::new(include_str!("../../../lua/reconcile.lua")),
             usage_add: Script::new(include_str!("../../../lua/usage_add.lua")),
+            usage_checkpoint: Script::new(include_str!("../../../lua/usage_checkpoint.lua")),
+            usage_orphan: Script::new(include_str!("../../../lua/usage_orphan.lua")),
+            usage_adopt: Script::new(include_str!("../../../lua/usage_adopt.lua")),
             url,
         }
     }

@@ -5,6 +5,7 @@
 //! [`CALLS_PER_PIPELINE`], on a cluster per slot, [`SLOTS_AT_ONCE`] at a time.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use futures_util::stream::{self, StreamExt, TryStreamExt};
@@ -13,7 +14,8 @@ use redis::aio::ConnectionLike;
 use super::backend::{retrying, Backend, RedisStore};
 use crate::domain::ClientId;
 use crate::store::{
-    day_name, key_slot, StoreError, UsageBatch, UsageCounts, UsageHistory, UsageRow, DAY_S, HOUR_S,
+    day_name, key_slot, Checkpoint, Checkpointed, StoreError, UsageBatch, UsageCounts,
+    UsageHistory, UsageRow, DAY_S, HOUR_S,
 };
 
 /// Client-days per script call: a call adds a few fields to each, so it holds Redis for
@@ -110,6 +112,79 @@ impl UsageHistory for RedisStore {
                 Ok(())
             }
         }
+    }
+
+    async fn checkpoint(
+        &self,
+        gateway: &str,
+        held: Checkpoint<'_>,
+        noted: bool,
+    ) -> Result<Checkpointed, StoreError> {
+        let (how, bytes): (&str, &[u8]) = match held {
+            Checkpoint::Same => ("same", b""),
+            Checkpoint::Empty => ("empty", b""),
+            Checkpoint::Holds(bytes) => ("holds", bytes),
+        };
+        let mut inv = self.usage_checkpoint.prepare_invoke();
+        inv.key(self.keys.usage_fold(&format!("ck:{gateway}")))
+            .key(self.keys.usage_fold("gateways"))
+            .arg(gateway)
+            .arg(if noted { "1" } else { "0" })
+            .arg(how)
+            .arg(bytes);
+        let reply: String = retrying!(self, |c| async { Ok(inv.invoke_async(c).await?) }.await)?;
+        match reply.as_str() {
+            "ok" => Ok(Checkpointed::Written),
+            "adopted" => Ok(Checkpointed::Adopted),
+            other => Err(StoreError::Protocol(format!(
+                "usage_checkpoint.lua answered {other:?}"
+            ))),
+        }
+    }
+
+    async fn adopt(&self, grace: Duration) -> Result<Option<(String, Vec<u8>)>, StoreError> {
+        let grace_ms = u64::try_from(grace.as_millis()).unwrap_or(u64::MAX);
+        let mut find = self.usage_orphan.prepare_invoke();
+        find.key(self.keys.usage_fold("gateways"))
+            .key(self.keys.usage_fold("adoptions"))
+            .arg(grace_ms);
+        let found: Option<String> =
+            retrying!(self, |c| async { Ok(find.invoke_async(c).await?) }.await)?;
+        let Some(gateway) = found else {
+            return Ok(None);
+        };
+        let mut take = self.usage_adopt.prepare_invoke();
+        take.key(self.keys.usage_fold("gateways"))
+            .key(self.keys.usage_fold("adoptions"))
+            .key(self.keys.usage_fold(&format!("ck:{gateway}")))
+            .key(self.keys.usage_fold(&format!("adopted:{gateway}")))
+            .arg(&gateway)
+            .arg(grace_ms);
+        let held: Option<Vec<u8>> =
+            retrying!(self, |c| async { Ok(take.invoke_async(c).await?) }.await)?;
+        Ok(held.map(|held| (gateway, held)))
+    }
+
+    async fn release(&self, gateway: &str) -> Result<(), StoreError> {
+        let mut pipe = redis::pipe();
+        pipe.atomic()
+            .del(self.keys.usage_fold(&format!("adopted:{gateway}")))
+            .ignore()
+            .zrem(self.keys.usage_fold("adoptions"), gateway)
+            .ignore();
+        retrying!(self, |c| async { Ok(pipe.query_async::<()>(c).await?) }
+            .await)
+    }
+
+    async fn retire(&self, gateway: &str) -> Result<(), StoreError> {
+        let mut pipe = redis::pipe();
+        pipe.atomic()
+            .del(self.keys.usage_fold(&format!("ck:{gateway}")))
+            .ignore()
+            .zrem(self.keys.usage_fold("gateways"), gateway)
+            .ignore();
+        retrying!(self, |c| async { Ok(pipe.query_async::<()>(c).await?) }
+            .await)
     }
 
     async fn read(
@@ -215,7 +290,181 @@ fn parse_field(field: &str) -> Option<(&str, u64, &str)> {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
+    use redis::AsyncCommands;
+    use secrecy::SecretString;
+    use tollgate_testkit::RedisServer;
+
     use super::parse_field;
+    use crate::domain::ClientId;
+    use crate::store::redis::RedisStore;
+    use crate::store::{
+        decode_checkpoint, encode_checkpoint, Checkpoint, Checkpointed, Keys, UsageBatch,
+        UsageCounts, UsageEntry, UsageHistory, DAY_S, HOUR_S,
+    };
+
+    fn store(redis: &RedisServer) -> RedisStore {
+        RedisStore::connect(
+            &SecretString::from(redis.url()),
+            2,
+            Duration::from_secs(5),
+            Keys::new("tollgate:"),
+        )
+        .unwrap()
+    }
+
+    fn batch(gateway: &str, seq: u64, admitted: u64) -> UsageBatch {
+        let hour_s = 1_796_000_000 / HOUR_S * HOUR_S;
+        UsageBatch {
+            gateway: gateway.into(),
+            seq,
+            retention_s: 35 * DAY_S,
+            entries: vec![UsageEntry {
+                client: ClientId::parse("acme").unwrap(),
+                limit: "per-second".into(),
+                hour_s,
+                counts: UsageCounts {
+                    admitted,
+                    cost: admitted as f64,
+                    ..UsageCounts::default()
+                },
+            }],
+        }
+    }
+
+    async fn admitted(store: &RedisStore) -> u64 {
+        let acme = ClientId::parse("acme").unwrap();
+        let rows = store
+            .read(&acme, 1_795_000_000, 1_797_000_000)
+            .await
+            .unwrap();
+        rows.iter().map(|r| r.counts.admitted).sum()
+    }
+
+    const GRACE: Duration = Duration::from_millis(300);
+    const SILENCE: Duration = Duration::from_millis(450);
+
+    #[tokio::test]
+    async fn a_silent_gateways_checkpoint_is_taken_once_and_each_batch_added_once() {
+        // Arrange: gateway aa holds batch 1 (being added) and batch 2 (open).
+        let redis = RedisServer::start().unwrap();
+        let store = store(&redis);
+        let (one, two) = (batch("aa", 1, 10), batch("aa", 2, 5));
+        let held = encode_checkpoint(&[&one, &two]);
+        store
+            .checkpoint("aa", Checkpoint::Holds(&held), false)
+            .await
+            .unwrap();
+        store.add(&one).await.unwrap();
+        assert_eq!(
+            store.adopt(GRACE).await.unwrap(),
+            None,
+            "aa is not silent yet"
+        );
+
+        // Act: aa goes silent; two gateways look for it at once.
+        tokio::time::sleep(SILENCE).await;
+        let (a, b) = tokio::join!(store.adopt(GRACE), store.adopt(GRACE));
+        let taken: Vec<_> = [a.unwrap(), b.unwrap()].into_iter().flatten().collect();
+
+        // Assert: one took it, whole; adding it again, and aa adding its batches after it
+        // came back, adds each once.
+        assert_eq!(taken.len(), 1);
+        let (gateway, bytes) = &taken[0];
+        assert_eq!(gateway, "aa");
+        for b in decode_checkpoint(bytes).unwrap() {
+            store.add(&b).await.unwrap();
+        }
+        store.add(&two).await.unwrap();
+        assert_eq!(admitted(&store).await, 15);
+        store.release("aa").await.unwrap();
+        tokio::time::sleep(SILENCE).await;
+        assert_eq!(
+            store.adopt(GRACE).await.unwrap(),
+            None,
+            "released, and out of the registry"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_adopter_that_goes_silent_is_taken_over_and_a_gateway_back_is_noted_anew() {
+        let redis = RedisServer::start().unwrap();
+        let store = store(&redis);
+        let one = batch("bb", 1, 3);
+        let held = encode_checkpoint(&[&one]);
+        store
+            .checkpoint("bb", Checkpoint::Holds(&held), false)
+            .await
+            .unwrap();
+        tokio::time::sleep(SILENCE).await;
+
+        // An adopter takes it and dies before releasing it: taken again, the same.
+        let first = store.adopt(GRACE).await.unwrap().unwrap();
+        assert_eq!(
+            store.adopt(GRACE).await.unwrap(),
+            None,
+            "its adopter is not silent yet"
+        );
+        tokio::time::sleep(SILENCE).await;
+        let again = store.adopt(GRACE).await.unwrap().unwrap();
+        assert_eq!(again, first);
+
+        // bb comes back meanwhile with a newer checkpoint: it waits until the adoption
+        // is released, then is its own.
+        let two = batch("bb", 2, 4);
+        let newer = encode_checkpoint(&[&two]);
+        let back = store
+            .checkpoint("bb", Checkpoint::Holds(&newer), true)
+            .await;
+        assert_eq!(back.unwrap(), Checkpointed::Adopted, "nothing written");
+        store
+            .checkpoint("bb", Checkpoint::Holds(&newer), false)
+            .await
+            .unwrap();
+        store.release("bb").await.unwrap();
+        assert_eq!(store.adopt(GRACE).await.unwrap(), None, "bb is alive");
+        // Noted alive without rewriting it, then silent: its newer checkpoint is taken.
+        store
+            .checkpoint("bb", Checkpoint::Same, true)
+            .await
+            .unwrap();
+        tokio::time::sleep(SILENCE).await;
+        let later = store.adopt(GRACE).await.unwrap().unwrap();
+        assert_eq!(later, ("bb".to_string(), newer));
+    }
+
+    #[tokio::test]
+    async fn a_checkpoint_of_nothing_and_a_retired_gateway_leave_nothing_to_adopt() {
+        let redis = RedisServer::start().unwrap();
+        let store = store(&redis);
+        let held = encode_checkpoint(&[&batch("cc", 1, 1)]);
+        store
+            .checkpoint("cc", Checkpoint::Holds(&held), false)
+            .await
+            .unwrap();
+        store
+            .checkpoint("cc", Checkpoint::Empty, true)
+            .await
+            .unwrap();
+        store
+            .checkpoint("dd", Checkpoint::Holds(&held), false)
+            .await
+            .unwrap();
+        store.retire("dd").await.unwrap();
+        tokio::time::sleep(SILENCE).await;
+
+        // cc is silent but holds nothing: out of the registry, nothing to add.
+        assert_eq!(store.adopt(GRACE).await.unwrap(), None);
+        assert_eq!(store.adopt(GRACE).await.unwrap(), None);
+        let mut c = redis::Client::open(redis.url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let keys: Vec<String> = c.keys("tollgate:{usage}:*").await.unwrap();
+        assert!(keys.is_empty(), "{keys:?}");
+    }
 
     #[test]
     fn a_field_names_its_limit_hour_and_count() {
