@@ -818,6 +818,33 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_niced_worker_runs_work_on_its_thread_below_the_callers_priority_and_the_caller_runs_it_once_it_stopped(
+    ) {
+        let supervisor = quick();
+        let niced = supervisor.tasks().spawn_niced("niced-work");
+        let here = std::thread::current().id();
+        until(|| supervisor.tasks().running() == ["niced-work"]).await;
+
+        // SAFETY: getpriority only reads its arguments; 0 is the calling thread.
+        let seen = niced
+            .run(|| {
+                (std::thread::current().id(), unsafe {
+                    libc::getpriority(libc::PRIO_PROCESS, 0)
+                })
+            })
+            .await
+            .unwrap();
+        assert_ne!(seen.0, here);
+        assert_eq!(seen.1, 10);
+        assert_eq!(niced.run(|| -> u32 { panic!("in the work") }).await, None);
+        until(|| supervisor.tasks().restarts()["niced-work"] == 1).await;
+
+        supervisor.shutdown(Duration::from_secs(1)).await;
+        let after = niced.run(|| std::thread::current().id()).await;
+        assert_eq!(after, Some(here), "run by the caller once no worker runs");
+    }
+
+    #[tokio::test]
     async fn a_task_that_ignores_the_cancellation_is_named_once_the_deadline_passes() {
         let (_guard, logs) = capture_logs();
         let supervisor = quick();

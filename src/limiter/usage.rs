@@ -32,6 +32,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use arc_swap::ArcSwap;
 use dashmap::DashMap;
 use parking_lot::Mutex;
 
@@ -47,6 +48,8 @@ use crate::tasks::{Niced, Policy, Tasks};
 /// One client's counts being summed: per hour (unix s), per limit name.
 type ClientHours = Vec<(u64, Vec<(Arc<str>, UsageCounts)>)>;
 
+type Summing = DashMap<ClientId, ClientHours, foldhash::fast::RandomState>;
+
 /// One count's place: client, limit, hour (unix s).
 type Place = (ClientId, String, u64);
 
@@ -58,7 +61,13 @@ pub struct UsageTally {
     settings: UsageSettings,
     /// This process's id in the store's batch records.
     gateway: String,
-    pending: DashMap<ClientId, ClientHours, foldhash::fast::RandomState>,
+    /// What is being summed. Decisions update it without a lock of its own (each client
+    /// under its shard's lock, which only decisions take); taking it swaps in an empty
+    /// map and goes through the old one once no decision holds it. The niced worker, which
+    /// a busy host may not run for a while, never holds (nor waits for) a lock a decision
+    /// would then wait on: a lock it held would stall the request path (priority
+    /// inversion), as the benchmark's sheds showed.
+    pending: ArcSwap<Summing>,
     /// (client, limit, hour) counts in `pending`.
     summing: AtomicUsize,
     /// What was taken from `pending` and not yet added; only the flush task changes it.
@@ -110,7 +119,7 @@ impl UsageTally {
         UsageTally {
             settings,
             gateway: format!("{:016x}", rand::random::<u64>()),
-            pending: DashMap::default(),
+            pending: ArcSwap::from_pointee(Summing::default()),
             summing: AtomicUsize::new(0),
             held: Mutex::new(Held::default()),
             held_entries: AtomicUsize::new(0),
@@ -175,9 +184,10 @@ impl UsageTally {
             _ => LocalLimits::now_us(),
         };
         let hour_s = now_us / 1_000_000 / HOUR_S * HOUR_S;
-        let mut hours = match self.pending.get_mut(client) {
+        let pending = self.pending.load();
+        let mut hours = match pending.get_mut(client) {
             Some(hours) => hours,
-            None => self.pending.entry(client.clone()).or_default(),
+            None => pending.entry(client.clone()).or_default(),
         };
         let at = match hours.iter().position(|(h, _)| *h == hour_s) {
             Some(at) => at,
@@ -217,9 +227,21 @@ impl UsageTally {
 
     /// Takes what was summed so far into `held.since`.
     fn take_pending(&self, held: &mut Held) {
+        let mut summed = self.pending.swap(Arc::new(Summing::default()));
+        // A decision that loaded the old map before the swap may be counting in it still:
+        // it is done within microseconds.
+        let summed = loop {
+            match Arc::try_unwrap(summed) {
+                Ok(summed) => break summed,
+                Err(shared) => {
+                    summed = shared;
+                    std::thread::sleep(Duration::from_micros(100));
+                }
+            }
+        };
         let mut drained = 0;
-        self.pending.retain(|client, hours| {
-            for (hour_s, limits) in hours.drain(..) {
+        for (client, hours) in summed {
+            for (hour_s, limits) in hours {
                 drained += limits.len();
                 for (limit, counts) in limits {
                     if !counts.is_empty() {
@@ -228,8 +250,7 @@ impl UsageTally {
                     }
                 }
             }
-            false
-        });
+        }
         // Each count was added to `summing` under its client's lock, when it was made.
         self.summing.fetch_sub(drained, Relaxed);
         self.held_entries.store(held.entries(), Relaxed);
