@@ -90,7 +90,11 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     // Each slice goes on in the draw where the last one stopped (a stream sends its
     // requests from the first): every client is drawn, not the first slice's alone.
     let mut next = 0usize;
-    let mut streams_for = |from: f64, per_side: f64| {
+    // `first`: the gateway whose slice comes first (after an idle spell the first slice
+    // meets a cold load generator and host: rounds take turns, so neither side always
+    // pays for it).
+    let mut streams_for = |from: f64, per_side: f64, first: usize| {
+        let order = [&gateways[first], &gateways[1 - first]];
         let mut streams = Vec::new();
         let (mut t, mut left) = (from, per_side);
         while left > 1e-9 {
@@ -98,7 +102,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
             let mut drawn = requests.clone();
             drawn.rotate_left(next % requests.len());
             next += (a.rate * len).ceil() as usize;
-            for g in &gateways {
+            for g in order {
                 streams.push(Stream {
                     addr: g.addr,
                     requests: drawn.clone(),
@@ -126,7 +130,8 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
     );
     for round_i in 0..a.rounds {
         // Warm-up: every client's state in each Redis, then its counts flushed.
-        OpenRun::start(streams_for(0.0, 2.0)).join()?;
+        let first = round_i % 2;
+        OpenRun::start(streams_for(0.0, 2.0, first)).join()?;
         std::thread::sleep(flush);
         let idle0 = [RedisSpent::read(&redis[0])?, RedisSpent::read(&redis[1])?];
         let idle_started = Instant::now();
@@ -134,7 +139,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
         let before = [RedisSpent::read(&redis[0])?, RedisSpent::read(&redis[1])?];
         let idle_s = idle_started.elapsed().as_secs_f64();
         let started = Instant::now();
-        let result = OpenRun::start(streams_for(0.0, a.duration)).join()?;
+        let result = OpenRun::start(streams_for(0.0, a.duration, first)).join()?;
         // The last counts flushed.
         std::thread::sleep(flush);
         let wall_s = started.elapsed().as_secs_f64();
@@ -144,7 +149,7 @@ pub fn run(a: &Args) -> anyhow::Result<Outcome> {
             let samples = result
                 .samples
                 .iter()
-                .skip(i)
+                .skip(usize::from(i != first))
                 .step_by(gateways.len())
                 .flatten();
             let (mut ok, mut other) = (0u64, 0u64);
