@@ -823,7 +823,8 @@ mod tests {
         let supervisor = quick();
         let niced = supervisor.tasks().spawn_niced("niced-work");
         let here = std::thread::current().id();
-        until(|| supervisor.tasks().running() == ["niced-work"]).await;
+        // Running once its thread has put up its queue.
+        until(|| niced.inbox.lock().is_some()).await;
 
         // SAFETY: getpriority only reads its arguments; 0 is the calling thread.
         let seen = niced
