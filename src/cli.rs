@@ -1,4 +1,4 @@
-//! The command line: `tollgate [serve|token|openapi|healthcheck|import|catalog]
+//! The command line: `tollgate [serve|token|openapi|healthcheck|import|catalog|check-config]
 //! [--config FILE]...`.
 
 use std::path::PathBuf;
@@ -78,6 +78,28 @@ pub enum Command {
         /// A PEM file of CA certificates to trust beside the public roots (https).
         #[arg(long, global = true)]
         ca_file: Option<PathBuf>,
+    },
+    /// Check configuration files as `serve` would load them, starting nothing: a line per
+    /// FILE, `FILE: ok` or its problems.
+    ///
+    /// Each FILE is loaded on its own as `tollgate --config FILE serve` loads it: over the
+    /// compiled-in defaults and the global --config files, if any, under the TOLLGATE__*
+    /// variables, and validated the same way, every problem naming its key. Like a --config
+    /// file, it must be named *.toml. Exits 0 when every file is ok, 1 when any is not, 2
+    /// when one cannot be read. No listener is bound, no store opened, nothing asked over
+    /// the network.
+    ///
+    /// Files the configuration names are checked as the load checks them: upstream.ca_file
+    /// (or SSL_CERT_FILE, when it is empty) must hold certificates; admin.jwt_public_key_pem,
+    /// telemetry.otlp_ca_file and the ca_file of each issuer and webhook must be files.
+    /// Not checked, as the gateway reads them only at start: the TLS certificates and keys,
+    /// what those other PEM files hold, catalog.file and catalog.cache_file, that a
+    /// declared client's plan exists, and whatever is over the network (the listen
+    /// addresses, Redis, upstreams, identity providers, webhooks).
+    CheckConfig {
+        /// A configuration file (TOML), checked over the defaults and the --config files.
+        #[arg(required = true, value_name = "FILE")]
+        files: Vec<PathBuf>,
     },
     /// Exit 0 when the gateway on `server.listen` answers 200 to `GET PATH`, else 1
     /// (the container image's HEALTHCHECK: it has no shell or curl).

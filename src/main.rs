@@ -1,3 +1,5 @@
+use std::path::PathBuf;
+
 use clap::Parser;
 use tollgate::cli::{Cli, Command};
 use tollgate::configuration::{Settings, SettingsError};
@@ -35,6 +37,10 @@ async fn main() {
     }) = cli.command
     {
         std::process::exit(catalog(action, &url, token, ca_file.as_deref()).await);
+    }
+    // Before the gateway's own settings load: the global files are part of each check.
+    if let Some(Command::CheckConfig { files }) = &cli.command {
+        std::process::exit(check_config(&cli.config, files));
     }
     tollgate::telemetry::init();
     let settings = match Settings::load(&cli.config) {
@@ -99,7 +105,7 @@ async fn main() {
             chunk,
             actor,
         } => import(&settings, &file, id.as_deref(), chunk.into(), &actor).await,
-        Command::Openapi | Command::Catalog { .. } => {
+        Command::Openapi | Command::Catalog { .. } | Command::CheckConfig { .. } => {
             unreachable!("handled before loading settings")
         }
     }
@@ -141,6 +147,44 @@ async fn import(
             std::process::exit(1);
         }
     }
+}
+
+/// `tollgate check-config`: the exit code, after a line on stdout per file: 0 when every
+/// file is ok, 1 when any is not, 2 when any cannot be read (as diff(1): trouble wins).
+fn check_config(global: &[PathBuf], files: &[PathBuf]) -> i32 {
+    let mut code = 0;
+    for file in files {
+        let layered: Vec<PathBuf> = global.iter().chain([file]).cloned().collect();
+        let (line, status) = match Settings::load(&layered) {
+            Ok(_) => ("ok".to_string(), 0),
+            Err(SettingsError::Unreadable {
+                file: named,
+                reason,
+            }) if named == *file => (format!("cannot be read: {reason}"), 2),
+            Err(e @ SettingsError::Unreadable { .. }) => (e.to_string(), 2),
+            Err(e) => (one_line(&e.to_string()), 1),
+        };
+        println!("{}: {line}", file.display());
+        code = code.max(status);
+    }
+    code
+}
+
+/// `message` on one line, for a report with one line per file: the TOML parser draws the
+/// bad line and a caret under it in a gutter (`1 | a =`, `  |     ^`), over several lines;
+/// what it says around the drawing is kept.
+fn one_line(message: &str) -> String {
+    let drawing = |l: &&str| {
+        l.trim_start_matches(|c: char| c.is_ascii_digit() || c == ' ')
+            .starts_with('|')
+    };
+    message
+        .lines()
+        .filter(|l| !drawing(l))
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(": ")
 }
 
 /// `tollgate catalog`: the exit code. `diff` exits as diff(1) does: 0 when nothing would

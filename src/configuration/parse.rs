@@ -51,7 +51,12 @@ impl std::fmt::Display for Problem {
 /// Why settings could not be loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum SettingsError {
-    /// A source could not be read or deserialized (missing file, unknown key, wrong type).
+    /// A `--config` file could not be read (missing, not a file, not permitted): apart from
+    /// [`SettingsError::Load`] because `check-config` exits 2 for it, as for any file it
+    /// cannot read, and 1 for a file it read that is not a configuration.
+    #[error("--config {}: {reason}", file.display())]
+    Unreadable { file: PathBuf, reason: String },
+    /// A source could not be deserialized (not TOML, unknown key, wrong type).
     #[error("{0}")]
     Load(String),
     /// Values that are not what their keys allow, each named.
@@ -70,8 +75,29 @@ impl Settings {
         files: &[PathBuf],
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Settings, SettingsError> {
+        for file in files {
+            readable(file)?;
+        }
         let raw = RawSettings::load(files, env).map_err(SettingsError::Load)?;
         parse(raw).map_err(SettingsError::Invalid)
+    }
+}
+
+/// `Ok` when `file` opens and is a file. Checked before the sources are layered because,
+/// given a name that is not a file, the `config` crate looks for `<name>.toml` instead.
+fn readable(file: &Path) -> Result<(), SettingsError> {
+    let unreadable = |reason: String| SettingsError::Unreadable {
+        file: file.to_path_buf(),
+        reason,
+    };
+    let opened = std::fs::File::open(file).and_then(|f| f.metadata());
+    match opened {
+        Ok(meta) if meta.is_file() => Ok(()),
+        Ok(_) => Err(unreadable("not a file".into())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Err(unreadable("no such file".into()))
+        }
+        Err(e) => Err(unreadable(e.to_string())),
     }
 }
 
@@ -2227,6 +2253,38 @@ mod tests {
         ] {
             assert_eq!(problems(&route(bad)), ["routes[0].cost_header"], "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_file_that_cannot_be_read_is_told_apart_from_one_that_does_not_parse() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("missing.toml");
+        let no_env = std::iter::empty::<(String, String)>;
+
+        let unreadable = [missing.clone(), dir.path().to_path_buf()].map(|file| {
+            match Settings::load_with_env(std::slice::from_ref(&file), no_env()) {
+                Err(SettingsError::Unreadable {
+                    file: named,
+                    reason,
+                }) => {
+                    assert_eq!(named, file);
+                    reason
+                }
+                other => panic!("{file:?}: {other:?}"),
+            }
+        });
+        assert_eq!(unreadable, ["no such file", "not a file"]);
+
+        // A missing name is not completed to `<name>.toml`.
+        std::fs::write(dir.path().join("missing.toml.toml"), "").unwrap();
+        assert!(matches!(
+            Settings::load_with_env(&[missing], no_env()),
+            Err(SettingsError::Unreadable { .. })
+        ));
+        assert!(matches!(
+            load("not toml\n", &[]),
+            Err(SettingsError::Load(_))
+        ));
     }
 
     #[test]

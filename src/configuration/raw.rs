@@ -325,8 +325,8 @@ fn default_route_timeout() -> u64 {
 
 impl RawSettings {
     /// The compiled-in defaults, then each file in order, then `TOLLGATE__*` variables.
-    /// The error is one line: a missing file, a malformed one, an unknown key or a value of
-    /// the wrong type.
+    /// Each file is one that opens (the caller checked: `readable` in `parse`). The error
+    /// is a malformed file, an unknown key or a value of the wrong type.
     pub(super) fn load(
         files: &[PathBuf],
         env: impl IntoIterator<Item = (String, String)>,
@@ -336,9 +336,6 @@ impl RawSettings {
             config::FileFormat::Toml,
         ));
         for file in files {
-            if !file.exists() {
-                return Err(format!("--config {}: no such file", file.display()));
-            }
             builder = builder.add_source(config::File::from(file.as_path()).required(true));
         }
         let env: config::Map<String, String> = env

@@ -34,6 +34,188 @@ fn an_environment_override_is_validated_too() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("server.listen"));
 }
 
+/// `tollgate --config GLOBAL... check-config FILE...` in `dir`, each file written there
+/// first (`None`: not written): its exit code and its stdout's lines.
+fn check_config(
+    dir: &std::path::Path,
+    global: &[(&str, &str)],
+    files: &[(&str, Option<&str>)],
+) -> (Option<i32>, Vec<String>) {
+    let mut cmd = Command::new(binary());
+    cmd.current_dir(dir);
+    for (name, toml) in global {
+        std::fs::write(dir.join(name), toml).unwrap();
+        cmd.arg("--config").arg(name);
+    }
+    cmd.arg("check-config");
+    for (name, toml) in files {
+        if let Some(toml) = toml {
+            std::fs::write(dir.join(name), toml).unwrap();
+        }
+        cmd.arg(name);
+    }
+    // Within a deadline: a check that started the gateway would not end.
+    let out = output_within(&mut cmd, std::time::Duration::from_secs(20));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    (
+        out.status.code(),
+        stdout.lines().map(str::to_string).collect(),
+    )
+}
+
+#[test]
+fn check_config_says_ok_for_a_good_file_and_exits_0() {
+    let dir = tempfile::tempdir().unwrap();
+
+    let (code, lines) = check_config(
+        dir.path(),
+        &[],
+        &[(
+            "good.toml",
+            Some("[server]\nlisten = \"127.0.0.1:8080\"\n[usage]\nflush_ms = 5000\n"),
+        )],
+    );
+
+    assert_eq!(lines, ["good.toml: ok"]);
+    assert_eq!(code, Some(0));
+}
+
+#[test]
+fn check_config_names_a_bad_value_by_its_key_and_exits_1() {
+    let dir = tempfile::tempdir().unwrap();
+
+    let (code, lines) = check_config(
+        dir.path(),
+        &[],
+        &[("flush.toml", Some("[usage]\nflush_ms = 1\n"))],
+    );
+
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(
+        lines[0].starts_with("flush.toml: usage.flush_ms: "),
+        "{lines:?}"
+    );
+    assert_eq!(code, Some(1));
+}
+
+#[test]
+fn check_config_says_on_one_line_why_a_file_is_not_toml_and_exits_1() {
+    let dir = tempfile::tempdir().unwrap();
+
+    let (code, lines) = check_config(
+        dir.path(),
+        &[],
+        &[("prose.toml", Some("this is not toml\n"))],
+    );
+
+    // The parser's own message spans lines (it draws the bad one): folded into one.
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(
+        lines[0].starts_with("prose.toml: TOML parse error at line 1, column 6: "),
+        "{lines:?}"
+    );
+    assert!(lines[0].contains("expected `=`"), "{lines:?}");
+    assert_eq!(code, Some(1));
+}
+
+#[test]
+fn check_config_reports_every_file_and_exits_1_when_one_is_bad() {
+    let dir = tempfile::tempdir().unwrap();
+
+    let (code, lines) = check_config(
+        dir.path(),
+        &[],
+        &[
+            (
+                "bad.toml",
+                Some("[redis]\ntimeout_ms = 0\n[usage]\nflush_ms = 1\n"),
+            ),
+            ("good.toml", Some("[usage]\nflush_ms = 5000\n")),
+        ],
+    );
+
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert!(lines[0].starts_with("bad.toml: "), "{lines:?}");
+    assert!(lines[0].contains("redis.timeout_ms: "), "{lines:?}");
+    assert!(lines[0].contains("usage.flush_ms: "), "{lines:?}");
+    assert_eq!(lines[1], "good.toml: ok");
+    assert_eq!(code, Some(1));
+}
+
+#[test]
+fn check_config_exits_2_for_a_file_it_cannot_read_and_still_checks_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+
+    let (code, lines) = check_config(
+        dir.path(),
+        &[],
+        &[
+            ("missing.toml", None),
+            ("bad.toml", Some("[usage]\nflush_ms = 1\n")),
+        ],
+    );
+
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert_eq!(lines[0], "missing.toml: cannot be read: no such file");
+    assert!(
+        lines[1].starts_with("bad.toml: usage.flush_ms: "),
+        "{lines:?}"
+    );
+    assert_eq!(code, Some(2));
+}
+
+#[test]
+fn check_config_layers_each_file_over_the_global_config_files_and_the_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    // An admin certificate needs the admin listener, which only the global file sets.
+    let admin_tls = "[tls]\nadmin_cert_file = \"admin.pem\"\nadmin_key_file = \"admin.key\"\n";
+    let admin_listen = "[server]\nadmin_listen = \"127.0.0.1:9090\"\n";
+
+    let (alone, alone_lines) = check_config(dir.path(), &[], &[("tls.toml", Some(admin_tls))]);
+    let (layered, layered_lines) = check_config(
+        dir.path(),
+        &[("base.toml", admin_listen)],
+        &[("tls.toml", Some(admin_tls))],
+    );
+    let by_env = output_within(
+        Command::new(binary())
+            .current_dir(dir.path())
+            .env("TOLLGATE__USAGE__FLUSH_MS", "1")
+            .args(["--config", "base.toml", "check-config", "tls.toml"]),
+        std::time::Duration::from_secs(20),
+    );
+
+    assert_eq!(alone, Some(1));
+    assert!(
+        alone_lines[0].starts_with("tls.toml: tls.admin_cert_file: "),
+        "{alone_lines:?}"
+    );
+    assert_eq!(layered_lines, ["tls.toml: ok"]);
+    assert_eq!(layered, Some(0));
+    let stdout = String::from_utf8_lossy(&by_env.stdout);
+    assert!(stdout.starts_with("tls.toml: usage.flush_ms: "), "{stdout}");
+    assert_eq!(by_env.status.code(), Some(1));
+}
+
+#[test]
+fn check_config_starts_nothing_and_leaves_what_is_read_at_start_unchecked() {
+    let dir = tempfile::tempdir().unwrap();
+    // A listen address in use, a Redis no one serves, certificate files that are not
+    // there: each stops `serve` at start, none is the configuration load's to check.
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let toml = format!(
+        "[server]\nlisten = \"{}\"\n[redis]\nurl = \"redis://127.0.0.1:{}\"\n\
+         [tls]\ncert_file = \"absent.pem\"\nkey_file = \"absent.key\"\n",
+        held.local_addr().unwrap(),
+        free_port().unwrap(),
+    );
+
+    let (code, lines) = check_config(dir.path(), &[], &[("start.toml", Some(&toml))]);
+
+    assert_eq!(lines, ["start.toml: ok"]);
+    assert_eq!(code, Some(0));
+}
+
 /// `tollgate healthcheck` (the image's HEALTHCHECK) under the environment the gateway has.
 fn healthcheck(listen: &str) -> Option<i32> {
     Command::new(binary())
