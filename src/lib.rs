@@ -13,7 +13,7 @@
 //! - [`startup::Application`] wires it together from [`configuration::Settings`];
 //!   [`reload`] swaps the routes when `SIGHUP` asks for the configuration to be read again.
 //!
-//! The modules are floors (README, "Architecture"; checked by `.ci/layers`): [`domain`] <-
+//! The modules are floors (the book, "Architecture"; checked by `.ci/layers`): [`domain`] <-
 //! [`metrics`] / [`tasks`] <- [`configuration`] <- [`store`] <- `catalog` <- `limiter` <- [`proxy`] /
 //! [`admin`] / [`ops`] <- [`startup`] / [`reload`]. Only what the binary, the tests and the load tool use
 //! is public.

@@ -126,8 +126,8 @@ impl Application {
 
     /// From now on, every `SIGHUP` reads the configuration again from the compiled-in
     /// defaults, `files` (the `--config` files it started with) and the environment, and
-    /// applies its routes, or refuses it and keeps serving the routes it has (README,
-    /// "Upstreams"); and loads the listeners' certificates again (README, "TLS"). Call it
+    /// applies its routes, or refuses it and keeps serving the routes it has (the book,
+    /// "Upstreams"); and loads the listeners' certificates again (the book, "TLS"). Call it
     /// on a Tokio runtime.
     pub fn reload_on_sighup(&self, files: Vec<PathBuf>) -> std::io::Result<()> {
         let reloader = Reloader::new(files, self.settings.clone(), self.state.clone());
@@ -619,7 +619,7 @@ fn serve_fallback(catalog: &Catalog, settings: &Settings) {
 /// Starts task `store-persistence-check`, which says once what the store keeps across its
 /// own restart, when it first answers (Redis may be down at start), and warns when a plan
 /// has a quota and the store may forget its count: a Redis restarted empty hands every
-/// client a fresh period (README, Durability).
+/// client a fresh period (the book, "When things fail", "Durability").
 fn warn_unless_persistent(tasks: &Tasks, store: Store, catalog: Arc<Catalog>) {
     tasks.spawn("store-persistence-check", Policy::UntilDone, move |stop| {
         let (store, catalog) = (store.clone(), Arc::clone(&catalog));
@@ -638,7 +638,7 @@ async fn say_persistence(store: &Store, catalog: &Catalog) {
                 if catalog.has_quotas() && !p.keeps_quotas() {
                     tracing::warn!(
                         persistence = %p.describe(),
-                        "a plan has a quota, and the store does not say it keeps every write: a restart of it can forget every quota's count and hand every client a fresh period (Redis: appendonly yes; see README, Durability)"
+                        "a plan has a quota, and the store does not say it keeps every write: a restart of it can forget every quota's count and hand every client a fresh period (Redis: appendonly yes; see the book, When things fail, Durability)"
                     );
                 }
                 tracing::info!(persistence = %p.describe(), "store persistence");

@@ -115,7 +115,7 @@ pub struct QuotaLimit {
     #[schema(example = "UTC", nullable = false)]
     pub time_zone: Option<String>,
     /// Percentages of the quota (1-100, at most 4, distinct) whose crossing is announced
-    /// to the configured webhooks, once per window for the whole fleet (README, "Quota
+    /// to the configured webhooks, once per window for the whole fleet (the book, "Quota
     /// warnings"); absent: none.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     #[schema(schema_with = warn_at_schema)]

@@ -1,4 +1,4 @@
-//! TLS on the listeners (README, "TLS"): each listener's certificates, chosen per handshake
+//! TLS on the listeners (the book, "TLS"): each listener's certificates, chosen per handshake
 //! by the name the client asks for (SNI), and loaded again without a restart.
 //!
 //! A listener's rustls configuration is built once, with a [`Served`] as its certificate

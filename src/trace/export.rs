@@ -6,7 +6,7 @@
 //! The request path records [`SpanRecord`]s rather than spans of the OpenTelemetry SDK:
 //! recording one request's three spans and queueing them takes 4.2k instructions (0.69 µs)
 //! this way and 8.6k (3.0 µs) through the SDK's span API and `BatchSpanProcessor`
-//! (`benches/span_export.rs`, README "Tracing"), and the SDK's processor neither reports its
+//! (`benches/span_export.rs`, the book's "Tracing"), and the SDK's processor neither reports its
 //! drops nor runs below the request path's priority. The SDK's span form
 //! ([`SpanRecord::into_span_data`]) is built here, on the export thread.
 

@@ -2,7 +2,7 @@
 //! when `telemetry.otlp_endpoint` is set, a request span with `decision` and `upstream`
 //! children ([`request`], recorded as [`SpanRecord`]s) queued without waiting and exported
 //! off the request path ([`export`]) through the OpenTelemetry OTLP exporter ([`otlp`]).
-//! See README, "Tracing".
+//! See the book, "Tracing".
 
 mod context;
 mod export;

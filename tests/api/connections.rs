@@ -1,4 +1,4 @@
-//! Connections admitted by client address before a byte of them is read (README,
+//! Connections admitted by client address before a byte of them is read (the book,
 //! "Connections"): `server.max_connections_per_address` open at once and
 //! `server.new_connections_per_address` a second, refused with a reset before any TLS
 //! handshake, other addresses served meanwhile, trusted proxies exempt. Clients connect from

@@ -13,6 +13,7 @@ mod cluster;
 mod configuration;
 mod connections;
 mod costs;
+mod docs;
 mod durability;
 mod edge_http;
 mod failed_keys;

@@ -1,5 +1,5 @@
 //! Operating tollgate: the alerts and the dashboard in `deploy/`, checked against a real
-//! gateway by Prometheus's own tools (README, "Operating tollgate"). A gateway with
+//! gateway by Prometheus's own tools (the book, "Operating tollgate"). A gateway with
 //! Redis serves traffic of every kind the dashboard shows (admitted, refused, shadow,
 //! unknown keys, a fail-open while Redis is stalled); `promtool check metrics` lints its
 //! `/metrics`, and a real `prometheus` scrapes it every second, evaluates the alert rules

@@ -262,7 +262,7 @@ async fn three_regions_share_one_limit_and_shares_follow_demand() {
     let elapsed = started.elapsed().as_secs_f64();
     let view = bucket(&gateways[0], "hot").await;
 
-    // The one systematic error, from the README's "Bounded error": the shards start full
+    // The one systematic error, from the the book's "Bounded error": the shards start full
     // at equal shares (capacity/3 each), and the first reconciliations that see demand
     // move the shares and clip what a shrinking shard holds above its new capacity: at
     // most capacity x 0.9 (the share that can move at once, from the floor rule). How much

@@ -1,5 +1,5 @@
 //! Active health checks take a replica out and bring it back; `SIGHUP` swaps the routes
-//! without a restart, and a bad file changes nothing (README, "Upstreams").
+//! without a restart, and a bad file changes nothing (the book, "Upstreams").
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;

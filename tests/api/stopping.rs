@@ -1,4 +1,4 @@
-//! Stopping: a gateway stops promptly, and its background work with it (README, "Operating
+//! Stopping: a gateway stops promptly, and its background work with it (the book, "Operating
 //! tollgate": SIGTERM). Every long-lived task runs under the gateway's supervisor, which
 //! cancels and joins them once the servers have stopped.
 

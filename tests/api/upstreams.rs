@@ -1,5 +1,5 @@
 //! Replicas that die or hang: set aside (ejected) and retried around, within the route's
-//! retry budget, each request still one decision (README, "Upstreams").
+//! retry budget, each request still one decision (the book, "Upstreams").
 
 use std::io::{Read, Write};
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -1,4 +1,4 @@
-//! `https://` replicas (README, "Upstreams"): verified against `upstream.ca_file`, SNI from
+//! `https://` replicas (the book, "Upstreams"): verified against `upstream.ca_file`, SNI from
 //! the replica's host, a certificate that fails answered `502` with no detail of why, the
 //! wire's fixes (interim responses, `304`) above TLS, pooled TLS connections reused, health
 //! checks over TLS, and https routes through a reload.

@@ -1,4 +1,4 @@
-//! WebSocket pass-through (README, "WebSocket"): an upgrade is decided as any request is,
+//! WebSocket pass-through (the book, "WebSocket"): an upgrade is decided as any request is,
 //! once, at its handshake; then its connection is relayed both ways until one side ends it,
 //! it idles, or the gateway stops. A real WebSocket service (tokio-tungstenite) behind a
 //! real gateway, and a real client.

@@ -1,6 +1,6 @@
 //! WebSocket pass-through: an upgrade request is decided as any request is (its cost taken
 //! once, at the handshake), then its connection is relayed both ways, byte for byte, until
-//! either side ends it, it idles, or the gateway stops (README, "WebSocket").
+//! either side ends it, it idles, or the gateway stops (the book, "WebSocket").
 //!
 //! [`Upgrade`] tells an upgrade from other requests and checks it before its decision (no
 //! body; the client's `max_connections`); [`respond`] opens a connection of the gateway's

@@ -21,7 +21,7 @@ pub struct Relays {
 struct Shared {
     /// Open relays by client (its id, or an address group's tag on a public route), only
     /// of clients whose plan has a `max_connections`. Per process: each gateway counts its
-    /// own (README, "WebSocket").
+    /// own (the book, "WebSocket").
     by_client: Mutex<HashMap<Box<str>, u32>>,
     /// Cancelled when the gateway stops: every relay closes.
     closing: CancellationToken,
