@@ -243,7 +243,7 @@ fn write_hot(out: &mut Exposition, state: &AppState) {
     out.family(
         "tollgate_busiest_client_share",
         Kind::Gauge,
-        "The busiest client's fraction of this gateway's requests over the last 10 s (see /admin/v1/hot for who it is).",
+        "The busiest client's fraction of this gateway's requests over the last periods.hot_window_ms (see /admin/v1/hot for who it is).",
     )
     .sample(&[], busiest.map_or(0.0, |c| c.share));
     out.family(
