@@ -88,7 +88,7 @@ pub struct UsageTally {
 struct Held {
     /// Batches to add, oldest first, each until the store has it; every one of them is in
     /// the checkpoint last written.
-    folding: VecDeque<UsageBatch>,
+    folding: VecDeque<Arc<UsageBatch>>,
     /// The counts since the last fold, as the checkpoint last written holds them (a
     /// batch, numbered when written).
     open: Option<UsageBatch>,
@@ -267,9 +267,9 @@ impl UsageTally {
                 write: Write::Same,
             };
         }
-        let open = if held.since.is_empty() {
-            held.open.clone()
-        } else {
+        // The open batch merged with what was taken since, numbered anew; when nothing
+        // was taken, the open batch as it is.
+        let merged = (!held.since.is_empty()).then(|| {
             let mut merged: HashMap<Place, UsageCounts> = HashMap::new();
             for e in held.open.iter().flat_map(|b| &b.entries) {
                 let place = (e.client.clone(), e.limit.clone(), e.hour_s);
@@ -278,25 +278,17 @@ impl UsageTally {
             for (place, counts) in &held.since {
                 merged.entry(place.clone()).or_default().add(counts);
             }
-            let entries = merged
-                .into_iter()
-                .map(|((client, limit, hour_s), counts)| UsageEntry {
-                    client,
-                    limit,
-                    hour_s,
-                    counts,
-                })
-                .collect();
-            Some(self.batch(entries))
-        };
-        let batches: Vec<&UsageBatch> = held.folding.iter().chain(open.as_ref()).collect();
+            self.batch(entries(merged))
+        });
+        let open = merged.as_ref().or(held.open.as_ref());
+        let batches: Vec<&UsageBatch> = held.folding.iter().map(|b| &**b).chain(open).collect();
         let write = if batches.is_empty() {
             Write::Empty
         } else {
             Write::Holds(encode_checkpoint(&batches))
         };
         Prepared {
-            open: open.map(Some),
+            open: merged,
             write,
         }
     }
@@ -321,7 +313,7 @@ impl UsageTally {
         match answer {
             Ok(Ok(Checkpointed::Written)) => {
                 if let Some(open) = prepared.open {
-                    held.open = open;
+                    held.open = Some(open);
                     held.since.clear();
                 }
                 held.changed = false;
@@ -332,7 +324,7 @@ impl UsageTally {
                     "this gateway was silent long enough for another to add the usage history it held: both add it, once"
                 );
                 if let Some(open) = held.open.take() {
-                    held.folding.push_back(open);
+                    held.folding.push_back(Arc::new(open));
                 }
                 held.changed = true;
                 self.noted.store(false, Relaxed);
@@ -345,33 +337,26 @@ impl UsageTally {
         self.held_entries.store(held.entries(), Relaxed);
     }
 
-    /// Adds what is held, oldest first, each batch within `within`, until one fails (it
-    /// is kept, and added first next time). Whether all was added.
-    async fn fold(&self, store: &Store, within: Duration) -> bool {
-        {
-            // The open batch as the checkpoint holds it, then what was taken since, as a
-            // batch of its own: never merged into one an adopter may have added.
-            let mut held = self.held.lock();
-            if let Some(open) = held.open.take() {
-                held.folding.push_back(open);
-            }
-            self.take_pending(&mut held);
-            let since: Vec<UsageEntry> = held
-                .since
-                .drain()
-                .map(|((client, limit, hour_s), counts)| UsageEntry {
-                    client,
-                    limit,
-                    hour_s,
-                    counts,
-                })
-                .collect();
-            if !since.is_empty() {
-                let batch = self.batch(since);
-                held.folding.push_back(batch);
-            }
+    /// Makes what is held ready to add (CPU work, for the niced worker): the open batch as
+    /// the checkpoint holds it, then what was taken since as a batch of its own, never
+    /// merged into one an adopter may have added.
+    fn freeze(&self) {
+        let mut held = self.held.lock();
+        self.take_pending(&mut held);
+        let open = held.open.take();
+        let since = held.since.drain().collect::<Vec<_>>();
+        let since = (!since.is_empty()).then(|| self.batch(entries(since)));
+        for batch in open.into_iter().chain(since) {
+            held.folding.push_back(Arc::new(batch));
             held.changed = true;
         }
+    }
+
+    /// Adds what is held, oldest first, each batch within `within`, until one fails (it
+    /// is kept, and added first next time). Whether all was added.
+    async fn fold(self: &Arc<Self>, store: &Store, within: Duration, niced: &Niced) -> bool {
+        let tally = Arc::clone(self);
+        niced.run(move || tally.freeze()).await;
         loop {
             let Some(batch) = self.held.lock().folding.front().cloned() else {
                 return true;
@@ -431,8 +416,9 @@ impl UsageTally {
                     self.metrics.usage.adopted(false);
                 }
             }
-            if let Err(e) = store.usage.release(&gateway).await {
-                tracing::warn!(gateway = %gateway, error = %e, "an adopted usage history not released: added again later (once)");
+            let released = tokio::time::timeout(within, store.usage.release(&gateway)).await;
+            if !matches!(released, Ok(Ok(()))) {
+                tracing::warn!(gateway = %gateway, error = %failure(released, within), "an adopted usage history not released: added again later (once)");
             }
         }
     }
@@ -453,14 +439,15 @@ impl UsageTally {
         }
         let now_ms = unix_ms();
         let due = stopping || now_ms >= self.next_fold_ms.load(Relaxed);
-        if due && self.fold(store, within).await {
+        if due && self.fold(store, within, niced).await {
             self.next_fold_ms.store(self.fold_after(now_ms), Relaxed);
         }
         if stopping {
             let empty = self.held.lock().entries() == 0;
             if empty {
-                if let Err(e) = store.usage.retire(&self.gateway).await {
-                    tracing::debug!(error = %e, "usage history's checkpoint not removed: another gateway finds it empty");
+                let retired = tokio::time::timeout(within, store.usage.retire(&self.gateway)).await;
+                if !matches!(retired, Ok(Ok(()))) {
+                    tracing::debug!(error = %failure(retired, within), "usage history's checkpoint not removed: another gateway finds it empty");
                 }
             } else {
                 // What could not be added is left for another gateway to add.
@@ -516,10 +503,24 @@ impl UsageTally {
     }
 }
 
-/// The next checkpoint: the open batch it holds (`None`: unchanged), and what to write.
+/// The next checkpoint: the open batch it holds (`None`: the one held, unchanged), and
+/// what to write.
 struct Prepared {
-    open: Option<Option<UsageBatch>>,
+    open: Option<UsageBatch>,
     write: Write,
+}
+
+/// A batch's entries, from counts by place.
+fn entries(counts: impl IntoIterator<Item = (Place, UsageCounts)>) -> Vec<UsageEntry> {
+    counts
+        .into_iter()
+        .map(|((client, limit, hour_s), counts)| UsageEntry {
+            client,
+            limit,
+            hour_s,
+            counts,
+        })
+        .collect()
 }
 
 enum Write {

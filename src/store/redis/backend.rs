@@ -103,6 +103,14 @@ impl RedisStore {
         ))
     }
 
+    /// A store on the test's `redis` (a pool of 2, the prefix `tollgate:`).
+    #[cfg(test)]
+    pub(super) fn for_test(redis: &tollgate_testkit::RedisServer) -> RedisStore {
+        let url = SecretString::from(redis.url());
+        RedisStore::connect(&url, 2, Duration::from_secs(5), Keys::new("tollgate:"))
+            .expect("a store on the test's Redis")
+    }
+
     /// Redis Cluster from seed nodes. Connects in the background, so the gateway starts
     /// (failing open) while the cluster is unreachable.
     pub fn connect_cluster(

@@ -944,13 +944,7 @@ mod tests {
     }
 
     fn store(redis: &RedisServer) -> RedisStore {
-        RedisStore::connect(
-            &SecretString::from(redis.url()),
-            2,
-            Duration::from_secs(5),
-            Keys::new("tollgate:"),
-        )
-        .unwrap()
+        RedisStore::for_test(redis)
     }
 
     /// An empty store, as a gateway sees it after Redis restarted empty.

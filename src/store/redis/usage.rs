@@ -293,25 +293,18 @@ mod tests {
     use std::time::Duration;
 
     use redis::AsyncCommands;
-    use secrecy::SecretString;
     use tollgate_testkit::RedisServer;
 
     use super::parse_field;
     use crate::domain::ClientId;
     use crate::store::redis::RedisStore;
     use crate::store::{
-        decode_checkpoint, encode_checkpoint, Checkpoint, Checkpointed, Keys, UsageBatch,
-        UsageCounts, UsageEntry, UsageHistory, DAY_S, HOUR_S,
+        decode_checkpoint, encode_checkpoint, Checkpoint, Checkpointed, UsageBatch, UsageCounts,
+        UsageEntry, UsageHistory, DAY_S, HOUR_S,
     };
 
     fn store(redis: &RedisServer) -> RedisStore {
-        RedisStore::connect(
-            &SecretString::from(redis.url()),
-            2,
-            Duration::from_secs(5),
-            Keys::new("tollgate:"),
-        )
-        .unwrap()
+        RedisStore::for_test(redis)
     }
 
     fn batch(gateway: &str, seq: u64, admitted: u64) -> UsageBatch {
