@@ -98,7 +98,8 @@ pub enum Checkpointed {
 /// Version byte 1, then the batch count; per batch: the gateway, its number, retention
 /// and entries; per entry: client, limit, hour (hours since the epoch), a byte saying
 /// which counts follow, and those counts (integers as LEB128, a cost as LEB128 when
-/// whole, else as the `f64`'s 8 bytes). About 25 bytes per entry.
+/// whole, else as the `f64`'s 8 bytes). An entry takes its client id and
+/// limit name plus about 10 bytes.
 const CHECKPOINT_V1: u8 = 1;
 
 const HAS_ADMITTED: u8 = 1;
